@@ -1,0 +1,94 @@
+"""Calibration file: measured cost-model parameters, written by a calibration run.
+
+Schema (JSON; every key but "kind" optional; seconds, bytes, bytes/s)::
+
+    {
+      "kind": "calibration",
+      "device": "CPU",                     # informative: what was measured
+      "dtype": "fp32",                     # dtype compute ops run in (else the model's default)
+      "peak_flops": 1.2e11,                # FLOP/s of that dtype the efficiencies refer to
+      "efficiency_table": [[m, n, k, eff], ...]  or  [[flops, eff], ...],
+      "launch_s": 1e-5,                    # fixed per-op overhead
+      "collectives": {                     # t = alpha_s + S / bw_Bps, S as in costmodel.collectives
+        "ALLREDUCE": {"2": {"alpha_s": 5e-5, "bw_Bps": 1.5e9}, "4": {...}},
+        "ALL_TO_ALL": {...}
+      },
+      "p2p": {"alpha_s": 3e-5, "bw_Bps": 2e9},       # or {"intra": {...}, "inter": {...}}
+      "overlap_slowdown": 1.15,            # compute slowdown while a comm kernel runs
+      "meta": {...}                        # free-form: host, date, tool version
+    }
+
+A collective fit is used for its group size; another size takes the nearest fitted one,
+keeping its busbw and scaling alpha by the ring step count (2(n−1) or n−1).
+`fit_alpha_beta` turns (bytes, seconds) samples into one such entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from costmodel.collectives import KINDS
+
+CALIBRATION_KEYS = {"kind", "device", "dtype", "peak_flops", "efficiency_table", "launch_s",
+                    "collectives", "p2p", "overlap_slowdown", "meta"}
+
+
+def load_calibration(path: str) -> dict:
+    """Read and check a calibration file; returns its dict."""
+    if not os.path.isfile(path):
+        raise ValueError(f"calibration file {path!r} not found")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"calibration file {path!r} is not valid JSON: {e}") from None
+    check_calibration(data, path)
+    return data
+
+
+def check_calibration(data: dict, where: str = "calibration") -> None:
+    if not isinstance(data, dict) or data.get("kind") != "calibration":
+        raise ValueError(f"{where}: expected a JSON object with \"kind\": \"calibration\"")
+    unknown = set(data) - CALIBRATION_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(CALIBRATION_KEYS)}")
+    for kind, fits in data.get("collectives", {}).items():
+        if kind not in KINDS:
+            raise ValueError(f"{where}: unknown collective {kind!r}; expected one of {', '.join(KINDS)}")
+        for size, fit in fits.items():
+            if not str(size).isdigit() or int(size) < 2:
+                raise ValueError(f"{where}: {kind} group size {size!r} must be an integer >= 2")
+            _check_fit(fit, f"{where}: {kind}[{size}]")
+    p2p = data.get("p2p")
+    if p2p is not None:
+        for name, fit in (p2p.items() if "alpha_s" not in p2p else [("p2p", p2p)]):
+            if name not in ("p2p", "intra", "inter"):
+                raise ValueError(f"{where}: p2p keys are alpha_s/bw_Bps or intra/inter, got {name!r}")
+            _check_fit(fit, f"{where}: p2p {name}")
+
+
+def _check_fit(fit, where: str) -> None:
+    if not isinstance(fit, dict) or fit.get("bw_Bps", 0) <= 0 or fit.get("alpha_s", -1) < 0:
+        raise ValueError(f"{where} needs alpha_s >= 0 and bw_Bps > 0, got {fit!r}")
+
+
+def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> dict[str, float]:
+    """Least-squares t = alpha + S / bw over samples; alpha clamped at 0."""
+    n = len(nbytes)
+    if n < 2 or len(seconds) != n:
+        raise ValueError("fit_alpha_beta needs at least two (bytes, seconds) samples")
+    mx, my = sum(nbytes) / n, sum(seconds) / n
+    sxx = sum((x - mx) ** 2 for x in nbytes)
+    if sxx == 0:
+        raise ValueError("fit_alpha_beta needs at least two distinct sizes")
+    slope = sum((x - mx) * (y - my) for x, y in zip(nbytes, seconds)) / sxx
+    if slope <= 0:
+        raise ValueError("fit_alpha_beta: time does not grow with size; cannot fit a bandwidth")
+    return {"alpha_s": max(0.0, my - slope * mx), "bw_Bps": 1.0 / slope}
+
+
+def save_calibration(data: dict, path: str) -> None:
+    check_calibration(data, path)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)

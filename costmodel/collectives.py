@@ -1,0 +1,177 @@
+"""Alpha-beta models of NCCL collectives and p2p (Thakur et al. 2005; nccl-tests conventions).
+
+What `S` (nbytes) means, as in nccl-tests where algbw = S / t:
+  ALLREDUCE       the buffer, identical in and out on every rank
+  REDUCE_SCATTER  the full input buffer on each rank (each rank keeps S / n)
+  ALL_GATHER      the full output buffer on each rank (each rank contributes S / n)
+  ALL_TO_ALL      each rank's send buffer (S / n to every peer, itself included)
+
+Per-rank times for n ranks on a link of bandwidth B and per-step latency α:
+  ring ALLREDUCE        2(n−1)/n · S/B + 2(n−1)α
+  ring RS / AG / A2A    (n−1)/n · S/B + (n−1)α
+  tree ALLREDUCE        2·S/B + 2·((g−1)·α_intra + ceil(log2 m)·α_inter)
+                        (NCCL's tree: a chain inside each node, a binary tree across the
+                        m nodes [NCCL tuning.cc]; inside one node it never beats the ring)
+  hierarchical          (groups spanning nodes; g ranks per node, m nodes)
+      ALLREDUCE   intra RS(S, g) + inter AR(S/g, m) + intra AG(S, g)
+      RS / AG     intra RS(S, g) + inter RS(S/g, m)   (AG in reverse order, same time)
+      A2A         the intra share (g−1)/n·S on NVLink and the inter share (n−g)/n·S on
+                  the NIC, concurrently: max of the two
+busbw = algbw · factor: 2(n−1)/n for ALLREDUCE, (n−1)/n for the others [NT]; in the ring
+model busbw equals B, so measured busbw is what `GPU.nvlink_bw` holds.
+
+Links: a group inside one node uses NVLink (`nvlink_bw`, `intra_alpha_s`); a group spanning
+nodes uses the per-GPU NIC (`nic_bw`, `inter_alpha_s`), or both in the hierarchical case.
+Link ids are per rank and direction ("nvlink:rank3:tx", "nic:rank17:rx"): NVSwitch is
+non-blocking, so only transfers touching the same GPU port in the same direction compete.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from costmodel.hardware import Cluster
+
+KINDS = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
+P2P_KINDS = ("SEND", "RECV", "P2P")
+ALGORITHMS = {
+    "ALLREDUCE": ("ring", "tree", "hierarchical"),
+    "REDUCE_SCATTER": ("ring", "hierarchical"),
+    "ALL_GATHER": ("ring", "hierarchical"),
+    "ALL_TO_ALL": ("ring", "hierarchical"),
+}
+
+
+@dataclass(frozen=True)
+class Link:
+    bw: float  # bytes/s
+    alpha: float  # seconds per step
+
+
+def intra_link(cluster: Cluster) -> Link:
+    return Link(cluster.gpu.nvlink_bw, cluster.gpu.intra_alpha_s)
+
+
+def inter_link(cluster: Cluster) -> Link:
+    return Link(cluster.gpu.nic_bw, cluster.gpu.inter_alpha_s)
+
+
+def busbw_factor(kind: str, n: int) -> float:
+    """busbw = algbw · factor [NT]."""
+    _check_kind(kind)
+    f = (n - 1) / n
+    return 2 * f if kind == "ALLREDUCE" else f
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Latency steps of the ring algorithm: 2(n−1) for ALLREDUCE, n−1 otherwise."""
+    return 2 * (n - 1) if kind == "ALLREDUCE" else n - 1
+
+
+def ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    return busbw_factor(kind, n) * nbytes / link.bw + ring_steps(kind, n) * link.alpha
+
+
+def tree_time(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
+    """Tree all-reduce (reduce up, broadcast down, pipelined): chain in a node, tree across nodes."""
+    if len(ranks) <= 1:
+        return 0.0
+    per_node = Counter(cluster.node_of(r) for r in ranks)
+    g, m = max(per_node.values()), len(per_node)
+    intra, inter = intra_link(cluster), inter_link(cluster)
+    bw = inter.bw if m > 1 else intra.bw
+    return 2 * nbytes / bw + 2 * ((g - 1) * intra.alpha + math.ceil(math.log2(m)) * inter.alpha)
+
+
+def hierarchical_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster) -> float:
+    per_node = Counter(cluster.node_of(r) for r in ranks)
+    g, m, n = max(per_node.values()), len(per_node), len(ranks)
+    intra, inter = intra_link(cluster), inter_link(cluster)
+    if kind == "ALLREDUCE":
+        return 2 * ring_time("REDUCE_SCATTER", nbytes, g, intra) + ring_time("ALLREDUCE", nbytes / g, m, inter)
+    if kind in ("REDUCE_SCATTER", "ALL_GATHER"):
+        return ring_time(kind, nbytes, g, intra) + ring_time(kind, nbytes / g, m, inter)
+    t_intra = (g - 1) / n * nbytes / intra.bw + (g - 1) * intra.alpha
+    t_inter = (n - g) / n * nbytes / inter.bw + (n - g) * inter.alpha
+    return max(t_intra, t_inter)
+
+
+def algorithm_times(kind: str, nbytes: float, ranks: list[int], cluster: Cluster) -> dict[str, float]:
+    """Time of every algorithm that applies to this group."""
+    _check_kind(kind)
+    ranks = _group(ranks, cluster)
+    n = len(ranks)
+    link = intra_link(cluster) if cluster.same_node(ranks) else inter_link(cluster)
+    times = {"ring": ring_time(kind, nbytes, n, link)}
+    if kind == "ALLREDUCE":
+        times["tree"] = tree_time(nbytes, ranks, cluster)
+    times["hierarchical"] = hierarchical_time(kind, nbytes, ranks, cluster) if n > 1 else 0.0
+    return times
+
+
+def collective_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster, algorithm: str = "auto") -> float:
+    """Seconds for one collective over `ranks`; "auto" takes the cheapest algorithm."""
+    times = algorithm_times(kind, nbytes, ranks, cluster)
+    if algorithm == "auto":
+        return min(times.values())
+    if algorithm not in times:
+        raise ValueError(f"no {algorithm!r} algorithm for {kind}; choose from auto, {', '.join(ALGORITHMS[kind])}")
+    return times[algorithm]
+
+
+def p2p_time(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
+    """α + S/B on NVLink inside a node, on the NIC across nodes; 0 to oneself."""
+    if src == dst:
+        cluster.node_of(src)
+        return 0.0
+    link = intra_link(cluster) if cluster.same_node((src, dst)) else inter_link(cluster)
+    return link.alpha + nbytes / link.bw
+
+
+def links_used(kind: str, ranks, cluster: Cluster) -> list[str]:
+    """Stable link ids a transfer occupies; for SEND/RECV/P2P `ranks` is (src, dst).
+
+    A collective occupies both directions of NVLink on every member when some node holds
+    two or more members, and both directions of the NIC when it spans nodes.
+    """
+    if kind in P2P_KINDS:
+        src, dst = ranks
+        if src == dst:
+            return []
+        port = "nvlink" if cluster.same_node((src, dst)) else "nic"
+        return [f"{port}:rank{src}:tx", f"{port}:rank{dst}:rx"]
+    _check_kind(kind)
+    ranks = _group(ranks, cluster)
+    if len(ranks) <= 1:
+        return []
+    per_node = Counter(cluster.node_of(r) for r in ranks)
+    ports = (["nvlink"] if max(per_node.values()) > 1 else []) + (["nic"] if len(per_node) > 1 else [])
+    return [f"{p}:rank{r}:{d}" for p in ports for r in ranks for d in ("tx", "rx")]
+
+
+def link_bandwidth(link_id: str, cluster: Cluster) -> float:
+    """Bandwidth in bytes/s of a link id from `links_used`."""
+    port = link_id.split(":", 1)[0]
+    if port == "nvlink":
+        return cluster.gpu.nvlink_bw
+    if port == "nic":
+        return cluster.gpu.nic_bw
+    raise ValueError(f"unknown link id {link_id!r}; expected nvlink:rankR:tx|rx or nic:rankR:tx|rx")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def _group(ranks, cluster: Cluster) -> list[int]:
+    ranks = sorted(set(ranks))
+    if not ranks:
+        raise ValueError("collective over an empty group")
+    for r in ranks:
+        cluster.node_of(r)  # range check
+    return ranks

@@ -1,0 +1,107 @@
+"""Roofline compute time with a size-dependent matmul efficiency.
+
+    t = max(flops / (peak · eff), mem_bytes / hbm_bw) + launch
+
+`eff` is interpolated linearly in log(size) from an efficiency table, where size is the
+GEMM's FLOPs 2·m·n·k when the shape is known and the op's FLOPs otherwise (a big fused
+segment lands on the table's plateau). It is capped at the GPU's MAMF.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from costmodel.hardware import GPU, H100
+
+# Measured BF16 GEMM throughput on sm_90 (H100 assumed), XLA's GPU cost model [XLA],
+# as (m, n, k, TFLOP/s); efficiency = TFLOP/s / 989 (inferred).
+HOPPER_BF16_GEMMS = (
+    (256, 256, 256, 6.5),
+    (1024, 1024, 1024, 236.0),
+    (4096, 4096, 256, 392.0),
+    (2048, 2048, 2048, 632.0),
+    (1024, 4096, 4096, 738.0),
+    (4096, 4096, 4096, 783.0),
+)
+
+
+def gemm_flops(m: int, n: int, k: int) -> float:
+    return 2.0 * m * n * k
+
+
+@dataclass(frozen=True)
+class EfficiencyTable:
+    """Points (flops, eff) sorted by flops; lookups interpolate in log(flops), clamped at the ends."""
+
+    points: tuple[tuple[float, float], ...]
+
+    @classmethod
+    def from_rows(cls, rows) -> "EfficiencyTable":
+        """Rows are [m, n, k, eff] or [flops, eff] (the calibration JSON forms)."""
+        pts = []
+        for row in rows:
+            if len(row) == 4:
+                pts.append((gemm_flops(*row[:3]), float(row[3])))
+            elif len(row) == 2:
+                pts.append((float(row[0]), float(row[1])))
+            else:
+                raise ValueError(f"efficiency table row {row!r} must be [m, n, k, eff] or [flops, eff]")
+        if not pts or any(f <= 0 or not 0 < e <= 1 for f, e in pts):
+            raise ValueError("efficiency table needs rows with flops > 0 and 0 < eff <= 1")
+        return cls(tuple(sorted(pts)))
+
+    def __call__(self, flops: float) -> float:
+        xs = [f for f, _ in self.points]
+        i = bisect.bisect_left(xs, flops)
+        if i == 0:
+            return self.points[0][1]
+        if i == len(xs):
+            return self.points[-1][1]
+        (f0, e0), (f1, e1) = self.points[i - 1], self.points[i]
+        w = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+        return e0 + w * (e1 - e0)
+
+    def scaled(self, factor: float) -> "EfficiencyTable":
+        return EfficiencyTable(tuple((f, e * factor) for f, e in self.points))
+
+
+HOPPER_BF16 = EfficiencyTable.from_rows([(m, n, k, tf * 1e12 / H100.peak("bf16")) for m, n, k, tf in HOPPER_BF16_GEMMS])
+
+
+def default_table(gpu: GPU) -> EfficiencyTable:
+    """The Hopper table scaled by the GPU's MAMF relative to H100's."""
+    return HOPPER_BF16.scaled(gpu.mamf_eff / H100.mamf_eff)
+
+
+def efficiency(gpu: GPU, flops: float, gemm: tuple[int, int, int] | None = None,
+               table: EfficiencyTable | None = None) -> float:
+    size = gemm_flops(*gemm) if gemm is not None else flops
+    if size <= 0:
+        return gpu.mamf_eff
+    eff = (table or default_table(gpu))(size)
+    return min(eff, gpu.mamf_eff)
+
+
+def compute_time(gpu: GPU, flops: float, mem_bytes: float = 0.0, gemm: tuple[int, int, int] | None = None,
+                 dtype: str = "bf16", table: EfficiencyTable | None = None) -> float:
+    """Seconds for one op; 0 for an op with no work."""
+    if flops <= 0 and mem_bytes <= 0:
+        return 0.0
+    t_flops = flops / (gpu.peak(dtype) * efficiency(gpu, flops, gemm, table)) if flops > 0 else 0.0
+    return max(t_flops, mem_bytes / gpu.hbm_bw) + gpu.launch_s
+
+
+# Mixed-precision Adam per parameter: read bf16 grad (2), read+write fp32 master, m, v
+# (3·8), write bf16 param (2) = 28 bytes; ≈12 fp32 FLOPs (assumed). Memory-bound.
+ADAM_BYTES_PER_PARAM = 28.0
+ADAM_FLOPS_PER_PARAM = 12.0
+
+
+def optimizer_time(gpu: GPU, params: float) -> float:
+    """Adam step on `params` local (already sharded) parameters, elementwise on fp32."""
+    if params <= 0:
+        return 0.0
+    t_flops = ADAM_FLOPS_PER_PARAM * params / gpu.peak("fp32")
+    return max(t_flops, ADAM_BYTES_PER_PARAM * params / gpu.hbm_bw) + gpu.launch_s

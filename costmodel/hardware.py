@@ -1,0 +1,249 @@
+"""Hardware catalog: one `GPU` per accelerator, a `Cluster` of identical nodes.
+
+All numbers are per GPU, in SI units (FLOP/s, bytes, bytes/s, seconds). Bandwidths are
+unidirectional and, where a measurement is sourced, the *achieved* value (nccl-tests
+busbw for the intra-node link), so that ring formulas reproduce measured large-message
+times. Source keys refer to the legend of shared/reference/hardware-costs-traces.md;
+"(inferred)" = computed from cited numbers, "(assumed)" = not sourced, calibrate it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+# Latencies shared by the GPU presets (per ring step).
+# 8×H200 all-reduce floor ≈ 18 µs over 2·7 ring steps [MLE-B] (inferred).
+NVLINK_ALPHA_S = 1.3e-6
+# 32×B200 (4 nodes) all-reduce floor ≈ 99 µs [MLE-B]; minus the 18 µs intra part, over the
+# 2·3 inter-node steps of a hierarchical all-reduce (inferred); NCCL NET ring hwLat 14 µs [NCCL].
+NIC_ALPHA_S = 13.5e-6
+# Kernel launch overhead added to every compute op (assumed; small-GEMM overhead is
+# already inside the efficiency table).
+GPU_LAUNCH_S = 2e-6
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator. `peak_flops` maps dtype ("bf16", "fp8", "fp32") to dense FLOP/s."""
+
+    name: str
+    peak_flops: dict[str, float]
+    hbm_bytes: float
+    hbm_bw: float
+    nvlink_bw: float  # intra-node, per GPU, unidirectional, achievable
+    nic_bw: float  # scale-out, per GPU, unidirectional
+    mamf_eff: float  # max achievable matmul efficiency (bf16), caps the efficiency table
+    launch_s: float = GPU_LAUNCH_S
+    intra_alpha_s: float = NVLINK_ALPHA_S
+    inter_alpha_s: float = NIC_ALPHA_S
+    overlap_slowdown: float = 1.1  # compute slowdown while a comm kernel shares the device
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"{self.name} has no {dtype!r} peak; known: {', '.join(self.peak_flops)}")
+        return self.peak_flops[dtype]
+
+
+A100 = GPU(
+    name="A100-80G",
+    # bf16 [MLE-A][TT-U]; fp32 (non-tensor) 19.5 TFLOP/s from NVIDIA's datasheet (not in the note).
+    peak_flops={"bf16": 312e12, "fp32": 19.5e12},
+    hbm_bytes=80e9, hbm_bw=2.039e12,  # [MLE-A] §1
+    nvlink_bw=235e9,  # measured nccl-tests all-reduce busbw, ≈80% of 300 GB/s [MLE-N]
+    nic_bw=25e9,  # 200 Gb/s HDR IB per GPU [MEG21]
+    mamf_eff=0.869,  # 271.2 / 312 [MLE-A]
+)
+
+H100 = GPU(
+    name="H100",
+    # [MLE-A][TT-U]; fp32 67 TFLOP/s from NVIDIA's datasheet (not in the note).
+    peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
+    hbm_bytes=80e9, hbm_bw=3.35e12,  # [MLE-A] §1
+    # 8×H200 NVLink4 all-reduce busbw with NVLS off: 367.6 GB/s [MLE-B]; same NVLink4 (inferred).
+    nvlink_bw=367.6e9,
+    nic_bw=50e9,  # 400 Gb/s CX7 per GPU [L3 §3.3.1][TT-B]
+    mamf_eff=0.803,  # 794.5 / 989 [MLE-A]
+)
+
+H200 = dataclasses.replace(
+    H100,
+    name="H200",
+    hbm_bytes=141e9, hbm_bw=4.8e12,  # [MLE-A] §1
+    nvlink_bw=367.6e9,  # measured, NVLS off [MLE-B]
+    nic_bw=50e9,  # 400 Gb/s, same HGX (inferred)
+    mamf_eff=0.803,  # "H200 same" as H100 [MLE-A]
+)
+
+H800 = dataclasses.replace(
+    H100,
+    name="H800",
+    # Same Hopper tensor cores and HBM as H100 (inferred) [DSISCA §4.1].
+    nvlink_bw=160e9,  # measured [DSV3 §3.2.2] (spec 200 GB/s uni [DSISCA §4.1])
+    nic_bw=50e9,  # IB measured 50 GB/s [DSV3 §3.2.2]
+)
+
+B200 = GPU(
+    name="B200",
+    # [MLE-A][TT-U]; fp32 ≈ 80 TFLOP/s from NVIDIA's HGX B200 datasheet (not in the note).
+    peak_flops={"bf16": 2250e12, "fp8": 4500e12, "fp32": 80e12},
+    hbm_bytes=180e9, hbm_bw=8e12,  # 180 GB usable [KW-B][MLE-A]
+    # 80% of 900 GB/s uni, the ring rule of thumb (inferred); the measured 839 GB/s busbw
+    # at 16 GiB [MLE-B] likely uses NVLS, which the ring model does not describe.
+    nvlink_bw=720e9,
+    nic_bw=50e9,  # 400 Gb/s CX7 [DEP README]
+    mamf_eff=0.776,  # 1745 / 2250 [MLE-A]
+)
+
+MI300X = GPU(
+    name="MI300X",
+    # [MLE-A][TT-U]; fp32 163.4 TFLOP/s from AMD's datasheet (not in the note).
+    peak_flops={"bf16": 1300e12, "fp8": 2610e12, "fp32": 163.4e12},
+    hbm_bytes=192e9, hbm_bw=5.3e12,  # [MLE-A] §1
+    nvlink_bw=312.9e9,  # xGMI, measured 8×MI300X all-reduce busbw at 4 GB [MLE-N]
+    nic_bw=50e9,  # 400 Gb/s (inferred)
+    mamf_eff=0.514,  # 668.4 / 1300, ROCm 6.3 [MLE-A]
+)
+
+# Local CPU ranks (gloo). Rough per-core peak: 2 FMA ports × 8 fp32 lanes × 2 FLOP × 2.5 GHz
+# = 80 GFLOP/s (assumed), one core per rank. Everything here is a placeholder that the
+# calibration command replaces.
+CPU_CORE_FLOPS = 80e9
+CPU = GPU(
+    name="CPU",
+    peak_flops={"fp32": CPU_CORE_FLOPS, "bf16": CPU_CORE_FLOPS},
+    hbm_bytes=16e9, hbm_bw=20e9,  # DRAM share per rank (assumed)
+    nvlink_bw=2e9, nic_bw=1.25e9,  # gloo over loopback / 10 GbE (assumed)
+    mamf_eff=0.5,
+    launch_s=10e-6,  # eager op dispatch (assumed)
+    intra_alpha_s=30e-6, inter_alpha_s=100e-6,  # gloo (assumed)
+    overlap_slowdown=1.1,
+)
+
+GPUS: dict[str, GPU] = {
+    "a100": A100, "h100": H100, "h200": H200, "h800": H800,
+    "b200": B200, "mi300x": MI300X, "cpu": CPU,
+}
+
+
+def get_gpu(name: str) -> GPU:
+    """Look a preset up by short key ("h100") or full name ("A100-80G"), case-insensitive."""
+    key = name.lower()
+    for k, gpu in GPUS.items():
+        if key in (k, gpu.name.lower()):
+            return gpu
+    raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """`nodes` identical nodes of `gpus_per_node` GPUs; rank r lives on node r // gpus_per_node."""
+
+    gpu: GPU
+    nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"cluster needs nodes >= 1 and gpus_per_node >= 1, got {self.nodes}x{self.gpus_per_node}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside cluster of {self.world_size} ranks")
+        return rank // self.gpus_per_node
+
+    def same_node(self, ranks) -> bool:
+        return len({self.node_of(r) for r in ranks}) <= 1
+
+    def to_dict(self) -> dict:
+        """Plain dict with inline GPU fields; `parse_cluster` reads it back (YAML or JSON)."""
+        return {"gpu": dataclasses.asdict(self.gpu), "nodes": self.nodes, "gpus_per_node": self.gpus_per_node}
+
+
+SPEC_FORMS = (
+    "a100|h100|h200|h800|b200|mi300x:NxG (N nodes of G GPUs), cpu:N (N local ranks), "
+    "or a path to a .yaml/.yml/.json cluster file"
+)
+GPU_FIELDS = {f.name for f in dataclasses.fields(GPU)}
+
+
+def parse_cluster(spec: str) -> Cluster:
+    """`h100:4x8` -> 4 nodes × 8 H100; `cpu:4` -> 4 CPU ranks on one node; or a cluster file.
+
+    A cluster file (YAML or JSON) holds `gpu` (a preset name, or a mapping of GPU fields,
+    which starts from the preset named by its `name` when there is one), `nodes`,
+    `gpus_per_node`, and optionally any GPU field at top level as an override, e.g.
+    `nic_bw: 25e9`.
+    """
+    spec = str(spec).strip()
+    if spec.lower().endswith((".yaml", ".yml", ".json")) or os.path.isfile(spec):
+        return _load_cluster_file(spec)
+    bad = ValueError(f"bad cluster spec {spec!r}; accepted: {SPEC_FORMS}")
+    key, _, shape = spec.lower().partition(":")
+    if key not in GPUS or not shape:
+        raise bad
+    try:
+        if key == "cpu":
+            nodes, per_node = 1, int(shape)
+        else:
+            n, x, g = shape.partition("x")
+            if not x:
+                raise bad
+            nodes, per_node = int(n), int(g)
+        return Cluster(GPUS[key], nodes, per_node)
+    except ValueError:
+        raise bad from None
+
+
+def _load_cluster_file(path: str) -> Cluster:
+    if not os.path.isfile(path):
+        raise ValueError(f"cluster file {path!r} not found; accepted: {SPEC_FORMS}")
+    with open(path) as f:
+        if path.lower().endswith(".json"):
+            data = json.load(f)
+        else:
+            import yaml
+
+            data = yaml.safe_load(f)
+    if not isinstance(data, dict) or not {"gpu", "nodes", "gpus_per_node"} <= data.keys():
+        raise ValueError(f"cluster file {path!r} needs keys gpu, nodes, gpus_per_node")
+    unknown = set(data) - {"gpu", "nodes", "gpus_per_node"} - GPU_FIELDS
+    if unknown:
+        raise ValueError(f"cluster file {path!r}: unknown keys {sorted(unknown)}")
+    overrides = {k: v for k, v in data.items() if k in GPU_FIELDS}
+    gpu = _gpu_from(data["gpu"], overrides, path)
+    return Cluster(gpu, int(data["nodes"]), int(data["gpus_per_node"]))
+
+
+def _gpu_from(entry, overrides: dict, path: str) -> GPU:
+    fields = dict(entry) if isinstance(entry, dict) else {"name": str(entry)}
+    fields.update(overrides)
+    unknown = set(fields) - GPU_FIELDS
+    if unknown:
+        raise ValueError(f"cluster file {path!r}: unknown GPU fields {sorted(unknown)}")
+    try:
+        base = get_gpu(fields.get("name", ""))
+    except ValueError:
+        if not isinstance(entry, dict):
+            raise
+        base = None
+    if base is None:
+        required = {f.name for f in dataclasses.fields(GPU) if f.default is dataclasses.MISSING}
+        missing = required - set(fields)
+        if missing:
+            name = fields.get("name")
+            raise ValueError(f"cluster file {path!r}: GPU {name!r} is no preset; missing fields {sorted(missing)}")
+        gpu = GPU(**fields)
+    else:
+        gpu = dataclasses.replace(base, **fields)
+    return dataclasses.replace(
+        gpu,
+        peak_flops={k: float(v) for k, v in gpu.peak_flops.items()},
+        **{f: float(getattr(gpu, f)) for f in GPU_FIELDS - {"name", "peak_flops"}},
+    )

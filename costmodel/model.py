@@ -1,0 +1,194 @@
+"""The cost-model interface a simulator uses, and its implementations.
+
+Times are seconds, sizes bytes. `get_costmodel` picks an implementation by name:
+  "analytic"            roofline compute + alpha-beta collectives on the cluster (default)
+  "unit:F=1,BI=1,..."   constant times per op kind, for schedule tests and bubble counting
+  path/to/calib.json    analytic, with the measured parameters of a calibration file
+                        (schema in costmodel.calibration)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from costmodel import collectives as coll
+from costmodel import compute
+from costmodel.calibration import load_calibration
+from costmodel.hardware import GPU_FIELDS, Cluster
+
+COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
+
+
+class CostModel:
+    """Base class. `comm_compute_slowdown` (>= 1) multiplies compute time while a comm
+    kernel runs on the same device."""
+
+    name: str = "costmodel"
+    comm_compute_slowdown: float = 1.0
+
+    def compute_time(self, kind: str, flops: float, mem_bytes: float = 0.0,
+                     gemm: tuple[int, int, int] | None = None) -> float:
+        raise NotImplementedError
+
+    def collective_time(self, kind: str, nbytes: float, ranks: list[int]) -> float:
+        raise NotImplementedError
+
+    def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
+        raise NotImplementedError
+
+    def links(self, kind: str, ranks) -> list[str]:
+        """Link ids the op occupies (for SEND/RECV `ranks` is (src, dst)); [] = no sharing."""
+        return []
+
+    def link_bandwidth(self, link_id: str) -> float:
+        return math.inf
+
+    def optimizer_time(self, param_count: float) -> float:
+        raise NotImplementedError
+
+
+class AnalyticCostModel(CostModel):
+    """Roofline compute and alpha-beta comm on `cluster` (costmodel.compute, .collectives).
+
+    `overrides` may hold any GPU field (e.g. {"nic_bw": 25e9}; "peak_flops" may be one
+    number for `dtype`), "dtype" (default "bf16"), "algorithm" (collective algorithm,
+    default "auto"), "comm_compute_slowdown", and the calibration keys "efficiency_table",
+    "collectives", "p2p", "overlap_slowdown".
+    """
+
+    KEYS = GPU_FIELDS | {"dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives", "p2p"}
+
+    def __init__(self, cluster: Cluster, overrides: dict | None = None, name: str = "analytic"):
+        ov = dict(overrides or {})
+        unknown = set(ov) - self.KEYS
+        if unknown:
+            raise ValueError(f"unknown cost-model overrides {sorted(unknown)}; known: {sorted(self.KEYS)}")
+        self.name = name
+        self.dtype = ov.pop("dtype", "bf16")
+        self.algorithm = ov.pop("algorithm", "auto")
+        self.table = None
+        if "efficiency_table" in ov:
+            self.table = compute.EfficiencyTable.from_rows(ov.pop("efficiency_table"))
+            ov.setdefault("mamf_eff", max(e for _, e in self.table.points))
+        if "comm_compute_slowdown" in ov:
+            ov["overlap_slowdown"] = ov.pop("comm_compute_slowdown")
+        self.collective_fits = {k: {int(n): f for n, f in v.items()} for k, v in ov.pop("collectives", {}).items()}
+        p2p = ov.pop("p2p", None)
+        self.p2p_fits = {"intra": p2p, "inter": p2p} if p2p and "alpha_s" in p2p else dict(p2p or {})
+        gpu = cluster.gpu
+        if not isinstance(ov.get("peak_flops", {}), dict):
+            ov["peak_flops"] = {**gpu.peak_flops, self.dtype: float(ov["peak_flops"])}
+        self.cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, **ov))
+        self.gpu = self.cluster.gpu
+        self.gpu.peak(self.dtype)  # fail early on a dtype the device lacks
+        if self.comm_compute_slowdown < 1:
+            raise ValueError(f"comm_compute_slowdown must be >= 1, got {self.comm_compute_slowdown}")
+
+    @property
+    def comm_compute_slowdown(self) -> float:
+        return self.gpu.overlap_slowdown
+
+    def compute_time(self, kind, flops, mem_bytes=0.0, gemm=None):
+        return compute.compute_time(self.gpu, flops, mem_bytes, gemm, self.dtype, self.table)
+
+    def collective_time(self, kind, nbytes, ranks):
+        group = sorted(set(ranks))
+        fits = self.collective_fits.get(kind)
+        if not fits or len(group) <= 1:
+            return coll.collective_time(kind, nbytes, group, self.cluster, self.algorithm)
+        for r in group:
+            self.cluster.node_of(r)
+        n = len(group)
+        m = min(fits, key=lambda s: (abs(math.log(s / n)), s))  # nearest fitted group size
+        alpha = fits[m]["alpha_s"] * coll.ring_steps(kind, n) / coll.ring_steps(kind, m)
+        bw = fits[m]["bw_Bps"] * coll.busbw_factor(kind, m) / coll.busbw_factor(kind, n)
+        return alpha + nbytes / bw
+
+    def p2p_time(self, nbytes, src, dst):
+        fit = self.p2p_fits.get("intra" if self.cluster.same_node((src, dst)) else "inter")
+        if fit is None or src == dst:
+            return coll.p2p_time(nbytes, src, dst, self.cluster)
+        return fit["alpha_s"] + nbytes / fit["bw_Bps"]
+
+    def links(self, kind, ranks):
+        return coll.links_used(kind, ranks, self.cluster)
+
+    def link_bandwidth(self, link_id):
+        return coll.link_bandwidth(link_id, self.cluster)
+
+    def optimizer_time(self, param_count):
+        return compute.optimizer_time(self.gpu, param_count)
+
+
+class UnitCostModel(CostModel):
+    """Constant times: F, BI, BW, B (default BI+BW), OPT (default 0) per compute op; `comm`
+    per collective; `p2p` per send/recv (default `comm`); `slowdown` while overlapping."""
+
+    UNIT_FORMS = "unit[:F=1,BI=1,BW=1,B=2,OPT=0,comm=0,p2p=0,slowdown=1]"
+
+    def __init__(self, F=1.0, BI=1.0, BW=1.0, B=None, OPT=0.0, comm=0.0, p2p=None, slowdown=1.0):
+        self.times = {"F": F, "BI": BI, "BW": BW, "B": BI + BW if B is None else B, "OPT": OPT}
+        self.comm = comm
+        self.p2p = comm if p2p is None else p2p
+        self.comm_compute_slowdown = slowdown
+        if min(*self.times.values(), self.comm, self.p2p) < 0 or slowdown < 1:
+            raise ValueError("unit cost model needs times >= 0 and slowdown >= 1")
+        self.name = "unit:" + ",".join(f"{k}={v:g}" for k, v in
+                                       [*self.times.items(), ("comm", comm), ("p2p", self.p2p), ("slowdown", slowdown)])
+
+    @classmethod
+    def parse(cls, spec: str) -> "UnitCostModel":
+        head, _, body = spec.partition(":")
+        if head.strip().lower() != "unit":
+            raise ValueError(f"bad unit cost model {spec!r}; expected {cls.UNIT_FORMS}")
+        kwargs = {}
+        for item in filter(None, (s.strip() for s in body.split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            key = key.upper() if key.upper() in COMPUTE_KINDS else key.lower()
+            if not eq or key not in ("F", "B", "BI", "BW", "OPT", "comm", "p2p", "slowdown"):
+                raise ValueError(f"bad unit cost model {spec!r} at {item!r}; expected {cls.UNIT_FORMS}")
+            try:
+                kwargs[key] = float(value)
+            except ValueError:
+                msg = f"bad unit cost model {spec!r}: {key} must be a number, got {value.strip()!r}"
+                raise ValueError(msg) from None
+        return cls(**kwargs)
+
+    def compute_time(self, kind, flops=0.0, mem_bytes=0.0, gemm=None):
+        if kind not in self.times:
+            raise ValueError(f"unit cost model has no compute kind {kind!r}; known: {', '.join(self.times)}")
+        return self.times[kind]
+
+    def collective_time(self, kind, nbytes, ranks):
+        return self.comm if len(set(ranks)) > 1 else 0.0
+
+    def p2p_time(self, nbytes, src, dst):
+        return self.p2p if src != dst else 0.0
+
+    def optimizer_time(self, param_count):
+        return self.times["OPT"]
+
+
+COSTMODEL_FORMS = "'analytic', 'unit:F=1,BI=1,BW=1,comm=0', or a calibration .json path"
+
+
+def get_costmodel(name_or_file: str | CostModel | None = "analytic", cluster: Cluster | None = None) -> CostModel:
+    """Build a cost model from its name (see module docstring)."""
+    if isinstance(name_or_file, CostModel):
+        return name_or_file
+    spec = (name_or_file or "analytic").strip()
+    if spec.lower().startswith("unit"):
+        return UnitCostModel.parse(spec)
+    is_file = spec.lower().endswith(".json") or os.path.isfile(spec)
+    if spec.lower() != "analytic" and not is_file:
+        raise ValueError(f"unknown cost model {spec!r}; expected {COSTMODEL_FORMS}")
+    if cluster is None:
+        raise ValueError(f"cost model {spec!r} needs a cluster")
+    if not is_file:
+        return AnalyticCostModel(cluster)
+    data = load_calibration(spec)
+    overrides = {k: v for k, v in data.items() if k not in ("kind", "device", "meta")}
+    return AnalyticCostModel(cluster, overrides, name=f"calibration:{spec}")

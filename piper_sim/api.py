@@ -1,0 +1,28 @@
+"""The Python API the CLI and notebooks use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from piper_sim.plan import Plan
+from piper_sim.strategy import Strategy, load_strategy, parse_strategy
+
+
+def as_strategy(strategy: Strategy | dict[str, Any] | str) -> Strategy:
+    """A Strategy from a Strategy, a dict, or a path to a strategy JSON file."""
+    if isinstance(strategy, Strategy):
+        return strategy
+    if isinstance(strategy, dict):
+        return parse_strategy(strategy)
+    return load_strategy(strategy)
+
+
+def compile(strategy: Strategy | dict[str, Any] | str, validate: bool = True) -> Plan:
+    """Compile a strategy into a validated Plan."""
+    from piper_sim.compiler import compile_strategy
+    from piper_sim.validate import validate_plan
+
+    plan = compile_strategy(as_strategy(strategy)).plan
+    if validate:
+        validate_plan(plan)
+    return plan

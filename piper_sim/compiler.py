@@ -1,0 +1,294 @@
+"""Compile a strategy: directives -> global training DAG -> per-rank, per-stream Plan."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import networkx as nx
+
+from costmodel.hardware import parse_cluster
+from costmodel.memory import model_state_bytes
+from piper_sim.directives import Setup, expand, resolve
+from piper_sim.ir import Context, Node, StageCost, TrainingDAG, order_pass, place_pass, replicate_pass, \
+    shard_pass, split_pass
+from piper_sim.models import ModelConfig, get_config
+from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
+from piper_sim.profiling import SegmentCost, profile_model
+from piper_sim.strategy import Strategy, StrategyError, parse_strategy
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass
+class Compiled:
+    """What a compile produces besides the plan: the DAG and the resolved setup."""
+
+    plan: Plan
+    dag: TrainingDAG
+    setup: Setup
+    config: ModelConfig
+    compile_s: float
+
+
+def partition_layers(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous, balanced layer ranges; the first stages take the remainder."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int) -> list[StageCost]:
+    if n_stages > cfg.n_layers:
+        raise StrategyError(f"pipeline: {n_stages} stages but model {cfg.name} has only {cfg.n_layers} layers; "
+                            "lower the pipeline degree or stages_per_rank")
+    ranges = partition_layers(cfg.n_layers, n_stages)
+    stages = []
+    for s, layers in enumerate(ranges):
+        units = {f"layers.{i}" for i in layers}
+        if s == 0:
+            units.add("embed")
+        if s == n_stages - 1:
+            units.add("head")
+        stages.append(StageCost(stage=s, segments=[x for x in segments if x.unit in units]))
+    return stages
+
+
+def _setup_and_layout(strategy: Strategy) -> tuple[ModelConfig, Setup, Layout, int]:
+    try:
+        cfg = get_config(strategy.model)
+    except ValueError as e:
+        raise StrategyError(f"model: {e}") from None
+    try:
+        cluster = parse_cluster(strategy.cluster)
+    except ValueError as e:
+        raise StrategyError(f"cluster: {e}") from None
+    setup = resolve(expand(strategy))
+    held = {r for copies in setup.placement.values() for r, _, _ in copies}
+    empty = sorted(set(range(setup.pp)) - held)
+    if empty:
+        raise StrategyError(f"place: pp_rank(s) {empty} hold no stage; place a stage on every pipeline rank")
+    if setup.ep > 1:
+        if not cfg.is_moe:
+            raise StrategyError(f"expert_parallel: model {cfg.name} has no experts; remove the directive")
+        if cfg.n_experts % setup.ep:
+            raise StrategyError(f"expert_parallel: degree {setup.ep} does not divide the {cfg.n_experts} experts "
+                                f"of {cfg.name}; use a divisor of {cfg.n_experts}")
+        if setup.dp % setup.ep:
+            raise StrategyError(f"expert_parallel: degree {setup.ep} must divide the data-parallel degree "
+                                f"{setup.dp} (EP ranks are DP ranks for the dense parts)")
+    world = setup.pp * setup.dp
+    if world != cluster.world_size:
+        raise StrategyError(f"strategy needs PP×DP = {setup.pp}×{setup.dp} = {world} ranks but cluster "
+                            f"{strategy.cluster} has {cluster.world_size}; change a degree or the cluster")
+    per_replica = strategy.global_batch / setup.dp
+    mbs = per_replica / setup.microbatches
+    if mbs != int(mbs) or mbs < 1:
+        raise StrategyError(f"global_batch {strategy.global_batch} does not split into DP {setup.dp} × "
+                            f"{setup.microbatches} micro-batches of a whole number of sequences; "
+                            "make global_batch a multiple of DP×microbatches")
+    layout = Layout(pp=setup.pp, dp=setup.dp, ep=setup.ep, stage_ranks=setup.stage_ranks())
+    return cfg, setup, layout, int(mbs)
+
+
+def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Context, ModelConfig]:
+    """Run every pass; the result is the global training DAG (folded or per rank)."""
+    import torch
+
+    cfg, setup, layout, mbs = _setup_and_layout(strategy)
+    segments = profile_model(cfg, mbs, strategy.seq_len, getattr(torch, _TORCH_DTYPE[strategy.dtype]))
+    ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages), layout=layout,
+                  dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded)
+    dag = TrainingDAG()
+    kinds = split_pass(ctx)
+    place_pass(ctx, dag, kinds)
+    shard_pass(ctx, dag)
+    replicate_pass(ctx, dag)
+    sequences = order_pass(ctx, dag)
+    _prefetch_edges(dag, sequences)
+    if not nx.is_directed_acyclic_graph(dag.g):
+        cycle = nx.find_cycle(dag.g)
+        ops = " -> ".join(f"{dag.ins(a).id}@{a[0]}" for a, _ in cycle)
+        raise StrategyError(f"order: the schedule deadlocks; these ops wait on each other: {ops}")
+    ctx.sequences = sequences  # type: ignore[attr-defined]
+    return dag, ctx, cfg
+
+
+def _prefetch_edges(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> None:
+    """A ZeRO-3 all-gather may start once the op two places before its consumer ended
+    (one op of prefetch), so gathered parameters do not pile up in memory."""
+    for seq in sequences.values():
+        index = {n: i for i, n in enumerate(seq)}
+        for i, n in enumerate(seq):
+            for p in list(dag.g.predecessors(n)):
+                if dag.ins(p).kind == "ALL_GATHER" and i >= 2:
+                    dag.edge(seq[i - 2], p, "temporal")
+        del index
+
+
+def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node, float]:
+    """A sort key per node: compute ops by their slot sequence, comm ops right after what
+    they wait on (RECVs just before their consumer), optimizer steps at the end.
+
+    A collective gets the same key on every member (the latest), so all members issue
+    their collectives in one order (e.g. DualPipe's two copies of a stage)."""
+    forced: dict[Node, float] = {}
+    by_where: dict[int, list[Node]] = {}
+    for n in dag.g.nodes:
+        by_where.setdefault(n[0], []).append(n)
+    orders = {w: list(nx.topological_sort(dag.g.subgraph(nodes))) for w, nodes in by_where.items()}
+    for _ in range(4):
+        key: dict[Node, float] = {}
+        for where, topo in orders.items():
+            seq = sequences.get(where, [])
+            key.update({n: float(i) for i, n in enumerate(seq)})
+            end = float(len(seq))
+            for n in topo:
+                if n in key:
+                    continue
+                preds = [key[p] for p in dag.g.predecessors(n) if p[0] == where and p in key]
+                if dag.ins(n).kind == "OPT":
+                    key[n] = end + (max(preds) if preds else 0.0) / (end + 1)
+                elif preds:
+                    key[n] = max(forced.get(n, 0.0), max(preds) + 0.1)
+            for n in reversed(topo):
+                if n not in key:  # a RECV or prefetch: just before its first consumer
+                    key[n] = min(key[q] for q in dag.g.successors(n) if q[0] == where) - 0.5
+        latest: dict[str, float] = {}
+        for n, k in key.items():
+            if dag.ins(n).kind in ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER"):
+                latest[n[1]] = max(latest.get(n[1], k), k)
+        new = {n: latest[n[1]] for n in key if n[1] in latest}
+        if new == forced:
+            break
+        forced = new
+    _recv_in_send_order(dag, key)
+    return key
+
+
+def _recv_in_send_order(dag: TrainingDAG, key: dict[Node, float]) -> None:
+    """Receive from each peer in the order the peer sends (as NCCL and gloo match
+    messages between two ranks), each RECV still posted before its consumer."""
+    by_stream: dict[tuple[int, str], list[Node]] = {}
+    for n in key:
+        ins = dag.ins(n)
+        if ins.kind == "RECV":
+            by_stream.setdefault((n[0], ins.stream), []).append(n)
+    for recvs in by_stream.values():
+        send_of = {r: next(p for p in dag.g.predecessors(r) if dag.ins(p).kind == "SEND") for r in recvs}
+        recvs.sort(key=lambda r: (key[send_of[r]], send_of[r][1]))
+        later = float("inf")
+        for r in reversed(recvs):
+            key[r] = later = min(key[r], later - 1e-6)
+
+
+def lower(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[int, dict[str, list[Instruction]]]:
+    """Per rank (or class), per stream, instructions in issue order with their deps."""
+    key = _issue_keys(dag, sequences)
+    by_where: dict[int, list[Node]] = {}
+    for n in dag.g.nodes:
+        by_where.setdefault(n[0], []).append(n)
+    out: dict[int, dict[str, list[Instruction]]] = {}
+    for where, nodes in by_where.items():
+        streams: dict[str, list[Instruction]] = {}
+        for n in sorted(nodes, key=lambda n: (key[n], n[1])):
+            ins = dag.ins(n)
+            streams.setdefault(ins.stream, []).append(ins)
+        for lst in streams.values():
+            prev = None
+            for ins in lst:
+                ins.deps = sorted(p[1] for p in dag.g.predecessors((where, ins.id)) if p[0] == where and p[1] != prev)
+                prev = ins.id
+        out[where] = dict(sorted(streams.items(), key=lambda kv: _STREAM_ORDER.get(kv[0], 9)))
+    return out
+
+
+_STREAM_ORDER = {"compute": 0, "recv": 1, "send": 2, "ep": 3, "dp": 4}
+
+
+def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
+    """Parameters, gradients and optimizer state a rank holds for the whole step."""
+    total = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0}
+    pbytes = ctx.dtype_bytes
+    optim = 12 if pbytes == 2 else 8  # fp32 master + Adam m, v (no master copy for fp32 params)
+    layout = ctx.layout
+    for s, ranks in layout.stage_ranks.items():
+        if pp_rank not in ranks:
+            continue
+        sc = ctx.stages[s]
+        n_dense = len(ranks) * layout.dp
+        dense = sum(x.param_count for x in sc.segments if not (x.is_expert and layout.ep > 1))
+        expert = sum(x.param_count for x in sc.experts) / layout.ep if layout.ep > 1 else 0.0
+        for count, n in ((dense, n_dense), (expert, n_dense // layout.ep)):
+            if count:
+                m = model_state_bytes(count, n, zero, param_bytes=pbytes, grad_bytes=pbytes, optim_bytes=optim)
+                for k in total:
+                    total[k] += m[k]
+    return total
+
+
+def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled:
+    """Compile a strategy into a Plan (one instruction list per pipeline rank class)."""
+    t0 = time.perf_counter()
+    if isinstance(strategy, dict):
+        strategy = parse_strategy(strategy)
+    dag, ctx, cfg = build_dag(strategy, folded=True)
+    lists = lower(dag, ctx.sequences)  # type: ignore[attr-defined]
+    layout = ctx.layout
+    classes = []
+    for pp_rank in range(layout.pp):
+        classes.append(RankClass(
+            pp_rank=pp_rank, ranks=[layout.rank(pp_rank, d) for d in range(layout.dp)],
+            streams=lists[pp_rank], static_memory=static_memory(ctx, pp_rank, ctx.setup.zero),
+            stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
+    meta = {
+        "strategy": strategy.to_json(),
+        "model": cfg.name, "cluster": strategy.cluster, "schedule": ctx.setup.schedule,
+        "global_batch": strategy.global_batch, "seq_len": strategy.seq_len,
+        "microbatches": ctx.setup.microbatches,
+        "micro_batch_size": strategy.global_batch // (layout.dp * ctx.setup.microbatches),
+        "dtype": strategy.dtype, "zero": ctx.setup.zero, "seed": strategy.seed,
+        "num_stages": ctx.setup.num_stages,
+        "stage_units": [sorted({x.unit for x in sc.segments}, key=_unit_order) for sc in ctx.stages],
+        # the pieces F/B/BI ops are cut into (``.p{i}`` op ids) when expert-parallel
+        "stage_parts": [[[x.name for x in part] for part in sc.parts(layout.ep)] for sc in ctx.stages],
+        "model_flops_per_step": _model_flops(ctx, strategy),
+        "tokens_per_step": strategy.global_batch * strategy.seq_len,
+    }
+    plan = Plan(layout=layout, classes=classes, meta=meta)
+    return Compiled(plan=plan, dag=dag, setup=ctx.setup, config=cfg, compile_s=time.perf_counter() - t0)
+
+
+def compile_unfolded(strategy: Strategy | dict) -> list[RankProgram]:
+    """Compile every rank explicitly (no folding). For tests and small worlds."""
+    if isinstance(strategy, dict):
+        strategy = parse_strategy(strategy)
+    dag, ctx, _ = build_dag(strategy, folded=False)
+    lists = lower(dag, ctx.sequences)  # type: ignore[attr-defined]
+    layout = ctx.layout
+    out = []
+    for rank in range(layout.world_size):
+        pp_rank, dp_rank = layout.coords(rank)
+        out.append(RankProgram(rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, streams=lists[rank],
+                               static_memory=static_memory(ctx, pp_rank, ctx.setup.zero),
+                               stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
+    return out
+
+
+def _unit_order(unit: str) -> tuple[int, int]:
+    if unit == "embed":
+        return (0, 0)
+    if unit == "head":
+        return (2, 0)
+    return (1, int(unit.split(".")[1]))
+
+
+def _model_flops(ctx: Context, strategy: Strategy) -> float:
+    """Useful training flops of one step (forward + backward, no recompute), all replicas."""
+    per_mb = sum(x.fwd_flops + x.bwd_input_flops + x.bwd_weight_flops for sc in ctx.stages for x in sc.segments)
+    return per_mb * ctx.setup.microbatches * ctx.layout.dp

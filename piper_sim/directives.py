@@ -1,0 +1,182 @@
+"""Expansion of high-level directives into the low-level set, and the resolved setup.
+
+``expand(strategy)`` turns ``pipeline`` / ``data_parallel`` / ``expert_parallel`` /
+``schedule`` into ``split``, ``place``, ``replicate``, ``shard`` and ``order``
+directives. Low-level directives written by the user are kept and win over what a
+helper generated (a user ``order`` for pipeline rank 2 replaces the schedule's row).
+``resolve(directives)`` then reads the low-level list into a `Setup` the IR passes use.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from piper_sim.schedules import SCHEDULES, Action, ScheduleError, Slot, build_schedule, format_slot
+from piper_sim.strategy import Strategy, StrategyError
+
+_ACTION_RE = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
+DEFAULT_STREAMS = {"SEND": "send", "RECV": "recv", "ALLREDUCE": "dp", "REDUCE_SCATTER": "dp",
+                   "ALL_GATHER": "dp", "ALL_TO_ALL": "ep"}
+
+
+@dataclass
+class Setup:
+    """The low-level directives, read into the numbers the passes need."""
+
+    pp: int
+    dp: int
+    ep: int
+    zero: int
+    bucket_mb: float | None
+    microbatches: int
+    num_stages: int
+    # (stage) -> list of (pp_rank, first_mb, end_mb): which copy runs which micro-batches
+    placement: dict[int, list[tuple[int, int, int]]]
+    orders: dict[int, list[Slot]]
+    recompute: set[int] = field(default_factory=set)
+    streams: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STREAMS))
+    schedule: str = "custom"
+
+    def rank_of(self, stage: int, mb: int) -> int:
+        for pp_rank, lo, hi in self.placement[stage]:
+            if lo <= mb < hi:
+                return pp_rank
+        raise StrategyError(f"place: stage {stage} has no copy for micro-batch {mb}; "
+                            "cover every micro-batch with place directives")
+
+    def stage_ranks(self) -> dict[int, list[int]]:
+        return {s: sorted({r for r, _, _ in copies}) for s, copies in self.placement.items()}
+
+
+def parse_slot(text: str, where: str) -> Slot:
+    """``'0F3'`` -> (Action,), ``'(0F3;1B2)'`` -> overlapped pair."""
+    body = text.strip()
+    if body.startswith("(") and body.endswith(")"):
+        body = body[1:-1]
+    actions = []
+    for part in body.split(";"):
+        m = _ACTION_RE.match(part.strip())
+        if not m:
+            raise StrategyError(f"{where}: bad action {part!r}; write '{{stage}}{{F|B|I|W}}{{mb}}' "
+                                "like '0F3', pairs as '(0F3;1B2)'")
+        actions.append(Action(int(m.group(1)), m.group(2), int(m.group(3))))
+    if len(actions) > 2:
+        raise StrategyError(f"{where}: slot {text!r} has {len(actions)} actions; at most 2 can overlap")
+    return tuple(actions)
+
+
+def expand(strategy: Strategy) -> list[dict[str, Any]]:
+    """High-level directives -> low-level list (split, place, replicate, shard, order, ...)."""
+    by_op = {d["op"]: d for d in strategy.directives}
+    m = strategy.microbatches
+    out: list[dict[str, Any]] = []
+    if "split" not in by_op:
+        out.append({"op": "split", "microbatches": m})
+    pipe = by_op.get("pipeline", {"op": "pipeline", "degree": 1})
+    pp = pipe["degree"]
+    v = pipe.get("stages_per_rank")  # None: what the schedule needs (2 for zbv, dualpipev)
+    sched = by_op.get("schedule")
+    has_low_level = any(d["op"] in ("place", "order") for d in strategy.directives)
+    if sched or not has_low_level:
+        name = sched["name"] if sched else ("interleaved_1f1b" if v and v > 1 else "1f1b")
+        if name not in SCHEDULES:
+            raise StrategyError(f"schedule: unknown name {name!r}; choose one of {', '.join(SCHEDULES)}")
+        placement = pipe.get("placement")
+        try:
+            spec = build_schedule(name, pp, m, stages_per_rank=v, placement=placement)
+        except ScheduleError as e:
+            raise StrategyError(f"directive schedule: {e}") from None
+        for stage, ranks in sorted(spec.stage_ranks.items()):
+            if len(ranks) == 1:
+                out.append({"op": "place", "stage": stage, "pp_rank": ranks[0], "from": name})
+            else:  # dualpipe: one copy per direction, each taking half of the micro-batches
+                for r in ranks:
+                    mbs = [mb for mb in range(m) if spec.rank_of(stage, mb) == r]
+                    out.append({"op": "place", "stage": stage, "pp_rank": r,
+                                "microbatches": [min(mbs), max(mbs) + 1], "from": name})
+        for r, slots in enumerate(spec.orders):
+            out.append({"op": "order", "pp_rank": r, "slots": [format_slot(s) for s in slots],
+                        "from": name})
+    if "data_parallel" in by_op:
+        d = by_op["data_parallel"]
+        out.append({"op": "replicate", "degree": d["degree"], "zero": d.get("zero", 0),
+                    **({"bucket_mb": d["bucket_mb"]} if "bucket_mb" in d else {})})
+    if "expert_parallel" in by_op:
+        out.append({"op": "shard", "degree": by_op["expert_parallel"]["degree"]})
+        if "data_parallel" not in by_op and not any(d["op"] == "replicate" for d in strategy.directives):
+            # EP ranks are data parallel for the non-expert parts: no DP given means DP = EP.
+            out.append({"op": "replicate", "degree": by_op["expert_parallel"]["degree"], "zero": 0})
+    for d in strategy.directives:
+        if d["op"] not in ("pipeline", "data_parallel", "expert_parallel", "schedule"):
+            out.append(dict(d))
+    return out
+
+
+def resolve(directives: list[dict[str, Any]]) -> Setup:
+    """Read a low-level directive list into a `Setup` (later directives win)."""
+    m = next(d["microbatches"] for d in directives if d["op"] == "split")
+    placement: dict[int, list[tuple[int, int, int]]] = {}
+    orders: dict[int, list[Slot]] = {}
+    dp, zero, bucket_mb, ep = 1, 0, None, 1
+    recompute: set[int] = set()
+    recompute_all = False
+    streams = dict(DEFAULT_STREAMS)
+    schedule = "custom"
+    user_placed: set[int] = set()
+    for i, d in enumerate(directives):
+        op = d["op"]
+        where = f"directive {op}"
+        if op == "place":
+            stage, r = d["stage"], d["pp_rank"]
+            for key in ("stage", "pp_rank"):
+                if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 0:
+                    raise StrategyError(f"{where}: field '{key}' must be an integer >= 0 (got {d[key]!r})")
+            lo, hi = d.get("microbatches", [0, m])
+            if "from" not in d and stage not in user_placed:
+                placement[stage] = []  # a user's place replaces the generated one
+                user_placed.add(stage)
+            placement.setdefault(stage, []).append((r, lo, hi))
+        elif op == "order":
+            where = f"directive order (pp_rank {d['pp_rank']})"
+            orders[d["pp_rank"]] = [parse_slot(s, where) for s in d["slots"]]
+            schedule = d.get("from", "custom")
+        elif op == "replicate":
+            dp, zero, bucket_mb = d["degree"], d.get("zero", 0), d.get("bucket_mb")
+        elif op == "shard":
+            ep = d["degree"]
+        elif op == "recompute":
+            stages = d.get("stages", "all")
+            if stages == "all":
+                recompute_all = True
+            else:
+                recompute |= set(stages)
+        elif op == "stream":
+            streams[d["kind"]] = d["name"]
+    if not placement:
+        raise StrategyError("no place directive: add {\"op\": \"pipeline\", \"degree\": P} or place directives")
+    num_stages = max(placement) + 1
+    missing = sorted(set(range(num_stages)) - placement.keys())
+    if missing:
+        raise StrategyError(f"place: stage(s) {missing} are not placed on any pipeline rank")
+    pp = max(r for copies in placement.values() for r, _, _ in copies) + 1
+    for stage, copies in placement.items():
+        covered = sorted((lo, hi) for _, lo, hi in copies)
+        pos = 0
+        for lo, hi in covered:
+            if lo != pos:
+                raise StrategyError(f"place: stage {stage} copies must cover micro-batches 0..{m - 1} "
+                                    f"exactly once (gap or overlap at {pos})")
+            pos = hi
+        if pos != m:
+            raise StrategyError(f"place: stage {stage} copies cover micro-batches up to {pos}, not {m}")
+    if recompute_all:
+        recompute = set(range(num_stages))
+    if zero and dp == 1 and max(len({r for r, _, _ in c}) for c in placement.values()) == 1:
+        warnings.warn(f"replicate: zero={zero} on data-parallel degree 1 has nothing to shard; "
+                      "it is ignored", stacklevel=2)
+    return Setup(pp=pp, dp=dp, ep=ep, zero=zero, bucket_mb=bucket_mb, microbatches=m,
+                 num_stages=num_stages, placement=placement, orders=orders, recompute=recompute,
+                 streams=streams, schedule=schedule)

@@ -1,0 +1,568 @@
+"""Model zoo, pipeline units ("annotations") and small readable torch modules.
+
+A model is an ordered list of *units*, the granularity at which pipeline stages are cut:
+``embed``, ``layers.0`` ... ``layers.{L-1}``, ``head``. A MoE layer is one unit made of two
+*segments* for the compiler: ``layers.i.pre`` (attention, norms, router, shared experts) and
+``layers.i.experts`` (routed experts; expert parallelism puts an all-to-all dispatch before
+and a combine after it). See :func:`unit_names` and :func:`unit_segments`.
+
+Weights are initialised per unit from ``(seed, unit name)``, so any split of the model into
+stages (:func:`build_units`) yields exactly the weights of :func:`build_model`.
+
+Full-size models are only ever built on the ``meta`` device (for counting and profiling).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+MAX_MATERIALISED_PARAMS = 2_000_000_000  # refuse bigger builds on a real device
+
+
+# --------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer. ``n_experts == 0`` means dense.
+
+    MoE layers have ``n_experts`` routed SwiGLU experts (``expert_ffn`` wide) of which
+    ``top_k`` are used per token, plus ``n_shared`` always-on shared experts (merged into
+    one SwiGLU of width ``n_shared * expert_ffn``). The first ``first_dense`` layers are
+    dense (SwiGLU of width ``ffn``). ``attention`` is ``"gqa"`` or ``"mla"`` (DeepSeek
+    multi-head latent attention, with the MLA dims below).
+    """
+
+    name: str
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    ffn: int
+    vocab: int
+    max_seq: int = 4096
+    # mixture of experts
+    n_experts: int = 0
+    top_k: int = 0
+    n_shared: int = 0
+    expert_ffn: int = 0
+    first_dense: int = 0
+    # attention
+    attention: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.is_moe and i >= self.first_dense
+
+    def param_count(self) -> int:
+        """Total parameters, computed analytically (matches a real build)."""
+        return sum(unit_param_count(self, n) for n in unit_names(self))
+
+    def active_param_count(self) -> int:
+        """Parameters touched per token: routed experts count ``top_k`` of ``n_experts``."""
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        inactive = n_moe * (self.n_experts - self.top_k) * _swiglu_params(self.hidden, self.expert_ffn)
+        return self.param_count() - inactive
+
+
+def _swiglu_params(h: int, f: int) -> int:
+    return 3 * h * f
+
+
+def _attn_params(c: ModelConfig) -> int:
+    h, H = c.hidden, c.n_heads
+    if c.attention == "gqa":
+        hd = c.head_dim
+        return h * H * hd * 2 + 2 * h * c.n_kv_heads * hd
+    qk = c.qk_nope_dim + c.qk_rope_dim
+    q = (h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * H * qk) if c.q_lora_rank else h * H * qk
+    kv = h * (c.kv_lora_rank + c.qk_rope_dim) + c.kv_lora_rank + c.kv_lora_rank * H * (c.qk_nope_dim + c.v_head_dim)
+    return q + kv + H * c.v_head_dim * h
+
+
+def unit_param_count(cfg: ModelConfig, name: str) -> int:
+    """Analytic parameter count of one unit."""
+    h = cfg.hidden
+    if name == "embed":
+        return cfg.vocab * h
+    if name == "head":
+        return h + h * cfg.vocab
+    i = _layer_index(cfg, name)
+    n = 2 * h + _attn_params(cfg)
+    if cfg.is_moe_layer(i):
+        n += h * cfg.n_experts + cfg.n_experts * _swiglu_params(h, cfg.expert_ffn)
+        n += _swiglu_params(h, cfg.n_shared * cfg.expert_ffn) if cfg.n_shared else 0
+    else:
+        n += _swiglu_params(h, cfg.ffn)
+    return n
+
+
+_LLAMA = dict(n_kv_heads=8, vocab=128256, max_seq=8192, rope_theta=500000.0)
+ZOO: dict[str, ModelConfig] = {
+    c.name: c
+    for c in [
+        ModelConfig("gpt-tiny", n_layers=8, hidden=64, n_heads=4, n_kv_heads=4, ffn=256, vocab=512, max_seq=128),
+        ModelConfig("moe-tiny", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn=128, vocab=512, max_seq=128,
+                    n_experts=4, top_k=2, expert_ffn=128),
+        ModelConfig("llama3-8b", n_layers=32, hidden=4096, n_heads=32, ffn=14336, **_LLAMA),
+        ModelConfig("llama3-70b", n_layers=80, hidden=8192, n_heads=64, ffn=28672, **_LLAMA),
+        ModelConfig("llama3-405b", n_layers=126, hidden=16384, n_heads=128, ffn=53248, **_LLAMA),
+        # The Piper paper's evaluation MoE configs (expert_ffn = ffn, no shared expert).
+        ModelConfig("qwen3-moe-1b", n_layers=16, hidden=1024, n_heads=16, n_kv_heads=8, ffn=3584, vocab=151936,
+                    n_experts=4, top_k=2, expert_ffn=3584, rope_theta=1e6),
+        ModelConfig("qwen3-moe-9b", n_layers=24, hidden=2048, n_heads=32, n_kv_heads=8, ffn=7168, vocab=151936,
+                    n_experts=8, top_k=2, expert_ffn=7168, rope_theta=1e6),
+        # DeepSeek-V3 without the multi-token-prediction (MTP) module: ~671B total, ~37B active.
+        ModelConfig("deepseek-v3", n_layers=61, hidden=7168, n_heads=128, n_kv_heads=128, ffn=18432, vocab=129280,
+                    n_experts=256, top_k=8, n_shared=1, expert_ffn=2048, first_dense=3, attention="mla",
+                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
+                    norm_eps=1e-6),
+    ]
+}
+
+
+def get_config(name: str) -> ModelConfig:
+    try:
+        return ZOO[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(ZOO)}") from None
+
+
+# --------------------------------------------------------------------------- units
+
+
+def unit_names(cfg: ModelConfig) -> list[str]:
+    """Pipeline units in model order: ``embed``, ``layers.0`` ... ``layers.{L-1}``, ``head``."""
+    return ["embed", *(f"layers.{i}" for i in range(cfg.n_layers)), "head"]
+
+
+def unit_segments(cfg: ModelConfig, unit_name: str) -> list[str]:
+    """Segments of a unit: ``[unit]`` for dense units, ``[unit.pre, unit.experts]`` for MoE layers."""
+    if unit_name in ("embed", "head"):
+        return [unit_name]
+    i = _layer_index(cfg, unit_name)
+    return [f"{unit_name}.pre", f"{unit_name}.experts"] if cfg.is_moe_layer(i) else [unit_name]
+
+
+def _layer_index(cfg: ModelConfig, name: str) -> int:
+    parts = name.split(".")
+    if len(parts) != 2 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= cfg.n_layers:
+        raise ValueError(f"unknown unit {name!r} for {cfg.name} (units: embed, layers.0..{cfg.n_layers - 1}, head)")
+    return int(parts[1])
+
+
+# --------------------------------------------------------------------------- modules
+
+
+# Modules are always constructed on ``meta`` in this dtype (no default init: init_unit
+# initialises real weights), which keeps a 671B-parameter build to a few seconds.
+_BUILD_DTYPE = torch.float32
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device="meta", dtype=_BUILD_DTYPE))
+
+
+class Linear(nn.Module):
+    """Bias-free linear layer (``weight [out, in]``, like ``nn.Linear``)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = _empty(d_out, d_in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.weight = _empty(vocab, dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "meta":
+            return _MetaFusedRMSNorm.apply(x, self.weight)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class _MetaFusedRMSNorm(torch.autograd.Function):
+    """Meta stand-in for the fused GPU rms_norm kernel: saves what it saves (input, weight
+    and an fp32 rstd) instead of the fp32 intermediates of torch's decomposition."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, x.new_empty(*x.shape[:-1], 1, dtype=torch.float32))
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight)
+
+
+def rope_cos_sin(seq: int, dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables ``[seq, dim]`` (rotate-half layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: ``[B, heads, seq, dim]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention, ``[B, H, s, d]`` (k/v may have fewer heads: GQA; v may be narrower).
+
+    On ``meta`` this calls the flash-attention op directly, so profiling sees what GPU
+    training runs (no ``s x s`` matrix saved, backward recomputes scores); elsewhere it is
+    ``F.scaled_dot_product_attention``.
+    """
+    if q.device.type != "meta":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:  # flash kernels need equal head dims: pad v (as MLA implementations do)
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+    return out[..., :dv]
+
+
+class GQAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, hd = cfg.hidden, cfg.head_dim
+        self.wq = Linear(h, cfg.n_heads * hd)
+        self.wk = Linear(h, cfg.n_kv_heads * hd)
+        self.wv = Linear(h, cfg.n_kv_heads * hd)
+        self.wo = Linear(cfg.n_heads * hd, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, (B, s, _) = self.cfg, x.shape
+        q = self.wq(x).view(B, s, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(s, c.head_dim, c.rope_theta, x.device, x.dtype)
+        o = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.wo(o.transpose(1, 2).reshape(B, s, -1))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3) with the real projection shapes.
+
+    Simplified: no KV-cache absorption tricks, plain softmax scale ``1/sqrt(qk_head_dim)``.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, H = cfg.hidden, cfg.n_heads
+        qk = cfg.qk_nope_dim + cfg.qk_rope_dim
+        if cfg.q_lora_rank:
+            self.wq_a = Linear(h, cfg.q_lora_rank)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.wq_b = Linear(cfg.q_lora_rank, H * qk)
+        else:
+            self.wq = Linear(h, H * qk)
+        self.wkv_a = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_dim)
+        self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
+        self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_dim + cfg.v_head_dim))
+        self.wo = Linear(H * cfg.v_head_dim, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, (B, s, _) = self.cfg, x.shape
+        H, nope, rope = c.n_heads, c.qk_nope_dim, c.qk_rope_dim
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if c.q_lora_rank else self.wq(x)
+        q_nope, q_pe = q.view(B, s, H, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
+        kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, rope], dim=-1)
+        kv = self.wkv_b(self.kv_norm(kv)).view(B, s, H, nope + c.v_head_dim).transpose(1, 2)
+        k_nope, v = kv.split([nope, c.v_head_dim], dim=-1)
+        cos, sin = rope_cos_sin(s, rope, c.rope_theta, x.device, x.dtype)
+        q_pe = apply_rope(q_pe, cos, sin)
+        k_pe = apply_rope(k_pe.view(B, 1, s, rope), cos, sin).expand(B, H, s, rope)
+        o = attention(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v)
+        return self.wo(o.transpose(1, 2).reshape(B, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = Linear(hidden, ffn)  # gate
+        self.w3 = Linear(hidden, ffn)  # up
+        self.w2 = Linear(ffn, hidden)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Router + routed experts + optional shared experts.
+
+    The pieces are exposed so an executor can put an all-to-all around the expert block:
+    ``route(x)`` -> ``(topk_weights, topk_ids)``; ``permute`` sorts token copies by expert
+    (giving per-expert counts, the all-to-all split sizes); ``experts[e](tokens)``;
+    ``unpermute`` weights and sums the expert outputs back per token. ``forward`` does
+    all of it in-process and is the reference.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.router = Linear(cfg.hidden, cfg.n_experts)
+        self.experts = nn.ModuleList(SwiGLU(cfg.hidden, cfg.expert_ffn) for _ in range(cfg.n_experts))
+        self.shared = SwiGLU(cfg.hidden, cfg.n_shared * cfg.expert_ffn) if cfg.n_shared else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[T, h]`` -> renormalised top-k weights ``[T, k]`` (x's dtype) and expert ids ``[T, k]``."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        w, ids = probs.topk(self.top_k, dim=-1)
+        return (w / w.sum(-1, keepdim=True)).to(x.dtype), ids
+
+    def permute(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Token copies sorted by expert: ``(tokens [T*k, h], order [T*k], counts per expert)``."""
+        order = ids.flatten().argsort(stable=True)
+        counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
+        return x[order // self.top_k], order, counts
+
+    def unpermute(self, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """Inverse of :meth:`permute`: weight each expert output and sum per token -> ``[T, h]``."""
+        y = y * weights.flatten()[order, None]
+        return torch.zeros(n_tokens, y.shape[-1], dtype=y.dtype, device=y.device).index_add(0, order // self.top_k, y)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Local dispatch -> experts -> combine for ``x [T, h]``."""
+        tokens, order, counts = self.permute(x, ids)
+        y = torch.cat([self.experts[e](t) for e, t in enumerate(tokens.split(counts))])
+        return self.unpermute(y, weights, order, x.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.route(flat)
+        out = self.routed(flat, weights, ids).view_as(x)
+        return out + self.shared(x) if self.shared is not None else out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp_or_moe(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = MLAttention(cfg) if cfg.attention == "mla" else GQAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer)
+        if self.is_moe:
+            self.moe = MoE(cfg)
+        else:
+            self.mlp = SwiGLU(cfg.hidden, cfg.ffn)
+
+    def forward_pre(self, x: torch.Tensor):
+        """MoE segment ``pre``: returns ``(x, h, weights, ids, shared)`` with ``x`` after the
+        attention residual, ``h = norm(x)`` flattened to ``[T, hidden]`` (what gets
+        dispatched), routing ``weights/ids [T, k]`` and the shared-expert output (or None)."""
+        x = x + self.attn(self.attn_norm(x))
+        h = self.mlp_norm(x).reshape(-1, x.shape[-1])
+        weights, ids = self.moe.route(h)
+        shared = self.moe.shared(h) if self.moe.shared is not None else None
+        return x, h, weights, ids, shared
+
+    @staticmethod
+    def forward_post(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """Residual after the combine: ``routed`` and ``shared`` are ``[T, hidden]``."""
+        out = routed if shared is None else routed + shared
+        return x + out.view_as(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.is_moe:
+            x = x + self.attn(self.attn_norm(x))
+            return x + self.mlp(self.mlp_norm(x))
+        x, h, weights, ids, shared = self.forward_pre(x)
+        return self.forward_post(x, self.moe.routed(h, weights, ids), shared)
+
+
+class Head(nn.Module):
+    """Final norm + output projection -> logits."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.out = Linear(cfg.hidden, cfg.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross entropy (computed in fp32)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.head = Head(cfg)
+
+    @property
+    def norm(self) -> RMSNorm:
+        return self.head.norm
+
+    def unit(self, name: str) -> nn.Module:
+        if name in ("embed", "head"):
+            return getattr(self, name)
+        return self.layers[_layer_index(self.cfg, name)]
+
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, targets)
+
+
+def _make_unit(cfg: ModelConfig, name: str) -> nn.Module:
+    if name == "embed":
+        return Embedding(cfg.vocab, cfg.hidden)
+    if name == "head":
+        return Head(cfg)
+    return Block(cfg, _layer_index(cfg, name))
+
+
+# --------------------------------------------------------------------------- building
+
+
+def unit_seed(seed: int, name: str) -> int:
+    """Stable 63-bit seed for one unit (independent of Python's hash randomisation)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") >> 1
+
+
+@torch.no_grad()
+def init_unit(module: nn.Module, seed: int, name: str) -> None:
+    """Normal(0, 0.02) for matrices (linears, embeddings), ones for norm weights.
+
+    Values are drawn in fp32 on the CPU in parameter order, then copied, so they are the
+    same on every device and dtype."""
+    g = torch.Generator().manual_seed(unit_seed(seed, name))
+    for p in module.parameters():
+        if p.device.type == "meta":
+            continue
+        v = torch.empty(p.shape).normal_(0.0, 0.02, generator=g) if p.ndim >= 2 else torch.ones(p.shape)
+        p.copy_(v)
+
+
+def _check_size(cfg: ModelConfig, n_params: int, device) -> None:
+    if torch.device(device).type != "meta" and n_params > MAX_MATERIALISED_PARAMS:
+        raise ValueError(
+            f"refusing to materialise {n_params / 1e9:.1f}B parameters of {cfg.name} on {device!r} "
+            f"(limit {MAX_MATERIALISED_PARAMS / 1e9:.0f}B); build it on device='meta'"
+        )
+
+
+def _construct(make, device, dtype: torch.dtype, seed: int, names: list[str]):
+    """Construct on meta; on a real device allocate, then init each unit in fp32 and cast."""
+    global _BUILD_DTYPE
+    meta = torch.device(device).type == "meta"
+    _BUILD_DTYPE, saved = (dtype if meta else torch.float32), _BUILD_DTYPE
+    try:
+        module = make()
+    finally:
+        _BUILD_DTYPE = saved
+    if meta:
+        return module
+    module = module.to_empty(device=device)
+    for name in names:
+        init_unit(module.unit(name) if isinstance(module, Transformer) else module, seed, name)
+    return module.to(dtype)
+
+
+def build_model(cfg: ModelConfig, device="meta", dtype: torch.dtype = torch.float32, seed: int = 0) -> Transformer:
+    """The whole model. Non-meta builds are limited to ~2B parameters."""
+    _check_size(cfg, cfg.param_count(), device)
+    return _construct(lambda: Transformer(cfg), device, dtype, seed, unit_names(cfg))
+
+
+class UnitDict(nn.ModuleDict):
+    """Units of one stage, laid out like :class:`Transformer` (``embed``, ``layers`` as a
+    ModuleDict keyed by layer index, ``head``) so state-dict keys match the full model.
+    Index it with unit names: ``units["layers.3"]``."""
+
+    def __getitem__(self, name: str) -> nn.Module:
+        if name.startswith("layers."):
+            return self._modules["layers"][name.split(".", 1)[1]]
+        return self._modules[name]
+
+    def __contains__(self, name: str) -> bool:
+        try:
+            self[name]
+            return True
+        except KeyError:
+            return False
+
+    def unit_names(self) -> list[str]:
+        names = ["embed"] if "embed" in self._modules else []
+        names += [f"layers.{i}" for i in sorted(map(int, self._modules.get("layers", {}).keys()))]
+        return names + (["head"] if "head" in self._modules else [])
+
+
+def build_units(
+    cfg: ModelConfig, names: list[str], device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0
+) -> UnitDict:
+    """Build only the requested units, with the same weights as ``build_model(cfg, seed=seed)``."""
+    _check_size(cfg, sum(unit_param_count(cfg, n) for n in names), device)
+    built = {n: _construct(lambda: _make_unit(cfg, n), device, dtype, seed, [n]) for n in names}
+    units = UnitDict()
+    if "embed" in built:
+        units["embed"] = built["embed"]
+    layers = {str(_layer_index(cfg, n)): m for n, m in built.items() if n not in ("embed", "head")}
+    if layers:
+        units["layers"] = nn.ModuleDict(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
+    if "head" in built:
+        units["head"] = built["head"]
+    return units
+
+
+def run_units(units, names: list[str], x: torch.Tensor) -> torch.Tensor:
+    """Apply units in order: embed takes tokens, layers hidden states, head returns logits."""
+    for name in names:
+        x = units[name](x)
+    return x

@@ -1,0 +1,303 @@
+"""The Plan: the contract between compiler, simulator and executor.
+
+A Plan holds, for each *class* of equivalent ranks, one ordered instruction list per
+stream. All data-parallel replicas (and expert-parallel peers) of one pipeline rank run
+the same list; only their peers differ. `Plan.expand()` resolves the symbolic peers and
+groups into explicit global ranks, giving one `RankProgram` per rank.
+
+Rank layout: ``rank = pp_rank * dp + dp_rank`` (data parallel innermost, so DP and EP
+groups stay inside a node where possible, as in Megatron's ordering).
+
+Instruction kinds
+  compute: F, B, BI, BW, OPT
+  p2p:     SEND, RECV              (matched by ``match``: the same string on both sides)
+  coll:    ALLREDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL
+
+Dependencies (``deps``) name op ids on the same rank (any stream). Cross-rank
+dependencies are implicit: a RECV completes when its SEND (same ``match`` on ``peer``)
+has been transferred; a collective completes when every member of its group reached it.
+Within a stream, instructions run in list order (like a CUDA stream).
+
+Memory: ``alloc`` bytes are taken when an instruction starts; ``free`` bytes are
+released when it ends. ``Plan.static_memory`` gives per class the bytes of parameters,
+gradients and optimizer state held for the whole step.
+
+This module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PLAN_FORMAT = "piper-sim-plan"
+PLAN_VERSION = 1
+
+COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
+P2P_KINDS = ("SEND", "RECV")
+COLLECTIVE_KINDS = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
+ALL_KINDS = COMPUTE_KINDS + P2P_KINDS + COLLECTIVE_KINDS
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be used (wrong version, hash, world size...)."""
+
+
+@dataclass
+class Instruction:
+    """One op on one stream of one rank.
+
+    id:      stable readable op id, unique per rank (``F.s3.mb5``, ``AR.s0.b2``).
+    kind:    one of ALL_KINDS.
+    stream:  stream name (``compute``, ``send``, ``recv``, ``dp``, ``ep``).
+    stage:   pipeline stage (-1 when not tied to one).
+    mb:      micro-batch index (-1 when not tied to one).
+    deps:    op ids on the same rank that must finish first.
+    flops:   floating point operations (compute ops).
+    bytes:   payload bytes per rank (comm ops: the tensor each member contributes;
+             for ALL_GATHER the full gathered size; compute: HBM traffic estimate).
+    alloc/free: memory taken at start / released at end, bytes.
+    peer:    p2p only. Folded plan: the peer's pipeline rank (same dp_rank).
+             Expanded: the peer's global rank.
+    match:   p2p only: the key that pairs a SEND with its RECV.
+    group:   collectives only. Folded: a symbolic group (see ``Layout.group_ranks``).
+             Expanded: ``"ranks:0,1,2"``.
+    slot:    compute only: index of the ``order`` slot; two ops with one slot are an
+             overlapped pair. -1 otherwise.
+    part:    piece of a stage split around expert all-to-alls (0 when not split), and
+             ``parts`` the number of pieces.
+    tokens:  tokens processed (compute), for the cost model's GEMM-size efficiency.
+    recompute: forward is recomputed inside this backward (B/BI).
+    gemm:    [m, n, k] of the op's dominant matmul, for size-dependent efficiency.
+    """
+
+    id: str
+    kind: str
+    stream: str
+    stage: int = -1
+    mb: int = -1
+    deps: list[str] = field(default_factory=list)
+    flops: float = 0.0
+    bytes: float = 0.0
+    alloc: float = 0.0
+    free: float = 0.0
+    peer: int = -1
+    match: str = ""
+    group: str = ""
+    slot: int = -1
+    part: int = 0
+    parts: int = 1
+    tokens: int = 0
+    recompute: bool = False
+    gemm: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        defaults = _INSTRUCTION_DEFAULTS
+        return {k: v for k, v in d.items() if k in ("id", "kind", "stream") or v != defaults[k]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Instruction":
+        return cls(**d)
+
+
+_INSTRUCTION_DEFAULTS = asdict(Instruction(id="", kind="", stream=""))
+
+
+@dataclass
+class RankClass:
+    """Ranks that run the same instruction lists (one pipeline rank, all its DP/EP peers)."""
+
+    pp_rank: int
+    ranks: list[int]
+    streams: dict[str, list[Instruction]]
+    static_memory: dict[str, float] = field(default_factory=dict)
+    stages: list[int] = field(default_factory=list)
+
+    def instructions(self) -> list[Instruction]:
+        return [ins for lst in self.streams.values() for ins in lst]
+
+
+@dataclass
+class RankProgram:
+    """The expanded program of one global rank (explicit peers and groups)."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    streams: dict[str, list[Instruction]]
+    static_memory: dict[str, float]
+    stages: list[int]
+
+
+@dataclass
+class Layout:
+    """Where every rank sits: the mesh (pp, dp) and expert-parallel grouping."""
+
+    pp: int
+    dp: int
+    ep: int = 1
+    # stage -> list of pipeline ranks holding a copy (two copies under dualpipe)
+    stage_ranks: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def rank(self, pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * self.dp + dp_rank
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.dp)
+
+    def group_ranks(self, group: str, rank: int) -> list[int]:
+        """Resolve a symbolic group as seen from ``rank`` to sorted global ranks.
+
+        ``stage:S``     all ranks holding a copy of stage S (data-parallel gradient sync).
+        ``stage:S:edp`` those of them that hold the same expert shard as ``rank``.
+        ``ep``          the expert-parallel peers of ``rank`` (same pp rank).
+        ``ranks:a,b``   already explicit.
+        """
+        if group.startswith("ranks:"):
+            return [int(x) for x in group[6:].split(",")]
+        pp_rank, dp_rank = self.coords(rank)
+        if group == "ep":
+            base = (dp_rank // self.ep) * self.ep
+            return [self.rank(pp_rank, d) for d in range(base, base + self.ep)]
+        parts = group.split(":")
+        if parts[0] == "stage":
+            stage = int(parts[1])
+            dps = range(self.dp)
+            if len(parts) > 2 and parts[2] == "edp":
+                dps = [d for d in dps if d % self.ep == dp_rank % self.ep]
+            return sorted(self.rank(p, d) for p in self.stage_ranks[stage] for d in dps)
+        raise PlanError(f"unknown collective group {group!r} on rank {rank}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep,
+                "stage_ranks": {str(k): v for k, v in self.stage_ranks.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Layout":
+        return cls(pp=d["pp"], dp=d["dp"], ep=d.get("ep", 1),
+                   stage_ranks={int(k): v for k, v in d["stage_ranks"].items()})
+
+
+@dataclass
+class Plan:
+    """A compiled training step: per rank class, per stream, ordered instructions."""
+
+    layout: Layout
+    classes: list[RankClass]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def class_of(self, rank: int) -> RankClass:
+        pp_rank, _ = self.layout.coords(rank)
+        return self.classes[pp_rank]
+
+    def program(self, rank: int) -> RankProgram:
+        """Expand one rank: resolve peers and groups to explicit global ranks."""
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"rank {rank} is outside the plan's world size {self.world_size}")
+        pp_rank, dp_rank = self.layout.coords(rank)
+        cls = self.classes[pp_rank]
+        streams: dict[str, list[Instruction]] = {}
+        for name, lst in cls.streams.items():
+            out = []
+            for ins in lst:
+                new = Instruction(**asdict(ins))
+                if ins.kind in P2P_KINDS:
+                    new.peer = self.layout.rank(ins.peer, dp_rank)
+                elif ins.kind in COLLECTIVE_KINDS:
+                    ranks = self.layout.group_ranks(ins.group, rank)
+                    new.group = "ranks:" + ",".join(map(str, ranks))
+                out.append(new)
+            streams[name] = out
+        return RankProgram(rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, streams=streams,
+                           static_memory=dict(cls.static_memory), stages=list(cls.stages))
+
+    def expand(self) -> list[RankProgram]:
+        return [self.program(r) for r in range(self.world_size)]
+
+    # --- serialisation -------------------------------------------------------------
+    def body_json(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout.to_json(),
+            "meta": self.meta,
+            "classes": [
+                {"pp_rank": c.pp_rank, "ranks": _compress_ranks(c.ranks), "stages": c.stages,
+                 "static_memory": c.static_memory,
+                 "streams": {s: [i.to_json() for i in lst] for s, lst in c.streams.items()}}
+                for c in self.classes
+            ],
+        }
+
+    def content_hash(self) -> str:
+        return _hash(self.body_json())
+
+    def to_json(self) -> dict[str, Any]:
+        body = self.body_json()
+        return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "hash": _hash(body), **body}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.dumps())
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], check_hash: bool = True) -> "Plan":
+        if d.get("format") != PLAN_FORMAT:
+            raise PlanError("not a piper-sim plan file (missing format 'piper-sim-plan'); "
+                            "compile one with `piper-sim compile STRATEGY.json -o PLAN.json`")
+        if d.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan format version {d.get('version')} is not supported "
+                            f"(this piper-sim reads version {PLAN_VERSION}); recompile the strategy")
+        body = {k: d[k] for k in ("layout", "meta", "classes")}
+        if check_hash and _hash(body) != d.get("hash"):
+            raise PlanError("plan content hash mismatch: the file was edited after compiling; "
+                            "recompile it, or pass check_hash=False / --no-hash-check to accept edits")
+        layout = Layout.from_json(d["layout"])
+        classes = [
+            RankClass(pp_rank=c["pp_rank"], ranks=_expand_ranks(c["ranks"]), stages=c["stages"],
+                      static_memory=c["static_memory"],
+                      streams={s: [Instruction.from_json(i) for i in lst]
+                               for s, lst in c["streams"].items()})
+            for c in d["classes"]
+        ]
+        return cls(layout=layout, classes=classes, meta=d["meta"])
+
+    @classmethod
+    def load(cls, path: str, check_hash: bool = True) -> "Plan":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        return cls.from_json(d, check_hash=check_hash)
+
+
+def _hash(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _compress_ranks(ranks: list[int]) -> list[list[int]]:
+    """[0,1,2,3,8,9] -> [[0,4],[8,2]]: (start, count) runs keep plans of 10k ranks small."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and runs[-1][0] + runs[-1][1] == r:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1])
+    return runs
+
+
+def _expand_ranks(runs: list[list[int]]) -> list[int]:
+    return [s + i for s, n in runs for i in range(n)]

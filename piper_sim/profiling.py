@@ -1,0 +1,249 @@
+"""Per-segment cost profiling on the ``meta`` device (any model size, no real memory).
+
+For each segment (see :func:`piper_sim.models.unit_segments`) we run the real torch module
+on meta tensors and measure:
+
+- forward flops with ``torch.utils.flop_counter.FlopCounterMode``;
+- backward-input flops (BI): flops of ``torch.autograd.grad(out, inputs)`` only;
+- backward-weight flops (BW): full backward (inputs and parameters) minus BI;
+- saved-activation bytes: every tensor autograd saves for backward, seen through
+  ``torch.autograd.graph.saved_tensors_hooks``, counted once per storage, parameters excluded
+  (the segment's input counts when autograd saves it);
+- the shape of the dominant matmul (``gemm_m/n/k``) for a size-dependent efficiency model.
+
+Conventions: attention is costed as flash attention (see :func:`piper_sim.models.attention`);
+causal attention is counted as full ``s x s`` (FlopCounterMode's and Megatron's convention),
+and flash backward includes its score recomputation (2.5x the attention forward). Embedding
+lookups count no flops. The head segment includes the loss.
+
+Routed experts cannot run data-dependent routing on meta: we assume uniform routing, profile
+one expert on ``tokens * top_k / n_experts`` tokens and multiply by ``n_experts``.
+
+Identical layers are profiled once (cache keyed by config, kind, micro-batch, seq, dtype).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from piper_sim.models import (
+    Block,
+    Embedding,
+    Head,
+    ModelConfig,
+    SwiGLU,
+    _construct,
+    lm_loss,
+    unit_names,
+    unit_segments,
+)
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    """Costs of one segment for one micro-batch (frozen: cached instances are shared).
+
+    ``out_bytes`` is the boundary tensor the segment hands on: for a layer (or the
+    ``experts`` segment, after the combine) the hidden states a pipeline SEND carries, for a
+    MoE ``pre`` segment the normalised tokens handed to dispatch, for the head the loss.
+    ``a2a_bytes`` (expert segments only) is what a rank dispatches per micro-batch,
+    ``tokens * top_k * hidden * dtype_bytes``; the combine sends the same amount back.
+    """
+
+    name: str
+    unit: str
+    is_expert: bool
+    fwd_flops: int
+    bwd_input_flops: int
+    bwd_weight_flops: int
+    param_count: int
+    param_bytes: int
+    saved_act_bytes: int
+    out_bytes: int
+    tokens: int
+    a2a_bytes: int = 0
+    gemm_m: int = 0
+    gemm_n: int = 0
+    gemm_k: int = 0
+
+    @property
+    def bwd_flops(self) -> int:
+        return self.bwd_input_flops + self.bwd_weight_flops
+
+
+@dataclass(frozen=True)
+class Measurement:
+    fwd_flops: int
+    bwd_input_flops: int
+    bwd_weight_flops: int
+    saved_act_bytes: int
+    gemm: tuple[int, int, int]  # (m, n, k) of the matmul shape with the most flops
+
+
+_MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+class _GemmRecorder(TorchDispatchMode):
+    """Sums 2*m*n*k per distinct 2-D matmul shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops: dict[tuple[int, int, int], int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _MM:
+            a, b = args[-2], args[-1]
+            mnk = (a.shape[0], b.shape[1], a.shape[1])
+            self.flops[mnk] = self.flops.get(mnk, 0) + 2 * math.prod(mnk)
+        return func(*args, **(kwargs or {}))
+
+    def dominant(self) -> tuple[int, int, int]:
+        return max(self.flops, key=self.flops.get) if self.flops else (0, 0, 0)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _differentiable(outs) -> list[torch.Tensor]:
+    outs = outs if isinstance(outs, (tuple, list)) else [outs]
+    return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _flops(fn: Callable[[], object]) -> int:
+    with FlopCounterMode(display=False) as fc:
+        fn()
+    return fc.get_total_flops()
+
+
+def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> Measurement:
+    """Profile ``fn(*inputs)`` (returns a tensor or a tuple; non-differentiable outputs are
+    ignored). ``params`` are the weights: excluded from saved bytes, included in BW."""
+    param_keys = {_storage_key(p) for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in param_keys:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    recorder = _GemmRecorder()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with FlopCounterMode(display=False) as fc, recorder:
+            outs = _differentiable(fn(*inputs))
+    fwd = fc.get_total_flops()
+    grads = [torch.ones_like(o) for o in outs]
+    xs = [x for x in inputs if x.requires_grad]
+    bi = _flops(lambda: torch.autograd.grad(outs, xs, grads)) if xs else 0
+    outs = _differentiable(fn(*inputs))  # fresh graph for the full backward
+    full = _flops(lambda: torch.autograd.grad(outs, [*xs, *params], grads, allow_unused=True))
+    return Measurement(fwd, bi, full - bi, sum(saved.values()), recorder.dominant())
+
+
+# --------------------------------------------------------------------------- per kind
+
+
+def _layer_of_kind(cfg: ModelConfig, moe: bool) -> int:
+    return cfg.first_dense if moe else 0
+
+
+@functools.lru_cache(maxsize=256)
+def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: torch.dtype) -> SegmentCost:
+    """Cost of one segment kind: ``embed``, ``dense`` (layer), ``moe_pre``, ``moe_experts``,
+    ``head``. Cached; ``name``/``unit`` are set to the kind."""
+    B, s, h, nbytes = micro_batch, seq_len, cfg.hidden, dtype.itemsize
+    T = B * s
+    meta: dict = dict(device="meta", dtype=dtype)
+    hidden_in = torch.empty(B, s, h, requires_grad=True, **meta)
+    tokens = torch.zeros(B, s, dtype=torch.long, device="meta")
+    scale, a2a, is_expert = 1.0, 0, False
+    out_bytes = T * h * nbytes
+
+    def build(make):
+        return _construct(make, "meta", dtype, 0, [])
+
+    if kind == "embed":
+        mod = build(lambda: Embedding(cfg.vocab, h))
+        params = list(mod.parameters())
+        m = measure(mod, [tokens], params)
+    elif kind == "dense":
+        mod = build(lambda: Block(cfg, _layer_of_kind(cfg, moe=False)))
+        params = list(mod.parameters())
+        m = measure(mod, [hidden_in], params)
+    elif kind == "moe_pre":
+        mod = build(lambda: Block(cfg, _layer_of_kind(cfg, moe=True)))
+        expert_ids = {id(p) for p in mod.moe.experts.parameters()}
+        params = [p for p in mod.parameters() if id(p) not in expert_ids]
+        m = measure(mod.forward_pre, [hidden_in], params)
+    elif kind == "moe_experts":
+        routed = T * cfg.top_k
+        per_expert = math.ceil(routed / cfg.n_experts)  # uniform routing
+        mod = build(lambda: SwiGLU(h, cfg.expert_ffn))
+        params = list(mod.parameters())
+        m = measure(mod, [torch.empty(per_expert, h, requires_grad=True, **meta)], params)
+        scale = routed / per_expert  # = n_experts when it divides evenly
+        a2a, is_expert = routed * h * nbytes, True
+    elif kind == "head":
+        mod = build(lambda: Head(cfg))
+        params = list(mod.parameters())
+        m = measure(lambda x: lm_loss(mod(x), tokens), [hidden_in], params)
+        out_bytes = 4  # the fp32 scalar loss
+    else:
+        raise ValueError(f"unknown segment kind {kind!r}")
+
+    n_params = sum(p.numel() for p in params) * (cfg.n_experts if is_expert else 1)
+    return SegmentCost(
+        name=kind,
+        unit=kind,
+        is_expert=is_expert,
+        fwd_flops=round(m.fwd_flops * scale),
+        bwd_input_flops=round(m.bwd_input_flops * scale),
+        bwd_weight_flops=round(m.bwd_weight_flops * scale),
+        param_count=n_params,
+        param_bytes=n_params * nbytes,
+        saved_act_bytes=round(m.saved_act_bytes * scale),
+        out_bytes=out_bytes,
+        tokens=T,
+        a2a_bytes=a2a,
+        gemm_m=m.gemm[0],
+        gemm_n=m.gemm[1],
+        gemm_k=m.gemm[2],
+    )
+
+
+def segment_kind(cfg: ModelConfig, segment: str) -> str:
+    """``embed`` | ``dense`` | ``moe_pre`` | ``moe_experts`` | ``head`` for a segment name."""
+    if segment in ("embed", "head"):
+        return segment
+    if segment.endswith(".pre"):
+        return "moe_pre"
+    if segment.endswith(".experts"):
+        return "moe_experts"
+    return "dense"
+
+
+@functools.lru_cache(maxsize=64)
+def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[SegmentCost, ...]:
+    out = []
+    for unit in unit_names(cfg):
+        for seg in unit_segments(cfg, unit):
+            cost = profile_kind(cfg, segment_kind(cfg, seg), micro_batch, seq_len, dtype)
+            out.append(replace(cost, name=seg, unit=unit))
+    return tuple(out)
+
+
+def profile_model(
+    cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype = torch.bfloat16
+) -> list[SegmentCost]:
+    """Segment costs in model order (embed, layer segments..., head), for one micro-batch."""
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch and seq_len must be >= 1 (got {micro_batch}, {seq_len})")
+    return list(_profile_model(cfg, micro_batch, seq_len, dtype))

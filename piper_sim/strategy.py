@@ -1,0 +1,171 @@
+"""Strategy files: a model, a cluster, a batch, and a list of scheduling directives.
+
+A strategy is JSON::
+
+    {"model": "gpt-tiny", "cluster": "cpu:4", "global_batch": 8, "seq_len": 64,
+     "microbatches": 4, "directives": [
+        {"op": "pipeline", "degree": 2},
+        {"op": "data_parallel", "degree": 2, "zero": 1},
+        {"op": "schedule", "name": "1f1b"}]}
+
+High-level directives (``pipeline``, ``data_parallel``, ``expert_parallel``,
+``schedule``) expand to the low-level set of the Piper paper (``split``, ``place``,
+``replicate``, ``shard``, ``order``, ``recompute``, ``stream``); see ``expand``.
+Every error is a `StrategyError` with one line that names the directive and field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class StrategyError(ValueError):
+    """Bad strategy input; the message is one line naming the directive/field and the fix."""
+
+
+# op -> (required fields, optional fields)
+DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
+    # high level
+    "pipeline": ({"degree"}, {"stages_per_rank", "placement"}),
+    "data_parallel": ({"degree"}, {"zero", "bucket_mb"}),
+    "expert_parallel": ({"degree"}, set()),
+    "schedule": ({"name"}, set()),
+    # low level
+    "split": ({"microbatches"}, set()),
+    "place": ({"stage", "pp_rank"}, {"microbatches", "from"}),
+    "replicate": ({"degree"}, {"zero", "bucket_mb", "stages"}),
+    "shard": ({"degree"}, set()),
+    "order": ({"pp_rank", "slots"}, {"from"}),
+    "recompute": (set(), {"stages"}),
+    "stream": ({"kind", "name"}, set()),
+}
+HIGH_LEVEL = ("pipeline", "data_parallel", "expert_parallel", "schedule")
+TOP_LEVEL_FIELDS = {"model", "cluster", "global_batch", "seq_len", "microbatches", "directives",
+                    "dtype", "name", "seed"}
+STREAM_KINDS = ("SEND", "RECV", "ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass
+class Strategy:
+    model: str
+    cluster: str
+    global_batch: int
+    seq_len: int
+    microbatches: int = 1
+    directives: list[dict[str, Any]] = field(default_factory=list)
+    dtype: str = "bf16"
+    name: str = ""
+    seed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "model": self.model, "cluster": self.cluster,
+                "global_batch": self.global_batch, "seq_len": self.seq_len,
+                "microbatches": self.microbatches, "dtype": self.dtype, "seed": self.seed,
+                "directives": self.directives}
+
+    def short(self) -> str:
+        """One-line summary, e.g. ``pp4 1f1b m8 | dp2 z1 | ep2``."""
+        parts = []
+        for d in self.directives:
+            op = d["op"]
+            if op == "pipeline":
+                v = d.get("stages_per_rank") or 1
+                parts.append(f"pp{d['degree']}" + (f"v{v}" if v > 1 else ""))
+            elif op == "schedule":
+                parts.append(f"{d['name']} m{self.microbatches}")
+            elif op == "data_parallel":
+                parts.append(f"dp{d['degree']} z{d.get('zero', 0)}")
+            elif op == "expert_parallel":
+                parts.append(f"ep{d['degree']}")
+            elif op == "recompute":
+                parts.append("recompute")
+        return " ".join(parts) or "single device"
+
+
+def _check_int(value: Any, where: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise StrategyError(f"{where} must be an integer >= {minimum} (got {value!r})")
+    return value
+
+
+def check_directive(d: Any, index: int) -> dict[str, Any]:
+    """Check one directive's op and fields; return it unchanged."""
+    if not isinstance(d, dict) or "op" not in d:
+        raise StrategyError(f"directive #{index} must be an object with an 'op' field (got {d!r})")
+    op = d["op"]
+    if op not in DIRECTIVE_FIELDS:
+        raise StrategyError(f"directive #{index}: unknown op {op!r}; known ops: "
+                            + ", ".join(DIRECTIVE_FIELDS))
+    required, optional = DIRECTIVE_FIELDS[op]
+    missing = required - d.keys()
+    if missing:
+        raise StrategyError(f"directive #{index} ({op}): missing field(s) {', '.join(sorted(missing))}")
+    unknown = d.keys() - required - optional - {"op"}
+    if unknown:
+        allowed = ", ".join(sorted(required | optional)) or "none"
+        raise StrategyError(f"directive #{index} ({op}): unknown field(s) {', '.join(sorted(unknown))};"
+                            f" allowed: {allowed}")
+    where = f"directive #{index} ({op})"
+    for key in ("degree", "stages_per_rank", "microbatches"):
+        if key in d and not (op == "place" and key == "microbatches"):
+            _check_int(d[key], f"{where} field '{key}'")
+    if "zero" in d and d["zero"] not in (0, 1, 2, 3):
+        raise StrategyError(f"{where} field 'zero' must be 0, 1, 2 or 3 (got {d['zero']!r})")
+    if "bucket_mb" in d and (not isinstance(d["bucket_mb"], (int, float)) or d["bucket_mb"] <= 0):
+        raise StrategyError(f"{where} field 'bucket_mb' must be a positive number of MB (got {d['bucket_mb']!r})")
+    if "placement" in d and d["placement"] not in ("loop", "v"):
+        raise StrategyError(f"{where} field 'placement' must be 'loop' or 'v' (got {d['placement']!r})")
+    if op == "stream" and d["kind"] not in STREAM_KINDS:
+        raise StrategyError(f"{where} field 'kind' must be one of {', '.join(STREAM_KINDS)} (got {d['kind']!r})")
+    if op == "order" and not isinstance(d["slots"], list):
+        raise StrategyError(f"{where} field 'slots' must be a list of action strings like '0F1' or '(0F3;1B2)'")
+    return d
+
+
+def parse_strategy(data: Any) -> Strategy:
+    """Validate a strategy dict (as loaded from JSON) and return a `Strategy`."""
+    if not isinstance(data, dict):
+        raise StrategyError("a strategy must be a JSON object with model, cluster, global_batch, seq_len, directives")
+    unknown = data.keys() - TOP_LEVEL_FIELDS
+    if unknown:
+        raise StrategyError(f"unknown strategy field(s) {', '.join(sorted(unknown))}; allowed: "
+                            + ", ".join(sorted(TOP_LEVEL_FIELDS)))
+    for key in ("model", "cluster", "global_batch", "seq_len"):
+        if key not in data:
+            raise StrategyError(f"strategy is missing the field '{key}'")
+    for key in ("model", "cluster"):
+        if not isinstance(data[key], str):
+            raise StrategyError(f"strategy field '{key}' must be a string (got {data[key]!r})")
+    global_batch = _check_int(data["global_batch"], "strategy field 'global_batch'")
+    seq_len = _check_int(data["seq_len"], "strategy field 'seq_len'")
+    microbatches = _check_int(data.get("microbatches", 1), "strategy field 'microbatches'")
+    dtype = data.get("dtype", "bf16")
+    if dtype not in DTYPES:
+        raise StrategyError(f"strategy field 'dtype' must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    directives = data.get("directives", [])
+    if not isinstance(directives, list):
+        raise StrategyError("strategy field 'directives' must be a list of {\"op\": ...} objects")
+    directives = [check_directive(d, i) for i, d in enumerate(directives)]
+    seen: set[str] = set()
+    for i, d in enumerate(directives):
+        if d["op"] in HIGH_LEVEL + ("split",):
+            if d["op"] in seen:
+                raise StrategyError(f"directive #{i} ({d['op']}): given twice; keep one")
+            seen.add(d["op"])
+    return Strategy(model=data["model"], cluster=data["cluster"], global_batch=global_batch,
+                    seq_len=seq_len, microbatches=microbatches, directives=directives, dtype=dtype,
+                    name=str(data.get("name", "")), seed=int(data.get("seed", 0)))
+
+
+def load_strategy(path: str) -> Strategy:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise StrategyError(f"strategy file {path} not found") from None
+    except json.JSONDecodeError as e:
+        raise StrategyError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    return parse_strategy(data)

@@ -1,0 +1,308 @@
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from costmodel import (
+    AnalyticCostModel, Cluster, UnitCostModel, collective_time, compute_time, efficiency, fit_alpha_beta,
+    get_costmodel, get_gpu, link_bandwidth, links_used, model_state_bytes, p2p_time, parse_cluster,
+)
+from costmodel.collectives import busbw_factor
+from costmodel.compute import HOPPER_BF16
+from costmodel.hardware import GPUS, H100
+from costmodel.memory import bucket_sizes, dp_collectives
+
+GiB = 2**30
+
+
+# --- collectives -------------------------------------------------------------------------
+
+def test_ring_allreduce_8_h100_one_node_by_hand():
+    c = parse_cluster("h100:1x8")
+    S, B, a = GiB, H100.nvlink_bw, H100.intra_alpha_s
+    expected = 2 * 7 / 8 * S / B + 14 * a
+    assert collective_time("ALLREDUCE", S, list(range(8)), c, "ring") == pytest.approx(expected)
+    # 1.75 · 2^30 / 367.6e9 + 14 · 1.3 µs
+    assert expected == pytest.approx(5.1299e-3, rel=1e-4)
+    assert collective_time("ALLREDUCE", S, list(range(8)), c) == pytest.approx(expected)  # auto = ring here
+
+
+@pytest.mark.parametrize("kind", ["REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL"])
+def test_ring_rs_ag_a2a_one_node(kind):
+    c = parse_cluster("h100:1x8")
+    expected = 7 / 8 * GiB / H100.nvlink_bw + 7 * H100.intra_alpha_s
+    assert collective_time(kind, GiB, list(range(8)), c) == pytest.approx(expected)
+
+
+def test_busbw_of_large_ring_equals_link_bandwidth():
+    c = parse_cluster("h200:1x8")
+    S = 16 * GiB
+    t = collective_time("ALLREDUCE", S, list(range(8)), c)
+    assert S / t * busbw_factor("ALLREDUCE", 8) == pytest.approx(c.gpu.nvlink_bw, rel=1e-3)
+
+
+def test_spanning_nodes_switches_to_nic():
+    c = parse_cluster("h100:2x8")
+    S, B, a = GiB, H100.nic_bw, H100.inter_alpha_s
+    # one rank per node: every algorithm runs on the NIC
+    assert collective_time("ALLREDUCE", S, [0, 8], c, "ring") == pytest.approx(S / B + 2 * a)
+    assert p2p_time(S, 0, 8, c) == pytest.approx(a + S / B)
+    assert p2p_time(S, 0, 1, c) == pytest.approx(H100.intra_alpha_s + S / H100.nvlink_bw)
+    assert p2p_time(S, 3, 3, c) == 0.0
+    assert links_used("SEND", (0, 8), c) == ["nic:rank0:tx", "nic:rank8:rx"]
+    assert links_used("SEND", (0, 1), c) == ["nvlink:rank0:tx", "nvlink:rank1:rx"]
+    assert link_bandwidth("nic:rank0:tx", c) == B
+    assert link_bandwidth("nvlink:rank0:tx", c) == H100.nvlink_bw
+    with pytest.raises(ValueError):
+        link_bandwidth("pcie:rank0", c)
+
+
+def test_hierarchical_allreduce_across_nodes():
+    c = parse_cluster("h100:2x8")
+    ranks = list(range(16))
+    S, nv, nic = GiB, H100.nvlink_bw, H100.nic_bw
+    ai, ae = H100.intra_alpha_s, H100.inter_alpha_s
+    hier = 2 * (7 / 8 * S / nv + 7 * ai) + (2 * 1 / 2 * (S / 8) / nic + 2 * ae)
+    assert collective_time("ALLREDUCE", S, ranks, c, "hierarchical") == pytest.approx(hier)
+    flat = 2 * 15 / 16 * S / nic + 30 * ae
+    assert collective_time("ALLREDUCE", S, ranks, c, "ring") == pytest.approx(flat)
+    assert collective_time("ALLREDUCE", S, ranks, c) == pytest.approx(hier)  # auto picks it
+    tree = 2 * S / nic + 2 * (7 * ai + 1 * ae)
+    assert collective_time("ALLREDUCE", S, ranks, c, "tree") == pytest.approx(tree)
+    links = links_used("ALLREDUCE", ranks, c)
+    assert "nvlink:rank3:tx" in links and "nic:rank12:rx" in links and len(links) == 64
+
+
+def test_tree_wins_for_small_messages_across_many_nodes_only():
+    c = parse_cluster("h100:32x1")
+    ranks = list(range(32))
+    tree = collective_time("ALLREDUCE", 1024, ranks, c, "tree")
+    assert tree == pytest.approx(2 * 1024 / H100.nic_bw + 2 * 5 * H100.inter_alpha_s)
+    assert collective_time("ALLREDUCE", 1024, ranks, c) == pytest.approx(tree)
+    # inside one node the tree is a chain: the ring's latency, twice its bytes
+    one = parse_cluster("h200:1x8")
+    ring = collective_time("ALLREDUCE", 32 * 1024, list(range(8)), one, "ring")
+    assert collective_time("ALLREDUCE", 32 * 1024, list(range(8)), one) == ring
+    # measured 8×H200 32 KiB all-reduce: busbw 3.15 GB/s [MLE-B]
+    assert 32 * 1024 / ring * busbw_factor("ALLREDUCE", 8) == pytest.approx(3.15e9, rel=0.05)
+
+
+def test_collective_edge_cases_and_errors():
+    c = parse_cluster("h100:1x8")
+    assert collective_time("ALLREDUCE", GiB, [3], c) == 0.0
+    assert links_used("ALLREDUCE", [3], c) == []
+    with pytest.raises(ValueError, match="unknown collective"):
+        collective_time("BROADCAST", GiB, [0, 1], c)
+    with pytest.raises(ValueError, match="no 'tree' algorithm"):
+        collective_time("ALL_GATHER", GiB, [0, 1], c, "tree")
+    with pytest.raises(ValueError, match="outside cluster"):
+        collective_time("ALLREDUCE", GiB, [0, 8], c)
+
+
+# --- memory ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("zero,total", [(0, 16.0), (1, 4 + 12 / 64), (2, 2 + 14 / 64), (3, 16 / 64)])
+def test_zero_model_state_bytes(zero, total):
+    psi, n = 7.5e9, 64
+    m = model_state_bytes(psi, n, zero)
+    assert m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"] == m["total_bytes"]
+    assert m["total_bytes"] == pytest.approx(total * psi, rel=1e-12)
+
+
+def test_memory_helpers():
+    assert model_state_bytes(100, 1, 3)["total_bytes"] == 1600
+    with pytest.raises(ValueError):
+        model_state_bytes(100, 4, 4)
+    assert [k for k, _ in dp_collectives(10, 4, 3)] == ["ALL_GATHER", "ALL_GATHER", "REDUCE_SCATTER"]
+    assert dp_collectives(10, 4, 0) == [("ALLREDUCE", 20)]
+    assert dp_collectives(10, 1, 0) == []
+    assert bucket_sizes(2.5 * 2**20, 1) == [2**20, 2**20, 0.5 * 2**20]
+
+
+# --- compute -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", list(GPUS))
+def test_efficiency_monotone_and_capped(key):
+    gpu = GPUS[key]
+    sizes = [2**i for i in range(4, 16)]
+    effs = [efficiency(gpu, 0, (s, s, s)) for s in sizes]
+    assert all(a <= b for a, b in zip(effs, effs[1:]))
+    assert max(effs) <= gpu.mamf_eff
+    assert efficiency(gpu, 1e18) <= gpu.mamf_eff
+
+
+def test_efficiency_matches_hopper_table_points():
+    assert efficiency(H100, 0, (4096, 4096, 4096)) == pytest.approx(783 / 989)
+    assert efficiency(H100, 0, (1024, 1024, 1024)) == pytest.approx(236 / 989)
+    a100 = get_gpu("a100")  # scaled by MAMF, then capped
+    assert efficiency(a100, 0, (4096, 4096, 4096)) == pytest.approx(783 / 989 * 0.869 / 0.803)
+    assert HOPPER_BF16(1.0) == HOPPER_BF16.points[0][1]
+
+
+def test_compute_time_roofline():
+    f = 2 * 4096**3
+    t = compute_time(H100, f, 0, (4096, 4096, 4096))
+    assert t == pytest.approx(f / (989e12 * 783 / 989) + H100.launch_s)
+    # memory-bound elementwise op
+    assert compute_time(H100, 1e6, 3.35e9) == pytest.approx(1e-3 + H100.launch_s)
+    assert compute_time(H100, 0, 0) == 0.0
+    with pytest.raises(ValueError, match="no 'fp8'"):
+        compute_time(get_gpu("a100"), f, dtype="fp8")
+
+
+# --- cost models -------------------------------------------------------------------------
+
+def test_unit_model_parsing():
+    m = get_costmodel("unit:F=1,BI=1,BW=1,comm=0")
+    assert isinstance(m, UnitCostModel)
+    assert [m.compute_time(k, 0) for k in ("F", "B", "BI", "BW", "OPT")] == [1, 2, 1, 1, 0]
+    assert m.collective_time("ALLREDUCE", GiB, [0, 1]) == 0 and m.comm_compute_slowdown == 1
+    m = UnitCostModel.parse("unit:F=2, B=3, comm=0.5, p2p=0.25, slowdown=1.2, OPT=1")
+    assert (m.compute_time("B", 0), m.collective_time("ALL_TO_ALL", 1, [0, 1]), m.p2p_time(1, 0, 1)) == (3, 0.5, 0.25)
+    assert m.optimizer_time(1e9) == 1 and m.comm_compute_slowdown == 1.2 and m.links("SEND", (0, 1)) == []
+    assert get_costmodel("unit").compute_time("B", 0) == 2
+
+
+@pytest.mark.parametrize("spec", ["unit:F=x", "unit:G=1", "unit:F", "units:F=1", "unit:F=-1", "unit:slowdown=0.5"])
+def test_unit_model_errors(spec):
+    with pytest.raises(ValueError):
+        get_costmodel(spec)
+
+
+def test_unit_model_unknown_kind():
+    with pytest.raises(ValueError, match="no compute kind"):
+        UnitCostModel().compute_time("X", 0)
+
+
+def test_analytic_model_interface():
+    c = parse_cluster("h100:2x8")
+    m = get_costmodel("analytic", c)
+    assert isinstance(m, AnalyticCostModel) and m.comm_compute_slowdown == 1.1
+    assert m.collective_time("ALLREDUCE", GiB, range(8)) == collective_time("ALLREDUCE", GiB, list(range(8)), c)
+    assert m.p2p_time(GiB, 0, 8) == p2p_time(GiB, 0, 8, c)
+    assert m.links("RECV", (8, 0)) == ["nic:rank8:tx", "nic:rank0:rx"]
+    assert m.link_bandwidth("nic:rank8:tx") == 50e9
+    assert 0 < m.optimizer_time(1e9) < 1
+    slow = AnalyticCostModel(c, {"nic_bw": 25e9, "comm_compute_slowdown": 1.3, "algorithm": "ring"})
+    assert slow.p2p_time(GiB, 0, 8) > m.p2p_time(GiB, 0, 8) and slow.comm_compute_slowdown == 1.3
+    with pytest.raises(ValueError, match="unknown cost-model overrides"):
+        AnalyticCostModel(c, {"nic_bandwidth": 1})
+    with pytest.raises(ValueError, match="unknown cost model"):
+        get_costmodel("roofline", c)
+    with pytest.raises(ValueError, match="needs a cluster"):
+        get_costmodel("analytic")
+
+
+def test_calibration_file(tmp_path):
+    calib = {
+        "kind": "calibration", "device": "CPU", "dtype": "fp32", "peak_flops": 1e11,
+        "efficiency_table": [[1e6, 0.1], [1e9, 0.6]],
+        "collectives": {"ALLREDUCE": {"2": {"alpha_s": 1e-4, "bw_Bps": 1e9}}},
+        "p2p": {"alpha_s": 2e-5, "bw_Bps": 2e9}, "overlap_slowdown": 1.25, "meta": {"host": "x"},
+    }
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps(calib))
+    m = get_costmodel(str(path), parse_cluster("cpu:4"))
+    assert m.comm_compute_slowdown == 1.25
+    assert m.compute_time("F", 1e9) == pytest.approx(1e9 / (1e11 * 0.6) + m.gpu.launch_s)
+    assert m.collective_time("ALLREDUCE", 1e9, [0, 1]) == pytest.approx(1e-4 + 1.0)
+    # nearest fitted size: same busbw, alpha scaled by ring steps (2·3 vs 2·1)
+    busbw = 1e9 * busbw_factor("ALLREDUCE", 2)
+    assert m.collective_time("ALLREDUCE", 1e9, [0, 1, 2, 3]) == pytest.approx(
+        3e-4 + 1e9 * busbw_factor("ALLREDUCE", 4) / busbw)
+    assert m.collective_time("ALL_GATHER", 1e6, [0, 1]) == collective_time("ALL_GATHER", 1e6, [0, 1], m.cluster)
+    assert m.p2p_time(2e9, 0, 1) == pytest.approx(2e-5 + 1.0)
+
+
+@pytest.mark.parametrize("bad", [
+    {"kind": "profile"},
+    {"kind": "calibration", "colectives": {}},
+    {"kind": "calibration", "collectives": {"ALLREDUCE": {"1": {"alpha_s": 0, "bw_Bps": 1}}}},
+    {"kind": "calibration", "collectives": {"BCAST": {}}},
+    {"kind": "calibration", "p2p": {"alpha_s": 0, "bw_Bps": 0}},
+])
+def test_calibration_errors(tmp_path, bad):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError):
+        get_costmodel(str(path), parse_cluster("cpu:2"))
+    with pytest.raises(ValueError, match="not found"):
+        get_costmodel(str(tmp_path / "missing.json"), parse_cluster("cpu:2"))
+
+
+def test_fit_alpha_beta():
+    sizes = [1e3, 1e6, 1e7, 1e8]
+    fit = fit_alpha_beta(sizes, [5e-5 + s / 2e9 for s in sizes])
+    assert fit["alpha_s"] == pytest.approx(5e-5) and fit["bw_Bps"] == pytest.approx(2e9)
+    with pytest.raises(ValueError):
+        fit_alpha_beta([1.0], [1.0])
+
+
+# --- clusters ----------------------------------------------------------------------------
+
+def test_parse_cluster_presets():
+    c = parse_cluster("h100:4x8")
+    assert (c.world_size, c.nodes, c.gpus_per_node, c.gpu.name) == (32, 4, 8, "H100")
+    assert c.node_of(17) == 2 and c.same_node([16, 23]) and not c.same_node([7, 8])
+    cpu = parse_cluster("cpu:4")
+    assert (cpu.world_size, cpu.nodes, cpu.gpu.name) == (4, 1, "CPU")
+    assert parse_cluster("MI300X:1x8").gpu.name == "MI300X"
+    for key in ("a100", "h200", "h800", "b200"):
+        assert parse_cluster(f"{key}:2x4").world_size == 8
+    assert parse_cluster("h800:1x8").gpu.nvlink_bw == 160e9
+
+
+@pytest.mark.parametrize("spec", ["h100:4y8", "h100", "h100:x8", "tpu:4x8", "cpu:two", "h100:0x8", "cpu:1x2", ""])
+def test_parse_cluster_errors(spec):
+    with pytest.raises(ValueError, match="bad cluster spec|nodes >= 1"):
+        parse_cluster(spec)
+
+
+def test_cluster_file_round_trip(tmp_path):
+    c = parse_cluster("h100:2x8")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(c.to_dict()))
+    assert parse_cluster(str(path)) == c
+    jpath = tmp_path / "cluster.json"
+    jpath.write_text(json.dumps(c.to_dict()))
+    assert parse_cluster(str(jpath)) == c
+
+
+def test_cluster_file_preset_with_overrides(tmp_path):
+    path = tmp_path / "c.yml"
+    path.write_text("gpu: h100\nnodes: 4\ngpus_per_node: 8\nnic_bw: 25e9\n")  # YAML reads 25e9 as str
+    c = parse_cluster(str(path))
+    assert c.world_size == 32 and c.gpu.nic_bw == 25e9 and c.gpu.nvlink_bw == H100.nvlink_bw
+    path.write_text("gpu: {name: h100, nvlink_bw: 1.0e+11}\nnodes: 1\ngpus_per_node: 8\n")
+    assert parse_cluster(str(path)).gpu.nvlink_bw == 1e11
+
+
+@pytest.mark.parametrize("text,match", [
+    ("gpu: h100\nnodes: 1\n", "needs keys"),
+    ("gpu: h100\nnodes: 1\ngpus_per_node: 8\nnic: 1\n", "unknown keys"),
+    ("gpu: {name: tpu, nic_bw: 1}\nnodes: 1\ngpus_per_node: 8\n", "missing fields"),
+    ("gpu: tpu\nnodes: 1\ngpus_per_node: 8\n", "unknown GPU"),
+])
+def test_cluster_file_errors(tmp_path, text, match):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        parse_cluster(str(path))
+    with pytest.raises(ValueError, match="not found"):
+        parse_cluster(str(tmp_path / "nope.yaml"))
+
+
+def test_costmodel_imports_nothing_of_the_project():
+    code = ("import sys, costmodel; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('piper_sim', 'executor', 'simpy', 'pandas', 'matplotlib', 'torch')]; print(bad); assert not bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_catalog_numbers_are_sane():
+    for gpu in GPUS.values():
+        assert gpu.nvlink_bw > gpu.nic_bw > 0 and 0 < gpu.mamf_eff < 1 and gpu.peak("bf16") > 0
+        assert math.isfinite(gpu.hbm_bw) and gpu.intra_alpha_s < gpu.inter_alpha_s
+    assert isinstance(parse_cluster("cpu:2"), Cluster)
