@@ -131,9 +131,28 @@ def _prefetch_edges(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> None:
         del index
 
 
+def _issued_before(dag: TrainingDAG, n: Node) -> Node | None:
+    """The op a node is issued just before, for ops that wait on another rank and would
+    otherwise block their in-order stream too early: RECVs, ZeRO-3 prefetch gathers, and
+    all-to-alls inside a stage (issued before the piece that consumes them)."""
+    ins = dag.ins(n)
+    local = [q for q in dag.g.successors(n) if q[0] == n[0]]
+    if ins.kind == "RECV" or (ins.kind == "ALL_GATHER" and ins.mb >= 0):
+        return local[0] if local else None
+    if ins.kind == "ALL_TO_ALL":
+        family = "F" if ins.id.startswith("A2A.F") else "B"
+        for q in local:
+            qi = dag.ins(q)
+            if qi.stage == ins.stage and qi.mb == ins.mb and (qi.kind == "F") == (family == "F") \
+                    and qi.kind in ("F", "B", "BI"):
+                return q
+    return None
+
+
 def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node, float]:
-    """A sort key per node: compute ops by their slot sequence, comm ops right after what
-    they wait on (RECVs just before their consumer), optimizer steps at the end.
+    """A sort key per node: compute ops by their slot sequence; RECVs, prefetches and
+    all-to-alls just before what consumes them; other comm ops right after what they
+    wait on; optimizer steps at the end.
 
     A collective gets the same key on every member (the latest), so all members issue
     their collectives in one order (e.g. DualPipe's two copies of a stage)."""
@@ -142,23 +161,28 @@ def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node
     for n in dag.g.nodes:
         by_where.setdefault(n[0], []).append(n)
     orders = {w: list(nx.topological_sort(dag.g.subgraph(nodes))) for w, nodes in by_where.items()}
+    before = {n: _issued_before(dag, n) for n in dag.g.nodes}
     for _ in range(4):
         key: dict[Node, float] = {}
         for where, topo in orders.items():
             seq = sequences.get(where, [])
             key.update({n: float(i) for i, n in enumerate(seq)})
             end = float(len(seq))
+
+            def key_of(n: Node) -> float:
+                if n not in key:
+                    if before[n] is not None:
+                        key[n] = key_of(before[n]) - 0.5
+                        return key[n]
+                    preds = [key_of(p) for p in dag.g.predecessors(n) if p[0] == where]
+                    if dag.ins(n).kind == "OPT":
+                        key[n] = end + (max(preds) if preds else 0.0) / (end + 1)
+                    else:
+                        key[n] = max(forced.get(n, 0.0), max(preds, default=-1.0) + 0.1)
+                return key[n]
+
             for n in topo:
-                if n in key:
-                    continue
-                preds = [key[p] for p in dag.g.predecessors(n) if p[0] == where and p in key]
-                if dag.ins(n).kind == "OPT":
-                    key[n] = end + (max(preds) if preds else 0.0) / (end + 1)
-                elif preds:
-                    key[n] = max(forced.get(n, 0.0), max(preds) + 0.1)
-            for n in reversed(topo):
-                if n not in key:  # a RECV or prefetch: just before its first consumer
-                    key[n] = min(key[q] for q in dag.g.successors(n) if q[0] == where) - 0.5
+                key_of(n)
         latest: dict[str, float] = {}
         for n, k in key.items():
             if dag.ins(n).kind in ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER"):
@@ -200,10 +224,8 @@ def lower(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[int, dict[
             ins = dag.ins(n)
             streams.setdefault(ins.stream, []).append(ins)
         for lst in streams.values():
-            prev = None
             for ins in lst:
-                ins.deps = sorted(p[1] for p in dag.g.predecessors((where, ins.id)) if p[0] == where and p[1] != prev)
-                prev = ins.id
+                ins.deps = sorted(p[1] for p in dag.g.predecessors((where, ins.id)) if p[0] == where)
         out[where] = dict(sorted(streams.items(), key=lambda kv: _STREAM_ORDER.get(kv[0], 9)))
     return out
 

@@ -260,7 +260,7 @@ def _split_node(ctx: Context, dag: TrainingDAG, node: Node, parts: list[list[Seg
         share = sum(x.saved_act_bytes for x in segs) / total_act if total_act else 0.0
         ins.alloc, ins.free = old.alloc * share, old.free * share
         is_expert = segs[0].is_expert
-        if is_expert and chain:  # all-to-all into the expert block
+        if is_expert:  # all-to-all into the expert block
             e = expert_idx[i]
             name = "dispatch" if forward else "combine"
             chain.append(_a2a(ctx, dag, where, old, e, name, segs[0].a2a_bytes))

@@ -9,13 +9,19 @@ and a combine after it). See :func:`unit_names` and :func:`unit_segments`.
 Weights are initialised per unit from ``(seed, unit name)``, so any split of the model into
 stages (:func:`build_units`) yields exactly the weights of :func:`build_model`.
 
-Full-size models are only ever built on the ``meta`` device (for counting and profiling).
+Full-size models are only ever built on the ``meta`` device (for counting and profiling);
+building more than ~2B parameters on a real device is refused.
+
+The zoo (:data:`ZOO`): ``gpt-tiny`` and ``moe-tiny`` (CPU tests in milliseconds), Llama 3
+8B/70B/405B, the Piper paper's MoE evaluation configs ``qwen3-moe-1b``/``qwen3-moe-9b``, and
+``deepseek-v3`` (MLA, 1 shared + 256 routed experts, top-8; ~671B total and ~37B active
+parameters; the multi-token-prediction (MTP) module is not included). ``max_seq`` is
+informational: rotary tables are computed for whatever sequence length is run.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -175,8 +181,9 @@ def _layer_index(cfg: ModelConfig, name: str) -> int:
 # --------------------------------------------------------------------------- modules
 
 
-# Modules are always constructed on ``meta`` in this dtype (no default init: init_unit
-# initialises real weights), which keeps a 671B-parameter build to a few seconds.
+# Modules are always constructed on ``meta`` in this dtype, without torch's default init
+# (build_model/build_units allocate real tensors and run init_unit), which keeps a
+# 671B-parameter build to a few seconds. Construct modules through those two functions.
 _BUILD_DTYPE = torch.float32
 
 
@@ -447,7 +454,6 @@ class Transformer(nn.Module):
         if name in ("embed", "head"):
             return getattr(self, name)
         return self.layers[_layer_index(self.cfg, name)]
-
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)

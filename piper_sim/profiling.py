@@ -33,17 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from piper_sim.models import (
-    Block,
-    Embedding,
-    Head,
-    ModelConfig,
-    SwiGLU,
-    _construct,
-    lm_loss,
-    unit_names,
-    unit_segments,
-)
+from piper_sim.models import ModelConfig, build_units, lm_loss, unit_names, unit_segments
 
 
 @dataclass(frozen=True)
@@ -151,10 +141,6 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
 # --------------------------------------------------------------------------- per kind
 
 
-def _layer_of_kind(cfg: ModelConfig, moe: bool) -> int:
-    return cfg.first_dense if moe else 0
-
-
 @functools.lru_cache(maxsize=256)
 def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: torch.dtype) -> SegmentCost:
     """Cost of one segment kind: ``embed``, ``dense`` (layer), ``moe_pre``, ``moe_experts``,
@@ -167,32 +153,32 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
     scale, a2a, is_expert = 1.0, 0, False
     out_bytes = T * h * nbytes
 
-    def build(make):
-        return _construct(make, "meta", dtype, 0, [])
+    def build(unit: str):
+        return build_units(cfg, [unit], device="meta", dtype=dtype)[unit]
 
     if kind == "embed":
-        mod = build(lambda: Embedding(cfg.vocab, h))
+        mod = build("embed")
         params = list(mod.parameters())
         m = measure(mod, [tokens], params)
     elif kind == "dense":
-        mod = build(lambda: Block(cfg, _layer_of_kind(cfg, moe=False)))
+        mod = build("layers.0")  # leading layers are dense whenever a model has dense layers
         params = list(mod.parameters())
         m = measure(mod, [hidden_in], params)
     elif kind == "moe_pre":
-        mod = build(lambda: Block(cfg, _layer_of_kind(cfg, moe=True)))
+        mod = build(f"layers.{cfg.first_dense}")
         expert_ids = {id(p) for p in mod.moe.experts.parameters()}
         params = [p for p in mod.parameters() if id(p) not in expert_ids]
         m = measure(mod.forward_pre, [hidden_in], params)
     elif kind == "moe_experts":
         routed = T * cfg.top_k
         per_expert = math.ceil(routed / cfg.n_experts)  # uniform routing
-        mod = build(lambda: SwiGLU(h, cfg.expert_ffn))
+        mod = build(f"layers.{cfg.first_dense}").moe.experts[0]
         params = list(mod.parameters())
         m = measure(mod, [torch.empty(per_expert, h, requires_grad=True, **meta)], params)
         scale = routed / per_expert  # = n_experts when it divides evenly
         a2a, is_expert = routed * h * nbytes, True
     elif kind == "head":
-        mod = build(lambda: Head(cfg))
+        mod = build("head")
         params = list(mod.parameters())
         m = measure(lambda x: lm_loss(mod(x), tokens), [hidden_in], params)
         out_bytes = 4  # the fp32 scalar loss

@@ -100,14 +100,14 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
         raise StrategyError(f"directive #{index}: unknown op {op!r}; known ops: "
                             + ", ".join(DIRECTIVE_FIELDS))
     required, optional = DIRECTIVE_FIELDS[op]
-    missing = required - d.keys()
-    if missing:
-        raise StrategyError(f"directive #{index} ({op}): missing field(s) {', '.join(sorted(missing))}")
     unknown = d.keys() - required - optional - {"op"}
     if unknown:
         allowed = ", ".join(sorted(required | optional)) or "none"
         raise StrategyError(f"directive #{index} ({op}): unknown field(s) {', '.join(sorted(unknown))};"
                             f" allowed: {allowed}")
+    missing = required - d.keys()
+    if missing:
+        raise StrategyError(f"directive #{index} ({op}): missing field(s) {', '.join(sorted(missing))}")
     where = f"directive #{index} ({op})"
     for key in ("degree", "stages_per_rank", "microbatches"):
         if key in d and not (op == "place" and key == "microbatches"):

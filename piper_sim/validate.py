@@ -22,10 +22,12 @@ class PlanValidationError(ValueError):
     """The plan is inconsistent or would deadlock; one line naming the ops."""
 
 
-def _members(plan: Plan, group: str, pp_rank: int) -> list[int]:
+def _members(plan: Plan, group: str, pp_rank: int, cache: dict) -> list[int]:
     """Pipeline-rank classes taking part in a (symbolic) group, seen from ``pp_rank``."""
-    rep = plan.layout.rank(pp_rank, 0)
-    return sorted({plan.layout.coords(r)[0] for r in plan.layout.group_ranks(group, rep)})
+    if (group, pp_rank) not in cache:
+        rep = plan.layout.rank(pp_rank, 0)
+        cache[(group, pp_rank)] = sorted({plan.layout.coords(r)[0] for r in plan.layout.group_ranks(group, rep)})
+    return cache[(group, pp_rank)]
 
 
 def validate_plan(plan: Plan) -> None:
@@ -41,14 +43,18 @@ def validate_plan(plan: Plan) -> None:
     uf: dict[tuple[int, str], tuple[int, str]] = {}
 
     def find(x):
-        while uf.get(x, x) != x:
-            x = uf[x]
-        return x
+        root = x
+        while uf.get(root, root) != root:
+            root = uf[root]
+        while x != root:  # path compression
+            uf[x], x = root, uf[x]
+        return root
 
     def union(a, b):
         uf[find(a)] = find(b)
 
     seen_compute: dict[tuple[int, int, str], int] = {}
+    members_cache: dict = {}
     for c in plan.classes:
         for stream, lst in c.streams.items():
             prev = None
@@ -72,7 +78,7 @@ def validate_plan(plan: Plan) -> None:
                             f"on pipeline rank {ins.peer}")
                     union(node, (ins.peer, f"{other}.{ins.match}"))
                 elif ins.kind in COLLECTIVE_KINDS:
-                    for m in _members(plan, ins.group, c.pp_rank):
+                    for m in _members(plan, ins.group, c.pp_rank, members_cache):
                         peer_op = ops.get((m, ins.id))
                         if peer_op is None or peer_op.kind != ins.kind or peer_op.bytes != ins.bytes:
                             raise PlanValidationError(
@@ -103,9 +109,8 @@ def validate_plan(plan: Plan) -> None:
             contracted.add_edge(fa, fb)
         elif a != b:
             raise PlanValidationError(f"deadlock: {a[1]}@{a[0]} and {b[1]}@{b[0]} wait on each other")
-    try:
-        cycle = nx.find_cycle(contracted)
-    except nx.NetworkXNoCycle:
+    if nx.is_directed_acyclic_graph(contracted):
         return
+    cycle = nx.find_cycle(contracted)
     names = " -> ".join(f"{n[1]}@pp{n[0]}" for n, _ in cycle)
     raise PlanValidationError(f"deadlock: these ops wait on each other in a cycle: {names}")

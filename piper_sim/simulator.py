@@ -1,0 +1,663 @@
+"""Discrete-event simulation of a Plan on a cost model (simpy).
+
+Every rank runs one simpy process per stream; a stream executes its instructions in
+order, like a CUDA stream. An instruction starts when its stream is free and its
+``deps`` (op ids on the same rank) are done. A SEND and the RECV with the same ``match``
+on its peer move data once both are posted; a collective moves data once every member
+reached it. Comm transfers share links: each transfer asks for its solo rate on every
+link it uses (`CostModel.links`), and a link asked for more than its bandwidth slows
+all its transfers in proportion (finish times are recomputed whenever a transfer starts
+or ends). Compute runs `comm_compute_slowdown` times slower while a transfer is active on
+its rank. Memory per rank: the class's static model states, plus ``alloc`` when an op
+starts, minus ``free`` when it ends.
+
+Folding: the data-parallel replicas of a pipeline rank run the same program, so when
+the cluster is symmetric over replicas (every collective and p2p transfer of replica d
+costs what replica 0's does), one representative per class (dp_rank 0) is simulated and
+a collective completes when the representatives of all member classes reached it. The
+result equals the unfolded simulation; `simulate(..., fold=False)` runs every rank.
+
+If the run cannot finish, `SimulationDeadlock` names the op each blocked stream waits on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import simpy
+
+from costmodel.hardware import Cluster, parse_cluster
+from costmodel.model import CostModel, UnitCostModel, get_costmodel
+from piper_sim import trace
+from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+__all__ = ["RankStats", "SimResult", "SimulationDeadlock", "SimulationError", "fold_is_exact", "simulate"]
+
+OPTIM_BYTES_PER_PARAM = {2: 12.0, 4: 8.0}  # fp32 master + Adam m, v (none for fp32 params)
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class SimulationError(ValueError):
+    """A plan the simulator cannot run (missing dependency, unmatched op...)."""
+
+
+class SimulationDeadlock(SimulationError):
+    """The run stopped with ops still waiting; the message names them."""
+
+
+@dataclass
+class RankStats:
+    """Per-rank totals over one step. bubble_s = step time − compute_s (the published
+    formulas' bubble); idle_s = bubble_s − comm_exposed_s."""
+
+    rank: int
+    pp_rank: int
+    represents: int  # ranks this row stands for (the class's replicas when folded)
+    compute_s: float
+    comm_exposed_s: float
+    idle_s: float
+    bubble_s: float
+    peak_memory_bytes: float
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float  # peak of the transient (alloc/free) memory
+
+
+@dataclass
+class SimResult:
+    """The outcome of one simulated step.
+
+    bubble_fraction: mean over ranks of bubble_s / step_time_s (share of the step the
+    compute stream does not compute). mfu: model flops / (step time × world × peak).
+    events: one row per executed op (`piper_sim.trace.EVENT_COLUMNS` + ``posted``);
+    memory: transient bytes per rank over time (`trace.MEMORY_COLUMNS`).
+    """
+
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble_fraction: float
+    per_rank: list[RankStats]
+    num_events: int
+    sim_wall_s: float
+    events: "pd.DataFrame" = field(repr=False)
+    memory: "pd.DataFrame" = field(repr=False)
+    folded: bool = True
+    world_size: int = 0
+    costmodel: str = ""
+    plan_hash: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction, "num_events": self.num_events,
+            "sim_wall_s": self.sim_wall_s, "folded": self.folded, "world_size": self.world_size,
+            "costmodel": self.costmodel, "plan_hash": self.plan_hash,
+            "per_rank": [asdict(s) for s in self.per_rank],
+        }
+
+    def shown_ranks(self, max_ranks: int = 16) -> list[int]:
+        """Ranks to draw: all when few, else one per pipeline rank."""
+        ranks = [s.rank for s in self.per_rank]
+        if len(ranks) <= max_ranks:
+            return ranks
+        first: dict[int, int] = {}
+        for s in self.per_rank:
+            first.setdefault(s.pp_rank, s.rank)
+        return list(first.values())[:64]
+
+    def write_trace(self, path: str) -> None:
+        trace.write_chrome_trace(self.events, path, flows=True)
+
+    def plot_timeline(self, path: str, title: str = "") -> None:
+        trace.plot_timeline(self.events, path, title=title, ranks=self.shown_ranks())
+
+    def plot_memory(self, path: str, title: str = "") -> None:
+        static = {s.rank: s.params_bytes + s.grads_bytes + s.optimizer_bytes for s in self.per_rank}
+        trace.plot_memory(self.memory, path, title=title, static_bytes=static, ranks=self.shown_ranks())
+
+
+# ----------------------------------------------------------------------------- folding
+
+
+def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
+    """Whether simulating dp_rank 0 of each class gives every replica's timeline.
+
+    True when each collective group and p2p pair of replica d has the topology (member
+    classes, ranks per node) of replica 0's, so it costs the same and shares links the
+    same way. Returns (exact, reason when not).
+    """
+    layout = plan.layout
+    if layout.dp == 1:
+        return True, ""
+    groups: set[tuple[int, str]] = set()
+    peers: set[tuple[int, int]] = set()
+    for c in plan.classes:
+        for ins in c.instructions():
+            if ins.kind in COLLECTIVE_KINDS:
+                if ins.group.startswith("ranks:"):
+                    return False, f"explicit group {ins.group} of {ins.id} on a class with {layout.dp} replicas"
+                groups.add((c.pp_rank, ins.group))
+            elif ins.kind in ("SEND", "RECV"):
+                peers.add((c.pp_rank, ins.peer))
+    if cluster is None or cluster.nodes == 1:
+        return True, ""
+    g = cluster.gpus_per_node
+    if layout.dp % g == 0 and (layout.ep % g == 0 or g % layout.ep == 0):
+        return True, ""  # every class fills whole nodes, EP blocks align with nodes
+
+    def signature(ranks: list[int]) -> tuple:
+        return (frozenset(layout.coords(r)[0] for r in ranks),
+                tuple(sorted(Counter(cluster.node_of(r) for r in ranks).values())))
+
+    for pp, group in sorted(groups):
+        ref = signature(layout.group_ranks(group, layout.rank(pp, 0)))
+        for d in range(1, layout.dp):
+            if signature(layout.group_ranks(group, layout.rank(pp, d))) != ref:
+                return False, f"group {group} of pipeline rank {pp} differs between dp_rank 0 and {d}"
+    for pp, peer in sorted(peers):
+        ref = cluster.same_node((layout.rank(pp, 0), layout.rank(peer, 0)))
+        for d in range(1, layout.dp):
+            if cluster.same_node((layout.rank(pp, d), layout.rank(peer, d))) != ref:
+                return False, f"p2p between pipeline ranks {pp} and {peer} crosses nodes only for some replicas"
+    return True, ""
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+class _Op:
+    """One instruction placed on one simulated rank."""
+
+    __slots__ = ("ins", "rank", "stream", "deps", "dur", "peer", "group", "done", "event",
+                 "posted", "start", "end")
+
+    def __init__(self, ins: Instruction, rank: int, stream: str):
+        self.ins = ins
+        self.rank = rank
+        self.stream = stream
+        self.deps: list[_Op] = []
+        self.dur: float | None = None  # compute ops
+        self.peer = -1
+        self.group: tuple[int, ...] = ()
+        self.done = False
+        self.event: simpy.Event | None = None
+        self.posted: float | None = None
+        self.start = 0.0
+        self.end = 0.0
+
+
+class _Job:
+    """Work (seconds at full rate) whose rate changes with link load or comm activity."""
+
+    __slots__ = ("left", "rate", "t", "ver", "ev", "links", "ranks", "compute")
+
+    def __init__(self, work: float, ev: simpy.Event, links: tuple, ranks: tuple, compute: bool = False):
+        self.left = work
+        self.rate = 1.0
+        self.t = 0.0
+        self.ver = 0
+        self.ev = ev
+        self.links = links  # ((link_id, demand bytes/s), ...)
+        self.ranks = ranks
+        self.compute = compute
+
+
+class _Engine:
+    def __init__(self, plan: Plan, cm: CostModel, folded: bool):
+        self.plan, self.cm, self.folded = plan, cm, folded
+        self.layout = plan.layout
+        self.env = simpy.Environment()
+        self.slow = float(getattr(cm, "comm_compute_slowdown", 1.0) or 1.0)
+        self.unit = isinstance(cm, UnitCostModel)
+        dp = self.layout.dp
+        self.ranks = [self.layout.rank(c.pp_rank, 0) for c in plan.classes] if folded else \
+            list(range(self.layout.world_size))
+        self.class_of = {r: plan.classes[self.layout.coords(r)[0]] for r in self.ranks}
+        self.represents = {r: (dp if folded else 1) for r in self.ranks}
+        self.streams: dict[int, list[tuple[str, list[_Op]]]] = {}
+        self.pos: dict[tuple[int, str], int] = {}
+        self.rows: list[tuple] = []
+        self.mem_cur = {r: 0.0 for r in self.ranks}
+        self.mem_peak = {r: 0.0 for r in self.ranks}
+        self.mem_samples: list[tuple[int, float, float]] = []
+        self.p2p_pending: dict[tuple[int, int, str], tuple[_Op, simpy.Event]] = {}
+        self.coll_pending: dict[tuple[str, tuple[int, ...]], tuple[simpy.Event, list[_Op]]] = {}
+        self.on_link: dict[str, dict[_Job, float]] = {}
+        self.active: dict[int, int] = {}
+        self.compute_jobs: dict[int, dict[_Job, None]] = {r: {} for r in self.ranks}
+        self._coll_cache: dict[tuple, tuple[float, tuple, tuple]] = {}
+        self._group_cache: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._dur_cache: dict[int, float] = {}
+        self._bw: dict[str, float] = {}
+        self._build()
+
+    # --- setup ---------------------------------------------------------------------
+    def _rep(self, rank: int) -> int:
+        return self.layout.rank(self.layout.coords(rank)[0], 0) if self.folded else rank
+
+    def _group(self, group: str, rank: int) -> tuple[int, ...]:
+        key = (group, rank)
+        if key not in self._group_cache:
+            try:
+                self._group_cache[key] = tuple(self.layout.group_ranks(group, rank))
+            except (KeyError, ValueError) as e:
+                raise SimulationError(f"rank {rank}: cannot resolve collective group {group!r}: {e}") from None
+        return self._group_cache[key]
+
+    def _compute_durations(self, cls) -> dict[int, float]:
+        """Duration of each compute instruction of a class (keyed by id(ins))."""
+        cm = self.cm
+        totals: dict[tuple[str, int, int], float] = {}
+        n_opt = 0
+        for ins in cls.instructions():
+            if ins.kind in COMPUTE_KINDS:
+                key = (ins.kind, ins.stage, ins.mb)
+                totals[key] = totals.get(key, 0.0) + ins.flops
+                n_opt += ins.kind == "OPT"
+        out = {}
+        for ins in cls.instructions():
+            if ins.kind not in COMPUTE_KINDS:
+                continue
+            if self.unit:
+                t = cm.compute_time(ins.kind, ins.flops)
+                if ins.parts > 1:
+                    total = totals[(ins.kind, ins.stage, ins.mb)]
+                    t *= ins.flops / total if total > 0 else 1.0 / ins.parts
+            elif ins.kind == "OPT" and ins.flops == 0 and ins.bytes == 0 and hasattr(cm, "optimizer_time"):
+                # the plan carries no optimizer cost: Adam on the class's local parameter shard
+                pbytes = DTYPE_BYTES.get(self.plan.meta.get("dtype", "bf16"), 2)
+                params = cls.static_memory.get("optimizer_bytes", 0.0) / OPTIM_BYTES_PER_PARAM.get(pbytes, 12.0)
+                t = cm.optimizer_time(params / max(1, n_opt))
+            else:
+                gemm = tuple(ins.gemm) if ins.gemm else None
+                t = cm.compute_time(ins.kind, ins.flops, mem_bytes=ins.bytes, gemm=gemm)
+            out[id(ins)] = float(t)
+        return out
+
+    def _build(self) -> None:
+        layout = self.layout
+        durs: dict[int, dict[int, float]] = {}
+        for r in self.ranks:
+            pp, d = layout.coords(r)
+            cls = self.class_of[r]
+            if pp not in durs:
+                durs[pp] = self._compute_durations(cls)
+            by_id: dict[str, _Op] = {}
+            streams = []
+            for name, lst in cls.streams.items():
+                ops = []
+                for ins in lst:
+                    op = _Op(ins, r, name)
+                    if ins.id in by_id:
+                        raise SimulationError(f"rank {r}: op {ins.id} appears twice")
+                    by_id[ins.id] = op
+                    if ins.kind in COMPUTE_KINDS:
+                        op.dur = durs[pp][id(ins)]
+                    elif ins.kind in ("SEND", "RECV"):
+                        if not 0 <= ins.peer < layout.pp:
+                            raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
+                                                  f"outside 0..{layout.pp - 1}")
+                        op.peer = layout.rank(ins.peer, d)
+                    elif ins.kind in COLLECTIVE_KINDS:
+                        op.group = self._group(ins.group, r)
+                        if r not in op.group:
+                            raise SimulationError(f"rank {r}: collective {ins.id} has group {ins.group} "
+                                                  f"= {list(op.group)}, which does not contain the rank")
+                    else:
+                        raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
+                    ops.append(op)
+                streams.append((name, ops))
+            for _, ops in streams:
+                for op in ops:
+                    for dep in op.ins.deps:
+                        if dep not in by_id:
+                            raise SimulationError(f"rank {r}: op {op.ins.id} depends on {dep}, which this rank "
+                                                  "does not run")
+                        op.deps.append(by_id[dep])
+            self.streams[r] = streams
+
+    # --- comm costs ------------------------------------------------------------------
+    def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float) -> tuple:
+        links = self.cm.links(kind, ranks)
+        if not links or dur <= 0:
+            return ()
+        if kind in ("SEND", "RECV"):
+            volume = nbytes
+        else:
+            n = len(ranks)
+            volume = nbytes * (n - 1) / n * (2 if kind == "ALLREDUCE" else 1)
+        out: dict[str, float] = {}
+        for link in links:
+            if self.folded:  # "nvlink:rank17:tx" -> the port of rank 17's representative
+                port, rank, direction = link.split(":")
+                link = f"{port}:rank{self._rep(int(rank[4:]))}:{direction}"
+            if link not in self._bw:
+                self._bw[link] = float(self.cm.link_bandwidth(link))
+            out[link] = min(self._bw[link], volume / dur)
+        return tuple(out.items())
+
+    def _collective_cost(self, kind: str, nbytes: float, group: tuple[int, ...]) -> tuple[float, tuple, tuple]:
+        key = (kind, nbytes, group)
+        if key not in self._coll_cache:
+            dur = float(self.cm.collective_time(kind, nbytes, list(group)))
+            reps = tuple(dict.fromkeys(self._rep(r) for r in group))
+            self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes), reps)
+        return self._coll_cache[key]
+
+    # --- rate-shared jobs ---------------------------------------------------------------
+    def _transfer(self, dur: float, links: tuple, ranks: tuple, ev: simpy.Event) -> None:
+        if dur <= 0:
+            ev.succeed()
+            return
+        if not links and self.slow == 1.0:
+            self.env.timeout(dur).callbacks.append(lambda _e: ev.succeed())
+            return
+        job = _Job(dur, ev, links, ranks)
+        job.t = self.env.now
+        affected: dict[_Job, None] = {job: None}
+        for link, demand in links:
+            on = self.on_link.setdefault(link, {})
+            on[job] = demand
+            affected.update(dict.fromkeys(on))
+        for r in ranks:
+            c = self.active.get(r, 0)
+            self.active[r] = c + 1
+            if c == 0 and self.slow != 1.0:
+                affected.update(self.compute_jobs.get(r, {}))
+        for j in affected:
+            self._rerate(j, j is job)
+
+    def _run_compute(self, rank: int, dur: float) -> simpy.Event:
+        job = _Job(dur, self.env.event(), (), (rank,), compute=True)
+        job.t = self.env.now
+        self.compute_jobs[rank][job] = None
+        self._rerate(job, True)
+        return job.ev
+
+    def _rate(self, job: _Job) -> float:
+        if job.compute:
+            return 1.0 / self.slow if self.active.get(job.ranks[0], 0) else 1.0
+        rate = 1.0
+        for link, _ in job.links:
+            load = sum(self.on_link[link].values())
+            cap = self._bw[link]
+            if load > cap * (1 + 1e-12):
+                rate = min(rate, cap / load)
+        return rate
+
+    def _rerate(self, job: _Job, new: bool = False) -> None:
+        rate = self._rate(job)
+        now = self.env.now
+        if not new:
+            if rate == job.rate:
+                return
+            job.left -= job.rate * (now - job.t)
+        job.t, job.rate = now, rate
+        job.ver += 1
+        ver = job.ver
+        self.env.timeout(max(job.left, 0.0) / rate).callbacks.append(lambda _e: self._job_end(job, ver))
+
+    def _job_end(self, job: _Job, ver: int) -> None:
+        if ver != job.ver:
+            return  # rescheduled since
+        if job.compute:
+            del self.compute_jobs[job.ranks[0]][job]
+            job.ev.succeed()
+            return
+        affected: dict[_Job, None] = {}
+        for link, _ in job.links:
+            on = self.on_link[link]
+            del on[job]
+            affected.update(dict.fromkeys(on))
+        for r in job.ranks:
+            self.active[r] -= 1
+            if self.active[r] == 0 and self.slow != 1.0:
+                affected.update(self.compute_jobs.get(r, {}))
+        for j in affected:
+            self._rerate(j)
+        job.ev.succeed()
+
+    # --- ops ----------------------------------------------------------------------------
+    def _p2p(self, op: _Op) -> simpy.Event:
+        ins = op.ins
+        send = ins.kind == "SEND"
+        key = (op.rank, op.peer, ins.match) if send else (op.peer, op.rank, ins.match)
+        other = self.p2p_pending.pop(key, None)
+        if other is None:
+            ev = self.env.event()
+            self.p2p_pending[key] = (op, ev)
+            return ev
+        other_op, ev = other
+        if other_op.ins.kind == ins.kind:
+            raise SimulationError(f"rank {op.rank}: {ins.id} and {other_op.ins.id} on rank {other_op.rank} "
+                                  f"are both {ins.kind}s with match {ins.match!r}")
+        op.start = other_op.start = self.env.now
+        src, dst = key[0], key[1]
+        nbytes = (op if send else other_op).ins.bytes
+        dur = float(self.cm.p2p_time(nbytes, src, dst))
+        self._transfer(dur, self._links("SEND", (src, dst), dur, nbytes), (src, dst), ev)
+        return ev
+
+    def _collective(self, op: _Op) -> simpy.Event:
+        ins = op.ins
+        key = (ins.id, op.group)
+        entry = self.coll_pending.get(key)
+        if entry is None:
+            entry = self.coll_pending[key] = (self.env.event(), [])
+        entry[1].append(op)
+        dur, links, reps = self._collective_cost(ins.kind, ins.bytes, op.group)
+        expected = len(reps) if self.folded else len(op.group)
+        if len(entry[1]) == expected:
+            del self.coll_pending[key]
+            now = self.env.now
+            for o in entry[1]:
+                o.start = now
+            self._transfer(dur, links, reps, entry[0])
+        return entry[0]
+
+    def _memory(self, rank: int, delta: float) -> None:
+        cur = self.mem_cur[rank] + delta
+        self.mem_cur[rank] = cur
+        if cur > self.mem_peak[rank]:
+            self.mem_peak[rank] = cur
+        self.mem_samples.append((rank, self.env.now, cur))
+
+    def _stream(self, rank: int, name: str, ops: list[_Op]):
+        env = self.env
+        key = (rank, name)
+        rows = self.rows
+        for i, op in enumerate(ops):
+            self.pos[key] = i
+            for dep in op.deps:
+                if not dep.done:
+                    if dep.event is None:
+                        dep.event = env.event()
+                    yield dep.event
+            ins = op.ins
+            op.posted = env.now
+            if ins.alloc:
+                self._memory(rank, ins.alloc)
+            if op.dur is not None:
+                op.start = env.now
+                if self.slow != 1.0 and op.dur > 0:
+                    yield self._run_compute(rank, op.dur)
+                elif op.dur > 0:
+                    yield env.timeout(op.dur)
+            elif ins.kind in ("SEND", "RECV"):
+                yield self._p2p(op)
+            else:
+                yield self._collective(op)
+            op.end = env.now
+            if ins.free:
+                self._memory(rank, -ins.free)
+            op.done = True
+            if op.event is not None:
+                op.event.succeed()
+            rows.append((rank, name, ins.id, ins.kind, ins.stage, ins.mb, op.start, op.end, ins.bytes,
+                         ins.flops, op.peer, op.posted))
+        self.pos[key] = len(ops)
+
+    def run(self) -> None:
+        for r in self.ranks:
+            for name, ops in self.streams[r]:
+                self.pos[(r, name)] = 0
+                self.env.process(self._stream(r, name, ops))
+        self.env.run()
+        self._check_finished()
+
+    # --- deadlock report ----------------------------------------------------------------
+    def _waits_on(self, op: _Op) -> str:
+        ins = op.ins
+        if op.posted is None:
+            missing = [d.ins.id for d in op.deps if not d.done]
+            return "waits for " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
+        if ins.kind in ("SEND", "RECV"):
+            other = "RECV" if ins.kind == "SEND" else "SEND"
+            return f"waits for {other}.{ins.match} on rank {op.peer}"
+        entry = self.coll_pending.get((ins.id, op.group))
+        arrived = {o.rank for o in entry[1]} if entry else set()
+        members = dict.fromkeys(self._rep(r) for r in op.group) if self.folded else op.group
+        missing = [r for r in members if r not in arrived]
+        return f"waits for ranks {','.join(map(str, missing[:8]))}{' ...' if len(missing) > 8 else ''} to reach it"
+
+    def _check_finished(self) -> None:
+        blocked = []
+        for r in self.ranks:
+            for name, ops in self.streams[r]:
+                i = self.pos[(r, name)]
+                if i < len(ops):
+                    blocked.append(f"rank {r} {ops[i].ins.id} {self._waits_on(ops[i])}")
+        if blocked:
+            shown = "; ".join(blocked[:10]) + (f"; (+{len(blocked) - 10} more)" if len(blocked) > 10 else "")
+            raise SimulationDeadlock(f"deadlock at t={self.env.now:.6g}s, {len(blocked)} streams blocked: {shown}")
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def _exposed(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
+    """Length of the comm intervals not covered by compute (both as unions)."""
+    total, j = 0.0, 0
+    for s, e in comm:
+        covered = 0.0
+        while j < len(compute) and compute[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < e:
+            covered += min(e, compute[k][1]) - max(s, compute[k][0])
+            k += 1
+        total += (e - s) - covered
+    return total
+
+
+def _peak_flops(plan: Plan, cm: CostModel) -> float:
+    gpu = getattr(cm, "gpu", None)
+    dtype = getattr(cm, "dtype", None) or plan.meta.get("dtype", "bf16")
+    if gpu is None:
+        try:
+            gpu = parse_cluster(plan.meta["cluster"]).gpu
+        except (KeyError, ValueError):
+            return 0.0
+    try:
+        return gpu.peak(dtype)
+    except ValueError:
+        return 0.0
+
+
+def _cluster(plan: Plan, cm: CostModel) -> Cluster | None:
+    cluster = getattr(cm, "cluster", None)
+    if cluster is not None or isinstance(cm, UnitCostModel):
+        return cluster
+    try:
+        return parse_cluster(plan.meta["cluster"])
+    except (KeyError, ValueError):
+        return None
+
+
+def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bool = True) -> SimResult:
+    """Simulate one training step of `plan` (a Plan or a plan JSON path).
+
+    costmodel: "analytic" (on the plan's cluster), "unit:F=1,BI=1,BW=1,comm=0", a
+    calibration JSON path, or a CostModel. fold: simulate one replica per rank class when
+    that is exact (see `fold_is_exact`); False simulates every rank.
+    """
+    t0 = time.perf_counter()
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    cluster = None
+    if not isinstance(costmodel, CostModel):
+        spec = str(costmodel)
+        if not spec.strip().lower().startswith("unit"):
+            if "cluster" not in plan.meta:
+                raise SimulationError(f"cost model {spec!r} needs the plan's cluster (meta.cluster); "
+                                      "compile the plan with piper-sim, or use a unit cost model")
+            cluster = parse_cluster(plan.meta["cluster"])
+        costmodel = get_costmodel(spec, cluster)
+    cm = costmodel
+    folded = fold and fold_is_exact(plan, _cluster(plan, cm))[0]
+    eng = _Engine(plan, cm, folded)
+    eng.run()
+
+    layout = plan.layout
+    step = max((row[7] for row in eng.rows), default=0.0)
+    by_rank: dict[int, tuple[list, list]] = {r: ([], []) for r in eng.ranks}
+    compute_s = dict.fromkeys(eng.ranks, 0.0)
+    for row in eng.rows:
+        r, kind, s, e = row[0], row[3], row[6], row[7]
+        if kind in COMPUTE_KINDS:
+            compute_s[r] += e - s
+            by_rank[r][0].append((s, e))
+        else:
+            by_rank[r][1].append((s, e))
+    per_rank = []
+    for r in eng.ranks:
+        cls = eng.class_of[r]
+        static = cls.static_memory
+        comp, comm = by_rank[r]
+        exposed = _exposed(_union(comm), _union(comp))
+        bubble = step - compute_s[r]
+        sm = sum(float(v) for k, v in static.items() if k.endswith("_bytes") and k != "total_bytes")
+        per_rank.append(RankStats(
+            rank=r, pp_rank=layout.coords(r)[0], represents=eng.represents[r], compute_s=compute_s[r],
+            comm_exposed_s=exposed, idle_s=max(0.0, bubble - exposed), bubble_s=bubble,
+            peak_memory_bytes=sm + eng.mem_peak[r],
+            params_bytes=float(static.get("params_bytes", 0.0)), grads_bytes=float(static.get("grads_bytes", 0.0)),
+            optimizer_bytes=float(static.get("optimizer_bytes", 0.0)), activations_bytes=eng.mem_peak[r]))
+    weights = sum(s.represents for s in per_rank) or 1
+    bubble_fraction = (sum(s.bubble_s * s.represents for s in per_rank) / weights / step) if step > 0 else 0.0
+    tokens = plan.meta.get("tokens_per_step")
+    if tokens is None and "global_batch" in plan.meta and "seq_len" in plan.meta:
+        tokens = plan.meta["global_batch"] * plan.meta["seq_len"]
+    peak = _peak_flops(plan, cm)
+    model_flops = plan.meta.get("model_flops_per_step", 0.0)
+    events = trace.events_to_dataframe(eng.rows, extra_columns=("posted",))
+    memory = trace.memory_to_dataframe(eng.mem_samples)
+    return SimResult(
+        step_time_s=step,
+        tokens_per_s=(tokens or 0) / step if step > 0 else 0.0,
+        mfu=model_flops / (step * layout.world_size * peak) if step > 0 and peak > 0 else 0.0,
+        bubble_fraction=bubble_fraction,
+        per_rank=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
+        events=events, memory=memory, folded=folded, world_size=layout.world_size,
+        costmodel=getattr(cm, "name", type(cm).__name__), plan_hash=plan.content_hash(),
+    )
