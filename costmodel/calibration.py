@@ -9,6 +9,7 @@ Schema (JSON; every key but "kind" optional; seconds, bytes, bytes/s)::
       "peak_flops": 1.2e11,                # FLOP/s of that dtype the efficiencies refer to
       "efficiency_table": [[m, n, k, eff], ...]  or  [[flops, eff], ...],
       "launch_s": 1e-5,                    # fixed per-op overhead
+      "hbm_bw": 2e10,                      # memory bandwidth (bytes moved / s) of memory-bound ops
       "collectives": {                     # t = alpha_s + S / bw_Bps, S as in costmodel.collectives
         "ALLREDUCE": {"2": {"alpha_s": 5e-5, "bw_Bps": 1.5e9}, "4": {...}},
         "ALL_TO_ALL": {...}
@@ -17,6 +18,11 @@ Schema (JSON; every key but "kind" optional; seconds, bytes, bytes/s)::
       "overlap_slowdown": 1.15,            # compute slowdown while a comm kernel runs
       "meta": {...}                        # free-form: host, date, tool version
     }
+
+`piper-sim calibrate` (costmodel.fit) also writes, under "meta": "contention"
+({"threads_per_rank": T, "factor": {"1": 1.0, "2": 1.1, ...}}: compute slowdown when that
+many ranks of one host compute at once, vs one alone), "overlap", "residuals" and "raw"
+(the measurements). See traces/calibration/README.md.
 
 A collective fit is used for its group size; another size takes the nearest fitted one,
 keeping its busbw and scaling alpha by the ring step count (2(n−1) or n−1).
@@ -30,7 +36,7 @@ import os
 
 from costmodel.collectives import KINDS
 
-CALIBRATION_KEYS = {"kind", "device", "dtype", "peak_flops", "efficiency_table", "launch_s",
+CALIBRATION_KEYS = {"kind", "device", "dtype", "peak_flops", "efficiency_table", "launch_s", "hbm_bw",
                     "collectives", "p2p", "overlap_slowdown", "meta"}
 
 

@@ -24,6 +24,7 @@ class SyntheticData:
     global_batch: int
     seed: int = 0
     _chain: torch.Tensor = field(init=False, repr=False)
+    _cached: tuple = field(init=False, repr=False, default=(-1, None))
 
     def __post_init__(self) -> None:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + 17)
@@ -31,6 +32,11 @@ class SyntheticData:
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, targets) of the whole global batch of ``step``, both ``[B, seq_len]``."""
+        if self._cached[0] != step:
+            self._cached = (step, self._make(step))
+        return self._cached[1]
+
+    def _make(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + 7919 * (step + 1))
         B, s = self.global_batch, self.seq_len
         seq = torch.empty(B, s + 1, dtype=torch.long)

@@ -10,8 +10,8 @@ import networkx as nx
 from costmodel.hardware import parse_cluster
 from costmodel.memory import model_state_bytes
 from piper_sim.directives import Setup, expand, resolve
-from piper_sim.ir import Context, Node, StageCost, TrainingDAG, order_pass, place_pass, replicate_pass, \
-    shard_pass, split_pass
+from piper_sim.ir import Context, Node, StageCost, TrainingDAG, optimizer_pass, order_pass, place_pass, \
+    replicate_pass, shard_pass, split_pass
 from piper_sim.models import ModelConfig, get_config
 from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
@@ -109,6 +109,7 @@ def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Con
     place_pass(ctx, dag, kinds)
     shard_pass(ctx, dag)
     replicate_pass(ctx, dag)
+    optimizer_pass(ctx, dag)
     sequences = order_pass(ctx, dag)
     _prefetch_edges(dag, sequences)
     if not nx.is_directed_acyclic_graph(dag.g):
@@ -160,7 +161,9 @@ def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node
     by_where: dict[int, list[Node]] = {}
     for n in dag.g.nodes:
         by_where.setdefault(n[0], []).append(n)
-    orders = {w: list(nx.topological_sort(dag.g.subgraph(nodes))) for w, nodes in by_where.items()}
+    orders: dict[int, list[Node]] = {w: [] for w in by_where}
+    for n in nx.topological_sort(dag.g):  # one global order, split per rank
+        orders[n[0]].append(n)
     before = {n: _issued_before(dag, n) for n in dag.g.nodes}
     for _ in range(4):
         key: dict[Node, float] = {}

@@ -105,7 +105,7 @@ class TrainingDAG:
         self.g.add_edge(a, b, kind=kind)
 
     def ins(self, node: Node) -> Instruction:
-        return self.g.nodes[node]["ins"]
+        return self.g._node[node]["ins"]  # the plain dict: g.nodes[...] builds a view per call
 
 
 def _compute(kind: str, stage: int, mb: int, segs: list[SegmentCost], recompute: bool = False,
@@ -231,12 +231,15 @@ def shard_pass(ctx: Context, dag: TrainingDAG) -> None:
     ep = ctx.layout.ep
     if ep == 1:
         return
+    by_stage: dict[int, list[Node]] = {}
+    for n in dag.g.nodes:
+        if dag.ins(n).kind in ("F", "B", "BI"):
+            by_stage.setdefault(dag.ins(n).stage, []).append(n)
     for sc in ctx.stages:
         parts = sc.parts(ep)
         if len(parts) == 1:
             continue
-        for node in [n for n in dag.g.nodes if dag.ins(n).stage == sc.stage
-                     and dag.ins(n).kind in ("F", "B", "BI")]:
+        for node in by_stage.get(sc.stage, []):
             _split_node(ctx, dag, node, parts)
 
 
@@ -384,10 +387,37 @@ def order_pass(ctx: Context, dag: TrainingDAG) -> dict[int, list[Node]]:
                 for lst in lists:
                     for n in lst:
                         dag.ins(n).slot = i
+                start = len(seq)
                 for j in range(max(map(len, lists))):
                     seq.extend(lst[j] for lst in lists if j < len(lst))
+                if len(slot) == 2:  # as DualPipe: a pair's outputs leave when the pair ends
+                    for n in seq[start:-1]:
+                        for q in list(dag.g.successors(n)):
+                            if dag.ins(q).kind == "SEND":
+                                dag.edge(seq[-1], q, "temporal")
             for a, b in zip(seq, seq[1:]):
                 if not dag.g.has_edge(a, b):
                     dag.edge(a, b, "temporal")
             sequences[w] = seq
     return sequences
+
+
+ADAM_BYTES_PER_PARAM = 28  # read+write of bf16 param and grad, fp32 master, m and v (as costmodel)
+ADAM_FLOPS_PER_PARAM = 12
+
+
+def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:
+    """Cost of each OPT: AdamW over the parameters this rank updates (its ZeRO shard)."""
+    layout, zero = ctx.layout, ctx.setup.zero
+    for n in dag.g.nodes:
+        ins = dag.ins(n)
+        if ins.kind != "OPT":
+            continue
+        sc = ctx.stages[ins.stage]
+        n_dense = len(layout.stage_ranks[ins.stage]) * layout.dp
+        expert = layout.ep > 1
+        dense = sum(x.param_count for x in sc.segments if not (x.is_expert and expert))
+        experts = sum(x.param_count for x in sc.experts) / layout.ep if expert else 0.0
+        local = dense / (n_dense if zero else 1) + experts / ((n_dense // layout.ep) if zero else 1)
+        ins.flops = ADAM_FLOPS_PER_PARAM * local
+        ins.bytes = ADAM_BYTES_PER_PARAM * local

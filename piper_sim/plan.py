@@ -94,9 +94,9 @@ class Instruction:
     gemm: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
         defaults = _INSTRUCTION_DEFAULTS
-        return {k: v for k, v in d.items() if k in ("id", "kind", "stream") or v != defaults[k]}
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()
+                if k in ("id", "kind", "stream") or v != defaults[k]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Instruction":

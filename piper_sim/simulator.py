@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import simpy
@@ -77,7 +78,8 @@ class SimResult:
     bubble_fraction: mean over ranks of bubble_s / step_time_s (share of the step the
     compute stream does not compute). mfu: model flops / (step time × world × peak).
     events: one row per executed op (`piper_sim.trace.EVENT_COLUMNS` + ``posted``);
-    memory: transient bytes per rank over time (`trace.MEMORY_COLUMNS`).
+    memory: transient bytes per rank over time (`trace.MEMORY_COLUMNS`). Both are pandas
+    DataFrames built on first access (a planner that reads only the totals skips them).
     """
 
     step_time_s: float
@@ -87,19 +89,26 @@ class SimResult:
     per_rank: list[RankStats]
     num_events: int
     sim_wall_s: float
-    events: "pd.DataFrame" = field(repr=False)
-    memory: "pd.DataFrame" = field(repr=False)
+    rows: list[tuple] = field(repr=False, default_factory=list)
+    memory_samples: list[tuple[int, float, float]] = field(repr=False, default_factory=list)
     folded: bool = True
     world_size: int = 0
     costmodel: str = ""
-    plan_hash: str = ""
+
+    @cached_property
+    def events(self) -> "pd.DataFrame":
+        return trace.events_to_dataframe(self.rows, extra_columns=("posted",))
+
+    @cached_property
+    def memory(self) -> "pd.DataFrame":
+        return trace.memory_to_dataframe(self.memory_samples)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction, "num_events": self.num_events,
             "sim_wall_s": self.sim_wall_s, "folded": self.folded, "world_size": self.world_size,
-            "costmodel": self.costmodel, "plan_hash": self.plan_hash,
+            "costmodel": self.costmodel,
             "per_rank": [asdict(s) for s in self.per_rank],
         }
 
@@ -176,7 +185,7 @@ def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
 class _Op:
     """One instruction placed on one simulated rank."""
 
-    __slots__ = ("ins", "rank", "stream", "deps", "dur", "peer", "group", "done", "event",
+    __slots__ = ("ins", "rank", "stream", "deps", "dur", "peer", "group", "cost", "done", "event",
                  "posted", "start", "end")
 
     def __init__(self, ins: Instruction, rank: int, stream: str):
@@ -187,6 +196,7 @@ class _Op:
         self.dur: float | None = None  # compute ops
         self.peer = -1
         self.group: tuple[int, ...] = ()
+        self.cost: tuple = ()  # comm: (duration, links, ranks it runs on, rendezvous key, members)
         self.done = False
         self.event: simpy.Event | None = None
         self.posted: float | None = None
@@ -229,14 +239,16 @@ class _Engine:
         self.mem_peak = {r: 0.0 for r in self.ranks}
         self.mem_samples: list[tuple[int, float, float]] = []
         self.p2p_pending: dict[tuple[int, int, str], tuple[_Op, simpy.Event]] = {}
-        self.coll_pending: dict[tuple[str, tuple[int, ...]], tuple[simpy.Event, list[_Op]]] = {}
+        self.coll_pending: dict[tuple[str, int], tuple[simpy.Event, list[_Op]]] = {}
         self.on_link: dict[str, dict[_Job, float]] = {}
         self.active: dict[int, int] = {}
         self.compute_jobs: dict[int, dict[_Job, None]] = {r: {} for r in self.ranks}
-        self._coll_cache: dict[tuple, tuple[float, tuple, tuple]] = {}
+        self._coll_cache: dict[tuple, tuple] = {}
+        self._p2p_cache: dict[tuple, tuple] = {}
+        self._gids: dict[tuple[int, ...], int] = {}
         self._group_cache: dict[tuple[str, int], tuple[int, ...]] = {}
-        self._dur_cache: dict[int, float] = {}
         self._bw: dict[str, float] = {}
+        self._link_reps: dict[str, str] = {}
         self._build()
 
     # --- setup ---------------------------------------------------------------------
@@ -262,9 +274,14 @@ class _Engine:
                 key = (ins.kind, ins.stage, ins.mb)
                 totals[key] = totals.get(key, 0.0) + ins.flops
                 n_opt += ins.kind == "OPT"
-        out = {}
+        out: dict[int, float] = {}
+        cache: dict[tuple, float] = {}
         for ins in cls.instructions():
             if ins.kind not in COMPUTE_KINDS:
+                continue
+            key = (ins.kind, ins.flops, ins.bytes, tuple(ins.gemm))
+            if not self.unit and ins.kind != "OPT" and key in cache:
+                out[id(ins)] = cache[key]
                 continue
             if self.unit:
                 t = cm.compute_time(ins.kind, ins.flops)
@@ -279,7 +296,7 @@ class _Engine:
             else:
                 gemm = tuple(ins.gemm) if ins.gemm else None
                 t = cm.compute_time(ins.kind, ins.flops, mem_bytes=ins.bytes, gemm=gemm)
-            out[id(ins)] = float(t)
+            out[id(ins)] = cache[key] = float(t)
         return out
 
     def _build(self) -> None:
@@ -306,11 +323,14 @@ class _Engine:
                             raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
                                                   f"outside 0..{layout.pp - 1}")
                         op.peer = layout.rank(ins.peer, d)
+                        if ins.kind == "SEND":
+                            op.cost = self._p2p_cost(ins.bytes, r, op.peer)
                     elif ins.kind in COLLECTIVE_KINDS:
                         op.group = self._group(ins.group, r)
                         if r not in op.group:
                             raise SimulationError(f"rank {r}: collective {ins.id} has group {ins.group} "
                                                   f"= {list(op.group)}, which does not contain the rank")
+                        op.cost = self._collective_cost(ins.kind, ins.bytes, op.group)
                     else:
                         raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
                     ops.append(op)
@@ -336,21 +356,37 @@ class _Engine:
             volume = nbytes * (n - 1) / n * (2 if kind == "ALLREDUCE" else 1)
         out: dict[str, float] = {}
         for link in links:
-            if self.folded:  # "nvlink:rank17:tx" -> the port of rank 17's representative
-                port, rank, direction = link.split(":")
-                link = f"{port}:rank{self._rep(int(rank[4:]))}:{direction}"
+            if self.folded:
+                link = self._link_rep(link)
             if link not in self._bw:
                 self._bw[link] = float(self.cm.link_bandwidth(link))
             out[link] = min(self._bw[link], volume / dur)
         return tuple(out.items())
 
-    def _collective_cost(self, kind: str, nbytes: float, group: tuple[int, ...]) -> tuple[float, tuple, tuple]:
+    def _link_rep(self, link: str) -> str:
+        """"nvlink:rank17:tx" -> the same port of rank 17's representative."""
+        rep = self._link_reps.get(link)
+        if rep is None:
+            port, rank, direction = link.split(":")
+            rep = self._link_reps[link] = f"{port}:rank{self._rep(int(rank[4:]))}:{direction}"
+        return rep
+
+    def _collective_cost(self, kind: str, nbytes: float, group: tuple[int, ...]) -> tuple:
         key = (kind, nbytes, group)
         if key not in self._coll_cache:
             dur = float(self.cm.collective_time(kind, nbytes, list(group)))
             reps = tuple(dict.fromkeys(self._rep(r) for r in group))
-            self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes), reps)
+            gid = self._gids.setdefault(group, len(self._gids))  # a small rendezvous key
+            members = len(reps) if self.folded else len(group)
+            self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes), reps, gid, members)
         return self._coll_cache[key]
+
+    def _p2p_cost(self, nbytes: float, src: int, dst: int) -> tuple:
+        key = (nbytes, src, dst)
+        if key not in self._p2p_cache:
+            dur = float(self.cm.p2p_time(nbytes, src, dst))
+            self._p2p_cache[key] = (dur, self._links("SEND", (src, dst), dur, nbytes), (src, dst))
+        return self._p2p_cache[key]
 
     # --- rate-shared jobs ---------------------------------------------------------------
     def _transfer(self, dur: float, links: tuple, ranks: tuple, ev: simpy.Event) -> None:
@@ -440,21 +476,17 @@ class _Engine:
             raise SimulationError(f"rank {op.rank}: {ins.id} and {other_op.ins.id} on rank {other_op.rank} "
                                   f"are both {ins.kind}s with match {ins.match!r}")
         op.start = other_op.start = self.env.now
-        src, dst = key[0], key[1]
-        nbytes = (op if send else other_op).ins.bytes
-        dur = float(self.cm.p2p_time(nbytes, src, dst))
-        self._transfer(dur, self._links("SEND", (src, dst), dur, nbytes), (src, dst), ev)
+        dur, links, ranks = (op if send else other_op).cost
+        self._transfer(dur, links, ranks, ev)
         return ev
 
     def _collective(self, op: _Op) -> simpy.Event:
-        ins = op.ins
-        key = (ins.id, op.group)
+        dur, links, reps, gid, expected = op.cost
+        key = (op.ins.id, gid)
         entry = self.coll_pending.get(key)
         if entry is None:
             entry = self.coll_pending[key] = (self.env.event(), [])
         entry[1].append(op)
-        dur, links, reps = self._collective_cost(ins.kind, ins.bytes, op.group)
-        expected = len(reps) if self.folded else len(op.group)
         if len(entry[1]) == expected:
             del self.coll_pending[key]
             now = self.env.now
@@ -522,7 +554,7 @@ class _Engine:
         if ins.kind in ("SEND", "RECV"):
             other = "RECV" if ins.kind == "SEND" else "SEND"
             return f"waits for {other}.{ins.match} on rank {op.peer}"
-        entry = self.coll_pending.get((ins.id, op.group))
+        entry = self.coll_pending.get((ins.id, op.cost[3]))
         arrived = {o.rank for o in entry[1]} if entry else set()
         members = dict.fromkeys(self._rep(r) for r in op.group) if self.folded else op.group
         missing = [r for r in members if r not in arrived]
@@ -650,14 +682,12 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         tokens = plan.meta["global_batch"] * plan.meta["seq_len"]
     peak = _peak_flops(plan, cm)
     model_flops = plan.meta.get("model_flops_per_step", 0.0)
-    events = trace.events_to_dataframe(eng.rows, extra_columns=("posted",))
-    memory = trace.memory_to_dataframe(eng.mem_samples)
     return SimResult(
         step_time_s=step,
         tokens_per_s=(tokens or 0) / step if step > 0 else 0.0,
         mfu=model_flops / (step * layout.world_size * peak) if step > 0 and peak > 0 else 0.0,
         bubble_fraction=bubble_fraction,
         per_rank=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
-        events=events, memory=memory, folded=folded, world_size=layout.world_size,
-        costmodel=getattr(cm, "name", type(cm).__name__), plan_hash=plan.content_hash(),
+        rows=eng.rows, memory_samples=eng.mem_samples, folded=folded, world_size=layout.world_size,
+        costmodel=getattr(cm, "name", type(cm).__name__),
     )

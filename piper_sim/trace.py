@@ -72,7 +72,7 @@ def stream_order(streams: Iterable[str]) -> list[str]:
     """compute first, then recv/send, then collectives (ep, dp), then the rest, by name."""
     def key(s: str) -> tuple[int, str]:
         head = s.split(".", 1)[0]
-        return ({"compute": 0, "recv": 1, "send": 2, "ep": 3, "dp": 4}.get(head, 5), s)
+        return ({"compute": 0, "p2p": 1, "recv": 1, "send": 2, "ep": 3, "dp": 4}.get(head, 5), s)
     return sorted(set(streams), key=key)
 
 
@@ -146,48 +146,59 @@ def _pick_ranks(df: "pd.DataFrame", ranks: Sequence[int] | None, max_ranks: int)
     return present[::step]
 
 
+def _row_name(stream: str, kind: str) -> str:
+    """Timeline row of an event: compute, p2p (all send/recv streams), or its stream."""
+    if kind in COMPUTE_KINDS:
+        return "compute"
+    return "p2p" if kind in P2P_KINDS else stream
+
+
 def plot_timeline(df: "pd.DataFrame", path: str, title: str = "", ranks: Sequence[int] | None = None,
                   max_ranks: int = 16, comm: bool = True) -> None:
-    """One row per rank (compute) plus a thin row per comm stream; blocks coloured by kind
-    with micro-batch numbers. With more than `max_ranks` ranks, pass `ranks` (e.g. one
+    """One row per rank (compute) plus thin rows for comm (send/recv together, then each
+    collective stream; rows without time are left out); blocks coloured by kind with
+    micro-batch numbers. With more than `max_ranks` ranks, pass `ranks` (e.g. one
     per rank class); otherwise an even sample is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
     shown = _pick_ranks(df, ranks, max_ranks)
-    rows: list[tuple[int, str, float]] = []  # (rank, stream, height)
+    df = df.assign(row=[_row_name(s, k) for s, k in zip(df["stream"], df["kind"])])
+    rows: list[tuple[int, str, float]] = []  # (rank, row name, height)
     for r in shown:
-        streams = stream_order(df.loc[df["rank"] == r, "stream"])
-        compute = [s for s in streams if (df.loc[(df["rank"] == r) & (df["stream"] == s), "kind"]
-                                          .isin(COMPUTE_KINDS).all())]
-        rows += [(r, s, 1.0) for s in compute]
-        if comm:
-            rows += [(r, s, 0.35) for s in streams if s not in compute]
+        sub = df[df["rank"] == r]
+        busy = (sub["end"] - sub["start"]).groupby(sub["row"]).sum()
+        names = stream_order(sub["row"])
+        rows += [(r, s, 1.0) for s in names if s == "compute"]
+        if comm:  # comm rows that carry any time
+            rows += [(r, s, 0.35) for s in names if s != "compute" and busy.get(s, 0) > 0]
     t_end = float(df["end"].max()) if len(df) else 1.0
     t_end = t_end if t_end > 0 else 1.0
     height = sum(h for _, _, h in rows) + 0.15 * len(rows)
     fig, ax = plt.subplots(figsize=(14, max(2.0, 0.42 * height + 1.2)))
     y, yticks, ylabels = 0.0, [], []
+    boxes: dict[tuple[str, bool], list] = {}  # (kind, framed) -> block outlines
     labels = 0
+    min_w = t_end * 1e-4  # keep zero-length ops visible as hairlines
     for r, stream, h in rows:
-        sub = df[(df["rank"] == r) & (df["stream"] == stream)]
+        sub = df[(df["rank"] == r) & (df["row"] == stream)]
         y -= h + 0.15
-        for kind, grp in sub.groupby("kind", sort=False):
-            spans = [(s, max(e - s, t_end * 1e-4)) for s, e in zip(grp["start"], grp["end"])]
-            ax.broken_barh(spans, (y, h), facecolors=KIND_COLORS.get(kind, "#cccccc"),
-                           edgecolor="black" if h == 1.0 else "none", linewidth=0.3)
-        if h == 1.0:
-            wide = sub[(sub["end"] - sub["start"] > t_end * 0.008) & (sub["mb"] >= 0)]
-            for s, e, mb in zip(wide["start"], wide["end"], wide["mb"]):
-                if labels >= 3000:
-                    break
-                ax.text((s + e) / 2, y + h / 2, str(int(mb)), ha="center", va="center", fontsize=6)
+        for kind, s, e, mb in zip(sub["kind"], sub["start"], sub["end"], sub["mb"]):
+            e = max(e, s + min_w)
+            boxes.setdefault((kind, h == 1.0), []).append([(s, y), (e, y), (e, y + h), (s, y + h)])
+            if h == 1.0 and mb >= 0 and e - s > t_end * 0.008 and labels < 3000:
+                ax.text((s + e) / 2, y + h / 2, str(int(mb)), ha="center", va="center", fontsize=6,
+                        in_layout=False)
                 labels += 1
         yticks.append(y + h / 2)
         ylabels.append(f"rank {r}" if h == 1.0 else stream)
+    for (kind, framed), verts in boxes.items():
+        ax.add_collection(PolyCollection(verts, facecolors=KIND_COLORS.get(kind, "#cccccc"),
+                                         edgecolors="black" if framed else "none", linewidths=0.3))
     ax.set_yticks(yticks)
     ax.set_yticklabels(ylabels, fontsize=7)
     ax.set_xlim(0, t_end)
@@ -198,9 +209,9 @@ def plot_timeline(df: "pd.DataFrame", path: str, title: str = "", ranks: Sequenc
     handles = [Patch(facecolor=KIND_COLORS[k], edgecolor="black", label=lab) for k, lab in LEGEND
                if k in kinds or (k == "SEND" and "RECV" in kinds)
                or (k == "ALLREDUCE" and kinds & {"REDUCE_SCATTER", "ALL_GATHER"})]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.08 if len(rows) > 8 else -0.2),
-              ncol=len(handles) or 1, fontsize=7, frameon=False)
-    fig.tight_layout()
+    fig_h = fig.get_size_inches()[1]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles) or 1, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.35 / fig_h, 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
@@ -218,7 +229,7 @@ def plot_memory(memory: "pd.DataFrame", path: str, title: str = "", static_bytes
     fig, ax = plt.subplots(figsize=(12, 4.5))
     t_end = float(memory["time"].max()) if len(memory) else 1.0
     for r in shown:
-        sub = memory[memory["rank"] == r]
+        sub = memory[memory["rank"] == r].drop_duplicates("time", keep="last")  # no same-instant spikes
         base = (static_bytes or {}).get(r, 0.0)
         ts = [0.0] + sub["time"].tolist() + [t_end]
         vs = [0.0] + sub["bytes"].tolist()

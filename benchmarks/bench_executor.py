@@ -1,0 +1,97 @@
+"""Executor speed against PyTorch on the same model, data and machine, in one run:
+
+* DP2 (ZeRO-0, bucketed all-reduce)  vs  torch DDP
+* PP2 1F1B                            vs  torch.distributed.pipelining Schedule1F1B
+
+    python benchmarks/bench_executor.py [--model gpt-tiny] [--seq 128] [--batch 16] [--mb 4] [--steps 10]
+
+It launches itself under torchrun (2 ranks, gloo on CPU) and prints the median step time
+of each and the ratio executor / torch (target <= 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from executor.baselines import TorchDDP, TorchPipeline  # noqa: E402
+from executor.collectives import Comms  # noqa: E402
+from executor.runtime import Runtime  # noqa: E402
+from piper_sim.api import compile  # noqa: E402
+
+
+def strategy(args, directives: list[dict]) -> dict:
+    return {"model": args.model, "cluster": "cpu:2", "global_batch": args.batch, "seq_len": args.seq,
+            "microbatches": args.mb, "dtype": "fp32", "directives": directives}
+
+
+def timed(fns, steps: int, warmup: int = 2) -> list[float]:
+    """Median wall time of one step of each function. Steps alternate between the functions
+    (all ranks aligned by barriers), so background load hits both alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for k in range(warmup + steps):
+        for i, fn in enumerate(fns):
+            dist.barrier()
+            t = time.perf_counter()
+            fn(k)
+            dist.barrier()
+            if k >= warmup:
+                times[i].append(time.perf_counter() - t)
+    return [statistics.median(t) for t in times]
+
+
+def worker(args) -> None:
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    cases = {
+        "dp2": ([{"op": "data_parallel", "degree": 2}], lambda plan: TorchDDP(plan, rank), "DDP"),
+        "pp2-1f1b": ([{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"}],
+                     lambda plan: TorchPipeline(plan, rank), "pipelining Schedule1F1B"),
+    }
+    for name, (directives, make_torch, torch_name) in cases.items():
+        plan = compile(strategy(args, directives))
+        comms = Comms.create(plan, timeout_s=120)
+        rt = Runtime(plan, rank, comms, torch.device("cpu"), timeout_s=120)
+        peer = make_torch(plan)
+        ours, theirs = timed([rt.run_step, peer.step], args.steps)
+        comms.destroy()
+        results[name] = (ours, theirs, torch_name)
+    if rank == 0:
+        print(f"model {args.model}, global batch {args.batch} x seq {args.seq}, {args.mb} micro-batches, "
+              f"2 ranks (gloo, {torch.get_num_threads()} thread(s) each), median of {args.steps} steps")
+        for name, (ours, theirs, torch_name) in results.items():
+            print(f"{name:>9}: executor {ours * 1e3:8.1f} ms   torch {torch_name:<24} {theirs * 1e3:8.1f} ms   "
+                  f"ratio {ours / theirs:5.2f}")
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--mb", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    args = p.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
+           os.path.abspath(__file__), *sys.argv[1:]]
+    return subprocess.call(cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Simulation speed on full-size strategies.
+
+    python benchmarks/bench_simulate.py [--repeat 3]
+
+Prints, per strategy: compile time (separate), simulated ranks, executed ops (events),
+simulation wall time (best of --repeat, one core) and events per second, the simulated
+step time and MFU. The baseline, measured in the same run, is a 64-GPU strategy
+simulated unfolded (every rank) against folded (one rank per pipeline class); the
+ratio column gives each run's wall time against the unfolded baseline's.
+Target: each full-size strategy under 2 s of simulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from piper_sim.api import compile
+from piper_sim.simulator import simulate
+
+BASELINE = ("llama3-8b h100:8x8 PP4 1f1b DP16 ZeRO-1", {
+    "model": "llama3-8b", "cluster": "h100:8x8", "global_batch": 128, "seq_len": 4096, "microbatches": 8,
+    "directives": [{"op": "pipeline", "degree": 4}, {"op": "schedule", "name": "1f1b"},
+                   {"op": "data_parallel", "degree": 16, "zero": 1}]})
+
+STRATEGIES = {
+    "llama3-70b h100:128x8 PP8 1f1b DP128 ZeRO-1": {
+        "model": "llama3-70b", "cluster": "h100:128x8", "global_batch": 4096, "seq_len": 4096,
+        "microbatches": 32,
+        "directives": [{"op": "pipeline", "degree": 8}, {"op": "schedule", "name": "1f1b"},
+                       {"op": "data_parallel", "degree": 128, "zero": 1}]},
+    "deepseek-v3 h800:256x8 PP16 dualpipe EP64 DP128 ZeRO-1": {
+        "model": "deepseek-v3", "cluster": "h800:256x8", "global_batch": 4096, "seq_len": 4096,
+        "microbatches": 32,
+        "directives": [{"op": "pipeline", "degree": 16}, {"op": "schedule", "name": "dualpipe"},
+                       {"op": "data_parallel", "degree": 128, "zero": 1}, {"op": "expert_parallel", "degree": 64}]},
+}
+
+
+def best(plan, repeat: int, fold: bool = True):
+    runs = [simulate(plan, fold=fold) for _ in range(repeat)]
+    return min(runs, key=lambda r: r.sim_wall_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+
+    name, strategy = BASELINE
+    plan = compile(strategy)  # also warms up torch / profiling imports
+    base = best(plan, args.repeat, fold=False)
+    folded = best(plan, args.repeat)
+    print(f"{'strategy':<58} {'GPUs':>5} {'compile s':>9} {'sim ranks':>9} {'events':>7} {'sim s':>7} "
+          f"{'events/s':>9} {'step s':>8} {'MFU':>6} {'vs base':>8}")
+
+    def row(label, world, compile_s, r):
+        print(f"{label:<58} {world:>5} {compile_s:>9.2f} {len(r.per_rank):>9} {r.num_events:>7} "
+              f"{r.sim_wall_s:>7.3f} {r.num_events / r.sim_wall_s:>9.0f} {r.step_time_s:>8.4g} "
+              f"{100 * r.mfu:>5.1f}% {r.sim_wall_s / base.sim_wall_s:>7.2f}x")
+
+    row(f"{name} (baseline: unfolded)", plan.world_size, float("nan"), base)
+    row(f"{name} (folded)", plan.world_size, float("nan"), folded)
+    assert abs(folded.step_time_s - base.step_time_s) <= 1e-9 * base.step_time_s, "folded != unfolded"
+    for label, strategy in STRATEGIES.items():
+        t0 = time.perf_counter()
+        plan = compile(strategy)
+        compile_s = time.perf_counter() - t0
+        row(label, plan.world_size, compile_s, best(plan, args.repeat))
+    print(f"folding speed-up on the baseline: {base.sim_wall_s / folded.sim_wall_s:.1f}x "
+          f"({base.num_events} -> {folded.num_events} events)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Fit microbenchmark measurements (`executor.microbench.run_calibration`) into a
+calibration dict (schema in `costmodel.calibration`).
+
+- `peak_flops`: the best matmul FLOP/s measured in the calibration dtype (a MAMF, not a
+  datasheet number); GEMM efficiency = achieved / peak.
+- `efficiency_table`: the simulator times a compute op as
+  `max(flops / (peak · eff(2mnk)), mem_bytes / hbm_bw) + launch_s`, with (m, n, k) the
+  op's dominant matmul. At the dominant-GEMM size of each measured segment the table holds
+  the efficiency that reproduces the summed F, BI, BW and B times of the segments of that
+  size (total flops / (peak · total time), as for a stage op that sums them). Beyond the largest measured segment it follows the GEMM sweep, less a
+  per-segment overhead fitted on the segments: `eff(K) = 1 / (1/eff_gemm(K) + c/K)`
+  (`c` in FLOPs: a segment loses the time of `c` peak FLOPs to non-GEMM work and dispatch).
+- `hbm_bw`: mean copy/add bandwidth at the largest size; `launch_s`: a trivial op.
+- `collectives` / `p2p`: `t = alpha_s + S / bw_Bps` per kind and group size, by
+  least squares on *relative* error (`fit_alpha_bw`; plain least squares would let the
+  largest messages decide alpha).
+- `overlap_slowdown`: matmul time while the rank's own async all-reduces run / without,
+  every rank computing in both cases; `meta.contention`: matmul time with every rank
+  computing / one rank alone (see traces/calibration/README.md).
+
+Residuals of every fit are kept in `meta.residuals`, the measurements in `meta.raw`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+
+from costmodel.calibration import check_calibration
+from costmodel.compute import EfficiencyTable, gemm_flops
+from costmodel.hardware import CPU, Cluster
+from costmodel.model import AnalyticCostModel
+
+FIT_KINDS = ("F", "BI", "BW", "B")
+MIN_EFF = 1e-4
+
+
+def fit_alpha_bw(nbytes, seconds) -> dict[str, float]:
+    """`t = alpha + S / bw` minimising the squared *relative* error; alpha clamped at 0."""
+    pts = [(float(s), float(t)) for s, t in zip(nbytes, seconds)]
+    if len(pts) < 2 or len({s for s, _ in pts}) < 2 or any(t <= 0 for _, t in pts):
+        raise ValueError("fit_alpha_bw needs at least two distinct sizes with positive times")
+    # rows (1/t, S/t) · (alpha, 1/bw) ≈ 1
+    a11 = sum(1 / t ** 2 for _, t in pts)
+    a12 = sum(s / t ** 2 for s, t in pts)
+    a22 = sum((s / t) ** 2 for s, t in pts)
+    b1, b2 = sum(1 / t for _, t in pts), sum(s / t for s, t in pts)
+    det = a11 * a22 - a12 ** 2
+    alpha = (b1 * a22 - b2 * a12) / det if det > 0 else -1.0
+    beta = (a11 * b2 - a12 * b1) / det if det > 0 else 0.0
+    if alpha < 0 or beta <= 0:  # best fit through alpha = 0
+        alpha, beta = 0.0, b2 / a22
+    return {"alpha_s": alpha, "bw_Bps": 1.0 / beta}
+
+
+def relative_errors(fit: dict, points) -> list[float]:
+    """predicted / measured - 1 for each (bytes, seconds) point."""
+    return [(fit["alpha_s"] + s / fit["bw_Bps"]) / t - 1 for s, t in points]
+
+
+def fit_comm(comm: dict) -> tuple[dict, dict | None, dict]:
+    """(collectives, p2p, residuals) from `raw["comm"]` ({group size: worker result})."""
+    coll: dict = {}
+    resid: dict = {}
+    for world, res in sorted(comm.items(), key=lambda kv: int(kv[0])):
+        for kind, pts in res["collectives"].items():
+            fit = fit_alpha_bw(*zip(*pts))
+            coll.setdefault(kind, {})[str(world)] = fit
+            resid.setdefault(kind, {})[str(world)] = _rounded(relative_errors(fit, pts))
+    p2p_pts = next((res["p2p"] for _, res in sorted(comm.items(), key=lambda kv: int(kv[0])) if res.get("p2p")), [])
+    p2p = fit_alpha_bw(*zip(*p2p_pts)) if len(p2p_pts) >= 2 else None
+    if p2p:
+        resid["p2p"] = _rounded(relative_errors(p2p, p2p_pts))
+    return coll, p2p, resid
+
+
+def gemm_efficiency(matmul: list[dict], dtype: str) -> tuple[float, list[list]]:
+    """(peak FLOP/s, rows [m, n, k, eff]) of the matmul sweep in `dtype`."""
+    rows = [r for r in matmul if r["dtype"] == dtype]
+    if not rows:
+        raise ValueError(f"no matmul measurements in {dtype}")
+    peak = max(r["flops_per_s"] for r in rows)
+    table = [[r["m"], r["n"], r["k"], r["flops_per_s"] / peak] for r in rows]
+    return peak, sorted(table, key=lambda row: gemm_flops(*row[:3]))
+
+
+def segment_table(segments: list[dict], peak: float, launch_s: float, hbm_bw: float,
+                  gemm_rows: list[list]) -> tuple[list[list], float]:
+    """(efficiency table rows, overhead c in FLOPs) reproducing the segment times; see module doc."""
+    work: dict[float, list[float]] = {}  # size -> [flops, seconds] summed over ops
+    shape: dict[float, list[int]] = {}
+    for row in segments:
+        size = gemm_flops(*row["gemm"])
+        if size <= 0:
+            continue  # no matmul (embedding): the simulator times it by memory traffic
+        for kind in FIT_KINDS:
+            flops, t = row["flops"][kind], row["seconds"][kind] - launch_s
+            if flops <= 0 or t <= 0 or row["mem_bytes"] / hbm_bw >= t:
+                continue
+            acc = work.setdefault(size, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + flops, acc[1] + t
+            shape.setdefault(size, list(row["gemm"]))
+    if not work:
+        return gemm_rows, 0.0
+    knots = {size: _clamp(flops / (peak * t)) for size, (flops, t) in work.items()}
+    gemm = EfficiencyTable.from_rows(gemm_rows)
+    c = max(0.0, statistics.median(size * (1 / e - 1 / gemm(size)) for size, e in knots.items()))
+    largest = max(knots)
+    rows = [[*shape[size], e] for size, e in sorted(knots.items())]
+    rows += [[m, n, k, _clamp(1 / (1 / e + c / gemm_flops(m, n, k)))]
+             for m, n, k, e in gemm_rows if gemm_flops(m, n, k) > largest]
+    return rows, c
+
+
+def segment_residuals(calibration: dict, segments: list[dict]) -> list[dict]:
+    """Per segment and kind: measured and predicted seconds, as the simulator would predict."""
+    cm = cost_model(calibration)
+    out = []
+    for row in segments:
+        gemm = tuple(row["gemm"])
+        for kind in FIT_KINDS:
+            meas = row["seconds"][kind]
+            if row["flops"][kind] <= 0 and meas <= 0:
+                continue
+            pred = cm.compute_time(kind, row["flops"][kind], mem_bytes=row["mem_bytes"], gemm=gemm)
+            out.append({"model": row["model"], "segment": row["kind"], "tokens": row["tokens"], "op": kind,
+                        "measured_s": meas, "predicted_s": pred, "error": pred / meas - 1 if meas > 0 else None})
+    return out
+
+
+def residual_summary(residuals: list[dict]) -> dict:
+    """Median and worst |predicted / measured - 1| per op kind, over segments with matmuls."""
+    out = {}
+    for kind in FIT_KINDS:
+        errs = [abs(r["error"]) for r in residuals if r["op"] == kind and r["error"] is not None
+                and r["segment"] != "embed"]
+        if errs:
+            out[kind] = {"median": round(statistics.median(errs), 3), "max": round(max(errs), 3), "n": len(errs)}
+    return out
+
+
+def phase_factors(phases: dict) -> dict:
+    """contention = mean(all ranks computing) / one rank alone; overlap = median over ranks
+    of (computing while its all-reduces run) / (computing)."""
+    together = phases["together_s"]
+    out = {"contention": statistics.fmean(together) / phases["alone_s"],
+           "overlap_slowdown": statistics.median(o / t for o, t in zip(phases["overlap_s"], together)),
+           "overlap_covered": phases["overlap_covered"]}
+    d = phases.get("default_threads")
+    if d:
+        out["default_threads"] = {"threads": d["threads"],
+                                  "contention": statistics.fmean(d["together_s"]) / d["alone_s"]}
+    return out
+
+
+def cost_model(calibration: dict, ranks: int = 2) -> AnalyticCostModel:
+    """The analytic model `get_costmodel` builds from this calibration (on a cpu:N cluster)."""
+    overrides = {k: v for k, v in calibration.items() if k not in ("kind", "device", "meta")}
+    return AnalyticCostModel(Cluster(CPU, 1, ranks), overrides, name="calibration")
+
+
+def build_calibration(raw: dict) -> dict:
+    """The calibration dict (with meta: contention, residuals, raw) from raw measurements."""
+    cfg = raw["config"]
+    dtype = cfg["dtype"]
+    peak, gemm_rows = gemm_efficiency(raw["matmul"], dtype)
+    largest = max(r["mib"] for r in raw["memory"])
+    hbm_bw = statistics.fmean(r["bw_Bps"] for r in raw["memory"] if r["mib"] == largest)
+    launch_s = raw["launch_s"]
+    table, overhead = segment_table(raw["segments"], peak, launch_s, hbm_bw, gemm_rows)
+    coll, p2p, comm_resid = fit_comm(raw["comm"])
+    factors = {w: phase_factors(res["phases"]) for w, res in raw["comm"].items() if res.get("phases")}
+    smallest = min(factors, key=int) if factors else None
+    machine = raw.get("machine", {})
+    calib = {
+        "kind": "calibration",
+        "device": machine.get("device_name", cfg["device"]),
+        "dtype": dtype,
+        "peak_flops": peak,
+        "efficiency_table": table,
+        "launch_s": launch_s,
+        "hbm_bw": hbm_bw,
+        "collectives": coll,
+        **({"p2p": p2p} if p2p else {}),
+        **({"overlap_slowdown": max(1.0, factors[smallest]["overlap_slowdown"])} if smallest else {}),
+    }
+    contention = {"threads_per_rank": cfg["threads"], "matmul": raw["comm"][smallest]["phases"]["matmul"],
+                  "factor": {"1": 1.0, **{w: f["contention"] for w, f in factors.items()}}} if smallest else {}
+    if smallest and "default_threads" in factors[smallest]:
+        contention["default_threads"] = {
+            "threads_per_rank": factors[smallest]["default_threads"]["threads"],
+            "factor": {"1": 1.0, **{w: f["default_threads"]["contention"] for w, f in factors.items()}}}
+    calib["meta"] = {
+        "tool": "piper-sim calibrate" + (" --quick" if cfg["quick"] else ""),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine, "threads_per_rank": cfg["threads"], "nproc": cfg["nproc"],
+        "run_s": raw.get("run_s"), "load_avg": raw.get("load_avg"),
+        "peak_flops_by_dtype": {d: max(r["flops_per_s"] for r in raw["matmul"] if r["dtype"] == d)
+                                for d in sorted({r["dtype"] for r in raw["matmul"]})},
+        "gemm_efficiency_table": gemm_rows,
+        "segment_overhead_flops": overhead,
+        "contention": contention,
+        "overlap": factors,
+    }
+    check_calibration(calib)
+    seg_resid = segment_residuals(calib, raw["segments"])
+    calib["meta"]["residuals"] = {"segments_summary": residual_summary(seg_resid), "segments": seg_resid,
+                                  "comm": comm_resid}
+    calib["meta"]["raw"] = raw
+    return calib
+
+
+def _clamp(eff: float) -> float:
+    return min(1.0, max(MIN_EFF, eff))
+
+
+def _rounded(xs) -> list[float]:
+    return [round(x, 4) for x in xs]

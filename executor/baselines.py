@@ -1,0 +1,105 @@
+"""PyTorch's own ways of running the same model and data, as peers for the executor:
+``torch.distributed.pipelining`` schedules (gradient oracle, speed baseline) and DDP
+(speed baseline). Same weights (``build_units``/``build_model``), same micro-batches, same
+AdamW, so numbers and gradients are directly comparable."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from executor.data import SyntheticData
+from executor.stage import make_optimizer
+from piper_sim.models import build_model, build_units, get_config, lm_loss, run_units
+from piper_sim.plan import Plan
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class UnitsModule(nn.Module):
+    """A pipeline stage as one module: tokens or hidden states in, hidden states or logits out."""
+
+    def __init__(self, units, names: list[str]):
+        super().__init__()
+        self.units, self.names = units, names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_units(self.units, self.names, x)
+
+
+class TorchPipeline:
+    """A ``torch.distributed.pipelining`` schedule over the plan's stages on this rank
+    (pipeline only: one data-parallel replica, stage ``s`` on rank ``s % pp`` as in torch's
+    loop placement)."""
+
+    SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+    def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu", schedule: str | None = None):
+        from torch.distributed import pipelining
+
+        meta = plan.meta
+        self.cfg = get_config(meta["model"])
+        self.meta, self.rank = meta, rank
+        self.pp, n = plan.layout.pp, meta["num_stages"]
+        self.stage_ids = [s for s in range(n) if s % self.pp == rank]
+        dtype = DTYPES[meta["dtype"]]
+        self.modules = {s: UnitsModule(build_units(self.cfg, meta["stage_units"][s], device=device, dtype=dtype,
+                                                   seed=meta["seed"]), meta["stage_units"][s])
+                        for s in self.stage_ids}
+        stages = [pipelining.PipelineStage(self.modules[s], s, n, torch.device(device)) for s in self.stage_ids]
+        name = self.SCHEDULES[schedule or meta["schedule"]]
+        cls = getattr(pipelining, name)
+        m = meta["microbatches"]
+        self.schedule = cls(stages if len(stages) > 1 or "Interleaved" in name else stages[0], n_microbatches=m,
+                            loss_fn=lm_loss)
+        self.params = [p for mod in self.modules.values() for p in mod.parameters()]
+        self.optimizer = make_optimizer(self.params)
+        self.data = SyntheticData(self.cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
+        self.is_first, self.is_last = 0 in self.stage_ids, n - 1 in self.stage_ids
+
+    def step(self, step: int, optimizer: bool = True) -> None:
+        tokens, targets = self.data.batch(step)
+        args = (tokens,) if self.is_first else ()
+        kwargs = {"target": targets, "losses": []} if self.is_last else {}
+        self.schedule.step(*args, **kwargs)
+        if optimizer:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad for mod in self.modules.values() for n, p in mod.units.named_parameters()
+                if p.grad is not None}
+
+
+class TorchDDP:
+    """The whole model under DistributedDataParallel; gradients synced on the last micro-batch."""
+
+    def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        meta = plan.meta
+        cfg = get_config(meta["model"])
+        model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
+        self.model = DDP(model)
+        self.optimizer = make_optimizer(list(model.parameters()))
+        self.meta, self.dp_rank, self.dp = meta, rank, dist.get_world_size()
+        self.data = SyntheticData(cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
+
+    def step(self, step: int) -> None:
+        m = self.meta["microbatches"]
+        for mb in range(m):
+            tokens, targets = self.data.microbatch(step, self.dp_rank, self.dp, m, mb)
+            ctx = self.model.no_sync() if mb < m - 1 else _Null()
+            with ctx:
+                (lm_loss(self.model(tokens), targets) / m).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

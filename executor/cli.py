@@ -1,0 +1,85 @@
+"""``piper-sim run PLAN.json``: start the plan's ranks through torchrun.
+
+The plan is checked here first (format version, content hash, world size against the
+launch), so a bad plan is refused before any process starts; then this is just::
+
+    python -m torch.distributed.run --nproc-per-node N [--nnodes ...] -m executor PLAN.json ...
+
+Register it with ``add_run_parser(subparsers)``; ``python -m executor.cli run ...`` works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from executor.worker import add_run_options
+from piper_sim.plan import Plan, PlanError
+
+
+def add_run_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("run", help="execute a plan with torch.distributed (one process per rank, torchrun)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("--nproc", type=int, help="ranks on this node (default: the plan's world size / nnodes)")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (run this command on each)")
+    p.add_argument("--node-rank", type=int, help="this node's rank (optional with the c10d rendezvous)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="rendezvous endpoint for multi-node runs (c10d backend); default: standalone")
+    p.add_argument("--rdzv-id", default="piper-sim", help="rendezvous id shared by the nodes of one run")
+    add_run_options(p)
+    p.set_defaults(func=cmd_run)
+    return p
+
+
+def torchrun_command(args, plan: Plan) -> list[str]:
+    nproc = args.nproc or plan.world_size // args.nnodes
+    if nproc * args.nnodes != plan.world_size:
+        raise PlanError(f"{args.plan} was compiled for {plan.world_size} ranks but --nnodes {args.nnodes} x "
+                        f"--nproc {nproc} = {nproc * args.nnodes} would be launched; change --nproc/--nnodes "
+                        f"or recompile for {nproc * args.nnodes} ranks")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if args.rdzv_endpoint:
+        cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
+                f"--rdzv-id={args.rdzv_id}"]
+        if args.node_rank is not None:
+            cmd.append(f"--node-rank={args.node_rank}")
+    elif args.nnodes > 1:
+        raise PlanError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+    else:
+        cmd.append("--standalone")
+    cmd += ["-m", "executor", os.path.abspath(args.plan), "--steps", str(args.steps),
+            "--timeout", str(args.timeout), "--device", args.device]
+    for flag in ("trace", "timeline", "save", "resume", "profile"):
+        value = getattr(args, flag)
+        if value:
+            cmd += [f"--{flag}", os.path.abspath(value)]
+    for flag in ("json", "check", "no_hash_check"):
+        if getattr(args, flag):
+            cmd.append("--" + flag.replace("_", "-"))
+    return cmd
+
+
+def cmd_run(args: argparse.Namespace) -> None:
+    plan = Plan.load(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
+    rc = subprocess.call(torchrun_command(args, plan))
+    if rc:
+        raise SystemExit(rc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="piper-sim")
+    add_run_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (PlanError, ValueError, FileNotFoundError) as e:
+        print(f"piper-sim: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Process groups for a plan, p2p tags, and completion notices for async work.
+
+One process group per distinct (plan stream, member ranks) of the plan's collectives, made
+on every rank in one sorted order before the first step. Keeping streams apart gives each
+group a single issue order (its stream's list order), so members always agree on which
+collective comes next, even when the runtime issues streams in a data-dependent order;
+`check_collective_order` verifies that the plan's lists really agree. Point-to-point ops
+go over the default group, told apart by a tag per ``match`` key (gloo honours tags; NCCL
+matches in issue order).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from piper_sim.plan import COLLECTIVE_KINDS, P2P_KINDS, Plan, PlanError, RankProgram
+
+
+def group_ranks(group: str) -> tuple[int, ...]:
+    """``"ranks:0,2"`` -> (0, 2)."""
+    return tuple(int(x) for x in group[len("ranks:"):].split(","))
+
+
+def collective_sequences(programs: list[RankProgram]) -> dict[tuple[str, tuple[int, ...]], dict[int, list[str]]]:
+    """(stream, ranks) -> rank -> the collective op ids that rank issues on that group, in order."""
+    out: dict[tuple[str, tuple[int, ...]], dict[int, list[str]]] = {}
+    for prog in programs:
+        for stream, lst in prog.streams.items():
+            for ins in lst:
+                if ins.kind in COLLECTIVE_KINDS:
+                    key = (stream, group_ranks(ins.group))
+                    out.setdefault(key, {}).setdefault(prog.rank, []).append(ins.id)
+    return out
+
+
+def check_collective_order(programs: list[RankProgram]) -> None:
+    """Every member of a group must issue the same collectives in the same order."""
+    for (stream, ranks), seqs in collective_sequences(programs).items():
+        missing = [r for r in ranks if r not in seqs]
+        if missing:
+            raise PlanError(f"collective group {list(ranks)} on stream {stream!r}: rank(s) {missing} "
+                            "never join it")
+        ref = seqs[ranks[0]]
+        for r in ranks[1:]:
+            if seqs[r] != ref:
+                k = next((i for i, (a, b) in enumerate(zip(ref, seqs[r])) if a != b), min(len(ref), len(seqs[r])))
+                raise PlanError(f"collective order differs on stream {stream!r} between rank {ranks[0]} "
+                                f"and rank {r} at position {k}: {ref[k:k + 3]} vs {seqs[r][k:k + 3]}; "
+                                "the compiler must give every member one issue order")
+
+
+@dataclass
+class Comms:
+    """The process groups and p2p tags of one plan."""
+
+    groups: dict[tuple[str, tuple[int, ...]], Any] = field(default_factory=dict)
+    tags: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, plan: Plan, timeout_s: float) -> "Comms":
+        """Collective: every rank calls it with the same plan."""
+        programs = plan.expand()
+        check_collective_order(programs)
+        comms = cls()
+        for key in sorted(collective_sequences(programs)):
+            stream, ranks = key
+            comms.groups[key] = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
+        matches = sorted({i.match for p in programs for lst in p.streams.values() for i in lst
+                          if i.kind in P2P_KINDS})
+        comms.tags = {m: k + 1 for k, m in enumerate(matches)}
+        return comms
+
+    def group(self, stream: str, group: str):
+        return self.groups[(stream, group_ranks(group))]
+
+    def destroy(self) -> None:
+        for pg in self.groups.values():
+            dist.destroy_process_group(pg)
+        self.groups.clear()
+
+
+class Completions:
+    """A queue of finished async work: ``watch(work, token)`` puts ``(token, end_time,
+    error)`` when ``work`` completes (future callback, or a waiter thread where the backend
+    gives no future, e.g. gloo send/recv)."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def watch(self, work, token: Any) -> None:
+        try:
+            fut = work.get_future()
+        except RuntimeError:
+            threading.Thread(target=self._wait, args=(work, token), daemon=True).start()
+            return
+        fut.add_done_callback(lambda f: self._done(f, token))
+
+    def _done(self, fut, token: Any) -> None:
+        t = time.perf_counter()
+        try:
+            fut.value()
+            self.q.put((token, t, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the issuing thread
+            self.q.put((token, t, e))
+
+    def _wait(self, work, token: Any) -> None:
+        try:
+            work.wait()
+            self.q.put((token, time.perf_counter(), None))
+        except BaseException as e:  # noqa: BLE001
+            self.q.put((token, time.perf_counter(), e))
+
+    def get(self, timeout: float | None) -> tuple[Any, float, BaseException | None]:
+        return self.q.get(timeout=timeout)
+
+    def poll(self) -> list[tuple[Any, float, BaseException | None]]:
+        out = []
+        while True:
+            try:
+                out.append(self.q.get_nowait())
+            except queue.Empty:
+                return out
+
+
+Callback = Callable[[], None]

@@ -1,0 +1,614 @@
+"""Microbenchmarks behind `piper-sim calibrate`: they measure, `costmodel.fit` fits.
+
+What runs, all through torch on the machine at hand (CUDA + NCCL when a GPU is there,
+else CPU + gloo):
+
+- matmul sweep over shapes and dtypes -> achieved FLOP/s per shape;
+- memory-bound ops (copy, add) on large tensors -> achieved memory bandwidth;
+- F / BI / BW / B of the zoo's tiny models, segment by segment, next to their flops from
+  `piper_sim.profiling` (BI = grad w.r.t. the segment input, B = w.r.t. input and
+  parameters, BW = B - BI as in the profiler's flop split; `BW_params` = grad w.r.t. the
+  parameters alone, which recomputes the activation-gradient chain);
+- in worker processes (`torch.multiprocessing`, rendezvous on a free 127.0.0.1 port):
+  send/recv ping-pong and every collective over message sizes and group sizes, then
+  matmul throughput with one rank computing alone, all ranks computing at once
+  (contention) and all ranks computing while their own async all-reduces run (overlap).
+
+Each rank of a group is one "device": on CPU it gets `threads` intra-op threads (default
+cores // nproc, one core per rank on a 2-core machine), and so does the parent process
+that measures compute. Every result is a plain JSON-ready dict or list.
+
+Timing: `time.perf_counter` on CPU, CUDA events (after a synchronize) on GPU. A point's
+loop runs about `target_s` in `repeats` parts; the median part, per call, is reported; a
+collective's time is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+import queue as queue_lib
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+KIB, MIB = 1 << 10, 1 << 20
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
+SEGMENT_TIMES = ("F", "BI", "BW", "B", "BW_params")
+
+
+class CalibrationError(ValueError):
+    """Bad calibration input or a failed benchmark run (the CLI prints one line)."""
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass
+class BenchConfig:
+    """What to measure. Build it with `make_config`."""
+
+    quick: bool
+    device: str  # "cpu" or "cuda"
+    nproc: int  # largest group of worker processes
+    threads: int  # intra-op threads per rank (and in the parent)
+    dtype: str  # the dtype compute is calibrated for
+    group_sizes: tuple[int, ...]
+    target_s: float  # wall time per measured point
+    repeats: int
+    matmul_shapes: dict[str, list[tuple[int, int, int]]]  # dtype -> shapes
+    memory_mib: tuple[int, ...]
+    segment_models: tuple[str, ...]
+    segment_batches: tuple[tuple[int, int], ...]  # (micro_batch, seq_len)
+    comm_sizes: tuple[int, ...]  # bytes
+    overlap_bytes: int  # all-reduce size kept running during the overlap phase
+    phase_matmul: int  # square matmul size of the contention / overlap phases
+    phase_s: float
+    timeout_s: float  # per worker group
+    max_call_s: float = 0.5  # skip matmul shapes predicted slower than this per call
+    cores: int = field(default_factory=lambda: _cores())
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def make_config(quick: bool = False, nproc: int | None = None, threads: int | None = None,
+                device: str = "auto") -> BenchConfig:
+    """Defaults for this machine; raises CalibrationError on impossible requests."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise CalibrationError(f"device must be auto, cpu or cuda, got {device!r}")
+    cores = _cores()
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise CalibrationError("--device cuda: no CUDA device available")
+        gpus = torch.cuda.device_count()
+        nproc = gpus if nproc is None else nproc
+        if nproc > gpus or nproc < 2:
+            raise CalibrationError(f"--nproc {nproc}: NCCL needs one GPU per rank, 2..{gpus} on this machine")
+    else:
+        nproc = (4 if cores >= 4 else 2) if nproc is None else nproc
+    if nproc < 2:
+        raise CalibrationError(f"--nproc must be at least 2 (collectives need a group), got {nproc}")
+    threads = max(1, cores // nproc) if threads is None else threads
+    if threads < 1:
+        raise CalibrationError(f"--threads must be at least 1, got {threads}")
+    groups = tuple(sorted({n for n in (2, 4, nproc) if n <= nproc}))
+    gpu = device == "cuda"
+    if quick:
+        squares = [256, 1024, 4096] if gpu else [64, 256, 512, 1024]
+        rect = [(1024, 4096, 1024)] if gpu else [(128, 256, 64), (1024, 256, 64)]
+        extra = [1024, 4096] if gpu else [256]
+        sizes = tuple(4 * KIB * 16 ** i for i in range(4))  # 4 KiB .. 16 MiB
+        batches = ((1, 16), (4, 128))
+        memory = (256,) if gpu else (64,)
+    else:
+        squares = [256, 512, 1024, 2048, 4096, 8192] if gpu else [32, 64, 128, 256, 512, 1024, 2048]
+        rect = ([(2048, 4096, 1024), (8192, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 256)] if gpu else
+                [(16, 256, 64), (128, 256, 64), (1024, 256, 64), (4096, 256, 64), (512, 1024, 1024),
+                 (2048, 4096, 1024)])
+        extra = [512, 2048, 8192] if gpu else [128, 256, 512, 1024]
+        sizes = tuple(4 * KIB * 4 ** i for i in range(8 + (2 if gpu else 0)))  # 4 KiB .. 64 MiB (1 GiB GPU)
+        batches = ((1, 16), (2, 64), (4, 128), (8, 128))
+        memory = (256, 1024) if gpu else (4, 64, 256)
+    main, other = ("bf16", "fp32") if gpu else ("fp32", "bf16")
+    shapes = {main: sorted([(s, s, s) for s in squares] + rect, key=math.prod), other: [(s, s, s) for s in extra]}
+    return BenchConfig(
+        quick=quick, device=device, nproc=nproc, threads=threads, dtype=main, group_sizes=groups,
+        target_s=0.03 if quick else 0.12, repeats=2 if quick else 3, matmul_shapes=shapes, memory_mib=memory,
+        segment_models=("gpt-tiny", "moe-tiny"), segment_batches=batches, comm_sizes=sizes,
+        overlap_bytes=(64 if gpu else 4) * MIB if not quick else (16 if gpu else 1) * MIB,
+        phase_matmul=4096 if gpu else 384, phase_s=0.15 if quick else 0.5,
+        timeout_s=180.0 if quick else 600.0, cores=cores,
+    )
+
+
+def step_count(cfg: BenchConfig) -> int:
+    """Progress steps of `run_calibration`."""
+    n = 1 + sum(len(s) for s in cfg.matmul_shapes.values()) + 2 * len(cfg.memory_mib)
+    n += len(cfg.segment_batches) * sum(len(_segment_kinds(m)) for m in cfg.segment_models)
+    for world in cfg.group_sizes:
+        n += len(COLLECTIVES) * len(cfg.comm_sizes) + (len(cfg.comm_sizes) if world == 2 else 0) + 1
+    return n
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A tqdm bar on stderr when tqdm is installed, else a one-line counter; callable per step."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.n, self.enabled, self.bar = total, 0, enabled, None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="calibrate", unit="step", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def __call__(self, label: str = "") -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"\rcalibrate {self.n}/{self.total} {label:<48.48}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            print(file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _loop_seconds(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return time.perf_counter() - t0
+
+
+def time_op(fn: Callable[[], object], device: torch.device, target_s: float, repeats: int = 3,
+            warmup: int = 1, agree: Callable[[float], float] = float,
+            before: Callable[[], None] = lambda: None) -> float:
+    """Median seconds per call. `agree` maps the one-call estimate to a value all ranks
+    share (so they run the same number of iterations); `before` runs before each part."""
+    for _ in range(warmup):
+        fn()
+    est = agree(_loop_seconds(fn, 1, device))
+    iters = int(min(10_000, max(1, target_s / repeats / max(est, 1e-7))))
+    parts = []
+    for _ in range(repeats):
+        before()
+        parts.append(_loop_seconds(fn, iters, device) / iters)
+    return statistics.median(parts)
+
+
+# --------------------------------------------------------------------------- compute
+
+
+def bench_launch(device: torch.device, target_s: float) -> float:
+    """Seconds of a trivial op: the per-op dispatch / launch overhead."""
+    x = torch.zeros(1, device=device)
+    return time_op(lambda: x.add_(1.0), device, target_s, warmup=10)
+
+
+def bench_matmul(shapes, dtype: str, device: torch.device, target_s: float, repeats: int,
+                 max_call_s: float, tick: Callable[[str], None]) -> list[dict]:
+    """Achieved FLOP/s of `torch.mm` per (m, n, k); shapes predicted slower than
+    `max_call_s` per call (from the best rate so far) are skipped."""
+    rows, best = [], 0.0
+    for m, n, k in shapes:
+        flops = 2.0 * m * n * k
+        if best and flops / best > max_call_s:
+            tick(f"mm {dtype} {m}x{n}x{k} skipped")
+            continue
+        dt = DTYPES[dtype]
+        a, b = torch.randn(m, k, device=device).to(dt), torch.randn(k, n, device=device).to(dt)
+        out = torch.empty(m, n, device=device, dtype=dt)
+        t = time_op(lambda: torch.mm(a, b, out=out), device, target_s, repeats)
+        rows.append({"m": m, "n": n, "k": k, "dtype": dtype, "seconds": t, "flops_per_s": flops / t})
+        best = max(best, flops / t)
+        tick(f"mm {dtype} {m}x{n}x{k}: {flops / t / 1e9:.1f} GFLOP/s")
+    return rows
+
+
+def bench_memory(sizes_mib, device: torch.device, target_s: float, repeats: int,
+                 tick: Callable[[str], None]) -> list[dict]:
+    """Bandwidth of copy (read + write) and add (2 reads + write) on fp32 tensors."""
+    rows = []
+    for mib in sizes_mib:
+        n = mib * MIB // 4
+        a, b, c = (torch.rand(n, device=device) for _ in range(3))
+        for op, moved, fn in (("copy", 2, lambda: c.copy_(a)), ("add", 3, lambda: torch.add(a, b, out=c))):
+            t = time_op(fn, device, target_s, repeats)
+            rows.append({"op": op, "mib": mib, "bytes_moved": moved * n * 4, "seconds": t,
+                         "bw_Bps": moved * n * 4 / t})
+            tick(f"mem {op} {mib} MiB: {moved * n * 4 / t / 1e9:.1f} GB/s")
+        del a, b, c
+    return rows
+
+
+def _segment_kinds(model: str) -> list[str]:
+    from piper_sim.models import get_config
+
+    cfg = get_config(model)
+    mid = ["dense"] * (not cfg.is_moe or cfg.first_dense > 0) + ["moe_pre", "moe_experts"] * cfg.is_moe
+    return ["embed", *mid, "head"]
+
+
+def _segment_fn(cfg, kind: str, mb: int, seq: int, dtype: torch.dtype, device: torch.device):
+    """(fn, inputs, params) running one segment as `piper_sim.profiling.profile_kind` costs it."""
+    from piper_sim.models import build_units, lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(cfg.vocab, (mb, seq), generator=g).to(device)
+    hidden = torch.randn(mb, seq, cfg.hidden, generator=g).to(device, dtype).requires_grad_()
+    unit = {"embed": "embed", "head": "head", "dense": "layers.0"}.get(kind, f"layers.{cfg.first_dense}")
+    mod = build_units(cfg, [unit], device=device, dtype=dtype)[unit]
+    params = list(mod.parameters())
+    if kind == "embed":
+        return mod, [tokens], params
+    if kind == "dense":
+        return mod, [hidden], params
+    if kind == "head":
+        return (lambda x: lm_loss(mod(x), tokens)), [hidden], params
+    experts = mod.moe.experts
+    if kind == "moe_pre":
+        expert_ids = {id(p) for p in experts.parameters()}
+        return mod.forward_pre, [hidden], [p for p in params if id(p) not in expert_ids]
+    per = math.ceil(mb * seq * cfg.top_k / cfg.n_experts)  # uniform routing, as profiled
+    x = torch.randn(cfg.n_experts * per, cfg.hidden, generator=g).to(device, dtype).requires_grad_()
+    return (lambda x: tuple(e(c) for e, c in zip(experts, x.split(per)))), [x], list(experts.parameters())
+
+
+def _time_segment(fn, inputs, params, device, target_s, repeats) -> dict[str, float]:
+    def differentiable():
+        outs = fn(*inputs)
+        outs = outs if isinstance(outs, (tuple, list)) else [outs]
+        return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+
+    xs = [x for x in inputs if x.requires_grad]
+    outs = differentiable()
+    grads = [torch.ones_like(o) for o in outs]
+
+    def grad(wrt):
+        return lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
+
+    t = {"F": time_op(differentiable, device, target_s, repeats),
+         "B": time_op(grad([*xs, *params]), device, target_s, repeats),
+         "BI": time_op(grad(xs), device, target_s, repeats) if xs else 0.0,
+         "BW_params": time_op(grad(params), device, target_s, repeats)}
+    t["BW"] = max(t["B"] - t["BI"], 0.0)
+    return t
+
+
+def bench_segments(cfg: BenchConfig, device: torch.device, tick: Callable[[str], None]) -> list[dict]:
+    """Measured times of every segment kind of the tiny models, with their profiled costs."""
+    from piper_sim.models import get_config
+    from piper_sim.profiling import profile_kind
+
+    dtype, rows = DTYPES[cfg.dtype], []
+    for model in cfg.segment_models:
+        mcfg = get_config(model)
+        for mb, seq in cfg.segment_batches:
+            for kind in _segment_kinds(model):
+                cost = profile_kind(mcfg, kind, mb, seq, dtype)
+                times = _time_segment(*_segment_fn(mcfg, kind, mb, seq, dtype, device), device,
+                                      cfg.target_s, cfg.repeats)
+                rows.append({
+                    "model": model, "kind": kind, "micro_batch": mb, "seq_len": seq, "tokens": cost.tokens,
+                    "flops": {"F": cost.fwd_flops, "BI": cost.bwd_input_flops, "BW": cost.bwd_weight_flops,
+                              "B": cost.bwd_flops},
+                    "gemm": [cost.gemm_m, cost.gemm_n, cost.gemm_k],
+                    # what the compiler hands the simulator as an op's memory traffic (piper_sim.ir)
+                    "mem_bytes": cost.param_bytes + 2 * cost.saved_act_bytes,
+                    "seconds": times,
+                })
+                tick(f"{model} {kind} mb{mb} s{seq}: F {times['F'] * 1e3:.2f} ms")
+    return rows
+
+
+# --------------------------------------------------------------------------- communication
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _collective(kind: str, nbytes: int, world: int, device: torch.device):
+    """(op, actual S in bytes) for one collective in costmodel.collectives' convention of S."""
+    n = max(world, nbytes // 4 // world * world)  # fp32 elements, divisible by the group
+    part = n // world
+    zeros = lambda k: torch.zeros(k, device=device)  # noqa: E731 (zeros: repeated sums stay finite)
+    if kind == "ALLREDUCE":
+        x = zeros(n)
+        return (lambda: dist.all_reduce(x)), 4 * n
+    if kind == "REDUCE_SCATTER":
+        inp, out = zeros(n), zeros(part)
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return (lambda: rs(out, inp)), 4 * n
+    if kind == "ALL_GATHER":
+        inp, out = zeros(part), zeros(n)
+        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return (lambda: ag(out, inp)), 4 * n
+    if kind == "ALL_TO_ALL":
+        inp, out = zeros(n), zeros(n)
+        return (lambda: dist.all_to_all_single(out, inp)), 4 * n
+    raise CalibrationError(f"unknown collective {kind!r}; expected one of {', '.join(COLLECTIVES)}")
+
+
+def _ping_pong(nbytes: int, rank: int, device: torch.device):
+    """Rank 0 sends to 1, 1 sends back: one call = two one-way transfers."""
+    buf = torch.zeros(max(1, nbytes // 4), device=device)
+
+    def op():
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    return op
+
+
+class _Group:
+    """Helpers for code that runs on every rank of a worker group."""
+
+    def __init__(self, rank: int, world: int, device: torch.device):
+        self.rank, self.world, self.device = rank, world, device
+
+    def barrier(self) -> None:
+        dist.all_reduce(torch.zeros(1, device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def gather(self, value: float) -> list[float]:
+        t = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        t[self.rank] = value
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def time(self, fn, target_s: float, repeats: int) -> float:
+        """Slowest rank's median seconds per call, every rank running the same iterations."""
+        return self.max(time_op(fn, self.device, target_s, repeats, agree=self.max, before=self.barrier))
+
+
+def _phases(g: _Group, spec: dict, allreduce_s: float) -> dict:
+    """Matmul seconds per call: rank 0 alone, every rank at once, every rank while its own
+    async all-reduces run; and (CPU) the first two again with torch's default threads."""
+    m, dev = spec["phase_matmul"], g.device
+    dt = DTYPES[spec["dtype"]]
+    a, b = torch.randn(m, m, device=dev).to(dt), torch.randn(m, m, device=dev).to(dt)
+    c = torch.empty(m, m, device=dev, dtype=dt)
+
+    def mm():
+        torch.mm(a, b, out=c)
+
+    def run(iters):
+        return _loop_seconds(mm, iters, dev) / iters
+
+    def alone_and_together():
+        for _ in range(2):
+            mm()
+        iters = max(3, int(spec["phase_s"] / max(g.max(run(1)), 1e-7)))
+        g.barrier()
+        alone = run(iters) if g.rank == 0 else 0.0
+        g.barrier()
+        return g.max(alone), g.gather(run(iters)), iters
+
+    alone, together, iters = alone_and_together()
+    x = torch.zeros(spec["overlap_bytes"] // 4, device=dev)
+    k = min(5000, math.ceil(3 * iters * max(together) / max(allreduce_s, 1e-7)) + 2)
+    g.barrier()
+    works = [dist.all_reduce(x, async_op=True) for _ in range(k)]
+    overlapped = run(iters)
+    covered = not works[-1].is_completed()
+    for w in works:
+        w.wait()
+    out = {"matmul": m, "dtype": spec["dtype"], "threads": torch.get_num_threads(), "iters": iters,
+           "alone_s": alone, "together_s": together, "overlap_s": g.gather(overlapped),
+           "overlap_allreduce_bytes": spec["overlap_bytes"], "overlap_allreduces": k,
+           "overlap_covered": bool(g.max(0.0 if covered else 1.0) == 0.0)}
+    if dev.type == "cpu" and spec["cores"] != torch.get_num_threads():
+        torch.set_num_threads(spec["cores"])
+        d_alone, d_together, _ = alone_and_together()
+        out["default_threads"] = {"threads": spec["cores"], "alone_s": d_alone, "together_s": d_together}
+        torch.set_num_threads(spec["threads"])
+    return out
+
+
+def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
+    """One rank of a benchmark group; rank 0 reports ticks and the result on `q`."""
+    torch.set_num_threads(spec["threads"])
+    cuda = spec["device"] == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+    g = _Group(rank, world, device)
+    tick = (lambda label: q.put(("tick", label))) if rank == 0 else (lambda label: None)
+    try:
+        out: dict = {"collectives": {}, "p2p": []}
+        target, reps = spec["target_s"], spec["repeats"]
+        if world == 2:
+            for nbytes in spec["p2p_sizes"]:
+                t = g.time(_ping_pong(nbytes, rank, device), target, reps) / 2
+                out["p2p"].append([max(4, nbytes // 4 * 4), t])
+                tick(f"p2p {nbytes // KIB} KiB")
+        for kind in spec["kinds"]:
+            pts = out["collectives"][kind] = []
+            for nbytes in spec["sizes"]:
+                op, s = _collective(kind, nbytes, world, device)
+                pts.append([s, g.time(op, target, reps)])
+                tick(f"{kind} n={world} {nbytes // KIB} KiB")
+        if spec.get("phases"):
+            ar = dict((int(s), t) for s, t in out["collectives"].get("ALLREDUCE", []))
+            ar_s = ar.get(spec["overlap_bytes"]) or g.time(_collective("ALLREDUCE", spec["overlap_bytes"], world,
+                                                                       device)[0], target, reps)
+            out["phases"] = _phases(g, spec, ar_s)
+            tick(f"overlap / contention n={world}")
+        if rank == 0:
+            q.put(("result", out))
+        g.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(world: int, spec: dict, tick: Callable[[str], None] = lambda s: None) -> dict:
+    """Spawn `world` ranks running `_comm_worker(spec)`; returns rank 0's result."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = mp.start_processes(_comm_worker, args=(world, free_port(), spec, q), nprocs=world,
+                               join=False, start_method="spawn")
+    deadline, result = time.monotonic() + spec["timeout_s"], None
+
+    def drain():
+        nonlocal result
+        while True:
+            try:
+                what, payload = q.get_nowait()
+            except queue_lib.Empty:
+                return
+            if what == "tick":
+                tick(payload)
+            else:
+                result = payload
+
+    try:
+        while not procs.join(timeout=0.1):
+            drain()
+            if time.monotonic() > deadline:
+                raise CalibrationError(f"benchmark group of {world} ranks exceeded {spec['timeout_s']:.0f} s")
+    except mp.ProcessRaisedException as e:
+        raise CalibrationError(f"benchmark worker failed: {str(e).strip().splitlines()[-1]}") from None
+    except mp.ProcessExitedException as e:
+        raise CalibrationError(f"benchmark worker died: {e}") from None
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+    time.sleep(0.05)
+    drain()
+    if result is None:
+        raise CalibrationError(f"benchmark group of {world} ranks returned no result")
+    return result
+
+
+def _comm_spec(cfg: BenchConfig) -> dict:
+    return {"device": cfg.device, "threads": cfg.threads, "cores": cfg.cores, "dtype": cfg.dtype,
+            "kinds": list(COLLECTIVES), "sizes": list(cfg.comm_sizes), "p2p_sizes": list(cfg.comm_sizes),
+            "target_s": cfg.target_s, "repeats": cfg.repeats, "timeout_s": cfg.timeout_s, "phases": True,
+            "phase_matmul": cfg.phase_matmul, "phase_s": cfg.phase_s, "overlap_bytes": cfg.overlap_bytes}
+
+
+def measure_collective(kind: str, nbytes: int, world: int = 2, quick: bool = True, device: str = "cpu",
+                       threads: int | None = None) -> float:
+    """Seconds of one collective of S = nbytes over `world` fresh worker processes."""
+    cfg = make_config(quick=quick, nproc=world, threads=threads, device=device)
+    spec = {**_comm_spec(cfg), "kinds": [kind], "sizes": [nbytes], "p2p_sizes": [], "phases": False}
+    return run_group(world, spec)["collectives"][kind][0][1]
+
+
+# --------------------------------------------------------------------------- everything
+
+
+def machine_info(cfg: BenchConfig) -> dict:
+    info = {"host": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cores": cfg.cores, "device": cfg.device}
+    if cfg.device == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(0)
+        v = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    else:
+        info["device_name"] = _cpu_name()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "CPU"
+
+
+def run_calibration(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Run every benchmark of `cfg`; returns the raw measurements (see module docstring)."""
+    t0, load_before = time.perf_counter(), _load_avg()
+    bar = Progress(step_count(cfg), enabled=progress)
+    device = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        raw = {"config": {k: v for k, v in asdict(cfg).items() if k != "matmul_shapes"},
+               "machine": machine_info(cfg)}
+        phase_s = raw["phase_s"] = {}
+
+        def timed(name, fn):
+            t = time.perf_counter()
+            raw[name] = fn()
+            phase_s[name] = round(time.perf_counter() - t, 2)
+
+        timed("launch_s", lambda: bench_launch(device, cfg.target_s))
+        bar("launch overhead")
+        timed("matmul", lambda: [row for dtype, shapes in cfg.matmul_shapes.items()
+                                 for row in bench_matmul(shapes, dtype, device, cfg.target_s, cfg.repeats,
+                                                         cfg.max_call_s, bar)])
+        timed("memory", lambda: bench_memory(cfg.memory_mib, device, cfg.target_s, cfg.repeats, bar))
+        timed("segments", lambda: bench_segments(cfg, device, bar))
+        timed("comm", lambda: {str(w): run_group(w, _comm_spec(cfg), bar) for w in cfg.group_sizes})
+    finally:
+        torch.set_num_threads(saved_threads)
+        bar.close()
+    raw["run_s"] = time.perf_counter() - t0
+    raw["load_avg"] = {"before": load_before, "after": _load_avg()}
+    return raw
+
+
+def _load_avg() -> float | None:
+    """1-minute load average (other processes skew CPU measurements), None where unknown."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None

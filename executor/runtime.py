@@ -1,0 +1,549 @@
+"""The per-rank runtime: replay one rank's instruction lists with torch.distributed.
+
+One issuing thread walks all of the rank's streams and issues the head instruction of any
+stream whose dependencies are done, communication first (it is asynchronous), then one
+compute op, then looks again. Compute runs synchronously on this thread; communication is
+posted as async work (``isend``/``irecv``, ``all_reduce(async_op=True)``...) and is *done*
+when the backend reports completion, so it overlaps with the compute that follows, like a
+stream. Nothing here knows the schedule's name: the plan's lists and dependencies are the
+whole program. On CUDA each plan stream is a CUDA stream, dependencies are CUDA events and
+communication is done as soon as it is enqueued (its stream waits for it).
+
+Instruction semantics (op ids from ``piper_sim.compiler``):
+  F.s{s}.mb{m}[.p{i}]     forward of stage s (piece i) on micro-batch m
+  B / BI .s{s}.mb{m}[.p{i}]  full backward / backward to inputs only of that piece
+  BW.s{s}.mb{m}           weight gradients of every piece, from what BI kept
+  OPT.s{s}                AdamW step of the stage's parameters (its shard under ZeRO)
+  SEND/RECV.F.s{s}.mb{m}  stage s output -> stage s+1;  SEND/RECV.B.s{s}.mb{m}: grad of
+                          stage s input -> stage s-1
+  AR/RS/AG.s{s}[.e].b{b}  bucket b of the stage's flat gradients / parameters
+  AG.F|B.s{s}.i{i}[.e].b{b}  ZeRO-3 gather before the i-th forward / backward of the stage
+                          here (``mb`` names the consumer's micro-batch)
+  A2A.F|B.s{s}.mb{m}.e{e}.dispatch|combine  expert-parallel token exchange
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from executor.collectives import Comms, Completions, group_ranks
+from executor.data import SyntheticData
+from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
+from piper_sim.models import get_config
+from piper_sim.plan import Instruction, Plan
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+RE_SYNC = re.compile(r"^(AR|RS|AG)\.s(\d+)(\.e)?\.b(\d+)$")
+RE_GATHER = re.compile(r"^AG\.(F|B)\.s(\d+)\.(?:mb|i)(\d+)(\.e)?\.b(\d+)$")
+RE_A2A = re.compile(r"^A2A\.(F|B)\.s(\d+)\.mb(\d+)\.e(\d+)\.(dispatch|combine)$")
+
+
+class InstructionError(RuntimeError):
+    """An instruction failed on this rank; the message names the rank and the instruction."""
+
+    def __init__(self, rank: int, step: int, ins: Instruction | None, cause: BaseException | str):
+        what = f"instruction {ins.id} ({ins.kind}, stream {ins.stream})" if ins else "between instructions"
+        detail = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"rank {rank}: step {step}: {what} failed: {detail}")
+        self.rank, self.step, self.op_id = rank, step, ins.id if ins else ""
+
+
+@dataclass
+class Fault:
+    """``PIPER_FAULT=rank:step:op_id[:raise|kill|hang]``: misbehave right before that op."""
+
+    rank: int
+    step: int
+    op_id: str
+    mode: str = "raise"
+
+    @classmethod
+    def from_env(cls) -> "Fault | None":
+        spec = os.environ.get("PIPER_FAULT", "")
+        if not spec:
+            return None
+        parts = spec.split(":")
+        if len(parts) not in (3, 4) or parts[-1 if len(parts) == 4 else 0] == "":
+            raise ValueError(f"PIPER_FAULT={spec!r}: expected rank:step:op_id[:raise|kill|hang]")
+        mode = parts[3] if len(parts) == 4 else "raise"
+        if mode not in ("raise", "kill", "hang"):
+            raise ValueError(f"PIPER_FAULT mode {mode!r}: expected raise, kill or hang")
+        return cls(int(parts[0]), int(parts[1]), parts[2], mode)
+
+
+@dataclass
+class Posted:
+    """Async work an instruction posted, and what to do on the issuing thread when it ends."""
+
+    work: Any
+    then: Callable[[], None] | None = None
+
+
+@dataclass
+class MicroBatch:
+    """Tensors of one (stage, micro-batch) between its forward and its backward."""
+
+    vals: dict[str, torch.Tensor] = field(default_factory=dict)
+    grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    records: dict[str, Record] = field(default_factory=dict)
+    targets: torch.Tensor | None = None
+    backward_started: bool = False
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    time_s: float
+    events: list[dict[str, Any]]
+
+
+class Runtime:
+    """Everything one rank needs to run a plan's steps."""
+
+    def __init__(self, plan: Plan, rank: int, comms: Comms, device: torch.device,
+                 timeout_s: float = 60.0, fault: Fault | None = None):
+        self.plan, self.rank, self.comms, self.device = plan, rank, comms, device
+        self.timeout_s, self.fault = timeout_s, fault
+        self.cuda = device.type == "cuda"
+        self.prog = plan.program(rank)
+        meta = plan.meta
+        self.cfg = get_config(meta["model"])
+        self.dtype = DTYPES[meta["dtype"]]
+        self.layout = plan.layout
+        self.dp_rank = self.prog.dp_rank
+        self.microbatches = meta["microbatches"]
+        self.mbs, self.seq = meta["micro_batch_size"], meta["seq_len"]
+        self.loss_scale = 1.0 / (self.microbatches * self.layout.dp)
+        self.data = SyntheticData(self.cfg.vocab, self.seq, meta["global_batch"], meta["seed"])
+        ep = self.layout.ep
+        self.ep_index = self.dp_rank % ep if ep > 1 else 0
+        self.stages = {s: Stage(self.cfg, s, meta["num_stages"], meta["stage_units"][s], meta["stage_parts"][s],
+                                ep, self.ep_index, device, self.dtype, meta["seed"])
+                       for s in self.prog.stages}
+        self.flats = self._build_flats(meta.get("zero", 0))
+        self.instructions = [i for lst in self.prog.streams.values() for i in lst]
+        self._handlers: dict[str, Callable[[Instruction], Any]] = {
+            "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
+            "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv, "ALLREDUCE": self._sync,
+            "REDUCE_SCATTER": self._sync, "ALL_GATHER": self._gather, "ALL_TO_ALL": self._all_to_all}
+        if self.cuda:
+            self.cuda_streams = {name: torch.cuda.Stream(device) for name in self.prog.streams}
+        self.completions = Completions()
+        self.step_index = 0
+        self.captured_grads: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def _build_flats(self, zero: int) -> dict[tuple[int, str], FlatParams]:
+        syncs: dict[tuple[int, str], list[Instruction]] = {}
+        for lst in self.prog.streams.values():
+            for ins in lst:
+                m = RE_SYNC.match(ins.id)
+                if m and m[1] in ("AR", "RS"):
+                    syncs.setdefault((int(m[2]), m[3] or ""), []).append(ins)
+        flats = {}
+        for s, stage in sorted(self.stages.items()):
+            dense, experts = stage.named_parameters()
+            for tag, named in (("", dense), (".e", experts)):
+                if not named:
+                    continue
+                ops = syncs.get((s, tag), [])
+                group = group_ranks(ops[0].group) if ops else ()
+                sync = "none" if not ops else "allreduce" if ops[0].kind == "ALLREDUCE" else "shard"
+                flats[(s, tag)] = FlatParams(
+                    key=f"s{s}{tag}" + (f".ep{self.ep_index}" if tag else ""), names=[n for n, _ in named],
+                    params=[p for _, p in named], n_buckets=max(len(ops), 1), group=group, sync=sync,
+                    index=group.index(self.rank) if group else 0, zero=zero,
+                    stream=ops[0].stream if ops else "dp")
+        return flats
+
+    def stage_flats(self, s: int) -> list[FlatParams]:
+        return [fp for (st, _), fp in sorted(self.flats.items()) if st == s]
+
+    # ------------------------------------------------------------------ the step
+    def run_step(self, step: int, capture_grads: bool = False) -> StepResult:
+        """Run every instruction of this rank once; returns the global mean loss."""
+        self.step_index, self.capture = step, capture_grads
+        self.envs: dict[tuple[int, int], MicroBatch] = {}
+        self.received: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.releases: dict[tuple[str, int, int], list[FlatParams]] = {}
+        self.inflight: dict[str, tuple[Instruction, Any]] = {}
+        self.done: set[str] = set()
+        self.busy: dict[str, str] = {}
+        self.times: dict[str, list[float]] = {}
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for fp in self.flats.values():
+            fp.zero_grad()
+        if self.cuda:
+            self.cuda_events: dict[str, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+            self.t0_event = torch.cuda.Event(enable_timing=True)
+            self.t0_event.record()
+        self.t0 = time.perf_counter()
+        streams = self.prog.streams
+        order = sorted(streams, key=lambda n: n == "compute")  # communication first
+        ptr = dict.fromkeys(streams, 0)
+        total = sum(len(lst) for lst in streams.values())
+        current: Instruction | None = None
+        try:
+            while len(self.done) < total:
+                for token, t_end, err in self.completions.poll():
+                    current = self.inflight[token[1]][0]
+                    self._completed(token, t_end, err)
+                issued = False
+                for name in order:
+                    lst, i = streams[name], ptr[name]
+                    if i < len(lst) and name not in self.busy and all(d in self.done for d in lst[i].deps):
+                        ptr[name] += 1
+                        current = lst[i]
+                        self._issue(current)
+                        issued = True
+                        if name == "compute":
+                            break
+                if not issued and len(self.done) < total:
+                    token, t_end, err = self._wait_any(streams, ptr)
+                    current = self.inflight[token[1]][0]
+                    self._completed(token, t_end, err)
+            current = None
+            loss = self.loss_sum.clone()
+            dist.all_reduce(loss)
+        except InstructionError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - name the rank and the instruction
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise InstructionError(self.rank, step, current, e) from e
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - self.t0
+        leftovers = [k for k in (self.envs, self.received, self.input_grads, self.inflight) if k]
+        if leftovers:
+            raise InstructionError(self.rank, step, None, f"state left over after the step: {leftovers}")
+        return StepResult(step, float(loss), elapsed, self._events())
+
+    def _wait_any(self, streams, ptr) -> tuple[Any, float, BaseException | None]:
+        import queue
+
+        try:
+            return self.completions.get(timeout=self.timeout_s)
+        except queue.Empty:
+            waiting = ", ".join(self.inflight) or "nothing"
+            heads = ", ".join(f"{n}: {lst[ptr[n]].id}" for n, lst in streams.items() if ptr[n] < len(lst))
+            raise TimeoutError(f"no progress for {self.timeout_s:.0f} s; in flight: {waiting}; "
+                               f"next per stream: {heads}") from None
+
+    # ------------------------------------------------------------------ issuing
+    def _issue(self, ins: Instruction) -> None:
+        if self.fault and self.fault.rank == self.rank and self.fault.step == self.step_index \
+                and self.fault.op_id == ins.id:
+            self._inject(ins)
+        self.times[ins.id] = [self._now()]
+        with self._on_stream(ins):
+            out = self._handlers[ins.kind](ins)
+        if inspect.isgenerator(out):
+            self.busy[ins.stream] = ins.id
+            self._advance(ins, out)
+        elif isinstance(out, Posted):
+            self._post(ins, out.work, ("done", ins.id), out.then)
+        else:
+            self._finish(ins, None)
+
+    def _advance(self, ins: Instruction, gen) -> None:
+        try:
+            with self._on_stream(ins):
+                work = next(gen)
+        except StopIteration as stop:
+            self.busy.pop(ins.stream, None)
+            if isinstance(stop.value, Posted):
+                self._post(ins, stop.value.work, ("done", ins.id), stop.value.then)
+            else:
+                self._finish(ins, None)
+            return
+        self._post(ins, work, ("resume", ins.id), gen)
+
+    def _post(self, ins: Instruction, work, token: tuple[str, str], then) -> None:
+        self.inflight[ins.id] = (ins, then)
+        if self.cuda:  # enqueued is done: the op's stream waits for it, dependents for the stream
+            with self._on_stream(ins):
+                work.wait()
+            self._completed(token, None, None)
+        else:
+            self.completions.watch(work, token)
+
+    def _completed(self, token: tuple[str, str], t_end: float | None, err: BaseException | None) -> None:
+        ins, then = self.inflight.pop(token[1])
+        if err is not None:
+            raise InstructionError(self.rank, self.step_index, ins, err)
+        if token[0] == "resume":
+            self._advance(ins, then)
+            return
+        if then is not None:
+            with self._on_stream(ins):
+                then()
+        self._finish(ins, t_end)
+
+    def _finish(self, ins: Instruction, t_end: float | None) -> None:
+        self.times[ins.id].append(self._now() if t_end is None else t_end - self.t0)
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(self.cuda_streams[ins.stream])
+            self.cuda_events[ins.id] = (self._start_event, end) if ins.kind in ("F", "B", "BI", "BW", "OPT") \
+                else (end, end)
+        self.done.add(ins.id)
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _on_stream(self, ins: Instruction):
+        if not self.cuda:
+            return _NULL
+        stream = self.cuda_streams[ins.stream]
+        for d in ins.deps:
+            ev = self.cuda_events.get(d)
+            if ev is not None:
+                stream.wait_event(ev[1])
+        self._start_event = torch.cuda.Event(enable_timing=True)
+        self._start_event.record(stream)
+        return torch.cuda.stream(stream)
+
+    def _inject(self, ins: Instruction) -> None:
+        where = f"rank {self.rank} step {self.step_index} before {ins.id}"
+        print(f"piper-sim executor: PIPER_FAULT: injecting {self.fault.mode} on {where}", file=sys.stderr,
+              flush=True)
+        if self.fault.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault.mode == "hang":
+            while True:
+                time.sleep(3600)
+        raise RuntimeError(f"injected fault (PIPER_FAULT) on {where}")
+
+    # ------------------------------------------------------------------ compute
+    def _microbatch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data.microbatch(self.step_index, self.dp_rank, self.layout.dp, self.microbatches, m,
+                                    self.device)
+
+    def _forward(self, ins: Instruction) -> None:
+        s, m, part = ins.stage, ins.mb, ins.part
+        stage = self.stages[s]
+        if part == 0:
+            env = self.envs[(s, m)] = MicroBatch()
+            if stage.is_first:
+                env.vals["tokens"] = self._microbatch(m)[0]
+            else:
+                x = self.received.pop(("F", s - 1, m), None)
+                env.vals["x"] = x if x is not None else self.envs[(s - 1, m)].vals["x"]
+            if stage.is_last:
+                env.targets = self._microbatch(m)[1]
+        env = self.envs[(s, m)]
+        rec = stage.forward_piece(part, env.vals, env.meta, env.targets, self.loss_scale)
+        env.records[f"p{part}"] = rec
+        if "loss" in rec.outputs:
+            self.loss_sum += rec.outputs["loss"].detach().float()
+        if part == ins.parts - 1:
+            self._release("F", s, m)
+
+    def _backward_env(self, s: int, m: int) -> MicroBatch:
+        """The micro-batch's state, seeded with the gradient of the stage output the first
+        time a backward op of (s, m) runs."""
+        env = self.envs[(s, m)]
+        if not env.backward_started:
+            env.backward_started = True
+            if self.stages[s].is_last:
+                env.grads["loss"] = None
+            else:
+                g = self.received.pop(("B", s + 1, m), None)
+                env.grads["x"] = g if g is not None else self.input_grads.pop((s + 1, m))
+        return env
+
+    @staticmethod
+    def _take_grads(env: MicroBatch, rec: Record) -> dict[str, torch.Tensor | None]:
+        return {n: env.grads.pop(n) for n in list(rec.outputs) if n in env.grads}
+
+    def _backward(self, ins: Instruction) -> None:
+        s, m, part = ins.stage, ins.mb, ins.part
+        env = self._backward_env(s, m)
+        split = ins.kind == "BI"
+        rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
+        env.grads.update((backward_input if split else backward_full)(rec, self._take_grads(env, rec)))
+        if part == 0:
+            if s > 0:
+                self.input_grads[(s, m)] = env.grads.pop("x")
+            if not split:
+                del self.envs[(s, m)]
+            self._release("B", s, m)
+
+    def _backward_weight(self, ins: Instruction) -> None:
+        env = self.envs.pop((ins.stage, ins.mb))
+        for rec in env.records.values():
+            backward_weight(rec)
+
+    def _optimizer(self, ins: Instruction) -> None:
+        for fp in self.stage_flats(ins.stage):
+            if self.capture and fp.sync != "shard":
+                self.captured_grads.update({n: p.grad.detach().clone() for n, p in zip(fp.names, fp.params)})
+            fp.step()
+
+    def _release(self, letter: str, s: int, m: int) -> None:
+        for fp in self.releases.pop((letter, s, m), []):
+            fp.release()
+
+    # ------------------------------------------------------------------ communication
+    def _send(self, ins: Instruction) -> Posted:
+        if ins.match.startswith("F."):
+            t = self.envs[(ins.stage, ins.mb)].vals["x"].detach()
+        else:
+            t = self.input_grads.pop((ins.stage, ins.mb))
+        return Posted(dist.isend(t.contiguous(), ins.peer, tag=self.comms.tags[ins.match]))
+
+    def _recv(self, ins: Instruction) -> Posted:
+        buf = torch.empty(self.mbs, self.seq, self.cfg.hidden, dtype=self.dtype, device=self.device)
+        key = (ins.match[0], ins.stage, ins.mb)  # ("F" | "B", sender's stage, mb)
+        work = dist.irecv(buf, ins.peer, tag=self.comms.tags[ins.match])
+        return Posted(work, lambda: self.received.__setitem__(key, buf))
+
+    def _sync(self, ins: Instruction) -> Posted:
+        kind, s, tag, b = self._parse_sync(ins)
+        fp = self.flats[(s, tag)]
+        pg = self.comms.group(ins.stream, ins.group)
+        if kind == "AR":
+            return Posted(dist.all_reduce(fp.grad_bucket(b), group=pg, async_op=True))
+        return Posted(dist.reduce_scatter_tensor(fp.shard_grad_piece(b), fp.grad_bucket(b), group=pg,
+                                                 async_op=True))
+
+    def _gather(self, ins: Instruction) -> Posted:
+        m = RE_GATHER.match(ins.id)
+        if m:  # ZeRO-3: gather for one forward / backward, released after its last piece
+            fp = self.flats[(int(m[2]), m[4] or "")]
+            fp.acquire()
+            self.releases.setdefault((m[1], ins.stage, ins.mb), []).append(fp)  # mb: the consumer's
+            b = int(m[5])
+        else:
+            _, s, tag, b = self._parse_sync(ins)
+            fp = self.flats[(s, tag)]
+        pg = self.comms.group(ins.stream, ins.group)
+        return Posted(dist.all_gather_into_tensor(fp.bucket(b), fp.shard_piece(b), group=pg, async_op=True))
+
+    @staticmethod
+    def _parse_sync(ins: Instruction) -> tuple[str, int, str, int]:
+        m = RE_SYNC.match(ins.id)
+        if not m:
+            raise ValueError(f"cannot read bucket op id {ins.id!r}")
+        return m[1], int(m[2]), m[3] or "", int(m[4])
+
+    def _all_to_all(self, ins: Instruction):
+        m = RE_A2A.match(ins.id)
+        if not m:
+            raise ValueError(f"cannot read all-to-all op id {ins.id!r}")
+        direction, s, mb, e, what = m[1], int(m[2]), int(m[3]), int(m[4]), m[5]
+        stage = self.stages[s]
+        layer = stage.expert_layers[e]
+        pg = self.comms.group(ins.stream, ins.group)
+        env = self.envs[(s, mb)] if direction == "F" else self._backward_env(s, mb)
+        meta, h = env.meta, self.cfg.hidden
+
+        def exchange(src: torch.Tensor, out_splits: list[int], in_splits: list[int], dst: dict, name: str):
+            out = src.new_empty(sum(out_splits), h)
+            work = dist.all_to_all_single(out, src.detach().contiguous(), out_splits, in_splits, group=pg,
+                                          async_op=True)
+            return Posted(work, lambda: dst.__setitem__(name, out))
+
+        if direction == "F" and what == "dispatch":
+            return self._dispatch(env, stage, layer, pg)
+        sent, got = meta[f"in_splits.{layer}"], meta[f"out_splits.{layer}"]  # per rank, in dispatch
+        if direction == "F":  # combine: expert outputs go home, then the weighted sum
+            y = env.vals[f"y.{layer}"]
+            posted = exchange(y, sent, got, env.vals, f"comb.{layer}")
+            store = posted.then
+
+            def then():
+                store()
+                env.records[f"post.{layer}"] = stage.combine_post(layer, env.vals, meta)
+            return Posted(posted.work, then)
+        if what == "combine":  # backward of the weighted sum, then its gradient to the experts
+            rec = env.records.pop(f"post.{layer}")
+            env.grads.update(backward_full(rec, self._take_grads(env, rec)))
+            return exchange(env.grads.pop(f"comb.{layer}"), got, sent, env.grads, f"y.{layer}")
+        return exchange(env.grads.pop(f"recv.{layer}"), sent, got, env.grads, f"send.{layer}")
+
+    def _dispatch(self, env: MicroBatch, stage: Stage, layer: int, pg):
+        """Exchange per-expert token counts, then the tokens themselves."""
+        counts = env.meta[f"counts.{layer}"]
+        ep, n = self.layout.ep, stage.local_experts
+        send_counts = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        recv_counts = torch.empty_like(send_counts)
+        yield dist.all_to_all_single(recv_counts, send_counts, group=pg, async_op=True)
+        rows = recv_counts.view(ep, n).tolist()
+        sent = [sum(counts[j * n:(j + 1) * n]) for j in range(ep)]
+        got = [sum(r) for r in rows]
+        env.meta[f"recv_counts.{layer}"] = rows
+        env.meta[f"in_splits.{layer}"], env.meta[f"out_splits.{layer}"] = sent, got
+        tokens = env.vals[f"send.{layer}"]
+        out = tokens.new_empty(sum(got), self.cfg.hidden)
+        work = dist.all_to_all_single(out, tokens.detach().contiguous(), got, sent, group=pg, async_op=True)
+        return Posted(work, lambda: env.vals.__setitem__(f"recv.{layer}", out))
+
+    # ------------------------------------------------------------------ trace rows
+    def _events(self) -> list[dict[str, Any]]:
+        cuda_times = {}
+        if self.cuda:
+            cuda_times = {op: (self.t0_event.elapsed_time(a) / 1e3, self.t0_event.elapsed_time(b) / 1e3)
+                          for op, (a, b) in self.cuda_events.items()}
+        rows = []
+        for ins in self.instructions:
+            posted, end = self.times[ins.id]
+            start = posted
+            if ins.id in cuda_times:
+                start, end = cuda_times[ins.id]
+                start = min(start, end)
+            rows.append({"rank": self.rank, "stream": ins.stream, "op_id": ins.id, "kind": ins.kind,
+                         "stage": ins.stage, "mb": ins.mb, "start": start, "end": end, "bytes": ins.bytes,
+                         "flops": ins.flops, "peer": ins.peer if ins.kind in ("SEND", "RECV") else -1,
+                         "posted": posted, "group": ins.group})
+        return rows
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+
+
+def align_comm_starts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A comm op starts moving data when every side has posted it: a SEND/RECV pair at the
+    later of the two posts, a collective at its members' latest post."""
+    latest: dict[tuple, float] = {}
+
+    def key(r: dict[str, Any]) -> tuple:
+        if r["kind"] in ("SEND", "RECV"):
+            a, b = (r["rank"], r["peer"]) if r["kind"] == "SEND" else (r["peer"], r["rank"])
+            return ("p2p", a, b, r["op_id"].split(".", 1)[1])
+        return ("coll", r["op_id"], r["group"])
+
+    for r in rows:
+        if r["kind"] not in ("F", "B", "BI", "BW", "OPT"):
+            k = key(r)
+            latest[k] = max(latest.get(k, r["posted"]), r["posted"])
+    out = []
+    for r in rows:
+        r = dict(r)
+        if r["kind"] not in ("F", "B", "BI", "BW", "OPT"):
+            r["start"] = min(max(r["start"], latest[key(r)]), r["end"])
+        r.pop("group", None)
+        out.append(r)
+    return out

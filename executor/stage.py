@@ -1,0 +1,474 @@
+"""One pipeline stage on one rank: its units, its flat parameter buffers, and the pieces
+a plan cuts it into.
+
+* `Stage` materialises only this stage's units (``models.build_units``: the same weights
+  as the single-process model), keeps only the local experts under expert parallelism, and
+  runs a *piece* (``F.s1.mb0.p2``) as a small function from named tensors to named tensors.
+  Piece boundaries are autograd boundaries (inputs are fresh leaves), so a backward op is
+  ``autograd`` over one piece, and all-to-alls sit between pieces.
+* `FlatParams` is one flat, padded buffer per stage and sync group (dense parameters, and
+  local experts under EP): parameters are views into it, gradients views into a twin
+  buffer. Bucket ``b`` is the ``b``-th of ``n`` equal slices; under ZeRO each member of
+  the sync group owns slice ``index`` of every bucket (its *shard*) and the optimizer only
+  steps the shard. ZeRO-3 frees the full buffer between uses (``acquire``/``release``).
+* `backward_input` / `backward_weight` split a piece's backward in two (zero-bubble BI/BW):
+  BI runs autograd to the piece inputs only and keeps, for every parameter, the gradients
+  flowing into the graph nodes where its weight-gradient path leaves the input path; BW
+  later runs autograd from those nodes to the parameters only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import GradientEdge, Node
+
+from piper_sim.models import Block, ModelConfig, build_units, lm_loss
+
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def make_optimizer(params: list[torch.Tensor]) -> torch.optim.AdamW:
+    """AdamW with the executor's fixed hyperparameters and eagerly created state (so a
+    checkpoint can be loaded into it before the first step)."""
+    opt = torch.optim.AdamW(params, foreach=False, **ADAMW)
+    for p in params:
+        opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p)}
+    return opt
+
+
+# --------------------------------------------------------------------------- flat params
+
+
+@dataclass
+class FlatParams:
+    """The parameters of one stage that share one gradient-sync group."""
+
+    key: str                      # "s0", "s0.e" (expert parameters)
+    names: list[str]              # global parameter names, in buffer order
+    params: list[nn.Parameter]
+    n_buckets: int
+    group: tuple[int, ...]        # ranks that sync these gradients; () when nobody does
+    sync: str                     # "none" | "allreduce" | "shard"
+    index: int                    # position of this rank in ``group``
+    zero: int
+    stream: str = "dp"            # plan stream of the sync ops (names the process group)
+    flat: nn.Parameter = field(init=False)
+    grad: torch.Tensor = field(init=False)
+    shard: nn.Parameter | None = field(init=False, default=None)
+    optimizer: torch.optim.AdamW = field(init=False)
+    users: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        numel = sum(p.numel() for p in self.params)
+        g = len(self.group) if self.sync == "shard" else 1
+        self.bucket_len = -(-numel // (self.n_buckets * g)) * g
+        self.piece_len = self.bucket_len // g
+        like = self.params[0]
+        self.flat = nn.Parameter(torch.zeros(self.n_buckets * self.bucket_len, dtype=like.dtype,
+                                             device=like.device))
+        self.grad = torch.zeros_like(self.flat.data)
+        self.numel = numel
+        off = 0
+        for p in self.params:
+            n = p.numel()
+            self.flat.data[off:off + n].copy_(p.data.reshape(-1))
+            p.data = self.flat.data[off:off + n].view_as(p)
+            p.grad = self.grad[off:off + n].view_as(p)
+            off += n
+        self.flat.grad = self.grad
+        if self.sync == "shard":
+            self.shard = nn.Parameter(torch.cat([self.shard_of(self.flat.data, b)
+                                                 for b in range(self.n_buckets)]).clone())
+            self.shard.grad = torch.zeros_like(self.shard.data)
+            self.optimizer = make_optimizer([self.shard])
+            if self.zero >= 3:
+                self._resize(self.flat.data, 0)
+        else:
+            self.optimizer = make_optimizer([self.flat])
+
+    # buckets and shards
+    def bucket(self, b: int) -> torch.Tensor:
+        return self.flat.data[b * self.bucket_len:(b + 1) * self.bucket_len]
+
+    def grad_bucket(self, b: int) -> torch.Tensor:
+        return self.grad[b * self.bucket_len:(b + 1) * self.bucket_len]
+
+    def shard_of(self, buf: torch.Tensor, b: int) -> torch.Tensor:
+        lo = b * self.bucket_len + self.index * self.piece_len
+        return buf[lo:lo + self.piece_len]
+
+    def shard_piece(self, b: int) -> torch.Tensor:
+        assert self.shard is not None
+        return self.shard.data[b * self.piece_len:(b + 1) * self.piece_len]
+
+    def shard_grad_piece(self, b: int) -> torch.Tensor:
+        assert self.shard is not None and self.shard.grad is not None
+        return self.shard.grad[b * self.piece_len:(b + 1) * self.piece_len]
+
+    # ZeRO-3: the full parameters exist only while someone uses them
+    @staticmethod
+    def _resize(t: torch.Tensor, numel: int) -> None:
+        t.untyped_storage().resize_(numel * t.element_size())
+
+    def materialised(self) -> bool:
+        return self.flat.data.untyped_storage().nbytes() > 0
+
+    def acquire(self) -> None:
+        if self.zero >= 3 and self.sync == "shard":
+            if self.users == 0 and not self.materialised():
+                self._resize(self.flat.data, self.flat.numel())
+            self.users += 1
+
+    def release(self) -> None:
+        if self.zero >= 3 and self.sync == "shard":
+            self.users -= 1
+            if self.users == 0:
+                self._resize(self.flat.data, 0)
+
+    # gradients and the optimizer
+    def zero_grad(self) -> None:
+        if self.grad.untyped_storage().nbytes() == 0:
+            self._resize(self.grad, self.grad.numel())
+        self.grad.zero_()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        if self.zero >= 2 and self.sync == "shard":  # ZeRO-2/3: full gradients are not kept
+            self._resize(self.grad, 0)
+
+    def named_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-parameter views of a full flat buffer laid out like ``flat``."""
+        out, off = {}, 0
+        for name, p in zip(self.names, self.params):
+            out[name] = buf[off:off + p.numel()].view(p.shape)
+            off += p.numel()
+        return out
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+@dataclass
+class Record:
+    """What a forward piece leaves for its backward: leaf inputs, outputs, parameters."""
+
+    inputs: dict[str, torch.Tensor]
+    outputs: dict[str, torch.Tensor]
+    params: list[nn.Parameter]
+    weight_state: Any = None  # set by backward_input, consumed by backward_weight
+
+
+@dataclass
+class Piece:
+    steps: list[tuple[str, int]]   # ("embed"|"layer"|"pre"|"experts"|"head", layer index)
+    inputs: list[str]
+    params: list[nn.Parameter] = field(default_factory=list)
+
+
+def _layer(segment: str) -> int:
+    return int(segment.split(".")[1])
+
+
+def piece_steps(segments: list[str]) -> list[tuple[str, int]]:
+    """Segment names -> steps; a MoE layer whose ``pre`` and ``experts`` segments are in the
+    same piece runs whole (no expert parallelism)."""
+    steps: list[tuple[str, int]] = []
+    i = 0
+    while i < len(segments):
+        seg = segments[i]
+        if seg in ("embed", "head"):
+            steps.append((seg, -1))
+        elif seg.endswith(".pre"):
+            whole = i + 1 < len(segments) and segments[i + 1] == seg[:-4] + ".experts"
+            steps.append(("layer" if whole else "pre", _layer(seg)))
+            i += whole
+        elif seg.endswith(".experts"):
+            steps.append(("experts", _layer(seg)))
+        else:
+            steps.append(("layer", _layer(seg)))
+        i += 1
+    return steps
+
+
+class Stage:
+    """The units of one pipeline stage on this rank, cut into pieces."""
+
+    def __init__(self, cfg: ModelConfig, index: int, num_stages: int, units: list[str],
+                 parts: list[list[str]], ep: int, ep_index: int, device: torch.device,
+                 dtype: torch.dtype, seed: int):
+        self.cfg, self.index = cfg, index
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.ep, self.ep_index = ep, ep_index
+        self.units = build_units(cfg, units, device=device, dtype=dtype, seed=seed)
+        self.pieces = [Piece(piece_steps(p), []) for p in parts]
+        self.local_experts = cfg.n_experts // ep if cfg.is_moe else 0
+        split = any(kind == "experts" for piece in self.pieces for kind, _ in piece.steps)
+        self.expert_split = split
+        if split:  # keep only this rank's experts
+            lo = ep_index * self.local_experts
+            for name in self.units.unit_names():
+                block = self.units[name]
+                if isinstance(block, Block) and block.is_moe:
+                    block.moe.experts = nn.ModuleList(list(block.moe.experts)[lo:lo + self.local_experts])
+        # layer of the e-th expert block of this stage (``A2A.*.e{e}.*`` op ids)
+        self.expert_layers = [layer for piece in self.pieces for kind, layer in piece.steps if kind == "experts"]
+        for piece in self.pieces:
+            first = piece.steps[0][0]
+            piece.inputs = {"embed": ["tokens"], "experts": [f"recv.{piece.steps[0][1]}"]}.get(first, ["x"])
+            piece.params = [p for kind, layer in piece.steps for p in self._step_params(kind, layer)]
+
+    # parameters
+    def _block(self, layer: int) -> Block:
+        return self.units[f"layers.{layer}"]
+
+    def _step_params(self, kind: str, layer: int) -> list[nn.Parameter]:
+        if kind in ("embed", "head"):
+            return list(self.units[kind].parameters())
+        block = self._block(layer)
+        experts = {id(p) for p in block.moe.experts.parameters()} if block.is_moe else set()
+        if kind == "experts":
+            return list(block.moe.experts.parameters())
+        if kind == "pre":
+            return [p for p in block.parameters() if id(p) not in experts]
+        return list(block.parameters())
+
+    def named_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+        """(dense, expert) parameters with their names in the full model; expert parameters
+        are separate only when the stage is expert-parallel."""
+        dense, experts = [], []
+        lo = self.ep_index * self.local_experts
+        for name, p in self.units.named_parameters():
+            parts = name.split(".")
+            if self.expert_split and len(parts) > 4 and parts[2:4] == ["moe", "experts"]:
+                parts[4] = str(lo + int(parts[4]))
+                experts.append((".".join(parts), p))
+            else:
+                dense.append((name, p))
+        return dense, experts
+
+    # forward
+    def forward_piece(self, i: int, vals: dict[str, torch.Tensor], meta: dict[str, Any],
+                      targets: torch.Tensor | None, loss_scale: float) -> Record:
+        piece = self.pieces[i]
+        inputs = {n: _leaf(vals[n]) for n in piece.inputs}
+        outputs: dict[str, torch.Tensor] = {}
+        with torch.enable_grad():
+            x = inputs.get("x")
+            for kind, layer in piece.steps:
+                if kind == "embed":
+                    x = self.units["embed"](inputs["tokens"])
+                elif kind == "layer":
+                    x = self._block(layer)(x)
+                elif kind == "head":
+                    outputs["loss"] = lm_loss(self.units["head"](x), targets) * loss_scale
+                elif kind == "pre":
+                    block = self._block(layer)
+                    x, h, weights, ids, shared = block.forward_pre(x)
+                    tokens, order, counts = block.moe.permute(h, ids)
+                    outputs.update({f"xres.{layer}": x, f"send.{layer}": tokens, f"w.{layer}": weights})
+                    if shared is not None:
+                        outputs[f"shared.{layer}"] = shared
+                    meta[f"order.{layer}"], meta[f"counts.{layer}"] = order, counts
+                    meta[f"ntok.{layer}"] = h.shape[0]
+                elif kind == "experts":
+                    y = self._local_experts(layer, inputs[f"recv.{layer}"], meta[f"recv_counts.{layer}"])
+                    outputs[f"y.{layer}"] = y
+            last = piece.steps[-1][0]
+            if last == "layer" or last == "embed":
+                outputs["x"] = x
+        vals.update(outputs)
+        return Record(inputs, outputs, piece.params)
+
+    def _local_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """Tokens arrive grouped by source rank, then by local expert: regroup by expert, run
+        each expert once, and restore the arrival order."""
+        experts = self._block(layer).moe.experts
+        n = len(experts)
+        flat_counts = torch.tensor([c for row in counts for c in row], device=recv.device)
+        ids = torch.arange(n, device=recv.device).repeat(len(counts)).repeat_interleave(flat_counts)
+        order = ids.argsort(stable=True)
+        per_expert = [sum(row[e] for row in counts) for e in range(n)]
+        ys = torch.cat([experts[e](t) for e, t in enumerate(recv[order].split(per_expert))])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return ys[inverse]
+
+    def combine_post(self, layer: int, vals: dict[str, torch.Tensor], meta: dict[str, Any]) -> Record:
+        """After the combine all-to-all: weight the expert outputs, sum per token, add the
+        shared experts and the residual (``Block.forward_post``)."""
+        names = [f"comb.{layer}", f"w.{layer}", f"xres.{layer}"]
+        if f"shared.{layer}" in vals:
+            names.append(f"shared.{layer}")
+        inputs = {n: _leaf(vals[n]) for n in names}
+        with torch.enable_grad():
+            moe = self._block(layer).moe
+            routed = moe.unpermute(inputs[names[0]], inputs[names[1]], meta[f"order.{layer}"],
+                                   meta[f"ntok.{layer}"])
+            x = Block.forward_post(inputs[names[2]], routed, inputs.get(f"shared.{layer}"))
+        vals["x"] = x
+        return Record(inputs, {"x": x}, [])
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    leaf = t.detach()
+    return leaf.requires_grad_() if leaf.is_floating_point() else leaf
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _outputs_with_grads(rec: Record, grads: dict[str, torch.Tensor | None]):
+    outs, gouts = [], []
+    for name, t in rec.outputs.items():
+        if t.requires_grad and name in grads:
+            outs.append(t)
+            gouts.append(grads[name])
+    return outs, gouts
+
+
+def _input_grads(rec: Record, got: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    leaves = [(n, t) for n, t in rec.inputs.items() if t.requires_grad]
+    return {n: g if g is not None else torch.zeros_like(t) for (n, t), g in zip(leaves, got)}
+
+
+def backward_full(rec: Record, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """B: gradients w.r.t. the piece inputs (returned) and its parameters (accumulated)."""
+    outs, gouts = _outputs_with_grads(rec, grads)
+    leaves = [t for t in rec.inputs.values() if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, gouts)
+    return _input_grads(rec, [t.grad for t in leaves])
+
+
+def _grad_node(t: torch.Tensor) -> Node:
+    """A tensor's grad_fn, or for a leaf its AccumulateGrad node."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]
+
+
+def _reverse_graph(roots: list[Node]) -> dict[Node, list[Node]]:
+    reverse: dict[Node, list[Node]] = {}
+    stack, seen = list(roots), set(roots)
+    while stack:
+        node = stack.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            reverse.setdefault(nxt, []).append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return reverse
+
+
+def _climb(starts: list[Node], reverse: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes reachable from ``starts`` towards the outputs, not crossing ``stop``; returns
+    (visited, the stop nodes hit)."""
+    seen, hit = set(starts), set()
+    stack = list(starts)
+    while stack:
+        for up in reverse.get(stack.pop(), []):
+            if up in stop:
+                hit.add(up)
+            elif up not in seen:
+                seen.add(up)
+                stack.append(up)
+    return seen, hit
+
+
+@dataclass
+class _WeightState:
+    groups: list[dict[str, Any]]   # {"nodes": [...], "params": [...], "grads": [...]}
+    orphans: list[nn.Parameter]    # parameters not behind any input path (e.g. embeddings)
+    outs: list[torch.Tensor]
+    gouts: list[torch.Tensor | None]
+
+
+def backward_input(rec: Record, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """BI: gradients w.r.t. the piece inputs only; keeps what ``backward_weight`` needs."""
+    outs, gouts = _outputs_with_grads(rec, grads)
+    leaves = [t for t in rec.inputs.values() if t.requires_grad]
+    if not outs or not leaves:
+        rec.weight_state = _WeightState([], list(rec.params) if outs else [], outs, gouts)
+        return _input_grads(rec, [None] * len(leaves))
+    reverse = _reverse_graph([o.grad_fn for o in outs if o.grad_fn is not None])
+    input_path, _ = _climb([_grad_node(x) for x in leaves], reverse, set())
+    by_node: dict[Node, dict[str, Any]] = {}
+    orphans = []
+    for p in rec.params:
+        acc = _grad_node(p)
+        if acc not in reverse:
+            continue  # unused in this piece
+        _, hit = _climb([acc], reverse, input_path)
+        if not hit:
+            orphans.append(p)
+            continue
+        group = {"nodes": set(hit), "params": {acc: p}}
+        for node in hit:  # merge groups that share a node
+            other = by_node.get(node)
+            if other is not None and other is not group:
+                group["nodes"] |= other["nodes"]
+                group["params"].update(other["params"])
+        for node in group["nodes"]:
+            by_node[node] = group
+    groups = list({id(g): g for g in by_node.values()}.values())
+    handles = []
+    for g in groups:
+        g["nodes"] = list(g["nodes"])
+        g["grads"] = [None] * len(g["nodes"])
+        for k, node in enumerate(g["nodes"]):
+            def keep(grad_outputs, g=g, k=k):
+                g["grads"][k] = grad_outputs
+            handles.append(node.register_prehook(keep))
+    try:
+        got = torch.autograd.grad(outs, leaves, gouts, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    rec.weight_state = _WeightState(groups, orphans, outs if orphans else [], gouts if orphans else [])
+    return _input_grads(rec, list(got))
+
+
+def backward_weight(rec: Record) -> None:
+    """BW: the parameter gradients of a piece whose input gradients BI computed."""
+    ws: _WeightState | None = rec.weight_state
+    if ws is None:
+        return
+    if ws.orphans:
+        dws = torch.autograd.grad(ws.outs, ws.orphans, ws.gouts, retain_graph=True, allow_unused=True)
+        _accumulate(ws.orphans, dws)
+    for g in ws.groups:
+        edges, gs = [], []
+        for node, grad_tuple in zip(g["nodes"], g["grads"]):
+            for k, grad in enumerate(grad_tuple or ()):
+                if grad is not None:
+                    edges.append(GradientEdge(node, k))
+                    gs.append(grad)
+        if not edges:
+            continue
+        handles = []
+        if len(g["nodes"]) > 1:  # feed each node exactly what it got in BI (no double counting)
+            for node, grad_tuple in zip(g["nodes"], g["grads"]):
+                handles.append(node.register_prehook(lambda _, saved=grad_tuple: saved))
+        try:
+            accs = list(g["params"])
+            dws = torch.autograd.grad(edges, [GradientEdge(a, 0) for a in accs], gs, retain_graph=True,
+                                      allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        _accumulate([g["params"][a] for a in accs], dws)
+    rec.weight_state = None
+
+
+def _accumulate(params: list[nn.Parameter], grads) -> None:
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad.add_(g)

@@ -1,0 +1,177 @@
+"""What one torchrun worker does: ``torchrun ... -m executor PLAN.json [options]``.
+
+The plan is loaded and checked (format version, content hash, world size, this rank's
+class) before any process group exists; then the process group, the plan's groups, the
+stage modules, and the steps. Rank 0 prints per step the global loss and the step time.
+Any failure prints one line naming the rank and the instruction and exits non-zero at
+once, so torchrun tears the other ranks down (and they fail fast on the dead peer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from executor import checkpoint
+from executor.collectives import Comms
+from executor.reference import compare, reference_training
+from executor.runtime import Fault, Runtime, align_comm_starts
+from piper_sim.plan import Plan, PlanError
+
+
+def build_parser(prog: str = "python -m executor") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run piper-sim plans on this torchrun worker.")
+    p.add_argument("plans", nargs="+", metavar="PLAN.json", help="plan file(s); several run one after another")
+    add_run_options(p)
+    return p
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by the worker and ``piper-sim run``."""
+    p.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
+    p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the last step, all ranks")
+    p.add_argument("--timeline", metavar="OUT.png", help="timeline picture of the last step")
+    p.add_argument("--json", action="store_true", help="one JSON object per line: loss and step time per step")
+    p.add_argument("--check", action="store_true",
+                   help="also train a single-process reference and print max_abs/max_rel_param_diff")
+    p.add_argument("--save", metavar="DIR", help="checkpoint after the last step (torch.distributed.checkpoint)")
+    p.add_argument("--resume", metavar="DIR", help="start from a checkpoint of the same plan")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds without progress before a rank gives up (default 60)")
+    p.add_argument("--profile", metavar="DIR", help="save a torch.profiler (Kineto) trace per rank in DIR")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA for GPU clusters when available, else CPU")
+    p.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
+
+
+def load_plans(paths: list[str], world_size: int, rank: int, check_hash: bool = True) -> list[Plan]:
+    """Load and check plans; raises PlanError before anything distributed starts."""
+    plans = []
+    for path in paths:
+        plan = Plan.load(path, check_hash=check_hash)
+        if plan.world_size != world_size:
+            raise PlanError(f"{path} was compiled for {plan.world_size} ranks "
+                            f"(pp {plan.layout.pp} x dp {plan.layout.dp}) but {world_size} were launched; "
+                            f"launch with --nproc {plan.world_size} or recompile for {world_size} ranks")
+        if rank not in plan.class_of(rank).ranks:
+            raise PlanError(f"{path}: rank {rank} is not in its rank class {plan.class_of(rank).pp_rank}")
+        plans.append(plan)
+    return plans
+
+
+def _device(choice: str, plan: Plan) -> torch.device:
+    cpu_cluster = str(plan.meta.get("cluster", "cpu")).startswith("cpu")
+    if choice == "cuda" or (choice == "auto" and not cpu_cluster and torch.cuda.is_available()):
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _say(args, obj: dict, text: str) -> None:
+    print(json.dumps(obj) if args.json else text, flush=True)
+
+
+def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> None:
+    comms = Comms.create(plan, args.timeout)
+    rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=Fault.from_env())
+    start = checkpoint.load(rt, args.resume) if args.resume else 0
+    dist.barrier()
+    prof = nullcontext()
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        prof = profile(activities=acts)
+    result = None
+    with prof as p:
+        for step in range(start, start + args.steps):
+            with torch.profiler.record_function(f"piper_step_{step}"):
+                result = rt.run_step(step)
+            if rank == 0:
+                _say(args, {"plan": path, "step": step, "loss": result.loss, "step_time_s": result.time_s},
+                     f"{path}: step {step}: loss {result.loss:.6f}  step time {result.time_s * 1e3:.1f} ms")
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        p.export_chrome_trace(os.path.join(args.profile, f"rank{rank}.json"))
+    if args.save:
+        checkpoint.save(rt, args.save, start + args.steps)
+    if (args.trace or args.timeline) and result is not None:
+        write_trace(result.events, rank, args.trace, args.timeline, f"{path} step {result.step}")
+    if args.check:
+        ref, _ = reference_training(plan, start + args.steps, device)
+        diffs = torch.tensor(compare(rt.flats, comms, ref), dtype=torch.float64, device=device)
+        dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            a, r = diffs.tolist()
+            _say(args, {"plan": path, "steps": start + args.steps, "max_abs_param_diff": a,
+                        "max_rel_param_diff": r},
+                 f"{path}: check after {start + args.steps} steps vs single-process reference: "
+                 f"max_abs_param_diff {a:.3e}  max_rel_param_diff {r:.3e}")
+    dist.barrier()
+    comms.destroy()
+
+
+def write_trace(rows: list[dict], rank: int, trace: str | None, timeline: str | None, title: str) -> None:
+    """Collective: gather every rank's event rows; rank 0 writes the Chrome trace / timeline
+    with the simulator's code (``piper_sim.trace``)."""
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(rows, gathered, dst=0)
+    if rank != 0:
+        return
+    from piper_sim.trace import events_to_dataframe, plot_timeline, write_chrome_trace
+
+    df = events_to_dataframe(align_comm_starts([r for part in gathered for r in part]), extra_columns=("posted",))
+    if trace:
+        write_chrome_trace(df, trace, name="piper-sim executor")
+    if timeline:
+        plot_timeline(df, timeline, title=f"measured: {title}")
+
+
+def _report(e: BaseException) -> None:
+    rank = os.environ.get("RANK", "?")
+    msg = str(e) if str(e).startswith("rank ") else f"rank {rank}: {type(e).__name__}: {e}"
+    print(f"piper-sim executor: error: {msg}", file=sys.stderr, flush=True)
+    try:  # torchrun's failure summary reads this file
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        plans = load_plans(args.plans, world, rank, check_hash=not args.no_hash_check)
+        if len(plans) > 1 and (args.save or args.resume or args.trace or args.timeline or args.profile):
+            raise PlanError("--save, --resume, --trace, --timeline and --profile take a single plan")
+    except (PlanError, OSError, ValueError) as e:
+        if rank == 0:
+            print(f"piper-sim executor: refused: {e}", file=sys.stderr, flush=True)
+        return 2
+    device = _device(args.device, plans[0])
+    try:
+        if not dist.is_initialized():
+            if "MASTER_ADDR" not in os.environ:  # a single rank without torchrun
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
+                                  RANK="0", WORLD_SIZE="1")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    timeout=timedelta(seconds=args.timeout))
+        for path, plan in zip(args.plans, plans):
+            run_plan(path, plan, args, rank, device)
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - fail fast, never hang in teardown
+        _report(e)
+        sys.stdout.flush()
+        os._exit(1)
+    return 0

@@ -1,0 +1,314 @@
+"""Strategy explorer: enumerate valid strategies, simulate each, rank them.
+
+Two prunes, both exact (they never drop a strategy that would have won):
+- memory: a plan whose static memory (params + grads + optimizer state) alone exceeds the
+  GPU's memory is out of memory whatever the schedule does;
+- time: a plan's step time is at least its busiest rank's compute time. Candidates are
+  simulated in order of that lower bound, and once it reaches the best simulated step
+  time the rest cannot win and are skipped.
+Candidates are compiled and simulated in worker processes (all cores), or on Ray when
+``use_ray`` and Ray is installed (same results).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+from costmodel.hardware import parse_cluster
+from costmodel.model import get_costmodel
+from piper_sim.models import get_config
+from piper_sim.strategy import StrategyError
+
+SCHEDULE_V = {"gpipe": 1, "1f1b": 1, "zb1p": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2, "dualpipe": 1}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pp: int
+    schedule: str
+    microbatches: int
+    dp: int
+    zero: int
+    ep: int = 1
+    recompute: bool = False
+
+    @property
+    def v(self) -> int:
+        return SCHEDULE_V[self.schedule] if self.pp > 1 else 1
+
+    def strategy(self, model: str, cluster: str, global_batch: int, seq_len: int) -> dict[str, Any]:
+        d: list[dict[str, Any]] = [{"op": "pipeline", "degree": self.pp, "stages_per_rank": self.v},
+                                   {"op": "schedule", "name": self.schedule}]
+        if self.dp > 1:
+            d.append({"op": "data_parallel", "degree": self.dp, "zero": self.zero})
+        if self.ep > 1:
+            d.append({"op": "expert_parallel", "degree": self.ep})
+        if self.recompute:
+            d.append({"op": "recompute"})
+        return {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
+                "microbatches": self.microbatches, "directives": d}
+
+    def short(self) -> str:
+        s = f"pp{self.pp} {self.schedule} m{self.microbatches} dp{self.dp} z{self.zero}"
+        if self.ep > 1:
+            s += f" ep{self.ep}"
+        return s + (" rc" if self.recompute else "")
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    status: str  # ok | oom | invalid | pruned
+    step_time_s: float = float("nan")
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    bubble_fraction: float = float("nan")
+    peak_memory_bytes: float = 0.0
+    lower_bound_s: float = 0.0
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["candidate"] = asdict(self.candidate)
+        d["strategy"] = self.candidate.short()
+        return d
+
+
+@dataclass
+class ExploreResult:
+    rows: list[Row]
+    settings: dict[str, Any]
+    wall_s: float
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> list[Row]:
+        return sorted((r for r in self.rows if r.status == "ok"), key=lambda r: r.step_time_s)
+
+    @property
+    def best(self) -> Row | None:
+        ok = self.ok
+        return ok[0] if ok else None
+
+    def best_strategy(self) -> dict[str, Any]:
+        s = self.settings
+        return self.best.candidate.strategy(s["model"], s["cluster"], s["global_batch"], s["seq_len"])
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: int,
+                         schedules: Iterable[str] | None = None, zero_levels: Iterable[int] = (0, 1, 2, 3),
+                         recompute: Iterable[bool] = (False, True), max_microbatches: int = 64) -> list[Candidate]:
+    """Every strategy the compiler accepts for this model, cluster and batch."""
+    cfg = get_config(model)
+    world = parse_cluster(cluster).world_size
+    schedules = list(schedules or SCHEDULE_V)
+    out = []
+    for pp in _divisors(world):
+        dp = world // pp
+        if global_batch % dp:
+            continue
+        for sched in (schedules if pp > 1 else ["1f1b"]):
+            v = SCHEDULE_V[sched] if pp > 1 else 1
+            if pp * v > cfg.n_layers:
+                continue
+            for m in _divisors(global_batch // dp):
+                if m > max_microbatches or (pp > 1 and m < pp) or (pp == 1 and m > 8):
+                    continue
+                if sched in ("interleaved_1f1b",) and m % pp:
+                    continue
+                if sched == "dualpipe" and (pp % 2 or m % 2 or m < 2 * pp):
+                    continue
+                if sched == "dualpipev" and m < 2 * pp:
+                    continue
+                if sched in ("gpipe", "zbv", "zb1p", "dualpipev", "dualpipe") and m < 2 * pp and pp > 1:
+                    continue
+                eps = [e for e in _divisors(dp) if cfg.is_moe and cfg.n_experts % e == 0] or [1]
+                copies = 2 if sched == "dualpipe" else 1
+                for ep in eps:
+                    for zero in (zero_levels if dp * copies > 1 else [0]):
+                        for rc in recompute:
+                            out.append(Candidate(pp, sched, m, dp, zero, ep, rc))
+    return out
+
+
+def _compile_and_bound(task: tuple) -> tuple:
+    """Worker: compile one candidate; return its plan JSON, static memory and lower bound."""
+    cand, settings = task
+    from piper_sim.compiler import compile_strategy
+
+    try:
+        plan = compile_strategy(cand.strategy(settings["model"], settings["cluster"], settings["global_batch"],
+                                              settings["seq_len"])).plan
+    except (StrategyError, ValueError) as e:
+        return cand, None, 0.0, 0.0, str(e)
+    cm = get_costmodel(settings["costmodel"], parse_cluster(settings["cluster"]))
+    bound, static = 0.0, 0.0
+    for c in plan.classes:
+        t = sum(cm.compute_time(i.kind, i.flops, mem_bytes=i.bytes, gemm=tuple(i.gemm) if i.gemm else None)
+                for i in c.streams.get("compute", []) if i.kind in ("F", "B", "BI", "BW"))
+        bound = max(bound, t)
+        static = max(static, sum(c.static_memory.values()))
+    return cand, plan.dumps(), bound, static, ""
+
+
+def _simulate(task: tuple) -> tuple:
+    cand, plan_json, settings = task
+    from piper_sim.plan import Plan
+    from piper_sim.simulator import simulate
+
+    plan = Plan.from_json(json.loads(plan_json))
+    r = simulate(plan, settings["costmodel"])
+    peak = max(x.peak_memory_bytes for x in r.per_rank)
+    return cand, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak
+
+
+def _pool(workers: int, use_ray: bool):
+    if use_ray:
+        try:
+            from ray.util.multiprocessing import Pool as RayPool  # type: ignore
+
+            return RayPool(workers)
+        except ImportError:
+            print("piper-sim: warning: Ray is not installed; using local processes", file=sys.stderr)
+    import multiprocessing as mp
+
+    return mp.get_context("spawn").Pool(workers)
+
+
+def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel: str = "analytic",
+            workers: int | None = None, prune: bool = True, use_ray: bool = False,
+            candidates: list[Candidate] | None = None,
+            progress: Callable[[str, int, int], None] | None = None, **enum_kw: Any) -> ExploreResult:
+    """Enumerate, compile, prune and simulate; rows for every candidate."""
+    t0 = time.perf_counter()
+    settings = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
+                "costmodel": costmodel}
+    if candidates is None:
+        candidates = enumerate_candidates(model, cluster, global_batch, seq_len, **enum_kw)
+    hbm = parse_cluster(cluster).gpu.hbm_bytes
+    workers = workers or os.cpu_count() or 1
+    rows: list[Row] = []
+    compiled = []
+    with _pool(workers, use_ray) if workers > 1 else _Serial() as pool:
+        for i, (cand, plan_json, bound, static, err) in enumerate(
+                pool.imap(_compile_and_bound, [(c, settings) for c in candidates])):
+            if progress:
+                progress("compile", i + 1, len(candidates))
+            if plan_json is None:
+                rows.append(Row(cand, "invalid", reason=err))
+            elif static > hbm:
+                rows.append(Row(cand, "oom", peak_memory_bytes=static, lower_bound_s=bound,
+                                reason=f"model states alone need {static / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
+            else:
+                compiled.append((bound, cand, plan_json))
+        compiled.sort(key=lambda x: (x[0], x[1].short()))
+        best = float("inf")
+        done = 0
+        i = 0
+        while i < len(compiled):
+            batch = []
+            while i < len(compiled) and len(batch) < workers:
+                bound, cand, plan_json = compiled[i]
+                i += 1
+                if prune and bound >= best:
+                    rows.append(Row(cand, "pruned", lower_bound_s=bound,
+                                    reason=f"compute alone takes {bound:.4g} s >= best {best:.4g} s"))
+                    continue
+                batch.append((cand, plan_json, settings))
+            for cand, step, tps, mfu, bubble, peak in pool.imap(_simulate, batch):
+                bound = next(b for b, c, _ in compiled if c == cand)
+                done += 1
+                if progress:
+                    progress("simulate", done, len(compiled))
+                if peak > hbm:
+                    rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bound,
+                                    reason=f"peak {peak / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
+                    continue
+                rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bound))
+                best = min(best, step)
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    return ExploreResult(rows=rows, settings=settings, wall_s=time.perf_counter() - t0, counts=counts)
+
+
+class _Serial:
+    """A pool with one worker: this process."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def imap(self, fn, items):
+        return map(fn, items)
+
+
+def format_table(result: ExploreResult, top: int = 10) -> str:
+    lines = [f"{'#':>3} {'tokens/s':>12} {'step s':>9} {'MFU':>6} {'bubble':>7} {'peak GB':>8}  strategy"]
+    for i, r in enumerate(result.ok[:top], 1):
+        lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.step_time_s:>9.4f} {r.mfu:>6.1%} "
+                     f"{r.bubble_fraction:>7.1%} {r.peak_memory_bytes / 1e9:>8.1f}  {r.candidate.short()}")
+    c = result.counts
+    lines.append(f"{len(result.rows)} strategies: {c.get('ok', 0)} simulated, {c.get('oom', 0)} out of memory, "
+                 f"{c.get('pruned', 0)} pruned (could not win), {c.get('invalid', 0)} invalid; "
+                 f"{result.wall_s:.1f} s")
+    oom = [r for r in result.rows if r.status == "oom"]
+    if oom:
+        lines.append(f"out of memory, e.g. {oom[0].candidate.short()}: {oom[0].reason}")
+    return "\n".join(lines)
+
+
+def write_csv(result: ExploreResult, path: str) -> None:
+    fields = ["strategy", "status", "tokens_per_s", "step_time_s", "mfu", "bubble_fraction",
+              "peak_memory_bytes", "lower_bound_s", "reason"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields + list(asdict(result.rows[0].candidate)) if result.rows else fields)
+        w.writeheader()
+        for r in sorted(result.rows, key=lambda r: (r.status != "ok", r.step_time_s)):
+            d = r.to_json()
+            w.writerow({**{k: d[k] for k in fields}, **d["candidate"]})
+
+
+def plot_pareto(result: ExploreResult, path: str) -> None:
+    """Throughput vs peak memory; the Pareto front (more throughput for less memory) joined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = result.ok
+    fig, ax = plt.subplots(figsize=(8, 5))
+    if ok:
+        ax.scatter([r.peak_memory_bytes / 1e9 for r in ok], [r.tokens_per_s for r in ok], s=14, alpha=0.6,
+                   label="simulated strategies")
+        front, best = [], -1.0
+        for r in sorted(ok, key=lambda r: r.peak_memory_bytes):
+            if r.tokens_per_s > best:
+                front.append(r)
+                best = r.tokens_per_s
+        ax.plot([r.peak_memory_bytes / 1e9 for r in front], [r.tokens_per_s for r in front], "r.-",
+                label="Pareto front")
+        top = result.best
+        ax.annotate(top.candidate.short(), (top.peak_memory_bytes / 1e9, top.tokens_per_s), fontsize=8,
+                    xytext=(5, -12), textcoords="offset points")
+    hbm = parse_cluster(result.settings["cluster"]).gpu.hbm_bytes / 1e9
+    ax.axvline(hbm, color="gray", ls="--", lw=1, label=f"GPU memory {hbm:.0f} GB")
+    s = result.settings
+    ax.set(xlabel="peak memory per GPU (GB)", ylabel="tokens / s",
+           title=f"{s['model']} on {s['cluster']}, batch {s['global_batch']}×{s['seq_len']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,79 @@
+"""`piper-sim simulate PLAN.json`: run the simulator on a plan file and report.
+
+`add_simulate_parser(subparsers)` registers the subcommand on the main CLI; errors are
+ValueErrors that the CLI prints as one line (exit 2). `python -m piper_sim.simulate_cli`
+runs it standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from piper_sim.plan import Plan, PlanError
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    s = subparsers.add_parser("simulate", help="simulate one training step of a plan",
+                              description="Simulate one training step of a compiled plan.")
+    s.add_argument("plan", help="plan JSON from `piper-sim compile`")
+    s.add_argument("--costmodel", default="analytic",
+                   help="'analytic' (default, on the plan's cluster), 'unit:F=1,BI=1,BW=1,comm=0', "
+                        "or a calibration .json")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    s.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    s.add_argument("--timeline", metavar="OUT.png", help="write a timeline picture")
+    s.add_argument("--memory", metavar="OUT.png", help="write a memory-over-time picture")
+    s.add_argument("--no-fold", action="store_true", help="simulate every rank, not one per rank class")
+    s.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
+    s.set_defaults(func=cmd_simulate)
+    return s
+
+
+def cmd_simulate(args: argparse.Namespace) -> None:
+    from piper_sim.simulator import simulate
+
+    plan = Plan.load(args.plan, check_hash=not args.no_hash_check)
+    result = simulate(plan, costmodel=args.costmodel, fold=not args.no_fold)
+    m = plan.meta
+    title = (f"{m.get('model', '?')} on {m.get('cluster', '?')}: pp={plan.layout.pp} dp={plan.layout.dp} "
+             f"ep={plan.layout.ep}, {m.get('schedule', '?')}, m={m.get('microbatches', '?')} ({result.costmodel})")
+    if args.trace:
+        result.write_trace(args.trace)
+    if args.timeline:
+        result.plot_timeline(args.timeline, title=title)
+    if args.memory:
+        result.plot_memory(args.memory, title=title)
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return
+    print(title)
+    print(f"step {result.step_time_s:.6g} s, {result.tokens_per_s:.6g} tokens/s, MFU {100 * result.mfu:.1f}%, "
+          f"bubble {100 * result.bubble_fraction:.1f}% "
+          f"({result.num_events} events in {result.sim_wall_s:.3f} s, {'folded' if result.folded else 'unfolded'})")
+    print(f"{'rank':>6} {'x':>5} {'compute s':>11} {'comm exp s':>11} {'idle s':>11} {'peak GiB':>9} "
+          f"{'states GiB':>10} {'act GiB':>8}")
+    for s in result.per_rank:
+        states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
+        print(f"{s.rank:>6} {s.represents:>5} {s.compute_s:>11.5g} {s.comm_exposed_s:>11.5g} {s.idle_s:>11.5g} "
+              f"{s.peak_memory_bytes / 2**30:>9.2f} {states / 2**30:>10.2f} {s.activations_bytes / 2**30:>8.2f}")
+    for label, path in (("trace", args.trace), ("timeline", args.timeline), ("memory", args.memory)):
+        if path:
+            print(f"wrote {label} {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="piper-sim")
+    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, PlanError, FileNotFoundError) as e:
+        print(f"piper-sim: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(["simulate", *sys.argv[1:]]))

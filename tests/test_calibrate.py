@@ -1,0 +1,124 @@
+"""Calibration: alpha-beta and efficiency fits, a --quick run end to end, argument errors."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from costmodel.fit import fit_alpha_bw, relative_errors, segment_residuals, segment_table
+from costmodel.hardware import parse_cluster
+from costmodel.model import get_costmodel
+from piper_sim import calibrate_cli
+
+SIZES = [4096 * 4 ** i for i in range(8)]  # 4 KiB .. 64 MiB
+
+
+def test_fit_recovers_alpha_bw_exactly():
+    alpha, bw = 40e-6, 1.5e9
+    fit = fit_alpha_bw(SIZES, [alpha + s / bw for s in SIZES])
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-9)
+    assert fit["bw_Bps"] == pytest.approx(bw, rel=1e-9)
+
+
+def test_fit_recovers_alpha_bw_from_noisy_samples():
+    rng = random.Random(0)
+    alpha, bw = 120e-6, 0.8e9
+    sizes = SIZES * 3
+    seconds = [(alpha + s / bw) * rng.uniform(0.93, 1.07) for s in sizes]
+    fit = fit_alpha_bw(sizes, seconds)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=0.15)
+    assert fit["bw_Bps"] == pytest.approx(bw, rel=0.1)
+    assert max(abs(e) for e in relative_errors(fit, zip(sizes, seconds))) < 0.2
+
+
+def test_fit_clamps_alpha_and_rejects_bad_samples():
+    fit = fit_alpha_bw([1e6, 2e6, 4e6], [1e-3, 2e-3, 4e-3])  # pure bandwidth
+    assert fit["alpha_s"] == pytest.approx(0.0, abs=1e-12) and fit["bw_Bps"] == pytest.approx(1e9)
+    with pytest.raises(ValueError):
+        fit_alpha_bw([1e6, 1e6], [1e-3, 2e-3])
+    with pytest.raises(ValueError):
+        fit_alpha_bw([1e6], [1e-3])
+
+
+def _segment(gemm, flops, eff, peak, launch):
+    t = flops / (eff * peak)
+    return {"model": "m", "kind": "dense", "tokens": gemm[0], "gemm": list(gemm), "mem_bytes": 0,
+            "flops": {"F": flops, "BI": flops, "BW": flops, "B": 2 * flops},
+            "seconds": {"F": t + launch, "BI": t + launch, "BW": t + launch, "B": 2 * t + launch}}
+
+
+def test_segment_table_reproduces_segment_times():
+    peak, launch = 1e11, 1e-5
+    gemm_rows = [[s, s, s, e] for s, e in ((64, 0.2), (256, 0.6), (1024, 0.9), (4096, 1.0))]
+    # segments that reach 2% and 10% of peak at their GEMM sizes
+    segs = [_segment((16, 256, 64), 4e6, 0.02, peak, launch), _segment((512, 256, 64), 1e8, 0.10, peak, launch)]
+    rows, overhead = segment_table(segs, peak, launch, 1e10, gemm_rows)
+    assert overhead > 0
+    calib = {"kind": "calibration", "dtype": "fp32", "peak_flops": peak, "launch_s": launch, "hbm_bw": 1e10,
+             "efficiency_table": rows}
+    for r in segment_residuals(calib, segs):
+        assert abs(r["error"]) < 1e-9
+    # large GEMMs approach the GEMM sweep again, below it
+    big = [r for r in rows if r[0] == 4096][0]
+    assert 0.5 < big[3] < 1.0
+
+
+@pytest.fixture(scope="module")
+def quick_calibration(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calib") / "quick.json"
+    assert calibrate_cli.main(["calibrate", "-o", str(path), "--quick", "--nproc", "2", "--no-progress"]) == 0
+    return path
+
+
+def test_quick_run_loads_and_predicts_allreduce(quick_calibration):
+    from executor.microbench import measure_collective
+
+    data = json.loads(quick_calibration.read_text())
+    assert {"peak_flops", "efficiency_table", "hbm_bw", "collectives", "p2p", "overlap_slowdown"} <= set(data)
+    assert set(data["collectives"]) == {"ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL"}
+    assert data["meta"]["contention"]["factor"]["2"] > 0
+    assert data["meta"]["raw"]["segments"] and data["meta"]["residuals"]["segments_summary"]
+    cm = get_costmodel(str(quick_calibration), parse_cluster("cpu:2"))
+    nbytes = 1 << 20
+    predicted = cm.collective_time("ALLREDUCE", nbytes, [0, 1])
+    measured = measure_collective("ALLREDUCE", nbytes, world=2)
+    assert 0.5 < predicted / measured < 2.0, (predicted, measured)
+    assert cm.compute_time("F", 1e9, gemm=(512, 512, 512)) > 0
+
+
+def test_refit_reproduces_the_parameters(quick_calibration, tmp_path):
+    out = tmp_path / "refit.json"
+    assert calibrate_cli.main(["calibrate", "--refit", str(quick_calibration), "-o", str(out)]) == 0
+    a, b = json.loads(quick_calibration.read_text()), json.loads(out.read_text())
+    for key in ("peak_flops", "efficiency_table", "hbm_bw", "collectives", "p2p", "overlap_slowdown"):
+        assert a[key] == b[key]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "-o/--output"),
+    (["-o", "out.txt"], ".json"),
+    (["-o", "{tmp}/x.json", "--nproc", "1"], "--nproc"),
+    (["-o", "{tmp}/x.json", "--nproc", "two"], "--nproc"),
+    (["-o", "{tmp}/x.json", "--threads", "0"], "--threads"),
+    (["-o", "{tmp}/x.json", "--device", "tpu"], "--device"),
+    (["-o", "{tmp}/dir.json", "--quick"], "directory"),
+    (["-o", "{tmp}/x.json", "--refit", "{tmp}/missing.json"], "not found"),
+])
+def test_bad_arguments_give_one_line(argv, message, tmp_path, capsys):
+    (tmp_path / "dir.json").mkdir()
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert calibrate_cli.main(["calibrate", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("piper-sim: error:") and message in err[0], err
+
+
+def test_registered_in_main_cli(tmp_path, capsys):
+    from piper_sim import cli
+
+    parser = cli.build_parser()
+    if "calibrate" not in parser._subparsers._group_actions[0].choices:
+        pytest.skip("calibrate is not registered in piper_sim.cli yet")
+    assert cli.main(["calibrate", "-o", str(tmp_path / "x.txt")]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1

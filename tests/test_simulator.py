@@ -1,0 +1,356 @@
+"""Tests for piper_sim.simulator: published bubble/memory formulas, ZeRO model states,
+collective costs, link sharing, deadlocks, folding, results and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from costmodel import UnitCostModel, get_costmodel, parse_cluster
+from piper_sim.api import compile
+from piper_sim.models import get_config
+from piper_sim.plan import Instruction, Layout, Plan, RankClass
+from piper_sim.simulator import SimulationDeadlock, SimulationError, fold_is_exact, simulate
+
+UNIT = "unit:F=1,BI=1,BW=1,comm=0"
+F, BI, BW = 1.0, 1.0, 1.0
+B = BI + BW  # full backward
+FB = F + B  # an overlapped F&B pair with comm=0 and no expert pieces
+
+
+def tiny(schedule: str, pp: int, m: int, **pipe) -> Plan:
+    return compile({"model": "gpt-tiny", "cluster": f"cpu:{pp}", "global_batch": m, "seq_len": 32,
+                    "microbatches": m, "directives": [{"op": "pipeline", "degree": pp, **pipe},
+                                                      {"op": "schedule", "name": schedule}]})
+
+
+def hand_plan(streams: list[dict[str, list[Instruction]]], dp: int = 1, cluster: str = "h100:1x8",
+              static: dict | None = None) -> Plan:
+    """One class per entry of `streams` (pipeline ranks), `dp` replicas each."""
+    pp = len(streams)
+    layout = Layout(pp=pp, dp=dp, stage_ranks={s: [s] for s in range(pp)})
+    classes = [RankClass(pp_rank=r, ranks=[layout.rank(r, d) for d in range(dp)], streams=st,
+                         static_memory=dict(static or {}), stages=[r]) for r, st in enumerate(streams)]
+    return Plan(layout=layout, classes=classes, meta={"cluster": cluster})
+
+
+def check_data_dependencies(plan: Plan, events) -> None:
+    """Every compute op starts after what it needs from other stages (independent of
+    the plan's own deps): F after the previous stage's F, B/BI after its F and the next
+    stage's B/BI, BW after its BI."""
+    first = events[events["kind"].isin(["F", "B", "BI", "BW"])]
+    start = first.groupby(["kind", "stage", "mb"])["start"].min().to_dict()
+    end = first.groupby(["kind", "stage", "mb"])["end"].max().to_dict()
+    last = plan.meta["num_stages"] - 1
+
+    def grad_end(s, mb):
+        return end.get(("B", s, mb), end.get(("BI", s, mb)))
+
+    for (kind, s, mb), t in start.items():
+        needs = []
+        if kind == "F" and s > 0:
+            needs.append(end[("F", s - 1, mb)])
+        if kind in ("B", "BI"):
+            needs.append(end[("F", s, mb)])
+            if s < last:
+                needs.append(grad_end(s + 1, mb))
+        if kind == "BW":
+            needs.append(end[("BI", s, mb)])
+        for need in needs:
+            assert t >= need - 1e-12, f"{kind}.s{s}.mb{mb} starts at {t} before its input at {need}"
+
+
+def bubbles(result) -> list[float]:
+    return [s.bubble_s for s in result.per_rank]
+
+
+# ----------------------------------------------------------------------------- bubbles
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (4, 16), (8, 16)])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_1f1b_and_gpipe_bubble(schedule, pp, m):
+    plan = tiny(schedule, pp, m)
+    r = simulate(plan, UNIT)
+    assert bubbles(r) == pytest.approx([(pp - 1) * (F + B)] * pp)
+    assert r.step_time_s == pytest.approx(m * (F + B) + (pp - 1) * (F + B))
+    check_data_dependencies(plan, r.events)
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (4, 16), (8, 16)])
+def test_zb1p_bubble(pp, m):
+    plan = tiny("zb1p", pp, m)
+    r = simulate(plan, UNIT)
+    assert bubbles(r) == pytest.approx([(pp - 1) * (F + B - 2 * BW)] * pp)
+    check_data_dependencies(plan, r.events)
+
+
+@pytest.mark.parametrize("pp,v,m", [(4, 2, 8), (4, 2, 16), (2, 4, 8)])
+def test_interleaved_bubble_fraction(pp, v, m):
+    plan = tiny("interleaved_1f1b", pp, m, stages_per_rank=v)
+    r = simulate(plan, UNIT)
+    for s in r.per_rank:
+        assert s.compute_s == pytest.approx(v * m * (F + B))
+        assert s.bubble_s / s.compute_s == pytest.approx((pp - 1) / (v * m))
+    check_data_dependencies(plan, r.events)
+
+
+DUALPIPE_CASES = [("dualpipe", 4, 8), ("dualpipe", 4, 16), ("dualpipe", 8, 16),
+                  ("dualpipev", 2, 4), ("dualpipev", 2, 8), ("dualpipev", 4, 8)]
+
+
+def dualpipe_bubble(schedule: str, pp: int) -> float:
+    stages = pp if schedule == "dualpipe" else 2 * pp  # PP counted in stages (DualPipe README)
+    return (stages / 2 - 1) * (FB + B - 3 * BW)
+
+
+# DualPipe sends both outputs of an overlapped pair when the pair ends (the compiler's order pass)
+@pytest.mark.parametrize("schedule,pp,m", DUALPIPE_CASES)
+def test_dualpipe_bubble_compiled(schedule, pp, m):
+    r = simulate(tiny(schedule, pp, m), UNIT)
+    assert bubbles(r) == pytest.approx([dualpipe_bubble(schedule, pp)] * pp)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def in_flight(plan: Plan, result) -> dict[int, float]:
+    """Peak activations per rank in micro-batches of its own stages (alloc / the stage's F alloc)."""
+    unit = {i.stage: i.alloc for c in plan.classes for i in c.streams["compute"] if i.kind == "F"}
+    out = {}
+    for rank, g in result.events.groupby("rank"):
+        ops = {i.id: i for i in plan.class_of(rank).streams["compute"]}
+        deltas = []
+        for op, s, e in zip(g["op_id"], g["start"], g["end"]):
+            ins = ops.get(op)
+            if ins is not None and ins.alloc:
+                deltas.append((s, 1, ins.alloc / unit[ins.stage]))
+            if ins is not None and ins.free:
+                deltas.append((e, 0, -ins.free / unit[ins.stage]))
+        cur = peak = 0.0
+        for _, _, d in sorted(deltas):
+            cur += d
+            peak = max(peak, cur)
+        out[int(rank)] = peak
+    return out
+
+
+@pytest.mark.parametrize("pp", [4, 8])
+def test_activation_memory_1f1b_and_dualpipe(pp):
+    m = 2 * pp
+    p1, pd = tiny("1f1b", pp, m), tiny("dualpipe", pp, m)
+    r1, rd = simulate(p1, UNIT), simulate(pd, UNIT)
+    assert max(in_flight(p1, r1).values()) == pytest.approx(pp)
+    assert max(in_flight(pd, rd).values()) == pytest.approx(pp + 1)
+    # the engine's own peak: rank 0 of 1f1b holds pp forward activations of stage 0
+    f0 = next(i.alloc for i in p1.classes[0].streams["compute"] if i.kind == "F")
+    assert r1.per_rank[0].activations_bytes == pytest.approx(pp * f0)
+    # DualPipe holds every stage twice
+    assert sum(s.params_bytes for s in rd.per_rank) == pytest.approx(2 * sum(s.params_bytes for s in r1.per_rank))
+
+
+def test_activation_memory_dualpipev():
+    pp = 4  # PP = 8 stages
+    plan = tiny("dualpipev", pp, 2 * pp)
+    assert max(in_flight(plan, simulate(plan, UNIT)).values()) == pytest.approx(2 * pp + 1)
+
+
+@pytest.mark.parametrize("zero,per_param", [(0, lambda n: 16), (1, lambda n: 4 + 12 / n),
+                                            (2, lambda n: 2 + 14 / n), (3, lambda n: 16 / n)])
+def test_zero_model_states(zero, per_param):
+    n = 4
+    plan = compile({"model": "gpt-tiny", "cluster": f"cpu:{n}", "global_batch": 8, "seq_len": 32,
+                    "microbatches": 2, "directives": [{"op": "data_parallel", "degree": n, "zero": zero}]})
+    psi = get_config("gpt-tiny").param_count()
+    r = simulate(plan, UNIT)
+    for s in r.per_rank:
+        states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
+        assert states == pytest.approx(per_param(n) * psi)
+        assert s.peak_memory_bytes == pytest.approx(states + s.activations_bytes)
+
+
+# ----------------------------------------------------------------------------- comm costs
+
+
+@pytest.mark.parametrize("kind,steps,factor", [("ALLREDUCE", 2, 2), ("REDUCE_SCATTER", 1, 1), ("ALL_GATHER", 1, 1)])
+@pytest.mark.parametrize("fold", [True, False])
+def test_lone_collective_follows_ring_formula(kind, steps, factor, fold):
+    n, size = 8, 2.0**30
+    plan = hand_plan([{"dp": [Instruction(id="C", kind=kind, stream="dp", bytes=size, group="stage:0")]}], dp=n)
+    cluster = parse_cluster("h100:1x8")
+    cm = get_costmodel("analytic", cluster)
+    r = simulate(plan, cm, fold=fold)
+    gpu = cluster.gpu
+    ring = factor * (n - 1) / n * size / gpu.nvlink_bw + steps * (n - 1) * gpu.intra_alpha_s
+    assert (r.events["end"] - r.events["start"]).tolist() == pytest.approx([ring] * (1 if fold else n))
+    assert r.step_time_s == pytest.approx(cm.collective_time(kind, size, list(range(n))))
+
+
+def test_concurrent_sends_share_a_link():
+    size = 2.0**28
+    sends = {"send.a": [Instruction(id="SEND.a", kind="SEND", stream="send.a", bytes=size, peer=1, match="a")],
+             "send.b": [Instruction(id="SEND.b", kind="SEND", stream="send.b", bytes=size, peer=2, match="b")]}
+    recv = [{"recv": [Instruction(id=f"RECV.{x}", kind="RECV", stream="recv", bytes=size, peer=0, match=x)]}
+            for x in "ab"]
+    cluster = parse_cluster("h100:1x8")
+    cm = get_costmodel("analytic", cluster)
+    both = simulate(hand_plan([sends, *recv]), cm)
+    # both leave rank 0 over its one NVLink port: each gets half of it
+    assert both.step_time_s == pytest.approx(2 * size / cluster.gpu.nvlink_bw)
+    alone = simulate(hand_plan([{"send.a": sends["send.a"]}, recv[0], {}]), cm)
+    assert alone.step_time_s == pytest.approx(cm.p2p_time(size, 0, 1))
+
+
+def test_compute_slows_down_while_comm_runs():
+    plan = hand_plan([{"compute": [Instruction(id="F.s0.mb0", kind="F", stream="compute", stage=0, mb=0)],
+                       "dp": [Instruction(id="AR", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0")]}],
+                     dp=2, cluster="cpu:2")
+    r = simulate(plan, UnitCostModel(F=4, comm=2, slowdown=2))
+    ev = r.events.set_index("op_id")
+    assert ev.loc["AR", "end"] == pytest.approx(2)
+    assert ev.loc["F.s0.mb0", "end"] == pytest.approx(5)  # 2 s at half speed, then 3 s
+
+
+def test_expert_pieces_share_their_stage_time_by_flops():
+    plan = compile({"model": "moe-tiny", "cluster": "cpu:4", "global_batch": 8, "seq_len": 32, "microbatches": 2,
+                    "directives": [{"op": "expert_parallel", "degree": 4}]})
+    r = simulate(plan, UNIT)
+    ev = r.events[r.events["rank"] == 0]
+    per_op = (ev["end"] - ev["start"]).groupby([ev["kind"], ev["mb"]]).sum()
+    assert per_op[("F", 0)] == pytest.approx(F) and per_op[("B", 0)] == pytest.approx(B)
+    assert (ev["kind"] == "F").sum() > 2  # the forward really is cut into pieces
+
+
+# ----------------------------------------------------------------------------- deadlocks
+
+
+def test_deadlock_between_two_ranks_is_reported():
+    def rank(me, peer):
+        return {"p2p": [Instruction(id=f"SEND.{me}", kind="SEND", stream="p2p", peer=peer, match=me),
+                        Instruction(id=f"RECV.{peer}", kind="RECV", stream="p2p", peer=peer, match=peer)]}
+    plan = hand_plan([rank("a", 1), rank("b", 0)], cluster="cpu:2")
+    with pytest.raises(SimulationDeadlock) as e:
+        simulate(plan, UNIT)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "rank 0 SEND.a waits for RECV.a on rank 1" in msg and "rank 1 SEND.b waits for RECV.b on rank 0" in msg
+
+
+def test_deadlock_in_hand_edited_plan():
+    d = tiny("1f1b", 2, 4).to_json()
+    for ins in d["classes"][0]["streams"]["compute"]:
+        if ins["id"] == "F.s0.mb0":  # the first forward now waits for a gradient that needs it
+            ins["deps"] = ins.get("deps", []) + ["RECV.B.s1.mb0"]
+    plan = Plan.from_json(json.loads(json.dumps(d)), check_hash=False)
+    with pytest.raises(SimulationDeadlock, match=r"rank 0 F\.s0\.mb0 waits for RECV\.B\.s1\.mb0"):
+        simulate(plan, UNIT)
+
+
+def test_collective_missing_a_member_is_a_deadlock():
+    plan = hand_plan([{"dp": [Instruction(id="AR.s0.b0", kind="ALLREDUCE", stream="dp", bytes=8.0, group="stage:0")]},
+                      {"compute": [Instruction(id="F.s0.mb0", kind="F", stream="compute")]}], cluster="cpu:2")
+    plan.layout.stage_ranks = {0: [0, 1], 1: [1]}  # stage 0 has a copy on pipeline rank 1, which never syncs it
+    with pytest.raises(SimulationDeadlock, match="rank 0 AR.s0.b0 waits for ranks 1 to reach it"):
+        simulate(plan, UNIT)
+
+
+def test_unknown_dependency_is_an_error():
+    plan = hand_plan([{"compute": [Instruction(id="F", kind="F", stream="compute", deps=["nope"])]}], cluster="cpu:1")
+    with pytest.raises(SimulationError, match="depends on nope"):
+        simulate(plan, UNIT)
+
+
+# ----------------------------------------------------------------------------- folding
+
+
+def assert_same_results(folded, unfolded, dp: int) -> None:
+    assert folded.folded and not unfolded.folded
+    assert folded.step_time_s == pytest.approx(unfolded.step_time_s, rel=1e-9)
+    assert folded.bubble_fraction == pytest.approx(unfolded.bubble_fraction, rel=1e-9)
+    rows = {s.rank: s for s in unfolded.per_rank}
+    assert len(rows) == sum(s.represents for s in folded.per_rank)
+    for s in folded.per_rank:
+        for d in range(dp):
+            u = rows[s.rank + d]
+            for f in ("compute_s", "comm_exposed_s", "idle_s", "peak_memory_bytes", "activations_bytes",
+                      "params_bytes", "optimizer_bytes"):
+                assert getattr(s, f) == pytest.approx(getattr(u, f), rel=1e-9, abs=1e-12), (s.rank, d, f)
+    ev_u = unfolded.events[unfolded.events["rank"].isin([s.rank for s in folded.per_rank])]
+    cols = ["rank", "op_id", "start", "end"]
+    a = folded.events[cols].sort_values(cols[:2]).reset_index(drop=True)
+    b = ev_u[cols].sort_values(cols[:2]).reset_index(drop=True)
+    assert a[cols[:2]].equals(b[cols[:2]])
+    assert a["end"].tolist() == pytest.approx(b["end"].tolist(), rel=1e-9)
+
+
+def test_fold_equals_unfold_on_64_gpus():
+    plan = compile({"model": "llama3-8b", "cluster": "h100:8x8", "global_batch": 128, "seq_len": 4096,
+                    "microbatches": 8,
+                    "directives": [{"op": "pipeline", "degree": 4}, {"op": "schedule", "name": "1f1b"},
+                                   {"op": "data_parallel", "degree": 16, "zero": 1}]})
+    folded, unfolded = simulate(plan), simulate(plan, fold=False)
+    assert folded.num_events * 16 == unfolded.num_events
+    assert_same_results(folded, unfolded, 16)
+    assert 0 < folded.mfu < 1 and folded.per_rank[0].comm_exposed_s > 0
+
+
+def test_fold_equals_unfold_with_experts_and_dualpipe():
+    plan = compile({"model": "moe-tiny", "cluster": "h100:2x8", "global_batch": 32, "seq_len": 64, "microbatches": 4,
+                    "directives": [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "dualpipe"},
+                                   {"op": "data_parallel", "degree": 8, "zero": 1},
+                                   {"op": "expert_parallel", "degree": 4}]})
+    assert_same_results(simulate(plan), simulate(plan, fold=False), 8)
+
+
+def test_fold_falls_back_when_replicas_differ():
+    # 3 nodes of 4 GPUs, PP4 x DP3: replica 0 of pipeline ranks 0 and 1 share node 0, replica 1 does not
+    plan = compile({"model": "llama3-8b", "cluster": "h100:3x4", "global_batch": 12, "seq_len": 1024,
+                    "microbatches": 4,
+                    "directives": [{"op": "pipeline", "degree": 4}, {"op": "data_parallel", "degree": 3}]})
+    exact, why = fold_is_exact(plan, parse_cluster("h100:3x4"))
+    assert not exact and "p2p" in why
+    r = simulate(plan)
+    assert not r.folded and len(r.per_rank) == 12
+    assert r.step_time_s == simulate(plan, fold=False).step_time_s
+
+
+# ----------------------------------------------------------------------------- results / CLI
+
+
+def test_result_fields_and_json():
+    plan = tiny("1f1b", 4, 8)
+    r = simulate(plan)  # analytic on cpu:4
+    d = json.loads(json.dumps(r.to_json()))
+    for key in ("step_time_s", "tokens_per_s", "mfu", "bubble_fraction", "per_rank", "num_events", "sim_wall_s"):
+        assert key in d
+    assert set(d["per_rank"][0]) >= {"rank", "compute_s", "comm_exposed_s", "idle_s", "peak_memory_bytes",
+                                      "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes"}
+    assert r.tokens_per_s == pytest.approx(plan.meta["tokens_per_step"] / r.step_time_s)
+    peak = parse_cluster("cpu:4").gpu.peak("bf16")
+    assert r.mfu == pytest.approx(plan.meta["model_flops_per_step"] / (r.step_time_s * 4 * peak))
+    assert r.num_events == len(r.events) == sum(len(lst) for c in plan.classes for lst in c.streams.values())
+    for s in r.per_rank:
+        assert s.compute_s + s.comm_exposed_s + s.idle_s == pytest.approx(r.step_time_s)
+    assert list(r.events.columns[:11]) == ["rank", "stream", "op_id", "kind", "stage", "mb", "start", "end",
+                                           "bytes", "flops", "peer"]
+
+
+def test_cli_simulate(tmp_path, capsys):
+    from piper_sim.simulate_cli import main
+
+    path = tmp_path / "plan.json"
+    tiny("zb1p", 4, 8).save(str(path))
+    out = {k: str(tmp_path / f"{k}") for k in ("trace.json", "timeline.png", "memory.png")}
+    assert main(["simulate", str(path), "--costmodel", UNIT, "--json", "--trace", out["trace.json"],
+                 "--timeline", out["timeline.png"], "--memory", out["memory.png"]]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["step_time_s"] == pytest.approx(8 * 3 + 3)
+    for p in out.values():
+        assert (tmp_path / p).stat().st_size > 0
+    assert main(["simulate", str(path), "--costmodel", "unit:F=x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("piper-sim: error:") and err.count("\n") == 1
+    assert main(["simulate", str(path)]) == 0 and "step" in capsys.readouterr().out
+    assert math.isfinite(d["mfu"])
