@@ -13,7 +13,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from piper_sim.plan import PlanError
 
@@ -39,6 +38,8 @@ def _state(rt) -> dict[str, torch.Tensor]:
 
 def save(rt, path: str, step: int) -> None:
     """Collective: write the state after ``step`` steps."""
+    import torch.distributed.checkpoint as dcp  # slow to import: only when used
+
     os.makedirs(path, exist_ok=True)
     dcp.save(_state(rt), checkpoint_id=path)
     if dist.get_rank() == 0:
@@ -57,5 +58,7 @@ def load(rt, path: str) -> int:
     if meta["plan_hash"] != rt.plan.content_hash():
         raise PlanError(f"{path} was saved by plan {meta['plan_hash']}, not by this plan "
                         f"{rt.plan.content_hash()}; resume with the plan that wrote it")
+    import torch.distributed.checkpoint as dcp
+
     dcp.load(_state(rt), checkpoint_id=path)
     return int(meta["step"])

@@ -103,9 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rank", type=int, help="only this global rank's class")
     s.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
     s.set_defaults(func=cmd_show)
+    from piper_sim.explore_cli import add_explore_parser
     from piper_sim.simulate_cli import add_simulate_parser
 
     add_simulate_parser(sub)
+    add_explore_parser(sub)
     return p
 
 

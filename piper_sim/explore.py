@@ -13,6 +13,7 @@ Candidates are compiled and simulated in worker processes (all cores), or on Ray
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import sys
@@ -107,7 +108,8 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: int,
                          schedules: Iterable[str] | None = None, zero_levels: Iterable[int] = (0, 1, 2, 3),
-                         recompute: Iterable[bool] = (False, True), max_microbatches: int = 64) -> list[Candidate]:
+                         recompute: Iterable[bool] = (False, True), max_microbatches: int = 64,
+                         microbatch_factors: Iterable[int] = (2, 4)) -> list[Candidate]:
     """Every strategy the compiler accepts for this model, cluster and batch."""
     cfg = get_config(model)
     world = parse_cluster(cluster).world_size
@@ -121,8 +123,10 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
             v = SCHEDULE_V[sched] if pp > 1 else 1
             if pp * v > cfg.n_layers:
                 continue
-            for m in _divisors(global_batch // dp):
-                if m > max_microbatches or (pp > 1 and m < pp) or (pp == 1 and m > 8):
+            per_replica = global_batch // dp
+            options = [1, 2, 4] if pp == 1 else [k * pp for k in microbatch_factors]
+            for m in options:
+                if m > max_microbatches or per_replica % m:
                     continue
                 if sched in ("interleaved_1f1b",) and m % pp:
                     continue
@@ -141,35 +145,67 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
     return out
 
 
-def _compile_and_bound(task: tuple) -> tuple:
-    """Worker: compile one candidate; return its plan JSON, static memory and lower bound."""
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, pp: int, m: int, v: int):
+    from piper_sim.schedules import build_schedule
+
+    return build_schedule(name, pp, m, stages_per_rank=v)
+
+
+def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, float, str]:
+    """Bounds without compiling: (memory lower bound bytes, step-time lower bound s, error).
+
+    Memory: model states + one micro-batch of the largest stage's activations, on the
+    fullest rank. Time: the busiest rank's forward+backward flops as one op at the cost
+    model's best efficiency (every real op is smaller, so no faster)."""
+    import torch
+
+    from piper_sim.compiler import DTYPE_BYTES, _TORCH_DTYPE, static_memory, stage_costs
+    from piper_sim.ir import Context
+    from piper_sim.plan import Layout
+    from piper_sim.profiling import profile_model
+    from piper_sim.schedules import ScheduleError
+
+    cfg = get_config(settings["model"])
+    dtype = settings.get("dtype", "bf16")
+    mbs = settings["global_batch"] // (cand.dp * cand.microbatches)
+    try:
+        spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
+        stages = stage_costs(cfg, profile_model(cfg, mbs, settings["seq_len"], getattr(torch, _TORCH_DTYPE[dtype])),
+                             spec.num_stages)
+    except (ScheduleError, StrategyError) as e:
+        return 0.0, 0.0, str(e)
+    layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks)
+    ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[dtype])  # type: ignore[arg-type]
+    mem = time_lb = 0.0
+    for r in range(cand.pp):
+        held = [s for s, ranks in spec.stage_ranks.items() if r in ranks]
+        act = max(sum(x.saved_act_bytes for x in stages[s].segments) if not cand.recompute
+                  else stages[s].segments[0].out_bytes for s in held)
+        mem = max(mem, sum(static_memory(ctx, r, cand.zero).values()) + act)
+        flops = 0.0
+        for s in held:
+            per_mb = sum(x.fwd_flops * (2 if cand.recompute else 1) + x.bwd_input_flops + x.bwd_weight_flops
+                         for x in stages[s].segments)
+            flops += per_mb * sum(1 for mb in range(cand.microbatches) if spec.rank_of(s, mb) == r)
+        time_lb = max(time_lb, cm.compute_time("F", flops))
+    return mem, time_lb, ""
+
+
+def _compile_and_simulate(task: tuple) -> tuple:
+    """Worker: compile and simulate one candidate."""
     cand, settings = task
     from piper_sim.compiler import compile_strategy
+    from piper_sim.simulator import simulate
 
     try:
         plan = compile_strategy(cand.strategy(settings["model"], settings["cluster"], settings["global_batch"],
                                               settings["seq_len"])).plan
     except (StrategyError, ValueError) as e:
-        return cand, None, 0.0, 0.0, str(e)
-    cm = get_costmodel(settings["costmodel"], parse_cluster(settings["cluster"]))
-    bound, static = 0.0, 0.0
-    for c in plan.classes:
-        t = sum(cm.compute_time(i.kind, i.flops, mem_bytes=i.bytes, gemm=tuple(i.gemm) if i.gemm else None)
-                for i in c.streams.get("compute", []) if i.kind in ("F", "B", "BI", "BW"))
-        bound = max(bound, t)
-        static = max(static, sum(c.static_memory.values()))
-    return cand, plan.dumps(), bound, static, ""
-
-
-def _simulate(task: tuple) -> tuple:
-    cand, plan_json, settings = task
-    from piper_sim.plan import Plan
-    from piper_sim.simulator import simulate
-
-    plan = Plan.from_json(json.loads(plan_json))
+        return cand, None, str(e)
     r = simulate(plan, settings["costmodel"])
     peak = max(x.peak_memory_bytes for x in r.per_rank)
-    return cand, r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak
+    return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak), ""
 
 
 def _pool(workers: int, use_ray: bool):
@@ -189,52 +225,58 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
             workers: int | None = None, prune: bool = True, use_ray: bool = False,
             candidates: list[Candidate] | None = None,
             progress: Callable[[str, int, int], None] | None = None, **enum_kw: Any) -> ExploreResult:
-    """Enumerate, compile, prune and simulate; rows for every candidate."""
+    """Enumerate, screen, and simulate in order of the time bound; rows for every candidate."""
     t0 = time.perf_counter()
     settings = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
                 "costmodel": costmodel}
     if candidates is None:
         candidates = enumerate_candidates(model, cluster, global_batch, seq_len, **enum_kw)
-    hbm = parse_cluster(cluster).gpu.hbm_bytes
+    cl = parse_cluster(cluster)
+    cm = get_costmodel(costmodel, cl)
+    hbm = cl.gpu.hbm_bytes
     workers = workers or os.cpu_count() or 1
     rows: list[Row] = []
-    compiled = []
-    with _pool(workers, use_ray) if workers > 1 else _Serial() as pool:
-        for i, (cand, plan_json, bound, static, err) in enumerate(
-                pool.imap(_compile_and_bound, [(c, settings) for c in candidates])):
-            if progress:
-                progress("compile", i + 1, len(candidates))
-            if plan_json is None:
-                rows.append(Row(cand, "invalid", reason=err))
-            elif static > hbm:
-                rows.append(Row(cand, "oom", peak_memory_bytes=static, lower_bound_s=bound,
-                                reason=f"model states alone need {static / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
-            else:
-                compiled.append((bound, cand, plan_json))
-        compiled.sort(key=lambda x: (x[0], x[1].short()))
-        best = float("inf")
-        done = 0
+    queue = []
+    for i, cand in enumerate(candidates):
+        mem, bound, err = screen(cand, settings, cm)
+        if progress:
+            progress("screen", i + 1, len(candidates))
+        if err:
+            rows.append(Row(cand, "invalid", reason=err))
+        elif prune and mem > hbm:
+            rows.append(Row(cand, "oom", peak_memory_bytes=mem, lower_bound_s=bound,
+                            reason=f"model states + one micro-batch need {mem / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
+        else:
+            queue.append((bound, cand.short(), cand))
+    queue.sort()
+    bounds = {c: b for b, _, c in queue}
+    best = float("inf")
+    done = 0
+    with (_pool(workers, use_ray) if workers > 1 else _Serial()) as pool:
         i = 0
-        while i < len(compiled):
+        while i < len(queue):
             batch = []
-            while i < len(compiled) and len(batch) < workers:
-                bound, cand, plan_json = compiled[i]
+            while i < len(queue) and len(batch) < workers:
+                bound, _, cand = queue[i]
                 i += 1
                 if prune and bound >= best:
                     rows.append(Row(cand, "pruned", lower_bound_s=bound,
-                                    reason=f"compute alone takes {bound:.4g} s >= best {best:.4g} s"))
+                                    reason=f"compute alone takes >= {bound:.4g} s, best is {best:.4g} s"))
                     continue
-                batch.append((cand, plan_json, settings))
-            for cand, step, tps, mfu, bubble, peak in pool.imap(_simulate, batch):
-                bound = next(b for b, c, _ in compiled if c == cand)
+                batch.append((cand, settings))
+            for cand, res, err in pool.imap(_compile_and_simulate, batch):
                 done += 1
                 if progress:
-                    progress("simulate", done, len(compiled))
+                    progress("simulate", done, len(queue))
+                if res is None:
+                    rows.append(Row(cand, "invalid", reason=err))
+                    continue
+                step, tps, mfu, bubble, peak = res
                 if peak > hbm:
-                    rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bound,
+                    rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand],
                                     reason=f"peak {peak / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
                     continue
-                rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bound))
+                rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bounds[cand]))
                 best = min(best, step)
     counts: dict[str, int] = {}
     for r in rows:

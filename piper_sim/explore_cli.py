@@ -1,0 +1,97 @@
+"""`piper-sim explore`: which strategy should I run on my cluster, and why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def progress_printer(enabled: bool = True):
+    """A one-line progress bar on stderr (``[simulate] 120/400``)."""
+    tty = sys.stderr.isatty()
+
+    def show(stage: str, i: int, n: int) -> None:
+        if not enabled or (not tty and i != n and i % max(1, n // 10)):
+            return
+        width = 30
+        filled = int(width * i / max(n, 1))
+        sys.stderr.write(f"{chr(13) if tty else ''}[{stage:<8}] |{'#' * filled}{'.' * (width - filled)}| {i}/{n}")
+        if i == n or not tty:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+    return show
+
+
+def emit_best(result, out_dir: str, costmodel: str = "analytic") -> dict[str, str]:
+    """Write the best strategy, its plan, its simulated trace and timeline into out_dir."""
+    from piper_sim.api import compile
+    from piper_sim.simulator import simulate
+
+    os.makedirs(out_dir, exist_ok=True)
+    strategy = result.best_strategy()
+    strategy["name"] = "best: " + result.best.candidate.short()
+    paths = {k: os.path.join(out_dir, f) for k, f in
+             (("strategy", "best_strategy.json"), ("plan", "best_plan.json"), ("trace", "best_trace.json"),
+              ("timeline", "best_timeline.png"), ("memory", "best_memory.png"))}
+    with open(paths["strategy"], "w") as f:
+        json.dump(strategy, f, indent=1)
+    plan = compile(strategy)
+    plan.save(paths["plan"])
+    sim = simulate(plan, costmodel)
+    sim.write_trace(paths["trace"])
+    sim.plot_timeline(paths["timeline"], title=strategy["name"])
+    sim.plot_memory(paths["memory"], title=strategy["name"])
+    return paths
+
+
+def cmd_explore(args: argparse.Namespace) -> None:
+    from piper_sim.explore import explore, format_table, plot_pareto, write_csv
+
+    kw = {}
+    if args.schedules:
+        kw["schedules"] = args.schedules.split(",")
+    if args.zero:
+        kw["zero_levels"] = [int(z) for z in args.zero.split(",")]
+    if args.no_recompute:
+        kw["recompute"] = (False,)
+    result = explore(args.model, args.cluster, args.global_batch, args.seq_len, costmodel=args.costmodel,
+                     workers=args.workers, prune=not args.no_prune, use_ray=args.ray,
+                     progress=progress_printer(not args.quiet), **kw)
+    print(format_table(result, args.top))
+    if args.csv:
+        write_csv(result, args.csv)
+        print(f"wrote {args.csv}")
+    if args.plot:
+        plot_pareto(result, args.plot)
+        print(f"wrote {args.plot}")
+    if args.emit_best and result.best:
+        paths = emit_best(result, args.emit_best, args.costmodel)
+        print("wrote " + ", ".join(paths.values()))
+
+
+def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    d = defaults or {}
+    p.add_argument("--model", required="model" not in d, default=d.get("model"))
+    p.add_argument("--cluster", required="cluster" not in d, default=d.get("cluster"))
+    p.add_argument("--global-batch", type=int, required="global_batch" not in d, default=d.get("global_batch"))
+    p.add_argument("--seq-len", type=int, required="seq_len" not in d, default=d.get("seq_len"))
+    p.add_argument("--costmodel", default="analytic", help="analytic, unit:..., or a calibration JSON")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--csv")
+    p.add_argument("--plot", help="throughput-vs-memory Pareto PNG")
+    p.add_argument("--emit-best", metavar="DIR", help="write the best strategy, plan and timeline here")
+    p.add_argument("--schedules", default=d.get("schedules"), help="comma-separated subset of schedules")
+    p.add_argument("--zero", default=d.get("zero"), help="comma-separated ZeRO levels (default 0,1,2,3)")
+    p.add_argument("--no-recompute", action="store_true", default=d.get("no_recompute", False))
+    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--ray", action="store_true", help="run the sweep on Ray when installed")
+    p.add_argument("--no-prune", action="store_true", help="simulate every strategy (exhaustive)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_explore_parser(sub) -> None:
+    p = sub.add_parser("explore", help="enumerate, simulate and rank strategies for a model and cluster")
+    add_explore_arguments(p)
+    p.set_defaults(func=cmd_explore)

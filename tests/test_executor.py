@@ -1,0 +1,270 @@
+"""Executor: real multi-process runs (torchrun, gloo on CPU) against a single-process reference,
+torch.distributed.pipelining, two "nodes" on loopback, faults, refusals and checkpoints.
+
+torchrun start-up costs seconds, so one launch runs many plans (``python -m executor A B ...``).
+Run as a script under torchrun, this file is the peer-check worker (see `_peer_worker`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipe", "dualpipev"]
+V = {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
+TOL = 1e-4
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def strategy(model: str = "gpt-tiny", pp: int = 1, sched: str = "1f1b", dp: int = 1, zero: int = 0,
+             m: int = 4, mbs: int = 1, ep: int = 0, seq: int = 16) -> dict:
+    d: list[dict] = []
+    if pp > 1:
+        d += [{"op": "pipeline", "degree": pp, **({"stages_per_rank": V[sched]} if sched in V else {})},
+              {"op": "schedule", "name": sched}]
+    if dp > 1:
+        d.append({"op": "data_parallel", "degree": dp, "zero": zero})
+    if ep:
+        d.append({"op": "expert_parallel", "degree": ep})
+    return {"model": model, "cluster": f"cpu:{pp * dp}", "global_batch": dp * m * mbs, "seq_len": seq,
+            "microbatches": m, "dtype": "fp32", "directives": d}
+
+
+def save_plan(tmp_path, name: str, s: dict) -> str:
+    from piper_sim.api import compile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile(s)
+    path = str(tmp_path / f"{name}.json")
+    plan.save(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, args: list[str], env: dict | None = None, timeout: float = 400,
+             module: str = "executor") -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-backend=c10d", "--rdzv-id=t"]
+    cmd += ["-m", module, *args] if module else args
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+
+
+def json_lines(out: str) -> list[dict]:
+    rows = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            rows.append(json.loads(line))
+    return rows
+
+
+def check_all(tmp_path, nproc: int, configs: dict[str, dict]) -> dict[str, dict]:
+    paths = {save_plan(tmp_path, k, s): k for k, s in configs.items()}
+    r = torchrun(nproc, [*paths, "--steps", "3", "--check", "--json"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, dict] = {}
+    for row in json_lines(r.stdout):
+        out.setdefault(paths[row["plan"]], {}).update(
+            {f"loss{row['step']}": row["loss"]} if "loss" in row else row)
+    return out
+
+
+# ------------------------------------------------------------------ correctness vs reference
+
+
+def test_check_two_ranks_dp_zero_pp2_schedules_ep(tmp_path):
+    configs = {f"dp2-zero{z}": strategy(dp=2, zero=z, m=2, mbs=2) for z in range(4)}
+    configs |= {f"pp2-{s}": strategy(pp=2, sched=s, m=4) for s in SCHEDULES}
+    configs["moe-ep2"] = strategy("moe-tiny", dp=2, ep=2, m=2, mbs=2)
+    res = check_all(tmp_path, 2, configs)
+    assert set(res) == set(configs)
+    for name, row in res.items():
+        assert row["max_rel_param_diff"] <= TOL, (name, row)
+        assert row["max_abs_param_diff"] <= 1e-4, (name, row)
+    # same model, same data: every gpt-tiny strategy reports the same losses
+    gpt = [r for n, r in res.items() if n != "moe-ep2"]
+    for k in ("loss0", "loss1", "loss2"):
+        assert max(r[k] for r in gpt) - min(r[k] for r in gpt) < 1e-4
+    assert res["dp2-zero0"]["loss2"] < res["dp2-zero0"]["loss0"]
+
+
+def test_check_four_ranks_pp4_schedules_pp_dp_dualpipev_ep(tmp_path):
+    configs = {f"pp4-{s}": strategy(pp=4, sched=s, m=8) for s in SCHEDULES}
+    configs["pp2-dp2-zero1"] = strategy(pp=2, dp=2, zero=1, m=4)
+    configs["dualpipev-ep2"] = strategy("moe-tiny", pp=2, sched="dualpipev", dp=2, ep=2, m=4)
+    res = check_all(tmp_path, 4, configs)
+    assert set(res) == set(configs)
+    for name, row in res.items():
+        assert row["max_rel_param_diff"] <= TOL, (name, row)
+        assert row["max_abs_param_diff"] <= 1e-4, (name, row)
+
+
+# ------------------------------------------------------------------ peer: torch.distributed.pipelining
+
+
+def _peer_worker(paths: list[str]) -> None:
+    """Under torchrun: one executor step and one torch pipelining step per plan; print the
+    largest gradient difference (before any optimizer step)."""
+    import torch
+    import torch.distributed as dist
+
+    from executor.baselines import TorchPipeline
+    from executor.collectives import Comms
+    from executor.runtime import Runtime
+    from piper_sim.plan import Plan
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for path in paths:
+        plan = Plan.load(path)
+        comms = Comms.create(plan, 60)
+        rt = Runtime(plan, rank, comms, torch.device("cpu"), timeout_s=60)
+        rt.run_step(0, capture_grads=True)
+        ours = rt.captured_grads
+        peer = TorchPipeline(plan, rank)
+        peer.step(0, optimizer=False)
+        theirs = peer.named_grads()
+        assert set(ours) == set(theirs), (sorted(ours), sorted(theirs))
+        worst = max((ours[n] - theirs[n]).norm().item() / theirs[n].norm().item() for n in theirs)
+        stat = torch.tensor([worst, float(len(theirs))], dtype=torch.float64)
+        dist.all_reduce(stat)
+        if rank == 0:
+            print(json.dumps({"plan": path, "max_rel_grad_diff_sum": stat[0].item(), "n_params": stat[1].item()}),
+                  flush=True)
+        comms.destroy()
+    dist.destroy_process_group()
+
+
+def test_gradients_equal_torch_pipelining_schedules(tmp_path):
+    paths = [save_plan(tmp_path, s, strategy(pp=2, sched=s, m=4)) for s in ("1f1b", "interleaved_1f1b")]
+    r = torchrun(2, [os.path.abspath(__file__), *paths], module="")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json_lines(r.stdout)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["n_params"] == 1 + 8 * 9 + 2  # embed, 8 layers x 9 tensors, head (2)
+        assert row["max_rel_grad_diff_sum"] < 1e-5, row
+
+
+# ------------------------------------------------------------------ two nodes on loopback
+
+
+def test_two_nodes_on_loopback_with_trace(tmp_path):
+    plan = save_plan(tmp_path, "pp2", strategy(pp=2, sched="zb1p", m=4))
+    endpoint = f"127.0.0.1:{free_port()}"
+    trace, png = tmp_path / "trace.json", tmp_path / "timeline.png"
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "executor.cli", "run", plan, "--nnodes", "2", "--nproc", "1",
+               "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--steps", "2", "--json", "--check"]
+        if node == 0:
+            cmd += ["--trace", str(trace), "--timeline", str(png)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "PYTHONWARNINGS": "ignore"}))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    rows = json_lines(outs[0][0] + outs[1][0])
+    check = [r for r in rows if "max_rel_param_diff" in r]
+    assert len(check) == 1 and check[0]["max_rel_param_diff"] <= TOL
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    from piper_sim.plan import Plan
+
+    p = Plan.load(plan)
+    want = {(r, i.id) for r in range(2) for i in p.program(r).streams["compute"]}
+    assert want <= {(e["pid"], e["name"]) for e in events}
+    assert all(e["dur"] >= 0 for e in events)
+    assert png.stat().st_size > 1000
+
+
+# ------------------------------------------------------------------ faults and refusals
+
+
+@pytest.mark.parametrize("mode,victim,op", [("raise", 1, "B.s1.mb2"), ("kill", 0, "F.s0.mb3")])
+def test_fault_on_one_rank_stops_every_rank(tmp_path, mode, victim, op):
+    plan = save_plan(tmp_path, "pp2", strategy(pp=2, sched="1f1b", m=4))
+    t = time.monotonic()
+    r = torchrun(2, [plan, "--steps", "3", "--timeout", "30"], env={"PIPER_FAULT": f"{victim}:1:{op}:{mode}"},
+                 timeout=120)
+    elapsed = time.monotonic() - t
+    assert r.returncode != 0
+    assert elapsed < 60, elapsed
+    assert f"rank {victim}" in r.stderr and op in r.stderr, r.stderr[-3000:]
+    if mode == "raise":
+        assert f"rank {victim}: step 1: instruction {op}" in r.stderr
+    else:  # the survivor names itself and the instruction it was stuck on
+        assert f"rank {1 - victim}: step 1: instruction" in r.stderr, r.stderr[-3000:]
+
+
+def test_refuses_wrong_world_size_and_edited_plans_before_starting(tmp_path):
+    plan = save_plan(tmp_path, "pp2", strategy(pp=2, sched="1f1b", m=4))
+    # the worker, as torchrun would start it for a 4-rank launch: refused before init_process_group
+    env = {**os.environ, "WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "1"}  # a port nobody listens on: any rendezvous attempt would fail differently
+    r = subprocess.run([sys.executable, "-m", "executor", plan], cwd=ROOT, capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 2 and "compiled for 2 ranks" in r.stderr and "4 were launched" in r.stderr
+    # piper-sim run: refused before torchrun starts
+    r = subprocess.run([sys.executable, "-m", "executor.cli", "run", plan, "--nproc", "4"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "compiled for 2 ranks" in r.stderr
+    d = json.loads(open(plan).read())
+    d["meta"]["seed"] = 7
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(d))
+    r = subprocess.run([sys.executable, "-m", "executor.cli", "run", str(edited)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "hash mismatch" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "executor", str(edited)], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "WORLD_SIZE": "2"}, timeout=120)
+    assert r.returncode == 2 and "hash mismatch" in r.stderr
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
+    plan = save_plan(tmp_path, "dp2z1", strategy(dp=2, zero=1, m=2, mbs=2))
+    ckpt = str(tmp_path / "ckpt")
+    full = torchrun(2, [plan, "--steps", "4", "--json"])
+    first = torchrun(2, [plan, "--steps", "2", "--json", "--save", ckpt])
+    second = torchrun(2, [plan, "--steps", "2", "--json", "--resume", ckpt])
+    for r in (full, first, second):
+        assert r.returncode == 0, r.stderr[-3000:]
+    losses = [row["loss"] for row in json_lines(full.stdout)]
+    resumed = [row["loss"] for row in json_lines(first.stdout) + json_lines(second.stdout)]
+    assert [row["step"] for row in json_lines(second.stdout)] == [2, 3]
+    assert losses == pytest.approx(resumed, rel=1e-6, abs=1e-7)
+    assert len(losses) == 4 and losses[3] != losses[1]
+
+
+def test_data_split_follows_the_plan():
+    from executor.data import SyntheticData
+
+    d = SyntheticData(vocab=512, seq_len=8, global_batch=8, seed=3)
+    tokens, targets = d.batch(5)
+    assert tokens.shape == targets.shape == (8, 8)
+    assert (tokens[:, 1:] == targets[:, :-1]).all()  # targets are the next tokens
+    parts = [d.microbatch(5, r, 2, 2, m)[0] for r in range(2) for m in range(2)]
+    assert all(p.shape == (2, 8) for p in parts)
+    assert (d.microbatch(5, 1, 2, 2, 0)[0] == tokens[4:6]).all()
+    assert not (d.batch(6)[0] == tokens).all()
+
+
+if __name__ == "__main__":
+    _peer_worker(sys.argv[1:])

@@ -1,0 +1,56 @@
+"""Explorer: the pruned search finds the exhaustive search's best; outputs a user can open."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from piper_sim.explore import enumerate_candidates, explore, format_table, plot_pareto, write_csv
+
+
+SMALL = [("llama3-8b", "h100:1x4", 16, 2048), ("qwen3-moe-1b", "h100:1x4", 16, 1024)]
+
+
+@pytest.mark.parametrize("model,cluster,batch,seq", SMALL)
+def test_pruned_search_finds_the_exhaustive_best(model, cluster, batch, seq):
+    kw = dict(zero_levels=(0, 1, 3), microbatch_factors=(2,))
+    full = explore(model, cluster, batch, seq, workers=1, prune=False, **kw)
+    fast = explore(model, cluster, batch, seq, workers=1, prune=True, **kw)
+    assert full.best is not None and fast.best is not None
+    assert fast.best.step_time_s == pytest.approx(full.best.step_time_s)
+    # every pruned strategy really could not have won (its exhaustive time is no better)
+    exhaustive = {r.candidate: r for r in full.rows}
+    for r in fast.rows:
+        if r.status == "pruned":
+            assert exhaustive[r.candidate].status != "ok" or \
+                exhaustive[r.candidate].step_time_s >= full.best.step_time_s - 1e-12
+        if r.status == "oom":
+            assert exhaustive[r.candidate].status == "oom"
+    assert fast.counts.get("pruned", 0) > 0
+
+
+def test_enumeration_respects_schedule_constraints():
+    cands = enumerate_candidates("gpt-tiny", "h100:1x8", 64, 128)
+    for c in cands:
+        assert 8 % c.pp == 0 and c.pp * c.dp == 8
+        if c.schedule == "dualpipe":
+            assert c.pp % 2 == 0 and c.microbatches >= 2 * c.pp
+        if c.schedule == "interleaved_1f1b":
+            assert c.microbatches % c.pp == 0
+    assert {c.schedule for c in cands} >= {"1f1b", "zbv", "dualpipev", "dualpipe"}
+
+
+def test_outputs_table_csv_pareto(tmp_path):
+    r = explore("llama3-8b", "h100:1x4", 16, 2048, workers=1, zero_levels=(1,), microbatch_factors=(2,),
+                recompute=(False,))
+    table = format_table(r, top=3)
+    assert "tokens/s" in table and "strategies:" in table
+    write_csv(r, str(tmp_path / "t.csv"))
+    rows = list(csv.DictReader(open(tmp_path / "t.csv")))
+    assert len(rows) == len(r.rows) and rows[0]["status"] == "ok"
+    plot_pareto(r, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    best = r.best_strategy()
+    assert json.loads(json.dumps(best))["model"] == "llama3-8b"
