@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -181,7 +182,9 @@ def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node
                     if dag.ins(n).kind == "OPT":
                         key[n] = end + (max(preds) if preds else 0.0) / (end + 1)
                     else:
-                        key[n] = max(forced.get(n, 0.0), max(preds, default=-1.0) + 0.1)
+                        # gradient buckets go out as the backward reaches them (last first)
+                        early = (1.0 - dag.ins(n).dep_progress) * 0.5
+                        key[n] = max(forced.get(n, 0.0), max(preds, default=-1.0) + 0.1 - early)
                 return key[n]
 
             for n in topo:
@@ -223,7 +226,7 @@ def lower(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[int, dict[
     out: dict[int, dict[str, list[Instruction]]] = {}
     for where, nodes in by_where.items():
         streams: dict[str, list[Instruction]] = {}
-        for n in sorted(nodes, key=lambda n: (key[n], n[1])):
+        for n in sorted(nodes, key=lambda n: (key[n], _natural(n[1]))):
             ins = dag.ins(n)
             streams.setdefault(ins.stream, []).append(ins)
         for lst in streams.values():
@@ -231,6 +234,11 @@ def lower(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[int, dict[
                 ins.deps = sorted(p[1] for p in dag.g.predecessors((where, ins.id)) if p[0] == where)
         out[where] = dict(sorted(streams.items(), key=lambda kv: _STREAM_ORDER.get(kv[0], 9)))
     return out
+
+
+def _natural(op_id: str) -> tuple:
+    """Sort key that puts b2 before b10."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", op_id))
 
 
 _STREAM_ORDER = {"compute": 0, "recv": 1, "send": 2, "ep": 3, "dp": 4}

@@ -313,13 +313,17 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                 continue
             buckets = _buckets(param_bytes, setup.bucket_mb, len({x.unit for x in segs}))
             group = ctx.group(symbolic, where)
+            n_b = len(buckets)
             for b, nbytes in enumerate(buckets):
+                # bucket b (in parameter order) has its gradients once the backward reached it
+                ready = (n_b - b) / n_b
                 if zero == 0:
                     sync = Instruction(id=f"AR.s{s}{tag}.b{b}", kind="ALLREDUCE", stream=stream["ALLREDUCE"],
-                                       stage=s, bytes=nbytes, group=group)
+                                       stage=s, bytes=nbytes, group=group, dep_progress=ready)
                 else:
                     sync = Instruction(id=f"RS.s{s}{tag}.b{b}", kind="REDUCE_SCATTER",
-                                       stream=stream["REDUCE_SCATTER"], stage=s, bytes=nbytes, group=group)
+                                       stream=stream["REDUCE_SCATTER"], stage=s, bytes=nbytes, group=group,
+                                       dep_progress=ready)
                 sn = dag.add(where, sync)
                 for n in last_backward:
                     dag.edge(n, sn)

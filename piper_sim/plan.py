@@ -71,6 +71,10 @@ class Instruction:
     tokens:  tokens processed (compute), for the cost model's GEMM-size efficiency.
     recompute: forward is recomputed inside this backward (B/BI).
     gemm:    [m, n, k] of the op's dominant matmul, for size-dependent efficiency.
+    dep_progress: the share of its compute deps that must have run before this op may
+             start (1.0: all of it). A gradient bucket is ready part-way through the last
+             backward (buckets fill from the last layer), as DDP/FSDP overlap them. A back
+             end that waits for the whole op is correct, only less overlapped.
     """
 
     id: str
@@ -92,6 +96,7 @@ class Instruction:
     tokens: int = 0
     recompute: bool = False
     gemm: list[int] = field(default_factory=list)
+    dep_progress: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS

@@ -186,7 +186,7 @@ class _Op:
     """One instruction placed on one simulated rank."""
 
     __slots__ = ("ins", "rank", "stream", "deps", "dur", "peer", "group", "cost", "done", "event",
-                 "posted", "start", "end")
+                 "posted", "start", "end", "started")
 
     def __init__(self, ins: Instruction, rank: int, stream: str):
         self.ins = ins
@@ -202,6 +202,7 @@ class _Op:
         self.posted: float | None = None
         self.start = 0.0
         self.end = 0.0
+        self.started: simpy.Event | None = None  # for ops waiting on part of this one
 
 
 class _Job:
@@ -508,17 +509,30 @@ class _Engine:
         rows = self.rows
         for i, op in enumerate(ops):
             self.pos[key] = i
-            for dep in op.deps:
-                if not dep.done:
-                    if dep.event is None:
-                        dep.event = env.event()
-                    yield dep.event
             ins = op.ins
+            for dep in op.deps:
+                if dep.done:
+                    continue
+                if ins.dep_progress < 1.0 and dep.dur is not None:
+                    # wait until that share of the compute op ran (e.g. a gradient bucket)
+                    if dep.posted is None:
+                        if dep.started is None:
+                            dep.started = env.event()
+                        yield dep.started
+                    left = dep.start + ins.dep_progress * dep.dur - env.now
+                    if left > 0 and not dep.done:
+                        yield env.timeout(left)
+                    continue
+                if dep.event is None:
+                    dep.event = env.event()
+                yield dep.event
             op.posted = env.now
             if ins.alloc:
                 self._memory(rank, ins.alloc)
             if op.dur is not None:
                 op.start = env.now
+                if op.started is not None:
+                    op.started.succeed()
                 if self.slow != 1.0 and op.dur > 0:
                     yield self._run_compute(rank, op.dur)
                 elif op.dur > 0:
