@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(sub)
     add_explore_parser(sub)
+    from executor.cli import add_run_parser
+
+    add_run_parser(sub)
+    from piper_sim.demo import add_demo_parser
+
+    add_demo_parser(sub)
     return p
 
 

@@ -1,0 +1,91 @@
+"""`piper-sim demo`: the user's journey on a built-in default, end to end.
+
+1. explore strategies for a realistic model and cluster (qwen3-moe-9b on h100:4x8),
+   print the ranked table, write the CSV, the Pareto picture and the best plan with its
+   simulated timeline;
+2. run a small plan of the same kind (same schedule family, MoE with expert parallel)
+   for real on this machine (`cpu:2`, gloo, torchrun) and print simulated vs measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from piper_sim.explore_cli import emit_best, progress_printer
+
+DEFAULT = {"model": "qwen3-moe-9b", "cluster": "h100:4x8", "global_batch": 256, "seq_len": 4096}
+CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "traces", "calibration", "cpu-2core.json")
+
+
+def small_strategy(best_schedule: str) -> dict:
+    """A plan of the winner's kind that runs on two CPU processes: moe-tiny, EP2 when the
+    winner is data parallel, else PP2 with the winner's schedule."""
+    base = {"model": "moe-tiny", "cluster": "cpu:2", "seq_len": 64, "dtype": "fp32", "name": "demo on cpu:2"}
+    if best_schedule in ("gpipe", "1f1b", "zb1p", "interleaved_1f1b", "zbv", "dualpipev", "dualpipe"):
+        sched = best_schedule if best_schedule != "dualpipe" else "dualpipev"
+        v = 2 if sched in ("interleaved_1f1b", "zbv", "dualpipev") else 1
+        return {**base, "global_batch": 8, "microbatches": 8,
+                "directives": [{"op": "pipeline", "degree": 2, "stages_per_rank": v},
+                               {"op": "schedule", "name": sched}]}
+    return {**base, "global_batch": 8, "microbatches": 2, "directives": [{"op": "expert_parallel", "degree": 2}]}
+
+
+def run_measured(plan_path: str, out_dir: str, steps: int = 4) -> dict | None:
+    """Run the plan with the executor; return the last step's measured numbers."""
+    trace = os.path.join(out_dir, "measured_trace.json")
+    cmd = [sys.executable, "-m", "piper_sim.cli", "run", plan_path, "--steps", str(steps), "--json",
+           "--trace", trace]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        print(f"measured run failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
+        return None
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    return lines[-1] if lines else None
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from piper_sim.api import compile
+    from piper_sim.explore import explore, format_table, plot_pareto, write_csv
+    from piper_sim.simulator import simulate
+
+    os.makedirs(args.out, exist_ok=True)
+    print(f"== 1. exploring strategies for {DEFAULT['model']} on {DEFAULT['cluster']}, "
+          f"batch {DEFAULT['global_batch']}x{DEFAULT['seq_len']} (simulated)")
+    result = explore(**DEFAULT, workers=args.workers, zero_levels=(1, 3), recompute=(False,),
+                     microbatch_factors=(2,), progress=progress_printer(not args.quiet))
+    print(format_table(result, 8))
+    write_csv(result, os.path.join(args.out, "strategies.csv"))
+    plot_pareto(result, os.path.join(args.out, "pareto.png"))
+    paths = emit_best(result, args.out)
+    print(f"wrote {args.out}/strategies.csv, pareto.png, " + ", ".join(os.path.basename(p) for p in paths.values()))
+    if args.no_run:
+        return
+    small = small_strategy(result.best.candidate.schedule if result.best else "1f1b")
+    print(f"\n== 2. the same kind of plan for real on this machine: {small['model']} on {small['cluster']}, "
+          + " ".join(f"{d['op']}={d.get('name', d.get('degree'))}" for d in small["directives"]))
+    plan = compile(small)
+    plan_path = os.path.join(args.out, "small_plan.json")
+    plan.save(plan_path)
+    costmodel = CALIBRATION if os.path.exists(CALIBRATION) else "analytic"
+    sim = simulate(plan, costmodel)
+    sim.plot_timeline(os.path.join(args.out, "small_simulated_timeline.png"), title="simulated (cpu:2)")
+    measured = run_measured(plan_path, args.out)
+    print(f"simulated step time ({os.path.basename(costmodel)}): {sim.step_time_s * 1e3:.1f} ms")
+    if measured:
+        step = measured.get("step_time_s")
+        print(f"measured step time (executor, gloo): {step * 1e3:.1f} ms, loss {measured.get('loss'):.4f}; "
+              f"error {100 * (sim.step_time_s - step) / step:+.1f}%")
+
+
+def add_demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="explore a built-in default, then run a small plan of its kind for real")
+    p.add_argument("--out", default="piper-sim-demo", help="folder for the table, pictures and plans")
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--no-run", action="store_true", help="skip the measured run on this machine")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_demo)
