@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -85,6 +86,24 @@ def _span(ranks: list[int]) -> str:
     return ",".join(map(str, ranks))
 
 
+def cmd_validate(args: argparse.Namespace) -> None:
+    from piper_sim.demo import CALIBRATION
+    from piper_sim.validation import format_report, suite, validate
+
+    strategies = list(args.strategies) + (suite() if args.suite else [])
+    if not strategies:
+        raise ValueError("validate: give strategy files, or --suite for the built-in validation suite")
+    costmodel = args.costmodel or (CALIBRATION if os.path.exists(CALIBRATION) else "analytic")
+
+    def show(row) -> None:
+        print(f"  {row.name}: predicted {row.predicted_s * 1e3:.1f} ms, measured {row.measured_s * 1e3:.1f} ms "
+              f"({row.error_pct:+.1f}%)", file=sys.stderr, flush=True)
+
+    summary = validate(strategies, costmodel, steps=args.steps, warmup=args.warmup, out_dir=args.out, progress=show)
+    print(format_report(summary))
+    print(f"wrote {args.out}/validation.csv, validation.json, overlay.png and the plans and measured traces")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="piper-sim", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -103,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rank", type=int, help="only this global rank's class")
     s.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
     s.set_defaults(func=cmd_show)
+    v = sub.add_parser("validate", help="simulate and execute strategies; report predicted vs measured")
+    v.add_argument("strategies", nargs="*", metavar="STRATEGY.json")
+    v.add_argument("--suite", action="store_true", help="add the built-in suite (10 strategies on cpu:2/cpu:4)")
+    v.add_argument("--costmodel", help="default: traces/calibration/cpu-2core.json when present")
+    v.add_argument("--steps", type=int, default=6)
+    v.add_argument("--warmup", type=int, default=2, help="steps left out of the measured median")
+    v.add_argument("--out", default="validation")
+    v.set_defaults(func=cmd_validate)
     from piper_sim.explore_cli import add_explore_parser
     from piper_sim.simulate_cli import add_simulate_parser
 

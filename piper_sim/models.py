@@ -131,6 +131,11 @@ ZOO: dict[str, ModelConfig] = {
         ModelConfig("gpt-tiny", n_layers=8, hidden=64, n_heads=4, n_kv_heads=4, ffn=256, vocab=512, max_seq=128),
         ModelConfig("moe-tiny", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn=128, vocab=512, max_seq=128,
                     n_experts=4, top_k=2, expert_ffn=128),
+        # CPU-sized models whose step is dominated by compute, not per-op overhead (validation).
+        ModelConfig("gpt-small", n_layers=8, hidden=256, n_heads=8, n_kv_heads=8, ffn=1024, vocab=2048,
+                    max_seq=512),
+        ModelConfig("moe-small", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn=512, vocab=2048, max_seq=512,
+                    n_experts=4, top_k=2, expert_ffn=512),
         ModelConfig("llama3-8b", n_layers=32, hidden=4096, n_heads=32, ffn=14336, **_LLAMA),
         ModelConfig("llama3-70b", n_layers=80, hidden=8192, n_heads=64, ffn=28672, **_LLAMA),
         ModelConfig("llama3-405b", n_layers=126, hidden=16384, n_heads=128, ffn=53248, **_LLAMA),

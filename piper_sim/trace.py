@@ -129,6 +129,26 @@ def write_chrome_trace(df: "pd.DataFrame", path: str, flows: bool = True, name: 
         json.dump(chrome_trace(df, flows=flows, name=name), f, separators=(",", ":"))
 
 
+def read_chrome_trace(path: str) -> "pd.DataFrame":
+    """Read a trace written by `write_chrome_trace` (simulated or measured) back into the
+    event schema."""
+    with open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    streams = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    rows = []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        a = e.get("args", {})
+        start = e["ts"] / 1e6
+        rows.append((e["pid"], streams.get((e["pid"], e["tid"]), str(e["tid"])), e["name"], a.get("kind", ""),
+                     a.get("stage", -1), a.get("mb", -1), start, start + e["dur"] / 1e6, a.get("bytes", 0.0),
+                     a.get("flops", 0.0), a.get("peer", -1)))
+    return events_to_dataframe(rows)
+
+
 def _us(seconds: float) -> float:
     return round(float(seconds) * 1e6, 3)
 
