@@ -44,11 +44,21 @@ def partition_layers(n_layers: int, n_stages: int) -> list[range]:
     return out
 
 
-def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int) -> list[StageCost]:
+def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
+                layers_per_stage: list[int] | None = None) -> list[StageCost]:
+    """The segments of each stage: contiguous layers (balanced, or as the ``segment``
+    directive says); the embedding joins the first stage, the head the last."""
     if n_stages > cfg.n_layers:
         raise StrategyError(f"pipeline: {n_stages} stages but model {cfg.name} has only {cfg.n_layers} layers; "
                             "lower the pipeline degree or stages_per_rank")
-    ranges = partition_layers(cfg.n_layers, n_stages)
+    if layers_per_stage is not None:
+        if len(layers_per_stage) != n_stages or sum(layers_per_stage) != cfg.n_layers:
+            raise StrategyError(f"segment: layers_per_stage {layers_per_stage} must have {n_stages} entries "
+                                f"summing to the {cfg.n_layers} layers of {cfg.name}")
+        starts = [sum(layers_per_stage[:i]) for i in range(n_stages)]
+        ranges = [range(a, a + n) for a, n in zip(starts, layers_per_stage)]
+    else:
+        ranges = partition_layers(cfg.n_layers, n_stages)
     stages = []
     for s, layers in enumerate(ranges):
         units = {f"layers.{i}" for i in layers}
@@ -103,7 +113,8 @@ def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Con
 
     cfg, setup, layout, mbs = _setup_and_layout(strategy)
     segments = profile_model(cfg, mbs, strategy.seq_len, getattr(torch, _TORCH_DTYPE[strategy.dtype]))
-    ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages), layout=layout,
+    ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage),
+                  layout=layout,
                   dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded)
     dag = TrainingDAG()
     kinds = split_pass(ctx)

@@ -39,6 +39,7 @@ class Setup:
     recompute: set[int] = field(default_factory=set)
     streams: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STREAMS))
     schedule: str = "custom"
+    layers_per_stage: list[int] | None = None  # None: balanced
 
     def rank_of(self, stage: int, mb: int) -> int:
         for pp_rank, lo, hi in self.placement[stage]:
@@ -100,6 +101,8 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
         for r, slots in enumerate(spec.orders):
             out.append({"op": "order", "pp_rank": r, "slots": [format_slot(s) for s in slots],
                         "from": name})
+    if "layers_per_stage" in pipe:
+        out.append({"op": "segment", "layers_per_stage": pipe["layers_per_stage"]})
     if "data_parallel" in by_op:
         d = by_op["data_parallel"]
         out.append({"op": "replicate", "degree": d["degree"], "zero": d.get("zero", 0),
@@ -126,6 +129,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     streams = dict(DEFAULT_STREAMS)
     schedule = "custom"
     user_placed: set[int] = set()
+    layers_per_stage = None
     for i, d in enumerate(directives):
         op = d["op"]
         where = f"directive {op}"
@@ -155,6 +159,8 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
                 recompute |= set(stages)
         elif op == "stream":
             streams[d["kind"]] = d["name"]
+        elif op == "segment":
+            layers_per_stage = list(d["layers_per_stage"])
     if not placement:
         raise StrategyError("no place directive: add {\"op\": \"pipeline\", \"degree\": P} or place directives")
     num_stages = max(placement) + 1
@@ -179,4 +185,4 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
                       "it is ignored", stacklevel=2)
     return Setup(pp=pp, dp=dp, ep=ep, zero=zero, bucket_mb=bucket_mb, microbatches=m,
                  num_stages=num_stages, placement=placement, orders=orders, recompute=recompute,
-                 streams=streams, schedule=schedule)
+                 streams=streams, schedule=schedule, layers_per_stage=layers_per_stage)

@@ -28,7 +28,7 @@ class StrategyError(ValueError):
 # op -> (required fields, optional fields)
 DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # high level
-    "pipeline": ({"degree"}, {"stages_per_rank", "placement"}),
+    "pipeline": ({"degree"}, {"stages_per_rank", "placement", "layers_per_stage"}),
     "data_parallel": ({"degree"}, {"zero", "bucket_mb"}),
     "expert_parallel": ({"degree"}, set()),
     "schedule": ({"name"}, set()),
@@ -40,6 +40,7 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "order": ({"pp_rank", "slots"}, {"from"}),
     "recompute": (set(), {"stages"}),
     "stream": ({"kind", "name"}, set()),
+    "segment": ({"layers_per_stage"}, set()),
 }
 HIGH_LEVEL = ("pipeline", "data_parallel", "expert_parallel", "schedule")
 TOP_LEVEL_FIELDS = {"model", "cluster", "global_batch", "seq_len", "microbatches", "directives",
@@ -120,6 +121,11 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
         raise StrategyError(f"{where} field 'placement' must be 'loop' or 'v' (got {d['placement']!r})")
     if op == "stream" and d["kind"] not in STREAM_KINDS:
         raise StrategyError(f"{where} field 'kind' must be one of {', '.join(STREAM_KINDS)} (got {d['kind']!r})")
+    if "layers_per_stage" in d and (not isinstance(d["layers_per_stage"], list) or not d["layers_per_stage"]
+                                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
+                                           for x in d["layers_per_stage"])):
+        raise StrategyError(f"{where} field 'layers_per_stage' must be a list of positive layer counts, "
+                            f"one per stage (got {d['layers_per_stage']!r})")
     if op == "order" and not isinstance(d["slots"], list):
         raise StrategyError(f"{where} field 'slots' must be a list of action strings like '0F1' or '(0F3;1B2)'")
     return d

@@ -81,3 +81,14 @@ def test_schedule_constraint_messages_name_the_schedule():
     s["cluster"] = "cpu:4"
     with pytest.raises(StrategyError, match="interleaved_1f1b needs microbatches to be a multiple"):
         compile(s)
+
+
+def test_uneven_layers_per_stage():
+    s = base()
+    s["directives"][0]["layers_per_stage"] = [5, 3]
+    plan = compile(s)
+    assert plan.meta["stage_units"][0] == ["embed"] + [f"layers.{i}" for i in range(5)]
+    assert plan.meta["stage_units"][1] == [f"layers.{i}" for i in range(5, 8)] + ["head"]
+    s["directives"][0]["layers_per_stage"] = [5, 4]
+    with pytest.raises(StrategyError, match="summing to the 8 layers"):
+        compile(s)
