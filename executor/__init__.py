@@ -1,5 +1,14 @@
 """piper-sim executor: replay a compiled Plan with torch.distributed, one process per rank.
 
-``piper-sim run PLAN.json`` starts the ranks through torchrun; ``torchrun ... -m executor
-PLAN.json`` runs the workers directly. See `executor.runtime` for instruction semantics.
+    piper-sim run PLAN.json --steps 3 --json --check          # torchrun under the hood
+    torchrun --nproc-per-node 2 -m executor PLAN.json [...]   # the same workers, directly
+    torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --nproc-per-node 1 \\
+        -m executor PLAN.json                                 # on each node
+
+Modules: `worker` (what a torchrun worker does: checks, steps, trace, check, checkpoint),
+`runtime` (the per-rank issuing loop and instruction semantics), `stage` (stage modules,
+flat parameter buffers / ZeRO shards, BI/BW backward split), `collectives` (process groups,
+p2p tags, completion notices), `data` (seeded synthetic batches), `reference` (the
+single-process reference for ``--check``), `checkpoint` (torch.distributed.checkpoint),
+`baselines` (DDP and torch.distributed.pipelining peers), `cli` (``piper-sim run``).
 """

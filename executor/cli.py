@@ -6,6 +6,7 @@ launch), so a bad plan is refused before any process starts; then this is just::
     python -m torch.distributed.run --nproc-per-node N [--nnodes ...] -m executor PLAN.json ...
 
 Register it with ``add_run_parser(subparsers)``; ``python -m executor.cli run ...`` works too.
+This module imports no torch, so registering it keeps ``piper-sim --help`` fast.
 """
 
 from __future__ import annotations
@@ -15,8 +16,25 @@ import os
 import subprocess
 import sys
 
-from executor.worker import add_run_options
 from piper_sim.plan import Plan, PlanError
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by the worker and ``piper-sim run``."""
+    p.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
+    p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the last step, all ranks")
+    p.add_argument("--timeline", metavar="OUT.png", help="timeline picture of the last step")
+    p.add_argument("--json", action="store_true", help="one JSON object per line: loss and step time per step")
+    p.add_argument("--check", action="store_true",
+                   help="also train a single-process reference and print max_abs/max_rel_param_diff")
+    p.add_argument("--save", metavar="DIR", help="checkpoint after the last step (torch.distributed.checkpoint)")
+    p.add_argument("--resume", metavar="DIR", help="start from a checkpoint of the same plan")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds without progress before a rank gives up (default 60)")
+    p.add_argument("--profile", metavar="DIR", help="save a torch.profiler (Kineto) trace per rank in DIR")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA for GPU clusters when available, else CPU")
+    p.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
 
 
 def add_run_parser(subparsers) -> argparse.ArgumentParser:

@@ -16,11 +16,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
 from piper_sim.plan import COLLECTIVE_KINDS, P2P_KINDS, Plan, PlanError, RankProgram
+
+
+# torch 2.13 renamed the flat-tensor collectives; older versions only have the old names
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def group_ranks(group: str) -> tuple[int, ...]:
@@ -128,5 +133,3 @@ class Completions:
             except queue.Empty:
                 return out
 
-
-Callback = Callable[[], None]

@@ -9,18 +9,19 @@ else CPU + gloo):
   `piper_sim.profiling` (BI = grad w.r.t. the segment input, B = w.r.t. input and
   parameters, BW = B - BI as in the profiler's flop split; `BW_params` = grad w.r.t. the
   parameters alone, which recomputes the activation-gradient chain);
-- in worker processes (`torch.multiprocessing`, rendezvous on a free 127.0.0.1 port):
+- in worker processes (`torch.multiprocessing`, forkserver where available, else spawn;
+  rendezvous on a free 127.0.0.1 port):
   send/recv ping-pong and every collective over message sizes and group sizes, then
   matmul throughput with one rank computing alone, all ranks computing at once
   (contention) and all ranks computing while their own async all-reduces run (overlap).
 
 Each rank of a group is one "device": on CPU it gets `threads` intra-op threads (default
-cores // nproc, one core per rank on a 2-core machine), and so does the parent process
-that measures compute. Every result is a plain JSON-ready dict or list.
+$OMP_NUM_THREADS, else 1 -- what torchrun gives each executor rank), and so does the
+parent process that measures compute. Every result is a plain JSON-ready dict or list.
 
 Timing: `time.perf_counter` on CPU, CUDA events (after a synchronize) on GPU. A point's
-loop runs about `target_s` in `repeats` parts; the median part, per call, is reported; a
-collective's time is the slowest rank's.
+loop runs about `target_s` in `repeats` parts; the fastest part, per call, is reported
+(robust to other processes on a shared machine); a collective's time is the slowest rank's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import os
 import platform
 import queue as queue_lib
 import socket
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -97,45 +97,56 @@ def make_config(quick: bool = False, nproc: int | None = None, threads: int | No
     if device == "cuda":
         if not torch.cuda.is_available():
             raise CalibrationError("--device cuda: no CUDA device available")
-        gpus = torch.cuda.device_count()
-        nproc = gpus if nproc is None else nproc
-        if nproc > gpus or nproc < 2:
+        gpus = torch.cuda.device_count()  # one GPU: compute only, no collectives
+        if nproc is not None and not 2 <= nproc <= gpus:
             raise CalibrationError(f"--nproc {nproc}: NCCL needs one GPU per rank, 2..{gpus} on this machine")
+        nproc = gpus if nproc is None else nproc
     else:
         nproc = (4 if cores >= 4 else 2) if nproc is None else nproc
-    if nproc < 2:
-        raise CalibrationError(f"--nproc must be at least 2 (collectives need a group), got {nproc}")
-    threads = max(1, cores // nproc) if threads is None else threads
+        if nproc < 2:
+            raise CalibrationError(f"--nproc must be at least 2 (collectives need a group), got {nproc}")
+    if threads is None:  # what torchrun gives each rank of the executor
+        threads = _int_env("OMP_NUM_THREADS", 1)
     if threads < 1:
         raise CalibrationError(f"--threads must be at least 1, got {threads}")
-    groups = tuple(sorted({n for n in (2, 4, nproc) if n <= nproc}))
     gpu = device == "cuda"
+    return BenchConfig(
+        quick=quick, device=device, nproc=nproc, threads=threads, dtype="bf16" if gpu else "fp32",
+        group_sizes=tuple(sorted({n for n in (2, 4, nproc) if 2 <= n <= nproc})),
+        target_s=0.04 if quick else 0.15, repeats=3 if quick else 5, segment_models=("gpt-tiny", "moe-tiny"),
+        phase_matmul=4096 if gpu else 384, phase_s=0.15 if quick else 0.5,
+        timeout_s=180.0 if quick else 600.0, cores=cores, **_sweeps(quick, gpu),
+    )
+
+
+def _sweeps(quick: bool, gpu: bool) -> dict:
+    """Shapes and sizes: GPUs need bigger ones to reach their plateaus."""
     if quick:
         squares = [256, 1024, 4096] if gpu else [64, 256, 512, 1024]
         rect = [(1024, 4096, 1024)] if gpu else [(128, 256, 64), (1024, 256, 64)]
-        extra = [1024, 4096] if gpu else [256]
-        sizes = tuple(4 * KIB * 16 ** i for i in range(4))  # 4 KiB .. 16 MiB
-        batches = ((1, 16), (4, 128))
-        memory = (256,) if gpu else (64,)
+        other = [1024, 4096] if gpu else [256]
+        sizes = [4 * KIB * 16 ** i for i in range(4)]  # 4 KiB .. 16 MiB
+        out = dict(segment_batches=((1, 16), (4, 128)), memory_mib=(256,) if gpu else (64,),
+                   overlap_bytes=(16 if gpu else 1) * MIB)
     else:
         squares = [256, 512, 1024, 2048, 4096, 8192] if gpu else [32, 64, 128, 256, 512, 1024, 2048]
         rect = ([(2048, 4096, 1024), (8192, 4096, 4096), (4096, 14336, 4096), (4096, 4096, 256)] if gpu else
                 [(16, 256, 64), (128, 256, 64), (1024, 256, 64), (4096, 256, 64), (512, 1024, 1024),
                  (2048, 4096, 1024)])
-        extra = [512, 2048, 8192] if gpu else [128, 256, 512, 1024]
-        sizes = tuple(4 * KIB * 4 ** i for i in range(8 + (2 if gpu else 0)))  # 4 KiB .. 64 MiB (1 GiB GPU)
-        batches = ((1, 16), (2, 64), (4, 128), (8, 128))
-        memory = (256, 1024) if gpu else (4, 64, 256)
-    main, other = ("bf16", "fp32") if gpu else ("fp32", "bf16")
-    shapes = {main: sorted([(s, s, s) for s in squares] + rect, key=math.prod), other: [(s, s, s) for s in extra]}
-    return BenchConfig(
-        quick=quick, device=device, nproc=nproc, threads=threads, dtype=main, group_sizes=groups,
-        target_s=0.03 if quick else 0.12, repeats=2 if quick else 3, matmul_shapes=shapes, memory_mib=memory,
-        segment_models=("gpt-tiny", "moe-tiny"), segment_batches=batches, comm_sizes=sizes,
-        overlap_bytes=(64 if gpu else 4) * MIB if not quick else (16 if gpu else 1) * MIB,
-        phase_matmul=4096 if gpu else 384, phase_s=0.15 if quick else 0.5,
-        timeout_s=180.0 if quick else 600.0, cores=cores,
-    )
+        other = [512, 2048, 8192] if gpu else [128, 256, 512, 1024]
+        sizes = [4 * KIB * 4 ** i for i in range(10 if gpu else 8)]  # 4 KiB .. 64 MiB (1 GiB on GPU)
+        out = dict(segment_batches=((1, 16), (2, 64), (4, 128), (8, 128)),
+                   memory_mib=(256, 1024) if gpu else (4, 64, 256), overlap_bytes=(64 if gpu else 4) * MIB)
+    main, second = ("bf16", "fp32") if gpu else ("fp32", "bf16")
+    shapes = {main: sorted([(n, n, n) for n in squares] + rect, key=math.prod), second: [(n, n, n) for n in other]}
+    return dict(matmul_shapes=shapes, comm_sizes=tuple(sizes), **out)
+
+
+def _int_env(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        raise CalibrationError(f"${name} must be an integer, got {os.environ[name]!r}") from None
 
 
 def step_count(cfg: BenchConfig) -> int:
@@ -200,8 +211,9 @@ def _loop_seconds(fn: Callable[[], object], iters: int, device: torch.device) ->
 def time_op(fn: Callable[[], object], device: torch.device, target_s: float, repeats: int = 3,
             warmup: int = 1, agree: Callable[[float], float] = float,
             before: Callable[[], None] = lambda: None) -> float:
-    """Median seconds per call. `agree` maps the one-call estimate to a value all ranks
-    share (so they run the same number of iterations); `before` runs before each part."""
+    """Seconds per call of the fastest of `repeats` parts (the least disturbed by other
+    processes). `agree` maps the one-call estimate to a value all ranks share (so they run
+    the same number of iterations); `before` runs before each part."""
     for _ in range(warmup):
         fn()
     est = agree(_loop_seconds(fn, 1, device))
@@ -210,7 +222,7 @@ def time_op(fn: Callable[[], object], device: torch.device, target_s: float, rep
     for _ in range(repeats):
         before()
         parts.append(_loop_seconds(fn, iters, device) / iters)
-    return statistics.median(parts)
+    return min(parts)
 
 
 # --------------------------------------------------------------------------- compute
@@ -412,8 +424,9 @@ class _Group:
 
 def _phases(g: _Group, spec: dict, allreduce_s: float) -> dict:
     """Matmul seconds per call: rank 0 alone, every rank at once, every rank while its own
-    async all-reduces run; and (CPU) the first two again with torch's default threads."""
-    m, dev = spec["phase_matmul"], g.device
+    async all-reduces run; and (CPU) the first two again with one thread per core. Each
+    is the fastest of `repeats` loops (the least disturbed by other processes)."""
+    m, dev, reps = spec["phase_matmul"], g.device, spec["repeats"]
     dt = DTYPES[spec["dtype"]]
     a, b = torch.randn(m, m, device=dev).to(dt), torch.randn(m, m, device=dev).to(dt)
     c = torch.empty(m, m, device=dev, dtype=dt)
@@ -421,24 +434,26 @@ def _phases(g: _Group, spec: dict, allreduce_s: float) -> dict:
     def mm():
         torch.mm(a, b, out=c)
 
-    def run(iters):
-        return _loop_seconds(mm, iters, dev) / iters
+    def fastest(iters, ranks=None):
+        best = math.inf
+        for _ in range(reps):
+            g.barrier()
+            if ranks is None or g.rank in ranks:
+                best = min(best, _loop_seconds(mm, iters, dev) / iters)
+        return best if best < math.inf else 0.0
 
     def alone_and_together():
         for _ in range(2):
             mm()
-        iters = max(3, int(spec["phase_s"] / max(g.max(run(1)), 1e-7)))
-        g.barrier()
-        alone = run(iters) if g.rank == 0 else 0.0
-        g.barrier()
-        return g.max(alone), g.gather(run(iters)), iters
+        iters = max(3, int(spec["phase_s"] / reps / max(g.max(_loop_seconds(mm, 1, dev)), 1e-7)))
+        return g.max(fastest(iters, ranks=(0,))), g.gather(fastest(iters)), iters
 
     alone, together, iters = alone_and_together()
-    x = torch.zeros(spec["overlap_bytes"] // 4, device=dev)
-    k = min(5000, math.ceil(3 * iters * max(together) / max(allreduce_s, 1e-7)) + 2)
+    x = torch.zeros(spec["overlap_bytes"] // 4, device=dev)  # zeros: repeated sums stay finite
+    k = min(5000, math.ceil(3 * reps * iters * max(together) / max(allreduce_s, 1e-7)) + 2)
     g.barrier()
     works = [dist.all_reduce(x, async_op=True) for _ in range(k)]
-    overlapped = run(iters)
+    overlapped = min(_loop_seconds(mm, iters, dev) / iters for _ in range(reps))
     covered = not works[-1].is_completed()
     for w in works:
         w.wait()
@@ -454,6 +469,15 @@ def _phases(g: _Group, spec: dict, allreduce_s: float) -> dict:
     return out
 
 
+def _warm_up(g: _Group) -> None:
+    """Fresh connections are slow at first (buffer allocation, TCP windows): exercise them."""
+    for nbytes in (64 * KIB, MIB, 4 * MIB):
+        x = torch.zeros(nbytes // 4, device=g.device)
+        for _ in range(10):
+            dist.all_reduce(x)
+    g.barrier()
+
+
 def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
     """One rank of a benchmark group; rank 0 reports ticks and the result on `q`."""
     torch.set_num_threads(spec["threads"])
@@ -466,6 +490,7 @@ def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
     g = _Group(rank, world, device)
     tick = (lambda label: q.put(("tick", label))) if rank == 0 else (lambda label: None)
     try:
+        _warm_up(g)
         out: dict = {"collectives": {}, "p2p": []}
         target, reps = spec["target_s"], spec["repeats"]
         if world == 2:
@@ -494,10 +519,12 @@ def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
 
 def run_group(world: int, spec: dict, tick: Callable[[str], None] = lambda s: None) -> dict:
     """Spawn `world` ranks running `_comm_worker(spec)`; returns rank 0's result."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if method == "forkserver":  # import torch once in the server, not in every rank of every group
+        mp.set_forkserver_preload([__name__])
+    q = mp.get_context(method).Queue()
     procs = mp.start_processes(_comm_worker, args=(world, free_port(), spec, q), nprocs=world,
-                               join=False, start_method="spawn")
+                               join=False, start_method=method)
     deadline, result = time.monotonic() + spec["timeout_s"], None
 
     def drain():

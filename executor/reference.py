@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from executor.collectives import all_gather
 from executor.data import SyntheticData
 from executor.stage import FlatParams, make_optimizer
 from piper_sim.models import build_model, get_config, lm_loss
@@ -42,7 +43,7 @@ def full_parameters(fp: FlatParams, comms) -> torch.Tensor:
         return fp.flat.data
     pg = comms.group(fp.stream, "ranks:" + ",".join(map(str, fp.group)))
     full = torch.empty(fp.n_buckets * fp.bucket_len, dtype=fp.flat.dtype, device=fp.flat.device)
-    works = [dist.all_gather_into_tensor(full[b * fp.bucket_len:(b + 1) * fp.bucket_len], fp.shard_piece(b),
+    works = [all_gather(full[b * fp.bucket_len:(b + 1) * fp.bucket_len], fp.shard_piece(b),
                                         group=pg, async_op=True) for b in range(fp.n_buckets)]
     for w in works:
         w.wait(timeout=timedelta(seconds=120))

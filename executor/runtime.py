@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from executor.collectives import Comms, Completions, group_ranks
+from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
 from piper_sim.models import get_config
@@ -134,6 +134,7 @@ class Runtime:
                        for s in self.prog.stages}
         self.flats = self._build_flats(meta.get("zero", 0))
         self.instructions = [i for lst in self.prog.streams.values() for i in lst]
+        self.recompute = {i.stage for i in self.instructions if i.recompute}  # stages whose F keeps no graph
         self._handlers: dict[str, Callable[[Instruction], Any]] = {
             "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
             "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv, "ALLREDUCE": self._sync,
@@ -188,6 +189,7 @@ class Runtime:
             fp.zero_grad()
         if self.cuda:
             self.cuda_events: dict[str, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+            self.start_events: dict[str, torch.cuda.Event] = {}
             self.t0_event = torch.cuda.Event(enable_timing=True)
             self.t0_event.record()
         self.t0 = time.perf_counter()
@@ -249,7 +251,7 @@ class Runtime:
                 and self.fault.op_id == ins.id:
             self._inject(ins)
         self.times[ins.id] = [self._now()]
-        with self._on_stream(ins):
+        with self._on_stream(ins, first=True):
             out = self._handlers[ins.kind](ins)
         if inspect.isgenerator(out):
             self.busy[ins.stream] = ins.id
@@ -298,24 +300,30 @@ class Runtime:
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record(self.cuda_streams[ins.stream])
-            self.cuda_events[ins.id] = (self._start_event, end) if ins.kind in ("F", "B", "BI", "BW", "OPT") \
-                else (end, end)
+            self.cuda_events[ins.id] = (self.start_events.pop(ins.id), end)
         self.done.add(ins.id)
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def _on_stream(self, ins: Instruction):
+    def _on_stream(self, ins: Instruction, first: bool = False):
+        """CUDA: the op's stream, made to wait for the events of its dependencies."""
         if not self.cuda:
             return _NULL
         stream = self.cuda_streams[ins.stream]
-        for d in ins.deps:
-            ev = self.cuda_events.get(d)
-            if ev is not None:
-                stream.wait_event(ev[1])
-        self._start_event = torch.cuda.Event(enable_timing=True)
-        self._start_event.record(stream)
+        if first:
+            for d in ins.deps:
+                stream.wait_event(self.cuda_events[d][1])
+            self.start_events[ins.id] = torch.cuda.Event(enable_timing=True)
+            self.start_events[ins.id].record(stream)
         return torch.cuda.stream(stream)
+
+    def _for_compute(self, buf: torch.Tensor) -> torch.Tensor:
+        """CUDA: a buffer filled on a comm stream and read on the compute stream must not be
+        reused by the caching allocator before the compute stream is done with it."""
+        if self.cuda and "compute" in self.cuda_streams:
+            buf.record_stream(self.cuda_streams["compute"])
+        return buf
 
     def _inject(self, ins: Instruction) -> None:
         where = f"rank {self.rank} step {self.step_index} before {ins.id}"
@@ -346,7 +354,8 @@ class Runtime:
             if stage.is_last:
                 env.targets = self._microbatch(m)[1]
         env = self.envs[(s, m)]
-        rec = stage.forward_piece(part, env.vals, env.meta, env.targets, self.loss_scale)
+        rec = stage.forward_piece(part, env.vals, env.meta, env.targets, self.loss_scale,
+                                  grad=s not in self.recompute)
         env.records[f"p{part}"] = rec
         if "loss" in rec.outputs:
             self.loss_sum += rec.outputs["loss"].detach().float()
@@ -375,18 +384,25 @@ class Runtime:
         env = self._backward_env(s, m)
         split = ins.kind == "BI"
         rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
+        if s in self.recompute:  # the forward kept only its inputs: run it again, with a graph
+            rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.meta, env.targets, self.loss_scale)
+            if split:
+                env.records[f"p{part}"] = rec
         env.grads.update((backward_input if split else backward_full)(rec, self._take_grads(env, rec)))
         if part == 0:
             if s > 0:
                 self.input_grads[(s, m)] = env.grads.pop("x")
             if not split:
                 del self.envs[(s, m)]
-            self._release("B", s, m)
+                self._release("B", s, m)
+            else:  # ZeRO-3: BW's autograd nodes unpack the weights too; keep them until BW
+                self.releases[("W", s, m)] = self.releases.pop(("B", s, m), [])
 
     def _backward_weight(self, ins: Instruction) -> None:
         env = self.envs.pop((ins.stage, ins.mb))
         for rec in env.records.values():
             backward_weight(rec)
+        self._release("W", ins.stage, ins.mb)
 
     def _optimizer(self, ins: Instruction) -> None:
         for fp in self.stage_flats(ins.stage):
@@ -407,7 +423,8 @@ class Runtime:
         return Posted(dist.isend(t.contiguous(), ins.peer, tag=self.comms.tags[ins.match]))
 
     def _recv(self, ins: Instruction) -> Posted:
-        buf = torch.empty(self.mbs, self.seq, self.cfg.hidden, dtype=self.dtype, device=self.device)
+        buf = self._for_compute(torch.empty(self.mbs, self.seq, self.cfg.hidden, dtype=self.dtype,
+                                            device=self.device))
         key = (ins.match[0], ins.stage, ins.mb)  # ("F" | "B", sender's stage, mb)
         work = dist.irecv(buf, ins.peer, tag=self.comms.tags[ins.match])
         return Posted(work, lambda: self.received.__setitem__(key, buf))
@@ -418,7 +435,7 @@ class Runtime:
         pg = self.comms.group(ins.stream, ins.group)
         if kind == "AR":
             return Posted(dist.all_reduce(fp.grad_bucket(b), group=pg, async_op=True))
-        return Posted(dist.reduce_scatter_tensor(fp.shard_grad_piece(b), fp.grad_bucket(b), group=pg,
+        return Posted(reduce_scatter(fp.shard_grad_piece(b), fp.grad_bucket(b), group=pg,
                                                  async_op=True))
 
     def _gather(self, ins: Instruction) -> Posted:
@@ -432,7 +449,7 @@ class Runtime:
             _, s, tag, b = self._parse_sync(ins)
             fp = self.flats[(s, tag)]
         pg = self.comms.group(ins.stream, ins.group)
-        return Posted(dist.all_gather_into_tensor(fp.bucket(b), fp.shard_piece(b), group=pg, async_op=True))
+        return Posted(all_gather(fp.bucket(b), fp.shard_piece(b), group=pg, async_op=True))
 
     @staticmethod
     def _parse_sync(ins: Instruction) -> tuple[str, int, str, int]:
@@ -453,7 +470,7 @@ class Runtime:
         meta, h = env.meta, self.cfg.hidden
 
         def exchange(src: torch.Tensor, out_splits: list[int], in_splits: list[int], dst: dict, name: str):
-            out = src.new_empty(sum(out_splits), h)
+            out = self._for_compute(src.new_empty(sum(out_splits), h))
             work = dist.all_to_all_single(out, src.detach().contiguous(), out_splits, in_splits, group=pg,
                                           async_op=True)
             return Posted(work, lambda: dst.__setitem__(name, out))
@@ -489,7 +506,7 @@ class Runtime:
         env.meta[f"recv_counts.{layer}"] = rows
         env.meta[f"in_splits.{layer}"], env.meta[f"out_splits.{layer}"] = sent, got
         tokens = env.vals[f"send.{layer}"]
-        out = tokens.new_empty(sum(got), self.cfg.hidden)
+        out = self._for_compute(tokens.new_empty(sum(got), self.cfg.hidden))
         work = dist.all_to_all_single(out, tokens.detach().contiguous(), got, sent, group=pg, async_op=True)
         return Posted(work, lambda: env.vals.__setitem__(f"recv.{layer}", out))
 

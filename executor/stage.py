@@ -128,6 +128,8 @@ class FlatParams:
         if self.zero >= 3 and self.sync == "shard":
             self.users -= 1
             if self.users == 0:
+                if self.flat.is_cuda:  # kernels on other streams may still read it
+                    torch.cuda.synchronize(self.flat.device)
                 self._resize(self.flat.data, 0)
 
     # gradients and the optimizer
@@ -253,11 +255,13 @@ class Stage:
 
     # forward
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], meta: dict[str, Any],
-                      targets: torch.Tensor | None, loss_scale: float) -> Record:
+                      targets: torch.Tensor | None, loss_scale: float, grad: bool = True) -> Record:
+        """Run piece ``i`` on ``vals`` (named tensors; outputs are added to it). Without
+        ``grad`` no graph is kept (activation recomputation: the backward runs it again)."""
         piece = self.pieces[i]
         inputs = {n: _leaf(vals[n]) for n in piece.inputs}
         outputs: dict[str, torch.Tensor] = {}
-        with torch.enable_grad():
+        with torch.enable_grad() if grad else torch.no_grad():
             x = inputs.get("x")
             for kind, layer in piece.steps:
                 if kind == "embed":

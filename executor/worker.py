@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from executor import checkpoint
+from executor.cli import add_run_options
 from executor.collectives import Comms
 from executor.reference import compare, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
@@ -31,24 +32,6 @@ def build_parser(prog: str = "python -m executor") -> argparse.ArgumentParser:
     p.add_argument("plans", nargs="+", metavar="PLAN.json", help="plan file(s); several run one after another")
     add_run_options(p)
     return p
-
-
-def add_run_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by the worker and ``piper-sim run``."""
-    p.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
-    p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the last step, all ranks")
-    p.add_argument("--timeline", metavar="OUT.png", help="timeline picture of the last step")
-    p.add_argument("--json", action="store_true", help="one JSON object per line: loss and step time per step")
-    p.add_argument("--check", action="store_true",
-                   help="also train a single-process reference and print max_abs/max_rel_param_diff")
-    p.add_argument("--save", metavar="DIR", help="checkpoint after the last step (torch.distributed.checkpoint)")
-    p.add_argument("--resume", metavar="DIR", help="start from a checkpoint of the same plan")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds without progress before a rank gives up (default 60)")
-    p.add_argument("--profile", metavar="DIR", help="save a torch.profiler (Kineto) trace per rank in DIR")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA for GPU clusters when available, else CPU")
-    p.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
 
 
 def load_plans(paths: list[str], world_size: int, rank: int, check_hash: bool = True) -> list[Plan]:
@@ -135,6 +118,21 @@ def write_trace(rows: list[dict], rank: int, trace: str | None, timeline: str | 
         plot_timeline(df, timeline, title=f"measured: {title}")
 
 
+def check_same_everywhere(args, plans: list[Plan]) -> None:
+    """Collective: every rank (every node) must run the same plans with the same options,
+    or the collectives they imply (trace gather, checks, checkpoints) would not match."""
+    mine = {"plans": [p.content_hash() for p in plans], "steps": args.steps, "check": args.check,
+            "save": bool(args.save), "resume": bool(args.resume), "trace": bool(args.trace or args.timeline),
+            "profile": bool(args.profile), "device": args.device}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for r, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            diff = {k: (everyone[0][k], theirs[k]) for k in mine if everyone[0][k] != theirs[k]}
+            raise PlanError(f"rank {r} was started with other plans or options than rank 0 ({diff}); "
+                            "pass the same plan and options on every node")
+
+
 def _report(e: BaseException) -> None:
     rank = os.environ.get("RANK", "?")
     msg = str(e) if str(e).startswith("rank ") else f"rank {rank}: {type(e).__name__}: {e}"
@@ -167,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                                   RANK="0", WORLD_SIZE="1")
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                     timeout=timedelta(seconds=args.timeout))
+        check_same_everywhere(args, plans)
         for path, plan in zip(args.plans, plans):
             run_plan(path, plan, args, rank, device)
         dist.destroy_process_group()

@@ -358,6 +358,8 @@ def _zero3_gathers(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: li
                                         bytes=nbytes, group=group, alloc=gathered))
         dag.edge(ag, n)
         last_id = f"{ins.kind}.s{s}.mb{ins.mb}" + (f".p{last}" if ins.parts > 1 else "")
+        if ins.kind == "BI":  # the weight pass still reads the gathered parameters
+            last_id = f"BW.s{s}.mb{ins.mb}"
         dag.ins((where, last_id)).free += gathered
 
 

@@ -89,8 +89,10 @@ def check_all(tmp_path, nproc: int, configs: dict[str, dict]) -> dict[str, dict]
 
 def test_check_two_ranks_dp_zero_pp2_schedules_ep(tmp_path):
     configs = {f"dp2-zero{z}": strategy(dp=2, zero=z, m=2, mbs=2) for z in range(4)}
-    configs |= {f"pp2-{s}": strategy(pp=2, sched=s, m=4) for s in SCHEDULES}
+    configs |= {f"pp2-{s}": strategy(pp=2, sched=s, m=4, mbs=2) for s in SCHEDULES}
     configs["moe-ep2"] = strategy("moe-tiny", dp=2, ep=2, m=2, mbs=2)
+    configs["pp2-1f1b-recompute"] = {**strategy(pp=2, m=4, mbs=2), "directives": [
+        *strategy(pp=2, m=4)["directives"], {"op": "recompute"}]}
     res = check_all(tmp_path, 2, configs)
     assert set(res) == set(configs)
     for name, row in res.items():
@@ -107,6 +109,8 @@ def test_check_four_ranks_pp4_schedules_pp_dp_dualpipev_ep(tmp_path):
     configs = {f"pp4-{s}": strategy(pp=4, sched=s, m=8) for s in SCHEDULES}
     configs["pp2-dp2-zero1"] = strategy(pp=2, dp=2, zero=1, m=4)
     configs["dualpipev-ep2"] = strategy("moe-tiny", pp=2, sched="dualpipev", dp=2, ep=2, m=4)
+    # BI/BW split around expert all-to-alls, with ZeRO-3 gathers and frees
+    configs["zb1p-ep2-zero3"] = strategy("moe-tiny", pp=2, sched="zb1p", dp=2, zero=3, ep=2, m=4)
     res = check_all(tmp_path, 4, configs)
     assert set(res) == set(configs)
     for name, row in res.items():
@@ -172,11 +176,11 @@ def test_two_nodes_on_loopback_with_trace(tmp_path):
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "executor.cli", "run", plan, "--nnodes", "2", "--nproc", "1",
-               "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--steps", "2", "--json", "--check"]
-        if node == 0:
-            cmd += ["--trace", str(trace), "--timeline", str(png)]
+               "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--steps", "2", "--json", "--check",
+               "--trace", str(trace), "--timeline", str(png)]  # the same options on every node
+        # torchrun sets OMP_NUM_THREADS=1 only for several local ranks; two "nodes" share this machine
         procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**os.environ, "PYTHONWARNINGS": "ignore"}))
+                                      env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}))
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
     rows = json_lines(outs[0][0] + outs[1][0])
