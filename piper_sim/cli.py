@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     from executor.cli import add_run_parser
 
     add_run_parser(sub)
+    from piper_sim.calibrate_cli import add_calibrate_parser
+
+    add_calibrate_parser(sub)
     from piper_sim.demo import add_demo_parser
 
     add_demo_parser(sub)

@@ -218,7 +218,10 @@ def _pool(workers: int, use_ray: bool):
             print("piper-sim: warning: Ray is not installed; using local processes", file=sys.stderr)
     import multiprocessing as mp
 
-    return mp.get_context("spawn").Pool(workers)
+    # fork: workers inherit the imported torch and the profiles the screen already cached
+    # (spawn would re-import and re-profile in each worker); CPU-only work, no CUDA context
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    return mp.get_context(method).Pool(workers)
 
 
 def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel: str = "analytic",
