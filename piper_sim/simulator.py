@@ -227,6 +227,10 @@ class _Engine:
         self.layout = plan.layout
         self.env = simpy.Environment()
         self.slow = float(getattr(cm, "comm_compute_slowdown", 1.0) or 1.0)
+        # CPU clusters: ranks' compute shares the machine's cores (processor sharing);
+        # None for accelerators, where each rank has its own device.
+        self.cores = getattr(cm, "compute_slots", None)
+        self.cpu_jobs: dict[_Job, int] = {}
         self.unit = isinstance(cm, UnitCostModel)
         dp = self.layout.dp
         self.ranks = [self.layout.rank(c.pp_rank, 0) for c in plan.classes] if folded else \
@@ -416,12 +420,20 @@ class _Engine:
         job = _Job(dur, self.env.event(), (), (rank,), compute=True)
         job.t = self.env.now
         self.compute_jobs[rank][job] = None
+        if self.cores:
+            self.cpu_jobs[job] = self.represents[rank]
+            for j in self.cpu_jobs:
+                if j is not job:
+                    self._rerate(j)
         self._rerate(job, True)
         return job.ev
 
     def _rate(self, job: _Job) -> float:
         if job.compute:
-            return 1.0 / self.slow if self.active.get(job.ranks[0], 0) else 1.0
+            rate = 1.0 / self.slow if self.active.get(job.ranks[0], 0) else 1.0
+            if self.cores:
+                rate *= min(1.0, self.cores / sum(self.cpu_jobs.values()))
+            return rate
         rate = 1.0
         for link, _ in job.links:
             load = sum(self.on_link[link].values())
@@ -447,6 +459,10 @@ class _Engine:
             return  # rescheduled since
         if job.compute:
             del self.compute_jobs[job.ranks[0]][job]
+            if self.cores:
+                del self.cpu_jobs[job]
+                for j in self.cpu_jobs:
+                    self._rerate(j)
             job.ev.succeed()
             return
         affected: dict[_Job, None] = {}
@@ -533,7 +549,7 @@ class _Engine:
                 op.start = env.now
                 if op.started is not None:
                     op.started.succeed()
-                if self.slow != 1.0 and op.dur > 0:
+                if (self.slow != 1.0 or self.cores) and op.dur > 0:
                     yield self._run_compute(rank, op.dur)
                 elif op.dur > 0:
                     yield env.timeout(op.dur)

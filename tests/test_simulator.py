@@ -354,3 +354,21 @@ def test_cli_simulate(tmp_path, capsys):
     assert err.startswith("piper-sim: error:") and err.count("\n") == 1
     assert main(["simulate", str(path)]) == 0 and "step" in capsys.readouterr().out
     assert math.isfinite(d["mfu"])
+
+
+def test_cpu_ranks_share_cores():
+    """Two ranks computing at once on one core take twice as long (processor sharing)."""
+    from costmodel.model import UnitCostModel
+    from piper_sim.api import compile as compile_plan
+
+    plan = compile_plan({"model": "gpt-tiny", "cluster": "cpu:2", "global_batch": 2, "seq_len": 16,
+                         "microbatches": 1, "directives": [{"op": "data_parallel", "degree": 2}]})
+    cm = UnitCostModel.parse("unit:F=1,BI=1,BW=1,comm=0")
+    alone = simulate(plan, cm).step_time_s
+    cm.compute_slots = 1
+    shared = simulate(plan, cm, fold=False).step_time_s
+    cm.compute_slots = 2
+    enough = simulate(plan, cm, fold=False).step_time_s
+    assert alone == pytest.approx(3.0)
+    assert shared == pytest.approx(2 * alone)
+    assert enough == pytest.approx(alone)
