@@ -6,17 +6,20 @@ calibration dict (schema in `costmodel.calibration`).
 - `efficiency_table`: the simulator times a compute op as
   `max(flops / (peak · eff(2mnk)), mem_bytes / hbm_bw) + launch_s`, with (m, n, k) the
   op's dominant matmul. At the dominant-GEMM size of each measured segment the table holds
-  the efficiency that reproduces the summed F, BI, BW and B times of the segments of that
-  size (total flops / (peak · total time), as for a stage op that sums them). Beyond the largest measured segment it follows the GEMM sweep, less a
-  per-segment overhead fitted on the segments: `eff(K) = 1 / (1/eff_gemm(K) + c/K)`
-  (`c` in FLOPs: a segment loses the time of `c` peak FLOPs to non-GEMM work and dispatch).
+  the efficiency that reproduces the summed F and B times of the segments of that size
+  (total flops / (peak · total time), as for a stage op that sums them; the BI / BW split
+  of B is only checked). Beyond the
+  largest measured segment it rises towards the GEMM sweep as a fixed overhead would let
+  it: `eff(K) = 1 / (1/eff_gemm(K) + c/K)`, `c` (in FLOPs: a segment loses the time of `c`
+  peak FLOPs to non-GEMM work and dispatch) set so the curve meets the largest segment.
 - `hbm_bw`: mean copy/add bandwidth at the largest size; `launch_s`: a trivial op.
 - `collectives` / `p2p`: `t = alpha_s + S / bw_Bps` per kind and group size, by
   least squares on *relative* error (`fit_alpha_bw`; plain least squares would let the
   largest messages decide alpha).
-- `overlap_slowdown`: matmul time while the rank's own async all-reduces run / without,
+- `overlap_slowdown`: matmul time while each rank's own async all-reduces run / without,
   every rank computing in both cases; `meta.contention`: matmul time with every rank
-  computing / one rank alone (see traces/calibration/README.md).
+  computing / one rank alone (slowest rank; see traces/calibration/README.md).
+- `merge_raw`: several runs on one machine as one, each point's fastest time.
 
 Residuals of every fit are kept in `meta.residuals`, the measurements in `meta.raw`.
 """
@@ -24,6 +27,7 @@ Residuals of every fit are kept in `meta.residuals`, the measurements in `meta.r
 from __future__ import annotations
 
 import datetime
+import math
 import statistics
 
 from costmodel.calibration import check_calibration
@@ -31,7 +35,8 @@ from costmodel.compute import EfficiencyTable, gemm_flops
 from costmodel.hardware import CPU, Cluster
 from costmodel.model import AnalyticCostModel
 
-FIT_KINDS = ("F", "BI", "BW", "B")
+FIT_KINDS = ("F", "B")  # F + B = a segment's training time; BI and BW only get residuals
+OP_KINDS = ("F", "BI", "BW", "B")
 MIN_EFF = 1e-4
 
 
@@ -80,8 +85,12 @@ def gemm_efficiency(matmul: list[dict], dtype: str) -> tuple[float, list[list]]:
     if not rows:
         raise ValueError(f"no matmul measurements in {dtype}")
     peak = max(r["flops_per_s"] for r in rows)
-    table = [[r["m"], r["n"], r["k"], r["flops_per_s"] / peak] for r in rows]
-    return peak, sorted(table, key=lambda row: gemm_flops(*row[:3]))
+    by_size: dict[float, list] = {}  # shapes of equal 2mnk share one row: the mean efficiency
+    for r in rows:
+        by_size.setdefault(gemm_flops(r["m"], r["n"], r["k"]), []).append(r)
+    table = [[same[0]["m"], same[0]["n"], same[0]["k"], statistics.fmean(r["flops_per_s"] for r in same) / peak]
+             for _, same in sorted(by_size.items())]
+    return peak, table
 
 
 def segment_table(segments: list[dict], peak: float, launch_s: float, hbm_bw: float,
@@ -104,8 +113,8 @@ def segment_table(segments: list[dict], peak: float, launch_s: float, hbm_bw: fl
         return gemm_rows, 0.0
     knots = {size: _clamp(flops / (peak * t)) for size, (flops, t) in work.items()}
     gemm = EfficiencyTable.from_rows(gemm_rows)
-    c = max(0.0, statistics.median(size * (1 / e - 1 / gemm(size)) for size, e in knots.items()))
     largest = max(knots)
+    c = max(0.0, largest * (1 / knots[largest] - 1 / gemm(largest)))  # continuous at the largest segment
     rows = [[*shape[size], e] for size, e in sorted(knots.items())]
     rows += [[m, n, k, _clamp(1 / (1 / e + c / gemm_flops(m, n, k)))]
              for m, n, k, e in gemm_rows if gemm_flops(m, n, k) > largest]
@@ -118,7 +127,7 @@ def segment_residuals(calibration: dict, segments: list[dict]) -> list[dict]:
     out = []
     for row in segments:
         gemm = tuple(row["gemm"])
-        for kind in FIT_KINDS:
+        for kind in OP_KINDS:
             meas = row["seconds"][kind]
             if row["flops"][kind] <= 0 and meas <= 0:
                 continue
@@ -129,28 +138,35 @@ def segment_residuals(calibration: dict, segments: list[dict]) -> list[dict]:
 
 
 def residual_summary(residuals: list[dict]) -> dict:
-    """Median and worst |predicted / measured - 1| per op kind, over segments with matmuls."""
+    """Per op kind, over segments with matmuls: median and worst |predicted / measured - 1|,
+    and the bias (geometric mean of predicted / measured; > 1 = the model is too slow)."""
     out = {}
-    for kind in FIT_KINDS:
-        errs = [abs(r["error"]) for r in residuals if r["op"] == kind and r["error"] is not None
-                and r["segment"] != "embed"]
+    for kind in OP_KINDS:
+        errs = [r["error"] for r in residuals if r["op"] == kind and r["error"] is not None
+                and r["error"] > -1 and r["segment"] != "embed"]
         if errs:
-            out[kind] = {"median": round(statistics.median(errs), 3), "max": round(max(errs), 3), "n": len(errs)}
+            bias = math.exp(statistics.fmean(math.log(1 + e) for e in errs))
+            out[kind] = {"median": round(statistics.median(abs(e) for e in errs), 3),
+                         "max": round(max(abs(e) for e in errs), 3), "bias": round(bias, 3), "n": len(errs)}
     return out
 
 
 def phase_factors(phases: dict) -> dict:
-    """contention = mean(all ranks computing) / one rank alone; overlap = median over ranks
-    of (computing while its all-reduces run) / (computing)."""
-    together = phases["together_s"]
-    out = {"contention": statistics.fmean(together) / phases["alone_s"],
-           "overlap_slowdown": statistics.median(o / t for o, t in zip(phases["overlap_s"], together)),
+    """contention = matmul time with every rank computing / one rank alone; overlap =
+    (every rank computing while its all-reduces run) / (every rank computing)."""
+    together = _mean(phases["together_s"])
+    out = {"contention": together / phases["alone_s"],
+           "overlap_slowdown": _mean(phases["overlap_s"]) / together,
            "overlap_covered": phases["overlap_covered"]}
     d = phases.get("default_threads")
     if d:
-        out["default_threads"] = {"threads": d["threads"],
-                                  "contention": statistics.fmean(d["together_s"]) / d["alone_s"]}
+        out["default_threads"] = {"threads": d["threads"], "contention": _mean(d["together_s"]) / d["alone_s"]}
     return out
+
+
+def _mean(x) -> float:
+    """Times are one number (the slowest rank's); older files kept one per rank."""
+    return statistics.fmean(x) if isinstance(x, list) else x
 
 
 def cost_model(calibration: dict, ranks: int = 2) -> AnalyticCostModel:
@@ -192,7 +208,7 @@ def build_calibration(raw: dict) -> dict:
             "factor": {"1": 1.0, **{w: f["default_threads"]["contention"] for w, f in factors.items()}}}
     calib["meta"] = {
         "tool": "piper-sim calibrate" + (" --quick" if cfg["quick"] else ""),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": raw.get("date") or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine, "threads_per_rank": cfg["threads"], "nproc": cfg["nproc"],
         "run_s": raw.get("run_s"), "load_avg": raw.get("load_avg"),
         "peak_flops_by_dtype": {d: max(r["flops_per_s"] for r in raw["matmul"] if r["dtype"] == d)
@@ -208,6 +224,62 @@ def build_calibration(raw: dict) -> dict:
                                   "comm": comm_resid}
     calib["meta"]["raw"] = raw
     return calib
+
+
+def merge_raw(raws: list[dict]) -> dict:
+    """Several runs' raw measurements of one machine as one: every point's fastest time
+    (the least disturbed, as within a run). Runs must share the configuration."""
+    if len(raws) == 1:
+        return raws[0]
+    if any(r["config"] != raws[0]["config"] for r in raws):
+        raise ValueError("raw measurements to merge were taken with different configurations")
+    out = {**raws[0], "runs": len(raws), "run_s": sum(r.get("run_s") or 0 for r in raws),
+           "load_avg": [r.get("load_avg") for r in raws], "launch_s": min(r["launch_s"] for r in raws)}
+    out["matmul"] = _fastest([r["matmul"] for r in raws], ("m", "n", "k", "dtype"), "seconds")
+    for row in out["matmul"]:
+        row["flops_per_s"] = 2.0 * row["m"] * row["n"] * row["k"] / row["seconds"]
+    out["memory"] = _fastest([r["memory"] for r in raws], ("op", "mib"), "seconds")
+    for row in out["memory"]:
+        row["bw_Bps"] = row["bytes_moved"] / row["seconds"]
+    segs = [{**row, "seconds": dict(row["seconds"])} for row in raws[0]["segments"]]
+    for other in raws[1:]:
+        for row, o in zip(segs, other["segments"]):
+            row["seconds"] = {op: min(t, o["seconds"][op]) for op, t in row["seconds"].items()}
+    for row in segs:
+        row["seconds"]["BW"] = max(row["seconds"]["B"] - row["seconds"]["BI"], 0.0)
+    out["segments"] = segs
+    out["comm"] = {w: _merge_comm([r["comm"][w] for r in raws]) for w in raws[0]["comm"]}
+    return out
+
+
+def _fastest(lists: list[list[dict]], key: tuple, field: str) -> list[dict]:
+    best: dict = {}
+    for rows in lists:
+        for row in rows:
+            k = tuple(row[f] for f in key)
+            if k not in best or row[field] < best[k][field]:
+                best[k] = dict(row)
+    return list(best.values())
+
+
+def _merge_comm(results: list[dict]) -> dict:
+    def points(lists):
+        return [[s, min(t for pts in lists for s2, t in pts if s2 == s)] for s, _ in lists[0]]
+
+    out = {"collectives": {k: points([r["collectives"][k] for r in results]) for k in results[0]["collectives"]},
+           "p2p": points([r["p2p"] for r in results]) if results[0]["p2p"] else []}
+    if results[0].get("phases"):
+        phases = [r["phases"] for r in results]
+        merged = {**phases[0], "alone_s": min(p["alone_s"] for p in phases),
+                  "overlap_covered": all(p["overlap_covered"] for p in phases)}
+        for key in ("together_s", "overlap_s"):
+            merged[key] = min(_mean(p[key]) for p in phases)
+        if "default_threads" in phases[0]:
+            d = [p["default_threads"] for p in phases]
+            merged["default_threads"] = {**d[0], "alone_s": min(x["alone_s"] for x in d),
+                                         "together_s": min(_mean(x["together_s"]) for x in d)}
+        out["phases"] = merged
+    return out
 
 
 def _clamp(eff: float) -> float:

@@ -19,9 +19,12 @@ Each rank of a group is one "device": on CPU it gets `threads` intra-op threads 
 $OMP_NUM_THREADS, else 1 -- what torchrun gives each executor rank), and so does the
 parent process that measures compute. Every result is a plain JSON-ready dict or list.
 
-Timing: `time.perf_counter` on CPU, CUDA events (after a synchronize) on GPU. A point's
-loop runs about `target_s` in `repeats` parts; the fastest part, per call, is reported
-(robust to other processes on a shared machine); a collective's time is the slowest rank's.
+Timing: `time.perf_counter` on CPU, CUDA events (after a synchronize) on GPU. Each
+benchmark runs in `repeats` rounds over all its points (shapes, segments, sizes), a
+point's loop lasting about `target_s / repeats` per round; a point reports its fastest
+round, per call. Interleaving spreads every point over the whole benchmark, so a burst of
+other work on a shared machine spoils a round of every point rather than all rounds of a
+few. A collective's time is the slowest rank's.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ import torch.multiprocessing as mp
 KIB, MIB = 1 << 10, 1 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
-SEGMENT_TIMES = ("F", "BI", "BW", "B", "BW_params")
 
 
 class CalibrationError(ValueError):
@@ -68,8 +70,10 @@ class BenchConfig:
     repeats: int
     matmul_shapes: dict[str, list[tuple[int, int, int]]]  # dtype -> shapes
     memory_mib: tuple[int, ...]
-    segment_models: tuple[str, ...]
-    segment_batches: tuple[tuple[int, int], ...]  # (micro_batch, seq_len)
+    # model -> (micro_batch, seq_len)s; chosen so the two models' dominant-GEMM sizes differ
+    # (the efficiency table is keyed by it; moe-tiny's 8192·tokens would meet gpt-tiny's
+    # 32768·tokens at 4x the tokens)
+    segment_batches: dict[str, tuple[tuple[int, int], ...]]
     comm_sizes: tuple[int, ...]  # bytes
     overlap_bytes: int  # all-reduce size kept running during the overlap phase
     phase_matmul: int  # square matmul size of the contention / overlap phases
@@ -113,7 +117,7 @@ def make_config(quick: bool = False, nproc: int | None = None, threads: int | No
     return BenchConfig(
         quick=quick, device=device, nproc=nproc, threads=threads, dtype="bf16" if gpu else "fp32",
         group_sizes=tuple(sorted({n for n in (2, 4, nproc) if 2 <= n <= nproc})),
-        target_s=0.04 if quick else 0.15, repeats=3 if quick else 5, segment_models=("gpt-tiny", "moe-tiny"),
+        target_s=0.05 if quick else 0.25, repeats=3 if quick else 7,
         phase_matmul=4096 if gpu else 384, phase_s=0.15 if quick else 0.5,
         timeout_s=180.0 if quick else 600.0, cores=cores, **_sweeps(quick, gpu),
     )
@@ -126,7 +130,8 @@ def _sweeps(quick: bool, gpu: bool) -> dict:
         rect = [(1024, 4096, 1024)] if gpu else [(128, 256, 64), (1024, 256, 64)]
         other = [1024, 4096] if gpu else [256]
         sizes = [4 * KIB * 16 ** i for i in range(4)]  # 4 KiB .. 16 MiB
-        out = dict(segment_batches=((1, 16), (4, 128)), memory_mib=(256,) if gpu else (64,),
+        batches = {"gpt-tiny": ((1, 16), (4, 128)), "moe-tiny": ((2, 128),)}
+        out = dict(segment_batches=batches, memory_mib=(256,) if gpu else (64,),
                    overlap_bytes=(16 if gpu else 1) * MIB)
     else:
         squares = [256, 512, 1024, 2048, 4096, 8192] if gpu else [32, 64, 128, 256, 512, 1024, 2048]
@@ -135,7 +140,9 @@ def _sweeps(quick: bool, gpu: bool) -> dict:
                  (2048, 4096, 1024)])
         other = [512, 2048, 8192] if gpu else [128, 256, 512, 1024]
         sizes = [4 * KIB * 4 ** i for i in range(10 if gpu else 8)]  # 4 KiB .. 64 MiB (1 GiB on GPU)
-        out = dict(segment_batches=((1, 16), (2, 64), (4, 128), (8, 128)),
+        batches = {"gpt-tiny": ((1, 16), (2, 64), (4, 128), (8, 128)),
+                   "moe-tiny": ((1, 16), (2, 128), (6, 128), (12, 128))}
+        out = dict(segment_batches=batches,
                    memory_mib=(256, 1024) if gpu else (4, 64, 256), overlap_bytes=(64 if gpu else 4) * MIB)
     main, second = ("bf16", "fp32") if gpu else ("fp32", "bf16")
     shapes = {main: sorted([(n, n, n) for n in squares] + rect, key=math.prod), second: [(n, n, n) for n in other]}
@@ -152,7 +159,7 @@ def _int_env(name: str, default: int) -> int:
 def step_count(cfg: BenchConfig) -> int:
     """Progress steps of `run_calibration`."""
     n = 1 + sum(len(s) for s in cfg.matmul_shapes.values()) + 2 * len(cfg.memory_mib)
-    n += len(cfg.segment_batches) * sum(len(_segment_kinds(m)) for m in cfg.segment_models)
+    n += sum(len(batches) * len(_segment_kinds(m)) for m, batches in cfg.segment_batches.items())
     for world in cfg.group_sizes:
         n += len(COLLECTIVES) * len(cfg.comm_sizes) + (len(cfg.comm_sizes) if world == 2 else 0) + 1
     return n
@@ -161,8 +168,11 @@ def step_count(cfg: BenchConfig) -> int:
 # --------------------------------------------------------------------------- progress
 
 
+Tick = Callable[..., None]  # tick(label, steps=1.0): progress
+
+
 class Progress:
-    """A tqdm bar on stderr when tqdm is installed, else a one-line counter; callable per step."""
+    """A tqdm bar on stderr when tqdm is installed, else a one-line counter; call it per step."""
 
     def __init__(self, total: int, enabled: bool = True):
         self.total, self.n, self.enabled, self.bar = total, 0, enabled, None
@@ -174,13 +184,13 @@ class Progress:
             except ImportError:
                 pass
 
-    def __call__(self, label: str = "") -> None:
-        self.n += 1
+    def __call__(self, label: str = "", steps: float = 1.0) -> None:
+        self.n += steps
         if self.bar is not None:
             self.bar.set_postfix_str(label, refresh=False)
-            self.bar.update(1)
+            self.bar.update(steps)
         elif self.enabled:
-            print(f"\rcalibrate {self.n}/{self.total} {label:<48.48}", end="", file=sys.stderr, flush=True)
+            print(f"\rcalibrate {self.n:.0f}/{self.total} {label:<48.48}", end="", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -208,21 +218,31 @@ def _loop_seconds(fn: Callable[[], object], iters: int, device: torch.device) ->
     return time.perf_counter() - t0
 
 
+def time_rounds(fns: dict, device: torch.device, target_s: float, repeats: int, warmup: int = 2,
+                agree: Callable[[float], float] = float, before: Callable[[], None] = lambda: None,
+                tick: Tick = lambda label, steps=1.0: None) -> dict:
+    """Seconds per call of each of `fns` (key -> callable): `repeats` rounds over all of
+    them, the fastest round of each. `agree` maps the estimated time per call to a value
+    every rank shares (so all run the same iterations); `before` runs before each loop."""
+    iters = {}
+    for key, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        est = agree(_loop_seconds(fn, 3, device) / 3)
+        iters[key] = int(min(10_000, max(1, target_s / repeats / max(est, 1e-7))))
+    best = dict.fromkeys(fns, math.inf)
+    for r in range(repeats):
+        for key, fn in fns.items():
+            before()
+            best[key] = min(best[key], _loop_seconds(fn, iters[key], device) / iters[key])
+            tick(f"{key} round {r + 1}/{repeats}", 1 / repeats)
+    return best
+
+
 def time_op(fn: Callable[[], object], device: torch.device, target_s: float, repeats: int = 3,
-            warmup: int = 1, agree: Callable[[float], float] = float,
-            before: Callable[[], None] = lambda: None) -> float:
-    """Seconds per call of the fastest of `repeats` parts (the least disturbed by other
-    processes). `agree` maps the one-call estimate to a value all ranks share (so they run
-    the same number of iterations); `before` runs before each part."""
-    for _ in range(warmup):
-        fn()
-    est = agree(_loop_seconds(fn, 1, device))
-    iters = int(min(10_000, max(1, target_s / repeats / max(est, 1e-7))))
-    parts = []
-    for _ in range(repeats):
-        before()
-        parts.append(_loop_seconds(fn, iters, device) / iters)
-    return min(parts)
+            warmup: int = 2) -> float:
+    """Seconds per call of one callable (fastest of `repeats` loops)."""
+    return time_rounds({"op": fn}, device, target_s, repeats, warmup)["op"]
 
 
 # --------------------------------------------------------------------------- compute
@@ -235,39 +255,34 @@ def bench_launch(device: torch.device, target_s: float) -> float:
 
 
 def bench_matmul(shapes, dtype: str, device: torch.device, target_s: float, repeats: int,
-                 max_call_s: float, tick: Callable[[str], None]) -> list[dict]:
-    """Achieved FLOP/s of `torch.mm` per (m, n, k); shapes predicted slower than
-    `max_call_s` per call (from the best rate so far) are skipped."""
-    rows, best = [], 0.0
+                 max_call_s: float, tick: Tick) -> list[dict]:
+    """Achieved FLOP/s of `torch.mm` per (m, n, k); shapes whose first call takes longer
+    than `max_call_s` are dropped."""
+    dt, fns = DTYPES[dtype], {}
     for m, n, k in shapes:
-        flops = 2.0 * m * n * k
-        if best and flops / best > max_call_s:
-            tick(f"mm {dtype} {m}x{n}x{k} skipped")
-            continue
-        dt = DTYPES[dtype]
         a, b = torch.randn(m, k, device=device).to(dt), torch.randn(k, n, device=device).to(dt)
         out = torch.empty(m, n, device=device, dtype=dt)
-        t = time_op(lambda: torch.mm(a, b, out=out), device, target_s, repeats)
-        rows.append({"m": m, "n": n, "k": k, "dtype": dtype, "seconds": t, "flops_per_s": flops / t})
-        best = max(best, flops / t)
-        tick(f"mm {dtype} {m}x{n}x{k}: {flops / t / 1e9:.1f} GFLOP/s")
-    return rows
+        fn = (lambda a, b, out: lambda: torch.mm(a, b, out=out))(a, b, out)
+        if _loop_seconds(fn, 1, device) > max_call_s:
+            tick(f"mm {dtype} {m}x{n}x{k} skipped (too slow)")
+            continue
+        fns[(m, n, k)] = fn
+    times = time_rounds(fns, device, target_s, repeats, tick=lambda label, steps=1.0: tick(f"mm {dtype}", steps))
+    return [{"m": m, "n": n, "k": k, "dtype": dtype, "seconds": t, "flops_per_s": 2.0 * m * n * k / t}
+            for (m, n, k), t in times.items()]
 
 
-def bench_memory(sizes_mib, device: torch.device, target_s: float, repeats: int,
-                 tick: Callable[[str], None]) -> list[dict]:
+def bench_memory(sizes_mib, device: torch.device, target_s: float, repeats: int, tick: Tick) -> list[dict]:
     """Bandwidth of copy (read + write) and add (2 reads + write) on fp32 tensors."""
-    rows = []
+    fns, moved = {}, {}
     for mib in sizes_mib:
-        n = mib * MIB // 4
-        a, b, c = (torch.rand(n, device=device) for _ in range(3))
-        for op, moved, fn in (("copy", 2, lambda: c.copy_(a)), ("add", 3, lambda: torch.add(a, b, out=c))):
-            t = time_op(fn, device, target_s, repeats)
-            rows.append({"op": op, "mib": mib, "bytes_moved": moved * n * 4, "seconds": t,
-                         "bw_Bps": moved * n * 4 / t})
-            tick(f"mem {op} {mib} MiB: {moved * n * 4 / t / 1e9:.1f} GB/s")
-        del a, b, c
-    return rows
+        a, b, c = (torch.rand(mib * MIB // 4, device=device) for _ in range(3))
+        fns[("copy", mib)] = (lambda a, c: lambda: c.copy_(a))(a, c)
+        fns[("add", mib)] = (lambda a, b, c: lambda: torch.add(a, b, out=c))(a, b, c)
+        moved[("copy", mib)], moved[("add", mib)] = 2 * mib * MIB, 3 * mib * MIB
+    times = time_rounds(fns, device, target_s, repeats, tick=lambda label, steps=1.0: tick("memory", steps))
+    return [{"op": op, "mib": mib, "bytes_moved": moved[op, mib], "seconds": t, "bw_Bps": moved[op, mib] / t}
+            for (op, mib), t in times.items()]
 
 
 def _segment_kinds(model: str) -> list[str]:
@@ -303,40 +318,40 @@ def _segment_fn(cfg, kind: str, mb: int, seq: int, dtype: torch.dtype, device: t
     return (lambda x: tuple(e(c) for e, c in zip(experts, x.split(per)))), [x], list(experts.parameters())
 
 
-def _time_segment(fn, inputs, params, device, target_s, repeats) -> dict[str, float]:
-    def differentiable():
+def _segment_timers(fn, inputs, params) -> dict[str, Callable[[], object]]:
+    """F (forward, building the graph), B (grad w.r.t. inputs and parameters), BI (w.r.t.
+    inputs), BW_params (w.r.t. parameters), the backward ones on one retained graph."""
+    def forward():
         outs = fn(*inputs)
         outs = outs if isinstance(outs, (tuple, list)) else [outs]
         return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
 
     xs = [x for x in inputs if x.requires_grad]
-    outs = differentiable()
+    outs = forward()
     grads = [torch.ones_like(o) for o in outs]
 
     def grad(wrt):
         return lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
 
-    t = {"F": time_op(differentiable, device, target_s, repeats),
-         "B": time_op(grad([*xs, *params]), device, target_s, repeats),
-         "BI": time_op(grad(xs), device, target_s, repeats) if xs else 0.0,
-         "BW_params": time_op(grad(params), device, target_s, repeats)}
-    t["BW"] = max(t["B"] - t["BI"], 0.0)
-    return t
+    timers = {"F": forward, "B": grad([*xs, *params]), "BW_params": grad(params)}
+    if xs:
+        timers["BI"] = grad(xs)
+    return timers
 
 
-def bench_segments(cfg: BenchConfig, device: torch.device, tick: Callable[[str], None]) -> list[dict]:
+def bench_segments(cfg: BenchConfig, device: torch.device, tick: Tick) -> list[dict]:
     """Measured times of every segment kind of the tiny models, with their profiled costs."""
     from piper_sim.models import get_config
     from piper_sim.profiling import profile_kind
 
-    dtype, rows = DTYPES[cfg.dtype], []
-    for model in cfg.segment_models:
+    dtype, rows, fns = DTYPES[cfg.dtype], [], {}
+    for model, batches in cfg.segment_batches.items():
         mcfg = get_config(model)
-        for mb, seq in cfg.segment_batches:
+        for mb, seq in batches:
             for kind in _segment_kinds(model):
                 cost = profile_kind(mcfg, kind, mb, seq, dtype)
-                times = _time_segment(*_segment_fn(mcfg, kind, mb, seq, dtype, device), device,
-                                      cfg.target_s, cfg.repeats)
+                for op, timer in _segment_timers(*_segment_fn(mcfg, kind, mb, seq, dtype, device)).items():
+                    fns[(len(rows), op)] = timer
                 rows.append({
                     "model": model, "kind": kind, "micro_batch": mb, "seq_len": seq, "tokens": cost.tokens,
                     "flops": {"F": cost.fwd_flops, "BI": cost.bwd_input_flops, "BW": cost.bwd_weight_flops,
@@ -344,9 +359,16 @@ def bench_segments(cfg: BenchConfig, device: torch.device, tick: Callable[[str],
                     "gemm": [cost.gemm_m, cost.gemm_n, cost.gemm_k],
                     # what the compiler hands the simulator as an op's memory traffic (piper_sim.ir)
                     "mem_bytes": cost.param_bytes + 2 * cost.saved_act_bytes,
-                    "seconds": times,
+                    "seconds": {"BI": 0.0},
                 })
-                tick(f"{model} {kind} mb{mb} s{seq}: F {times['F'] * 1e3:.2f} ms")
+    per_segment = len(fns) / len(rows)
+    times = time_rounds(fns, device, cfg.target_s, cfg.repeats,
+                        tick=lambda label, steps=1.0: tick("segments", steps / per_segment))
+    for (i, op), t in times.items():
+        rows[i]["seconds"][op] = t
+    for row in rows:
+        sec = row["seconds"]
+        sec["BW"] = max(sec["B"] - sec["BI"], 0.0)  # the profiler's split: BW flops = B - BI
     return rows
 
 
@@ -417,54 +439,69 @@ class _Group:
         dist.all_reduce(t)
         return t.tolist()
 
-    def time(self, fn, target_s: float, repeats: int) -> float:
-        """Slowest rank's median seconds per call, every rank running the same iterations."""
-        return self.max(time_op(fn, self.device, target_s, repeats, agree=self.max, before=self.barrier))
+    def max_all(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def time_rounds(self, fns: dict, target_s: float, repeats: int, tick: Tick) -> dict:
+        """`time_rounds` on every rank in step (same iterations, a barrier before each
+        loop); each time is the slowest rank's."""
+        times = time_rounds(fns, self.device, target_s, repeats, agree=self.max, before=self.barrier, tick=tick)
+        return dict(zip(times, self.max_all(list(times.values()))))
 
 
-def _phases(g: _Group, spec: dict, allreduce_s: float) -> dict:
-    """Matmul seconds per call: rank 0 alone, every rank at once, every rank while its own
-    async all-reduces run; and (CPU) the first two again with one thread per core. Each
-    is the fastest of `repeats` loops (the least disturbed by other processes)."""
+def _phases(g: _Group, spec: dict, allreduce_s: float, tick: Tick) -> dict:
+    """Matmul seconds per call, in interleaved rounds (fastest round kept): rank 0 alone,
+    every rank at once, every rank while its own async all-reduces run; on CPU the first
+    two again with one thread per core (not interleaved: the other ranks' OpenMP workers
+    would still spin while rank 0 runs alone). With several ranks a round's time is the
+    slowest rank's: ranks that finish early would otherwise hide the contention."""
     m, dev, reps = spec["phase_matmul"], g.device, spec["repeats"]
     dt = DTYPES[spec["dtype"]]
     a, b = torch.randn(m, m, device=dev).to(dt), torch.randn(m, m, device=dev).to(dt)
     c = torch.empty(m, m, device=dev, dtype=dt)
+    x = torch.zeros(spec["overlap_bytes"] // 4, device=dev)  # zeros: repeated sums stay finite
 
     def mm():
         torch.mm(a, b, out=c)
 
-    def fastest(iters, ranks=None):
-        best = math.inf
-        for _ in range(reps):
-            g.barrier()
-            if ranks is None or g.rank in ranks:
-                best = min(best, _loop_seconds(mm, iters, dev) / iters)
-        return best if best < math.inf else 0.0
+    def loop(iters, ranks=None) -> float:
+        g.barrier()
+        return _loop_seconds(mm, iters, dev) / iters if ranks is None or g.rank in ranks else math.inf
 
-    def alone_and_together():
+    def iterations() -> int:
         for _ in range(2):
             mm()
-        iters = max(3, int(spec["phase_s"] / reps / max(g.max(_loop_seconds(mm, 1, dev)), 1e-7)))
-        return g.max(fastest(iters, ranks=(0,))), g.gather(fastest(iters)), iters
+        return max(3, int(spec["phase_s"] / reps / max(g.max(_loop_seconds(mm, 1, dev)), 1e-7)))
 
-    alone, together, iters = alone_and_together()
-    x = torch.zeros(spec["overlap_bytes"] // 4, device=dev)  # zeros: repeated sums stay finite
-    k = min(5000, math.ceil(3 * reps * iters * max(together) / max(allreduce_s, 1e-7)) + 2)
-    g.barrier()
-    works = [dist.all_reduce(x, async_op=True) for _ in range(k)]
-    overlapped = min(_loop_seconds(mm, iters, dev) / iters for _ in range(reps))
-    covered = not works[-1].is_completed()
-    for w in works:
-        w.wait()
+    iters = iterations()
+    k = min(2000, math.ceil(3 * iters * g.max(_loop_seconds(mm, 1, dev)) / max(allreduce_s, 1e-7)) + 2)
+    alone = together = overlapped = math.inf
+    covered = True
+    for r in range(reps):
+        alone = min(alone, loop(iters, ranks=(0,)))
+        together = min(together, g.max(loop(iters)))
+        g.barrier()
+        works = [dist.all_reduce(x, async_op=True) for _ in range(k)]
+        t = _loop_seconds(mm, iters, dev) / iters
+        covered &= not works[-1].is_completed()
+        for w in works:
+            w.wait()
+        overlapped = min(overlapped, g.max(t))
+        tick(f"overlap / contention n={g.world} round {r + 1}/{reps}", 1 / reps)
     out = {"matmul": m, "dtype": spec["dtype"], "threads": torch.get_num_threads(), "iters": iters,
-           "alone_s": alone, "together_s": together, "overlap_s": g.gather(overlapped),
-           "overlap_allreduce_bytes": spec["overlap_bytes"], "overlap_allreduces": k,
-           "overlap_covered": bool(g.max(0.0 if covered else 1.0) == 0.0)}
-    if dev.type == "cpu" and spec["cores"] != torch.get_num_threads():
+           "alone_s": g.max(alone if g.rank == 0 else 0.0), "together_s": together,
+           "overlap_s": overlapped, "overlap_allreduce_bytes": spec["overlap_bytes"],
+           "overlap_allreduces": k, "overlap_covered": g.max(0.0 if covered else 1.0) == 0.0}
+    if dev.type == "cpu" and spec["cores"] != spec["threads"]:
         torch.set_num_threads(spec["cores"])
-        d_alone, d_together, _ = alone_and_together()
-        out["default_threads"] = {"threads": spec["cores"], "alone_s": d_alone, "together_s": d_together}
+        iters = iterations()
+        time.sleep(0.5)  # idle OpenMP workers spin a while after a parallel region: let them sleep
+        alone = min(loop(iters, ranks=(0,)) for _ in range(reps))
+        together = min(g.max(loop(iters)) for _ in range(reps))
+        out["default_threads"] = {"threads": spec["cores"], "alone_s": g.max(alone if g.rank == 0 else 0.0),
+                                  "together_s": together}
         torch.set_num_threads(spec["threads"])
     return out
 
@@ -488,28 +525,27 @@ def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=spec["timeout_s"]))
     g = _Group(rank, world, device)
-    tick = (lambda label: q.put(("tick", label))) if rank == 0 else (lambda label: None)
+    tick = (lambda label, steps=1.0: q.put(("tick", label, steps))) if rank == 0 else (lambda *a, **k: None)
     try:
         _warm_up(g)
-        out: dict = {"collectives": {}, "p2p": []}
-        target, reps = spec["target_s"], spec["repeats"]
-        if world == 2:
-            for nbytes in spec["p2p_sizes"]:
-                t = g.time(_ping_pong(nbytes, rank, device), target, reps) / 2
-                out["p2p"].append([max(4, nbytes // 4 * 4), t])
-                tick(f"p2p {nbytes // KIB} KiB")
+        fns, nbytes = {}, {}
+        for size in spec["p2p_sizes"] if world == 2 else []:
+            fns["p2p", size], nbytes["p2p", size] = _ping_pong(size, rank, device), max(4, size // 4 * 4)
         for kind in spec["kinds"]:
-            pts = out["collectives"][kind] = []
-            for nbytes in spec["sizes"]:
-                op, s = _collective(kind, nbytes, world, device)
-                pts.append([s, g.time(op, target, reps)])
-                tick(f"{kind} n={world} {nbytes // KIB} KiB")
+            for size in spec["sizes"]:
+                fns[kind, size], nbytes[kind, size] = _collective(kind, size, world, device)
+        times = g.time_rounds(fns, spec["target_s"], spec["repeats"],
+                              lambda label, steps=1.0: tick(f"comm n={world}", steps))
+        out: dict = {"collectives": {kind: [] for kind in spec["kinds"]}, "p2p": []}
+        for (kind, size), t in times.items():
+            if kind == "p2p":
+                out["p2p"].append([nbytes[kind, size], t / 2])  # a ping-pong is two transfers
+            else:
+                out["collectives"][kind].append([nbytes[kind, size], t])
         if spec.get("phases"):
-            ar = dict((int(s), t) for s, t in out["collectives"].get("ALLREDUCE", []))
-            ar_s = ar.get(spec["overlap_bytes"]) or g.time(_collective("ALLREDUCE", spec["overlap_bytes"], world,
-                                                                       device)[0], target, reps)
-            out["phases"] = _phases(g, spec, ar_s)
-            tick(f"overlap / contention n={world}")
+            ar = times.get(("ALLREDUCE", spec["overlap_bytes"])) or times[next(iter(times))]
+            out["phases"] = _phases(g, spec, ar, tick)
+        del fns
         if rank == 0:
             q.put(("result", out))
         g.barrier()
@@ -517,7 +553,7 @@ def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
         dist.destroy_process_group()
 
 
-def run_group(world: int, spec: dict, tick: Callable[[str], None] = lambda s: None) -> dict:
+def run_group(world: int, spec: dict, tick: Tick = lambda label, steps=1.0: None) -> dict:
     """Spawn `world` ranks running `_comm_worker(spec)`; returns rank 0's result."""
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":  # import torch once in the server, not in every rank of every group
@@ -531,13 +567,13 @@ def run_group(world: int, spec: dict, tick: Callable[[str], None] = lambda s: No
         nonlocal result
         while True:
             try:
-                what, payload = q.get_nowait()
+                what, *payload = q.get_nowait()
             except queue_lib.Empty:
                 return
             if what == "tick":
-                tick(payload)
+                tick(*payload)
             else:
-                result = payload
+                result = payload[0]
 
     try:
         while not procs.join(timeout=0.1):
@@ -609,7 +645,8 @@ def run_calibration(cfg: BenchConfig, progress: bool = True) -> dict:
     torch.set_num_threads(cfg.threads)
     try:
         raw = {"config": {k: v for k, v in asdict(cfg).items() if k != "matmul_shapes"},
-               "machine": machine_info(cfg)}
+               "machine": machine_info(cfg),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         phase_s = raw["phase_s"] = {}
 
         def timed(name, fn):

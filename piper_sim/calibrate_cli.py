@@ -1,13 +1,14 @@
 """`piper-sim calibrate`: microbenchmark this machine and write a calibration JSON.
 
     piper-sim calibrate -o traces/calibration/NAME.json [--quick] [--nproc N] [--threads T]
-                        [--device auto|cpu|cuda] [--no-progress] [--refit OLD.json]
+                        [--device auto|cpu|cuda] [--no-progress] [--refit OLD.json ...]
 
 Measures (executor.microbench) matmul throughput, memory bandwidth, the tiny zoo models'
 segment times, p2p and collectives over 2..N worker processes (gloo on CPU, NCCL on
 CUDA), compute contention and comm/compute overlap; fits (costmodel.fit) and writes
 the parameters plus the raw measurements. `--refit` re-fits the raw measurements stored
-in an earlier calibration file instead of measuring. Use the result with
+in earlier calibration files instead of measuring (several runs of one machine: each
+point's fastest time). Use the result with
 `--costmodel path.json` wherever the simulator takes a cost model.
 
 `add_calibrate_parser(subparsers)` registers the command on piper_sim.cli's parser; bad
@@ -34,10 +35,12 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and repeats (well under a minute)")
     p.add_argument("--nproc", metavar="N", help="largest worker group (default: 4 if the cores allow, else 2; "
                                                 "on CUDA the GPU count); groups of 2, 4 and N are measured")
-    p.add_argument("--threads", metavar="T", help="intra-op threads per rank (default: cores // N)")
+    p.add_argument("--threads", metavar="T",
+                   help="intra-op threads per rank (default: $OMP_NUM_THREADS, else 1, as under torchrun)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--refit", metavar="OLD.json", help="re-fit the raw measurements stored in a calibration file")
+    p.add_argument("--refit", metavar="OLD.json", nargs="+",
+                   help="re-fit the raw measurements stored in calibration files (several: each point's fastest)")
     p.set_defaults(func=cmd_calibrate)
     return p
 
@@ -84,7 +87,9 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         raise CalibrationError(f"--device must be auto, cpu or cuda, got {args.device!r}")
     t0 = time.perf_counter()
     if args.refit:
-        raw = _load_raw(args.refit)
+        from costmodel.fit import merge_raw
+
+        raw = merge_raw([_load_raw(path) for path in args.refit])
     else:
         from executor.microbench import make_config, run_calibration  # torch: import only when measuring
 

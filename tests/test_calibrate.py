@@ -83,8 +83,13 @@ def test_quick_run_loads_and_predicts_allreduce(quick_calibration):
     cm = get_costmodel(str(quick_calibration), parse_cluster("cpu:2"))
     nbytes = 1 << 20
     predicted = cm.collective_time("ALLREDUCE", nbytes, [0, 1])
-    measured = measure_collective("ALLREDUCE", nbytes, world=2)
-    assert 0.5 < predicted / measured < 2.0, (predicted, measured)
+    # other processes on a small shared machine can disturb one measurement: allow 3 tries
+    measured = []
+    for _ in range(3):
+        measured.append(measure_collective("ALLREDUCE", nbytes, world=2, quick=False))
+        if 0.5 < predicted / measured[-1] < 2.0:
+            break
+    assert 0.5 < predicted / measured[-1] < 2.0, (predicted, measured)
     assert cm.compute_time("F", 1e9, gemm=(512, 512, 512)) > 0
 
 
@@ -94,6 +99,29 @@ def test_refit_reproduces_the_parameters(quick_calibration, tmp_path):
     a, b = json.loads(quick_calibration.read_text()), json.loads(out.read_text())
     for key in ("peak_flops", "efficiency_table", "hbm_bw", "collectives", "p2p", "overlap_slowdown"):
         assert a[key] == b[key]
+
+
+def test_merge_keeps_each_points_fastest_time(quick_calibration):
+    from costmodel.fit import build_calibration, merge_raw
+
+    raw = json.loads(quick_calibration.read_text())["meta"]["raw"]
+    slower = json.loads(json.dumps(raw))  # a disturbed run: everything twice as slow
+    for row in slower["matmul"] + slower["memory"]:
+        row["seconds"] *= 2
+    for row in slower["segments"]:
+        row["seconds"] = {op: 2 * t for op, t in row["seconds"].items()}
+    for res in slower["comm"].values():
+        res["collectives"] = {k: [[s, 2 * t] for s, t in pts] for k, pts in res["collectives"].items()}
+        res["p2p"] = [[s, 2 * t] for s, t in res["p2p"]]
+    merged = build_calibration(merge_raw([slower, raw]))
+    alone = build_calibration(raw)
+    assert merged["peak_flops"] == pytest.approx(alone["peak_flops"])
+    assert merged["hbm_bw"] == pytest.approx(alone["hbm_bw"])
+    assert merged["p2p"] == pytest.approx(alone["p2p"])
+    assert merged["collectives"]["ALLREDUCE"]["2"] == pytest.approx(alone["collectives"]["ALLREDUCE"]["2"])
+    changed = dict(raw, config={**raw["config"], "threads": 99})
+    with pytest.raises(ValueError, match="different configurations"):
+        merge_raw([raw, changed])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -117,8 +145,9 @@ def test_bad_arguments_give_one_line(argv, message, tmp_path, capsys):
 def test_registered_in_main_cli(tmp_path, capsys):
     from piper_sim import cli
 
-    parser = cli.build_parser()
-    if "calibrate" not in parser._subparsers._group_actions[0].choices:
+    try:
+        rc = cli.main(["calibrate", "-o", str(tmp_path / "x.txt")])
+    except SystemExit:  # argparse: invalid choice 'calibrate'
         pytest.skip("calibrate is not registered in piper_sim.cli yet")
-    assert cli.main(["calibrate", "-o", str(tmp_path / "x.txt")]) == 2
+    assert rc == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
