@@ -16,7 +16,7 @@ import os
 from costmodel import collectives as coll
 from costmodel import compute
 from costmodel.calibration import load_calibration
-from costmodel.hardware import GPU_FIELDS, Cluster
+from costmodel.hardware import CPU, GPU_FIELDS, Cluster
 
 COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
 
@@ -58,7 +58,8 @@ class AnalyticCostModel(CostModel):
     "collectives", "p2p", "overlap_slowdown".
     """
 
-    KEYS = GPU_FIELDS | {"dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives", "p2p"}
+    KEYS = GPU_FIELDS | {"dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives", "p2p",
+                         "compute_slots"}
 
     def __init__(self, cluster: Cluster, overrides: dict | None = None, name: str = "analytic"):
         ov = dict(overrides or {})
@@ -67,6 +68,10 @@ class AnalyticCostModel(CostModel):
             raise ValueError(f"unknown cost-model overrides {sorted(unknown)}; known: {sorted(self.KEYS)}")
         self.name = name
         self.dtype = ov.pop("dtype", "bf16")
+        # ranks that can compute at full speed at once on a node: a CPU's cores are shared
+        # by its ranks (None: one accelerator per rank)
+        default_slots = (os.cpu_count() or 1) if cluster.gpu.name == CPU.name else None
+        self.compute_slots = ov.pop("compute_slots", default_slots)
         self.algorithm = ov.pop("algorithm", "auto")
         self.table = None
         if "efficiency_table" in ov:
@@ -191,4 +196,8 @@ def get_costmodel(name_or_file: str | CostModel | None = "analytic", cluster: Cl
         return AnalyticCostModel(cluster)
     data = load_calibration(spec)
     overrides = {k: v for k, v in data.items() if k not in ("kind", "device", "meta")}
+    meta = data.get("meta", {})
+    cores = meta.get("machine", {}).get("cores")
+    if cores and meta.get("machine", {}).get("device") == "cpu":
+        overrides.setdefault("compute_slots", max(1, cores // int(meta.get("threads_per_rank", 1))))
     return AnalyticCostModel(cluster, overrides, name=f"calibration:{spec}")
