@@ -6,7 +6,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from executor.collectives import all_gather
 from executor.data import SyntheticData

@@ -156,16 +156,10 @@ def summary_lines(calib: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (`python -m piper_sim.calibrate_cli ...`), same behaviour as piper-sim."""
-    parser = argparse.ArgumentParser(prog="piper-sim")
-    add_calibrate_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"piper-sim: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    """Standalone entry point: the same as `piper-sim` (one error handler for all commands)."""
+    from piper_sim.cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import functools
-import json
 import os
 import sys
 import time

@@ -21,7 +21,6 @@ import networkx as nx
 from piper_sim.directives import Setup
 from piper_sim.plan import Instruction, Layout
 from piper_sim.profiling import SegmentCost
-from piper_sim.schedules import Slot
 from piper_sim.strategy import StrategyError
 
 Node = tuple[int, str]

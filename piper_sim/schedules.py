@@ -24,7 +24,7 @@ See ``shared/reference/schedules.md`` §1-3 for the rules.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = [
     "Action",

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from piper_sim.plan import Plan, PlanError
+from piper_sim.plan import Plan
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -64,15 +64,10 @@ def cmd_simulate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="piper-sim")
-    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        args.func(args)
-    except (ValueError, PlanError, FileNotFoundError) as e:
-        print(f"piper-sim: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    """Standalone entry point: the same as `piper-sim` (one error handler for all commands)."""
+    from piper_sim.cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
