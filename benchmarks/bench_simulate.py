@@ -23,18 +23,10 @@ BASELINE = ("llama3-8b h100:8x8 PP4 1f1b DP16 ZeRO-1", {
     "directives": [{"op": "pipeline", "degree": 4}, {"op": "schedule", "name": "1f1b"},
                    {"op": "data_parallel", "degree": 16, "zero": 1}]})
 
-STRATEGIES = {
-    "llama3-70b h100:128x8 PP8 1f1b DP128 ZeRO-1": {
-        "model": "llama3-70b", "cluster": "h100:128x8", "global_batch": 4096, "seq_len": 4096,
-        "microbatches": 32,
-        "directives": [{"op": "pipeline", "degree": 8}, {"op": "schedule", "name": "1f1b"},
-                       {"op": "data_parallel", "degree": 128, "zero": 1}]},
-    "deepseek-v3 h800:256x8 PP16 dualpipe EP64 DP128 ZeRO-1": {
-        "model": "deepseek-v3", "cluster": "h800:256x8", "global_batch": 4096, "seq_len": 4096,
-        "microbatches": 32,
-        "directives": [{"op": "pipeline", "degree": 16}, {"op": "schedule", "name": "dualpipe"},
-                       {"op": "data_parallel", "degree": 128, "zero": 1}, {"op": "expert_parallel", "degree": 64}]},
-}
+from full_size import STRATEGIES  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+# the two strategies of the simulator issue (the 405b one is a compile-size target)
+STRATEGIES = {k: v for k, v in STRATEGIES.items() if not k.startswith("llama3-405b")}
 
 
 def best(plan, repeat: int, fold: bool = True):
