@@ -128,7 +128,7 @@ def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Con
         cycle = nx.find_cycle(dag.g)
         ops = " -> ".join(f"{dag.ins(a).id}@{a[0]}" for a, _ in cycle)
         raise StrategyError(f"order: the schedule deadlocks; these ops wait on each other: {ops}")
-    ctx.sequences = sequences  # type: ignore[attr-defined]
+    ctx.sequences = sequences
     return dag, ctx, cfg
 
 
@@ -136,12 +136,10 @@ def _prefetch_edges(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> None:
     """A ZeRO-3 all-gather may start once the op two places before its consumer ended
     (one op of prefetch), so gathered parameters do not pile up in memory."""
     for seq in sequences.values():
-        index = {n: i for i, n in enumerate(seq)}
         for i, n in enumerate(seq):
             for p in list(dag.g.predecessors(n)):
                 if dag.ins(p).kind == "ALL_GATHER" and i >= 2:
                     dag.edge(seq[i - 2], p, "temporal")
-        del index
 
 
 def _issued_before(dag: TrainingDAG, n: Node) -> Node | None:
@@ -260,15 +258,10 @@ def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
     total = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0}
     pbytes = ctx.dtype_bytes
     optim = 12 if pbytes == 2 else 8  # fp32 master + Adam m, v (no master copy for fp32 params)
-    layout = ctx.layout
-    for s, ranks in layout.stage_ranks.items():
+    for s, ranks in ctx.layout.stage_ranks.items():
         if pp_rank not in ranks:
             continue
-        sc = ctx.stages[s]
-        n_dense = len(ranks) * layout.dp
-        dense = sum(x.param_count for x in sc.segments if not (x.is_expert and layout.ep > 1))
-        expert = sum(x.param_count for x in sc.experts) / layout.ep if layout.ep > 1 else 0.0
-        for count, n in ((dense, n_dense), (expert, n_dense // layout.ep)):
+        for count, n in ctx.param_groups(s):
             if count:
                 m = model_state_bytes(count, n, zero, param_bytes=pbytes, grad_bytes=pbytes, optim_bytes=optim)
                 for k in total:
@@ -282,7 +275,7 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
     if isinstance(strategy, dict):
         strategy = parse_strategy(strategy)
     dag, ctx, cfg = build_dag(strategy, folded=True)
-    lists = lower(dag, ctx.sequences)  # type: ignore[attr-defined]
+    lists = lower(dag, ctx.sequences)
     layout = ctx.layout
     classes = []
     for pp_rank in range(layout.pp):
@@ -313,7 +306,7 @@ def compile_unfolded(strategy: Strategy | dict) -> list[RankProgram]:
     if isinstance(strategy, dict):
         strategy = parse_strategy(strategy)
     dag, ctx, _ = build_dag(strategy, folded=False)
-    lists = lower(dag, ctx.sequences)  # type: ignore[attr-defined]
+    lists = lower(dag, ctx.sequences)
     layout = ctx.layout
     out = []
     for rank in range(layout.world_size):

@@ -66,6 +66,7 @@ class Context:
     layout: Layout
     dtype_bytes: int
     folded: bool = True
+    sequences: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # per rank, set by order_pass
 
     def replicas(self) -> list[int]:
         return [0] if self.folded else list(range(self.layout.dp))
@@ -73,20 +74,24 @@ class Context:
     def where(self, pp_rank: int, dp_rank: int) -> int:
         return pp_rank if self.folded else self.layout.rank(pp_rank, dp_rank)
 
-    def peer(self, pp_rank: int, dp_rank: int) -> int:
-        return self.where(pp_rank, dp_rank)
-
     def group(self, symbolic: str, where: int) -> str:
         if self.folded:
             return symbolic
         ranks = self.layout.group_ranks(symbolic, where)
         return "ranks:" + ",".join(map(str, ranks))
 
-    def dp_rank(self, where: int) -> int:
-        return 0 if self.folded else self.layout.coords(where)[1]
-
-    def pp_rank(self, where: int) -> int:
-        return where if self.folded else self.layout.coords(where)[0]
+    def param_groups(self, stage: int) -> list[tuple[float, int]]:
+        """(parameters a rank holds, data-parallel group size) of a stage: the dense part
+        over all its replicas; under expert parallel, the rank's expert shard over the
+        replicas holding the same shard."""
+        layout = self.layout
+        sc = self.stages[stage]
+        n_dense = len(layout.stage_ranks[stage]) * layout.dp
+        if layout.ep == 1:
+            return [(sum(x.param_count for x in sc.segments), n_dense)]
+        dense = sum(x.param_count for x in sc.dense)
+        experts = sum(x.param_count for x in sc.experts) / layout.ep
+        return [(dense, n_dense), (experts, n_dense // layout.ep)]
 
 
 @dataclass
@@ -215,10 +220,10 @@ def _link(dag: TrainingDAG, ctx: Context, src: Node, dst: Node, src_pp: int, dst
     # are received in the order they were sent
     send = dag.add(src[0], Instruction(id=f"SEND.{match}", kind="SEND", stream=f"{streams['SEND']}.pp{dst_pp}",
                                        stage=stage, mb=mb, bytes=nbytes, match=match,
-                                       peer=ctx.peer(dst_pp, d)))
+                                       peer=ctx.where(dst_pp, d)))
     recv = dag.add(dst[0], Instruction(id=f"RECV.{match}", kind="RECV", stream=f"{streams['RECV']}.pp{src_pp}",
                                        stage=stage, mb=mb, bytes=nbytes, match=match,
-                                       peer=ctx.peer(src_pp, d)))
+                                       peer=ctx.where(src_pp, d)))
     dag.edge(src, send)
     dag.edge(send, recv, "p2p")
     dag.edge(recv, dst)
@@ -413,16 +418,11 @@ ADAM_FLOPS_PER_PARAM = 12
 
 def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:
     """Cost of each OPT: AdamW over the parameters this rank updates (its ZeRO shard)."""
-    layout, zero = ctx.layout, ctx.setup.zero
+    zero = ctx.setup.zero
     for n in dag.g.nodes:
         ins = dag.ins(n)
         if ins.kind != "OPT":
             continue
-        sc = ctx.stages[ins.stage]
-        n_dense = len(layout.stage_ranks[ins.stage]) * layout.dp
-        expert = layout.ep > 1
-        dense = sum(x.param_count for x in sc.segments if not (x.is_expert and expert))
-        experts = sum(x.param_count for x in sc.experts) / layout.ep if expert else 0.0
-        local = dense / (n_dense if zero else 1) + experts / ((n_dense // layout.ep) if zero else 1)
+        local = sum(count / (n if zero else 1) for count, n in ctx.param_groups(ins.stage))
         ins.flops = ADAM_FLOPS_PER_PARAM * local
         ins.bytes = ADAM_BYTES_PER_PARAM * local
