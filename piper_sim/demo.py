@@ -10,10 +10,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
-import sys
 
 from piper_sim.explore_cli import emit_best, progress_printer
 
@@ -35,23 +33,11 @@ def small_strategy(best_schedule: str) -> dict:
     return {**base, "global_batch": 8, "microbatches": 2, "directives": [{"op": "expert_parallel", "degree": 2}]}
 
 
-def run_measured(plan_path: str, out_dir: str, steps: int = 4) -> dict | None:
-    """Run the plan with the executor; return the last step's measured numbers."""
-    trace = os.path.join(out_dir, "measured_trace.json")
-    cmd = [sys.executable, "-m", "piper_sim.cli", "run", plan_path, "--steps", str(steps), "--json",
-           "--trace", trace]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if r.returncode:
-        print(f"measured run failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
-        return None
-    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
-    return lines[-1] if lines else None
-
-
 def cmd_demo(args: argparse.Namespace) -> None:
     from piper_sim.api import compile
     from piper_sim.explore import explore, format_table, plot_pareto, write_csv
     from piper_sim.simulator import simulate
+    from piper_sim.validation import MeasurementError, measure
 
     os.makedirs(args.out, exist_ok=True)
     print(f"== 1. exploring strategies for {DEFAULT['model']} on {DEFAULT['cluster']}, "
@@ -74,12 +60,14 @@ def cmd_demo(args: argparse.Namespace) -> None:
     costmodel = CALIBRATION if os.path.exists(CALIBRATION) else "analytic"
     sim = simulate(plan, costmodel)
     sim.plot_timeline(os.path.join(args.out, "small_simulated_timeline.png"), title="simulated (cpu:2)")
-    measured = run_measured(plan_path, args.out)
     print(f"simulated step time ({os.path.basename(costmodel)}): {sim.step_time_s * 1e3:.1f} ms")
-    if measured:
-        step = measured.get("step_time_s")
-        print(f"measured step time (executor, gloo): {step * 1e3:.1f} ms, loss {measured.get('loss'):.4f}; "
-              f"error {100 * (sim.step_time_s - step) / step:+.1f}%")
+    try:
+        step, steps = measure(plan_path, steps=4, warmup=2, trace=os.path.join(args.out, "measured_trace.json"))
+    except (MeasurementError, subprocess.TimeoutExpired) as e:
+        print(f"measured run failed: {e}")
+        return
+    print(f"measured step time (executor, gloo, median after 2 warm-up steps): {step * 1e3:.1f} ms, "
+          f"loss {steps[-1]['loss']:.4f}; error {100 * (sim.step_time_s - step) / step:+.1f}%")
 
 
 def add_demo_parser(sub) -> None:

@@ -54,3 +54,15 @@ def test_outputs_table_csv_pareto(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 10_000
     best = r.best_strategy()
     assert json.loads(json.dumps(best))["model"] == "llama3-8b"
+
+
+def test_demo_writes_table_pictures_and_best_plan(tmp_path):
+    """The README's main job, without the measured run (the executor tests cover that)."""
+    from piper_sim.cli import main
+    from piper_sim.plan import Plan
+
+    assert main(["demo", "--no-run", "--quiet", "--workers", "2", "--out", str(tmp_path)]) == 0
+    for name in ("strategies.csv", "pareto.png", "best_strategy.json", "best_timeline.png", "best_memory.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    plan = Plan.load(str(tmp_path / "best_plan.json"))
+    assert plan.meta["model"] == "qwen3-moe-9b" and plan.world_size == 32
