@@ -14,7 +14,7 @@ import math
 import os
 
 from costmodel import collectives as coll
-from costmodel import compute
+from costmodel import compute, operators
 from costmodel.calibration import load_calibration
 from costmodel.hardware import CPU, GPU_FIELDS, Cluster
 
@@ -31,6 +31,11 @@ class CostModel:
     def compute_time(self, kind: str, flops: float, mem_bytes: float = 0.0,
                      gemm: tuple[int, int, int] | None = None) -> float:
         raise NotImplementedError
+
+    def kernels_time(self, rows) -> float | None:
+        """Seconds for an operator-level table (``costmodel.operators``); None when this
+        model prices whole ops only (the simulator then uses :meth:`compute_time`)."""
+        return None
 
     def collective_time(self, kind: str, nbytes: float, ranks: list[int]) -> float:
         raise NotImplementedError
@@ -58,7 +63,7 @@ class AnalyticCostModel(CostModel):
     "collectives", "p2p", "overlap_slowdown".
     """
 
-    KEYS = GPU_FIELDS | {"dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives", "p2p",
+    KEYS = GPU_FIELDS | {"dtype", "gemm_dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives", "p2p",
                          "compute_slots"}
 
     def __init__(self, cluster: Cluster, overrides: dict | None = None, name: str = "analytic"):
@@ -68,6 +73,8 @@ class AnalyticCostModel(CostModel):
             raise ValueError(f"unknown cost-model overrides {sorted(unknown)}; known: {sorted(self.KEYS)}")
         self.name = name
         self.dtype = ov.pop("dtype", "bf16")
+        # dtype GEMMs run in when it differs from the model's (e.g. "fp8": DeepSeek-V3's FP8 GEMMs)
+        self.gemm_dtype = ov.pop("gemm_dtype", None)
         # ranks that can compute at full speed at once on a node: a CPU's cores are shared
         # by its ranks (None: one accelerator per rank)
         default_slots = (os.cpu_count() or 1) if cluster.gpu.name == CPU.name else None
@@ -96,7 +103,12 @@ class AnalyticCostModel(CostModel):
         return self.gpu.overlap_slowdown
 
     def compute_time(self, kind, flops, mem_bytes=0.0, gemm=None):
+        if kind == "OPT":
+            return compute.optimizer_step_time(self.gpu, flops, mem_bytes)
         return compute.compute_time(self.gpu, flops, mem_bytes, gemm, self.dtype, self.table)
+
+    def kernels_time(self, rows):
+        return operators.table_time(self.gpu, rows, gemm_dtype=self.gemm_dtype, gemm_table=self.table)
 
     def collective_time(self, kind, nbytes, ranks):
         group = sorted(set(ranks))

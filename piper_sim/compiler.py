@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from costmodel.hardware import parse_cluster
+from costmodel import operators
+from costmodel.hardware import GPU, H100, parse_cluster
 from costmodel.memory import model_state_bytes
 from piper_sim.directives import Setup, expand, resolve
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, optimizer_pass, order_pass, place_pass, \
@@ -44,13 +45,57 @@ def partition_layers(n_layers: int, n_stages: int) -> list[range]:
     return out
 
 
+def unit_times(segments: list[SegmentCost], gpu: GPU) -> dict[str, float]:
+    """Seconds of forward + backward of each unit on ``gpu`` (its kernels, priced)."""
+    out: dict[str, float] = {}
+    for x in segments:
+        t = sum(operators.table_time(gpu, rows) for rows in (x.kernels_f, x.kernels_bi, x.kernels_bw))
+        out[x.unit] = out.get(x.unit, 0.0) + t
+    return out
+
+
+def cost_balanced_layers(costs: list[float], first_extra: float, last_extra: float, n_stages: int) -> list[int]:
+    """Layers per stage for contiguous stages of least maximum cost, where the first stage
+    also carries ``first_extra`` (embedding) and the last ``last_extra`` (head and loss), each
+    stage at least one layer (binary search on the bound, greedy fill)."""
+    n = len(costs)
+
+    def fill(bound: float) -> list[int] | None:
+        counts, i = [], 0
+        for s in range(n_stages):
+            load = first_extra if s == 0 else 0.0
+            start = i
+            # take layers while they fit, leaving one for every later stage
+            while i < n - (n_stages - 1 - s) and (i == start or load + costs[i] <= bound):
+                load += costs[i]
+                i += 1
+            if s == n_stages - 1:
+                load += last_extra + sum(costs[i:])
+                i = n
+            if load > bound:
+                return None
+            counts.append(i - start)
+        return counts
+
+    lo, hi = max(costs), sum(costs) + first_extra + last_extra
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fill(mid) else (mid, hi)
+    return fill(hi) or [len(r) for r in partition_layers(n, n_stages)]
+
+
 def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
-                layers_per_stage: list[int] | None = None) -> list[StageCost]:
-    """The segments of each stage: contiguous layers (balanced, or as the ``segment``
-    directive says); the embedding joins the first stage, the head the last."""
+                layers_per_stage: list[int] | str | None = None, gpu: GPU | None = None) -> list[StageCost]:
+    """The segments of each stage: contiguous layers (equal counts, as the ``segment``
+    directive says, or ``"balanced"``: equal forward+backward time with the embedding and
+    the head counted, priced on ``gpu``); the embedding joins the first stage, the head the last."""
     if n_stages > cfg.n_layers:
         raise StrategyError(f"pipeline: {n_stages} stages but model {cfg.name} has only {cfg.n_layers} layers; "
                             "lower the pipeline degree or stages_per_rank")
+    if layers_per_stage == "balanced":
+        times = unit_times(segments, gpu or H100)
+        layers_per_stage = cost_balanced_layers([times[f"layers.{i}"] for i in range(cfg.n_layers)],
+                                                times.get("embed", 0.0), times.get("head", 0.0), n_stages)
     if layers_per_stage is not None:
         if len(layers_per_stage) != n_stages or sum(layers_per_stage) != cfg.n_layers:
             raise StrategyError(f"segment: layers_per_stage {layers_per_stage} must have {n_stages} entries "
@@ -113,7 +158,8 @@ def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Con
 
     cfg, setup, layout, mbs = _setup_and_layout(strategy)
     segments = profile_model(cfg, mbs, strategy.seq_len, getattr(torch, _TORCH_DTYPE[strategy.dtype]))
-    ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage),
+    gpu = parse_cluster(strategy.cluster).gpu
+    ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage, gpu),
                   layout=layout,
                   dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded)
     dag = TrainingDAG()
@@ -297,7 +343,7 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
         "model_flops_per_step": _model_flops(ctx, strategy),
         "tokens_per_step": strategy.global_batch * strategy.seq_len,
     }
-    plan = Plan(layout=layout, classes=classes, meta=meta)
+    plan = Plan(layout=layout, classes=classes, meta=meta, kernels=dict(ctx.kernels))
     return Compiled(plan=plan, dag=dag, setup=ctx.setup, config=cfg, compile_s=time.perf_counter() - t0)
 
 

@@ -39,7 +39,7 @@ class Setup:
     recompute: set[int] = field(default_factory=set)
     streams: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STREAMS))
     schedule: str = "custom"
-    layers_per_stage: list[int] | None = None  # None: balanced
+    layers_per_stage: list[int] | str | None = None  # None: equal layer counts; "balanced": equal time
 
     def rank_of(self, stage: int, mb: int) -> int:
         for pp_rank, lo, hi in self.placement[stage]:
@@ -160,7 +160,8 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
         elif op == "stream":
             streams[d["kind"]] = d["name"]
         elif op == "segment":
-            layers_per_stage = list(d["layers_per_stage"])
+            lps = d["layers_per_stage"]
+            layers_per_stage = lps if lps == "balanced" else list(lps)
     if not placement:
         raise StrategyError("no place directive: add {\"op\": \"pipeline\", \"degree\": P} or place directives")
     num_stages = max(placement) + 1

@@ -43,7 +43,10 @@ class Candidate:
         return SCHEDULE_V[self.schedule] if self.pp > 1 else 1
 
     def strategy(self, model: str, cluster: str, global_batch: int, seq_len: int) -> dict[str, Any]:
-        d: list[dict[str, Any]] = [{"op": "pipeline", "degree": self.pp, "stages_per_rank": self.v},
+        pipe: dict[str, Any] = {"op": "pipeline", "degree": self.pp, "stages_per_rank": self.v}
+        if self.pp > 1:
+            pipe["layers_per_stage"] = "balanced"
+        d: list[dict[str, Any]] = [pipe,
                                    {"op": "schedule", "name": self.schedule}]
         if self.dp > 1:
             d.append({"op": "data_parallel", "degree": self.dp, "zero": self.zero})
@@ -171,7 +174,7 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     try:
         spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
         stages = stage_costs(cfg, profile_model(cfg, mbs, settings["seq_len"], getattr(torch, _TORCH_DTYPE[dtype])),
-                             spec.num_stages)
+                             spec.num_stages, "balanced" if cand.pp > 1 else None, parse_cluster(settings["cluster"]).gpu)
     except (ScheduleError, StrategyError) as e:
         return 0.0, 0.0, str(e)
     layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks)
@@ -182,13 +185,31 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
         act = max(sum(x.saved_act_bytes for x in stages[s].segments) if not cand.recompute
                   else stages[s].segments[0].out_bytes for s in held)
         mem = max(mem, sum(static_memory(ctx, r, cand.zero).values()) + act)
-        flops = 0.0
+        busy = 0.0
         for s in held:
-            per_mb = sum(x.fwd_flops * (2 if cand.recompute else 1) + x.bwd_input_flops + x.bwd_weight_flops
-                         for x in stages[s].segments)
-            flops += per_mb * sum(1 for mb in range(cand.microbatches) if spec.rank_of(s, mb) == r)
-        time_lb = max(time_lb, cm.compute_time("F", flops))
+            n_mb = sum(1 for mb in range(cand.microbatches) if spec.rank_of(s, mb) == r)
+            busy += n_mb * _compute_lower_bound(cm, stages[s].segments, cand.recompute, cand.ep)
+        time_lb = max(time_lb, busy)
     return mem, time_lb, ""
+
+
+def _compute_lower_bound(cm, segments, recompute: bool, ep: int) -> float:
+    """Seconds of one micro-batch's F + B of these segments: their kernels as the simulator
+    prices them (it can only add slowdowns), or a roofline of their flops."""
+    from piper_sim import kernels
+
+    total = 0.0
+    for x in segments:
+        tables = [x.kernels_f] * (2 if recompute else 1) + [x.kernels_bi, x.kernels_bw]
+        if x.is_expert and ep > 1:
+            tables = [kernels.regroup(t, ep) for t in tables]
+        priced = [cm.kernels_time(t) for t in tables if t]
+        if priced and all(p is not None for p in priced):
+            total += sum(priced)
+        else:
+            flops = x.fwd_flops * (2 if recompute else 1) + x.bwd_input_flops + x.bwd_weight_flops
+            total += cm.compute_time("F", flops)
+    return total
 
 
 def _compile_and_simulate(task: tuple) -> tuple:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from piper_sim import kernels
 from piper_sim.directives import Setup
 from piper_sim.plan import Instruction, Layout
 from piper_sim.profiling import SegmentCost
@@ -67,6 +68,35 @@ class Context:
     dtype_bytes: int
     folded: bool = True
     sequences: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # per rank, set by order_pass
+    kernels: dict[str, tuple] = field(default_factory=dict)  # operator-level tables by key (Plan.kernels)
+    _kernel_keys: dict[tuple, str] = field(default_factory=dict, repr=False)
+
+    def kernel_table(self, kind: str, segs: list[SegmentCost], recompute: bool) -> str:
+        """Key of the operator-level table of one compute op over ``segs`` (shared by
+        every op with the same segments, kind and recompute)."""
+        memo = (kind, recompute, tuple(id(s) for s in segs))
+        key = self._kernel_keys.get(memo)
+        if key is not None:
+            return key
+        ep = self.layout.ep
+
+        def tables(x: SegmentCost) -> dict[str, tuple]:
+            t = {"F": x.kernels_f, "BI": x.kernels_bi, "BW": x.kernels_bw}
+            if x.is_expert and ep > 1:  # a rank's experts see the tokens of all its EP peers
+                t = {k: kernels.regroup(v, ep) for k, v in t.items()}
+            return t
+
+        ts = [tables(x) for x in segs]
+        f = [t["F"] for t in ts]
+        parts = {"F": f, "BW": [t["BW"] for t in ts],
+                 "BI": [t["BI"] for t in ts] + (f if recompute else []),
+                 "B": [t["BI"] for t in ts] + [t["BW"] for t in ts] + (f if recompute else [])}[kind]
+        rows = kernels.merge(*parts)
+        key = "" if not rows else kernels.table_key(rows)
+        if rows:
+            self.kernels[key] = rows
+        self._kernel_keys[memo] = key
+        return key
 
     def replicas(self) -> list[int]:
         return [0] if self.folded else list(range(self.layout.dp))
@@ -112,7 +142,7 @@ class TrainingDAG:
         return self.g._node[node]["ins"]  # the plain dict: g.nodes[...] builds a view per call
 
 
-def _compute(kind: str, stage: int, mb: int, segs: list[SegmentCost], recompute: bool = False,
+def _compute(ctx: Context, kind: str, stage: int, mb: int, segs: list[SegmentCost], recompute: bool = False,
              suffix: str = "") -> Instruction:
     fwd = sum(s.fwd_flops for s in segs)
     bi = sum(s.bwd_input_flops for s in segs)
@@ -124,7 +154,8 @@ def _compute(kind: str, stage: int, mb: int, segs: list[SegmentCost], recompute:
     return Instruction(id=f"{kind}.s{stage}.mb{mb}{suffix}", kind=kind, stream="compute",
                        stage=stage, mb=mb, flops=flops, tokens=main.tokens,
                        bytes=sum(s.param_bytes for s in segs) + 2 * act, recompute=recompute,
-                       gemm=[main.gemm_m, main.gemm_n, main.gemm_k])
+                       gemm=[main.gemm_m, main.gemm_n, main.gemm_k],
+                       kernels=ctx.kernel_table(kind, segs, recompute))
 
 
 # --- passes ---------------------------------------------------------------------------
@@ -172,17 +203,17 @@ def place_pass(ctx: Context, dag: TrainingDAG, kinds: dict[tuple[int, int], list
             rec = s in setup.recompute
             for mb in range(setup.microbatches):
                 w = ctx.where(setup.rank_of(s, mb), d)
-                f = _compute("F", s, mb, sc.segments)
+                f = _compute(ctx, "F", s, mb, sc.segments)
                 f.alloc = (sc.segments[0].out_bytes if rec else sum(x.saved_act_bytes for x in sc.segments))
                 fn = dag.add(w, f)
                 if kinds[(s, mb)] == ["F", "B"]:
-                    b = _compute("B", s, mb, sc.segments, rec)
+                    b = _compute(ctx, "B", s, mb, sc.segments, rec)
                     b.free = f.alloc
                     bn = dag.add(w, b)
                     dag.edge(fn, bn)
                 else:
-                    bi = _compute("BI", s, mb, sc.segments, rec)
-                    bw = _compute("BW", s, mb, sc.segments)
+                    bi = _compute(ctx, "BI", s, mb, sc.segments, rec)
+                    bw = _compute(ctx, "BW", s, mb, sc.segments)
                     bi.free = f.alloc * (1 - BW_KEEP_FRACTION)
                     bw.free = f.alloc * BW_KEEP_FRACTION
                     bin_, bwn = dag.add(w, bi), dag.add(w, bw)
@@ -262,7 +293,7 @@ def _split_node(ctx: Context, dag: TrainingDAG, node: Node, parts: list[list[Seg
         segs = parts[i]
         if not segs:
             continue
-        ins = _compute(old.kind, old.stage, old.mb, segs, old.recompute, suffix=f".p{i}")
+        ins = _compute(ctx, old.kind, old.stage, old.mb, segs, old.recompute, suffix=f".p{i}")
         ins.part, ins.parts = i, len(parts)
         share = sum(x.saved_act_bytes for x in segs) / total_act if total_act else 0.0
         ins.alloc, ins.free = old.alloc * share, old.free * share

@@ -29,6 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from piper_sim.kernels import note_kernel
+
 MAX_MATERIALISED_PARAMS = 2_000_000_000  # refuse bigger builds on a real device
 
 
@@ -235,11 +237,15 @@ class _MetaFusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight, x.new_empty(*x.shape[:-1], 1, dtype=torch.float32))
+        # one kernel: read x, write y (weight and rstd are a row's worth)
+        note_kernel("rms_norm", 2 * x.numel() * x.element_size(), x.dtype)
         return torch.empty_like(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, _ = ctx.saved_tensors
+        # read grad and x, write grad_x; the weight gradient is a row-wise reduction of the same reads
+        note_kernel("rms_norm_backward", 3 * x.numel() * x.element_size(), x.dtype)
         return torch.empty_like(x), torch.empty_like(weight)
 
 

@@ -71,6 +71,7 @@ class Instruction:
     tokens:  tokens processed (compute), for the cost model's GEMM-size efficiency.
     recompute: forward is recomputed inside this backward (B/BI).
     gemm:    [m, n, k] of the op's dominant matmul, for size-dependent efficiency.
+    kernels: compute only: key of the op's operator-level table in ``Plan.kernels``.
     dep_progress: the share of its compute deps that must have run before this op may
              start (1.0: all of it). A gradient bucket is ready part-way through the last
              backward (buckets fill from the last layer), as DDP/FSDP overlap them. A back
@@ -97,6 +98,7 @@ class Instruction:
     recompute: bool = False
     gemm: list[int] = field(default_factory=list)
     dep_progress: float = 1.0
+    kernels: str = ""
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS
@@ -197,6 +199,9 @@ class Plan:
     layout: Layout
     classes: list[RankClass]
     meta: dict[str, Any] = field(default_factory=dict)
+    # operator-level profiles shared by compute ops: key -> rows
+    # [class, name, shape, dtype, count, flops, bytes] (see piper_sim.kernels)
+    kernels: dict[str, list] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -232,7 +237,10 @@ class Plan:
 
     # --- serialisation -------------------------------------------------------------
     def body_json(self) -> dict[str, Any]:
+        extra = {"kernels": {k: [list(r[:2]) + [list(r[2])] + list(r[3:]) for r in rows]
+                             for k, rows in sorted(self.kernels.items())}} if self.kernels else {}
         return {
+            **extra,
             "layout": self.layout.to_json(),
             "meta": self.meta,
             "classes": [
@@ -265,7 +273,7 @@ class Plan:
         if d.get("version") != PLAN_VERSION:
             raise PlanError(f"plan format version {d.get('version')} is not supported "
                             f"(this piper-sim reads version {PLAN_VERSION}); recompile the strategy")
-        body = {k: d[k] for k in ("layout", "meta", "classes")}
+        body = {k: d[k] for k in ("kernels", "layout", "meta", "classes") if k in d}
         if check_hash and _hash(body) != d.get("hash"):
             raise PlanError("plan content hash mismatch: the file was edited after compiling; "
                             "recompile it, or pass check_hash=False / --no-hash-check to accept edits")
@@ -277,7 +285,9 @@ class Plan:
                                for s, lst in c["streams"].items()})
             for c in d["classes"]
         ]
-        return cls(layout=layout, classes=classes, meta=d["meta"])
+        kernels = {k: [tuple(r[:2]) + (tuple(r[2]),) + tuple(r[3:]) for r in rows]
+                   for k, rows in d.get("kernels", {}).items()}
+        return cls(layout=layout, classes=classes, meta=d["meta"], kernels=kernels)
 
     @classmethod
     def load(cls, path: str, check_hash: bool = True) -> "Plan":

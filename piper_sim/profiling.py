@@ -3,7 +3,9 @@
 For each segment (see :func:`piper_sim.models.unit_segments`) we run the real torch module
 on meta tensors and measure:
 
-- forward flops with ``torch.utils.flop_counter.FlopCounterMode``;
+- forward flops (torch's flop formulas, ``torch.utils.flop_counter``) and every aten op as
+  operator-level kernel rows (``piper_sim.kernels``: GEMM shapes, flash attention, memory-bound
+  bytes) for the forward, backward-input and backward-weight passes;
 - backward-input flops (BI): flops of ``torch.autograd.grad(out, inputs)`` only;
 - backward-weight flops (BW): full backward (inputs and parameters) minus BI;
 - saved-activation bytes: every tensor autograd saves for backward, seen through
@@ -30,9 +32,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
+from piper_sim import kernels
+from piper_sim.kernels import KernelRecorder
 from piper_sim.models import ModelConfig, build_units, lm_loss, unit_names, unit_segments
 
 
@@ -62,6 +64,9 @@ class SegmentCost:
     gemm_m: int = 0
     gemm_n: int = 0
     gemm_k: int = 0
+    kernels_f: tuple = ()  # operator-level profile of the forward (piper_sim.kernels rows)
+    kernels_bi: tuple = ()  # of the backward-input pass
+    kernels_bw: tuple = ()  # of the backward-weight pass
 
     @property
     def bwd_flops(self) -> int:
@@ -75,27 +80,9 @@ class Measurement:
     bwd_weight_flops: int
     saved_act_bytes: int
     gemm: tuple[int, int, int]  # (m, n, k) of the matmul shape with the most flops
-
-
-_MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-
-
-class _GemmRecorder(TorchDispatchMode):
-    """Sums 2*m*n*k per distinct 2-D matmul shape."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops: dict[tuple[int, int, int], int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _MM:
-            a, b = args[-2], args[-1]
-            mnk = (a.shape[0], b.shape[1], a.shape[1])
-            self.flops[mnk] = self.flops.get(mnk, 0) + 2 * math.prod(mnk)
-        return func(*args, **(kwargs or {}))
-
-    def dominant(self) -> tuple[int, int, int]:
-        return max(self.flops, key=self.flops.get) if self.flops else (0, 0, 0)
+    kernels_f: tuple = ()
+    kernels_bi: tuple = ()
+    kernels_bw: tuple = ()
 
 
 def _storage_key(t: torch.Tensor) -> int:
@@ -107,15 +94,26 @@ def _differentiable(outs) -> list[torch.Tensor]:
     return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def _flops(fn: Callable[[], object]) -> int:
-    with FlopCounterMode(display=False) as fc:
+def _recorded(fn: Callable[[], object]) -> tuple[int, tuple]:
+    """(flops, kernel rows) of running ``fn``."""
+    with KernelRecorder() as rec:
         fn()
-    return fc.get_total_flops()
+    rows = rec.table()
+    return round(kernels.totals(rows)[0]), rows
+
+
+def _dominant_gemm(rows: tuple) -> tuple[int, int, int]:
+    gemms = [r for r in rows if r[0] == "gemm"]
+    if not gemms:
+        return (0, 0, 0)
+    m, n, k, _ = max(gemms, key=lambda r: r[5])[2]
+    return (m, n, k)
 
 
 def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> Measurement:
     """Profile ``fn(*inputs)`` (returns a tensor or a tuple; non-differentiable outputs are
-    ignored). ``params`` are the weights: excluded from saved bytes, included in BW."""
+    ignored). ``params`` are the weights: excluded from saved bytes, included in BW.
+    Flops come from torch's flop formulas (``torch.utils.flop_counter``) per recorded op."""
     param_keys = {_storage_key(p) for p in params}
     saved: dict[int, int] = {}
 
@@ -125,17 +123,17 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
             saved[key] = t.untyped_storage().nbytes()
         return t
 
-    recorder = _GemmRecorder()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with FlopCounterMode(display=False) as fc, recorder:
+        with KernelRecorder() as rec:
             outs = _differentiable(fn(*inputs))
-    fwd = fc.get_total_flops()
+    f_rows = rec.table()
     grads = [torch.ones_like(o) for o in outs]
     xs = [x for x in inputs if x.requires_grad]
-    bi = _flops(lambda: torch.autograd.grad(outs, xs, grads)) if xs else 0
+    bi, bi_rows = _recorded(lambda: torch.autograd.grad(outs, xs, grads)) if xs else (0, ())
     outs = _differentiable(fn(*inputs))  # fresh graph for the full backward
-    full = _flops(lambda: torch.autograd.grad(outs, [*xs, *params], grads, allow_unused=True))
-    return Measurement(fwd, bi, full - bi, sum(saved.values()), recorder.dominant())
+    full, full_rows = _recorded(lambda: torch.autograd.grad(outs, [*xs, *params], grads, allow_unused=True))
+    return Measurement(round(kernels.totals(f_rows)[0]), bi, full - bi, sum(saved.values()),
+                       _dominant_gemm(f_rows), f_rows, bi_rows, kernels.subtract(full_rows, bi_rows))
 
 
 # --------------------------------------------------------------------------- per kind
@@ -202,6 +200,9 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
         gemm_m=m.gemm[0],
         gemm_n=m.gemm[1],
         gemm_k=m.gemm[2],
+        kernels_f=kernels.scale(m.kernels_f, scale) if is_expert else m.kernels_f,
+        kernels_bi=kernels.scale(m.kernels_bi, scale) if is_expert else m.kernels_bi,
+        kernels_bw=kernels.scale(m.kernels_bw, scale) if is_expert else m.kernels_bw,
     )
 
 

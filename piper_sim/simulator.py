@@ -284,11 +284,16 @@ class _Engine:
         for ins in cls.instructions():
             if ins.kind not in COMPUTE_KINDS:
                 continue
-            key = (ins.kind, ins.flops, ins.bytes, tuple(ins.gemm))
+            key = ins.kernels or (ins.kind, ins.flops, ins.bytes, tuple(ins.gemm))
             if not self.unit and ins.kind != "OPT" and key in cache:
                 out[id(ins)] = cache[key]
                 continue
-            if self.unit:
+            priced = None
+            if not self.unit and ins.kernels and ins.kind != "OPT":
+                priced = cm.kernels_time(self.plan.kernels[ins.kernels])
+            if priced is not None:
+                t = priced
+            elif self.unit:
                 t = cm.compute_time(ins.kind, ins.flops)
                 if ins.parts > 1:
                     total = totals[(ins.kind, ins.stage, ins.mb)]

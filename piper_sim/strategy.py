@@ -121,11 +121,11 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
         raise StrategyError(f"{where} field 'placement' must be 'loop' or 'v' (got {d['placement']!r})")
     if op == "stream" and d["kind"] not in STREAM_KINDS:
         raise StrategyError(f"{where} field 'kind' must be one of {', '.join(STREAM_KINDS)} (got {d['kind']!r})")
-    if "layers_per_stage" in d and (not isinstance(d["layers_per_stage"], list) or not d["layers_per_stage"]
-                                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
-                                           for x in d["layers_per_stage"])):
-        raise StrategyError(f"{where} field 'layers_per_stage' must be a list of positive layer counts, "
-                            f"one per stage (got {d['layers_per_stage']!r})")
+    lps = d.get("layers_per_stage", "balanced")
+    if lps != "balanced" and (not isinstance(lps, list) or not lps
+                              or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in lps)):
+        raise StrategyError(f"{where} field 'layers_per_stage' must be \"balanced\" or a list of positive "
+                            f"layer counts, one per stage (got {d['layers_per_stage']!r})")
     if op == "order" and not isinstance(d["slots"], list):
         raise StrategyError(f"{where} field 'slots' must be a list of action strings like '0F1' or '(0F3;1B2)'")
     return d

@@ -1,0 +1,224 @@
+"""Operator-level kernel prices: GEMM by shape, flash attention by shape, memory-bound ops.
+
+A segment's profile is a table of kernel rows ``(cls, name, shape, dtype, count, flops,
+bytes)`` (see ``piper_sim.kernels``); :func:`table_time` prices one table on one GPU:
+
+``gemm``      ``flops / (peak · eff(m, n, k))``, eff from XLA's measured sm_90 matmul
+              table [XLA] (``costmodel/data/xla_matmul.csv``), interpolated in log2(m, n, k),
+              capped at the GPU's MAMF [MLE-A]; other GPUs scale it by their MAMF.
+``attn_*``    flash-attention throughput by (sequence, head dim, causal) from the
+              FlashAttention-2 benchmark on H100 / A100 [FA-repo] (the kernel PyTorch's SDPA
+              flash backend runs); the backward's throughput is derived from the fwd+bwd and
+              fwd figures (FA convention: bwd = 2.5 × fwd FLOPs, causal counts half).
+``mem``       ``bytes / (hbm_bw · mem_bw_eff)``: well-written memory-bound kernels reach
+              ≈90% of HBM peak on H100 (Quack RMSNorm/softmax/CE, 3.01 of 3.35 TB/s [Quack]).
+every kernel  ``+ launch_s`` per launch (``count``).
+
+Sources (tags as in shared/reference/kernels.md): [XLA] tensorflow/tensorflow
+``third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h``; [MLE-A]
+stas00/ml-engineering MAMF table; [FA-repo] Dao-AILab/flash-attention
+``assets/flash2_h100_fwd_bwd_benchmark.png``, ``flash2_a100_fwd_bwd_benchmark.png``,
+``flash3_fp16_fwd.png`` (FA2 fwd bars); [Quack] Dao-AILab/quack
+``media/2025-07-10-membound-sol.md``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import functools
+import math
+import os
+from typing import Iterable
+
+from costmodel.hardware import GPU, H100
+
+DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
+
+# --- GEMM --------------------------------------------------------------------------------
+
+# Below the table's smallest dimension (256) a tile is partly empty: efficiency falls in
+# proportion to the dimension (assumed; a 128-wide tile at m=64 does half useful work).
+GEMM_TABLE_MIN_DIM = 256
+
+
+@functools.lru_cache(maxsize=4)
+def xla_gemm_points(gpu_key: str = "sm_90", dtype: str = "bf16") -> dict[tuple[int, int, int], float]:
+    """{(m, n, k): FLOP/s} of the unbatched (b = 1) GEMMs measured for XLA's GPU cost model
+    (the full 256..4096 grid); a batched GEMM is priced as one with m·batch rows."""
+    acc: dict[tuple[int, int, int], list[float]] = {}
+    with open(os.path.join(DATA_DIR, "xla_matmul.csv")) as f:
+        rows = csv.DictReader(line for line in f if not line.startswith("#"))
+        for r in rows:
+            if r["gpu"] == gpu_key and r["dtype"] == dtype and r["b"] == "1":
+                key = (int(r["m"]), int(r["n"]), int(r["k"]))
+                acc.setdefault(key, []).append(float(r["flops_per_s"]))
+    if not acc:
+        raise ValueError(f"no XLA matmul points for {gpu_key} {dtype} in {DATA_DIR}/xla_matmul.csv")
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+@functools.lru_cache(maxsize=4)
+def _gemm_grid(gpu_key: str = "sm_90") -> tuple[list[int], dict[tuple[int, int, int], float]]:
+    """Efficiencies (vs H100 bf16 peak) on the full log2 grid of the table's dims; holes are
+    filled from the nearest measured point (in log2 distance)."""
+    pts = xla_gemm_points(gpu_key)
+    dims = sorted({d for key in pts for d in key if GEMM_TABLE_MIN_DIM <= d <= 4096})
+    logs = {k: tuple(math.log2(x) for x in k) for k in pts}
+    grid = {}
+    peak = H100.peak("bf16")
+    for m in dims:
+        for n in dims:
+            for k in dims:
+                if (m, n, k) in pts:
+                    grid[(m, n, k)] = pts[(m, n, k)] / peak
+                    continue
+                q = (math.log2(m), math.log2(n), math.log2(k))
+                near = min(pts, key=lambda p: sum((a - b) ** 2 for a, b in zip(logs[p], q)))
+                grid[(m, n, k)] = pts[near] / peak
+    return dims, grid
+
+
+def _bracket(dims: list[int], x: float) -> tuple[int, int, float]:
+    x = min(max(x, dims[0]), dims[-1])
+    i = min(bisect.bisect_right(dims, x), len(dims) - 1)
+    lo, hi = dims[max(i - 1, 0)], dims[i]
+    w = 0.0 if hi == lo else (math.log2(x) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return lo, hi, min(max(w, 0.0), 1.0)
+
+
+def gemm_efficiency(gpu: GPU, m: int, n: int, k: int, batch: int = 1) -> float:
+    """Achieved fraction of the GPU's bf16 peak for one (batched) GEMM."""
+    dims, grid = _gemm_grid()
+    (m0, m1, wm), (n0, n1, wn), (k0, k1, wk) = (_bracket(dims, m * batch), _bracket(dims, n), _bracket(dims, k))
+    eff = 0.0
+    for mm, a in ((m0, 1 - wm), (m1, wm)):
+        for nn, b in ((n0, 1 - wn), (n1, wn)):
+            for kk, c in ((k0, 1 - wk), (k1, wk)):
+                eff += a * b * c * grid[(mm, nn, kk)]
+    for d in (m * batch, n, k):  # partly empty tiles below the table
+        if d < GEMM_TABLE_MIN_DIM:
+            eff *= d / GEMM_TABLE_MIN_DIM
+    return min(eff * gpu.mamf_eff / H100.mamf_eff, gpu.mamf_eff)
+
+
+# FP8 MAMF vs BF16 MAMF on H100: 1402.6 / 1979 = 70.9% vs 80.3% [MLE-A].
+FP8_EFF_RATIO = 0.709 / 0.803
+
+
+def gemm_time(gpu: GPU, m: int, n: int, k: int, batch: int = 1, dtype: str = "bf16") -> float:
+    """Seconds for one GEMM, without launch overhead."""
+    flops = 2.0 * m * n * k * batch
+    eff = gemm_efficiency(gpu, m, n, k, batch)
+    if dtype == "fp8":
+        eff *= FP8_EFF_RATIO
+    return flops / (gpu.peak(dtype if dtype in gpu.peak_flops else "bf16") * eff)
+
+
+# --- flash attention ---------------------------------------------------------------------
+
+ATTN_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+# FlashAttention-2 TFLOP/s, batch·seq = 16k, hidden 2048 [FA-repo]; keys (head_dim, causal).
+# H100 SXM5, fwd+bwd:
+FA2_H100_FWD_BWD = {
+    (64, False): (215, 254, 274, 288, 294, 296),
+    (128, False): (248, 294, 320, 326, 335, 338),
+    (64, True): (141, 192, 232, 257, 273, 284),
+    (128, True): (163, 221, 265, 294, 308, 328),
+}
+# H100, FA2 forward only (the FA2 bars of flash3_fp16_fwd.png), head dim 128:
+FA2_H100_FWD = {
+    (128, False): (309, 350, 362, 368, 370, 370),
+    (128, True): (191, 260, 298, 319, 333, 335),
+}
+# A100 80GB SXM4, fwd+bwd (512/1k of hd128 non-causal are hidden in the figure: the 2k
+# value is used for them, a conservative fill):
+FA2_A100_FWD_BWD = {
+    (64, False): (132, 147, 162, 171, 175, 176),  # 1k hidden in the figure: midpoint of 512 and 2k
+    (128, False): (187, 187, 187, 196, 201, 203),
+    (64, True): (88, 119, 140, 156, 165, 171),
+    (128, True): (99, 133, 155, 173, 182, 189),
+}
+FA_BWD_FLOPS_RATIO = 2.5  # backward FLOPs / forward FLOPs (FA convention, recomputes scores)
+
+
+def _interp_seq(values: tuple, seq: float) -> float:
+    xs = [math.log2(s) for s in ATTN_SEQS]
+    x = min(max(math.log2(max(seq, 1)), xs[0]), xs[-1])
+    i = min(bisect.bisect_right(xs, x), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    w = (x - x0) / (x1 - x0)
+    return values[i - 1] + w * (values[i] - values[i - 1])
+
+
+def attention_tflops(gpu: GPU, seq: float, head_dim: int, causal: bool, backward: bool) -> float:
+    """Achieved TFLOP/s (FA convention) of the flash-attention forward or backward."""
+    hd = 64 if head_dim <= 64 else 128  # other head dims use the nearest measured one (assumed)
+    is_a100 = gpu.peak("bf16") < 500e12
+    both = _interp_seq((FA2_A100_FWD_BWD if is_a100 else FA2_H100_FWD_BWD)[(hd, causal)], seq)
+    # the forward share of fwd+bwd, measured on H100 at hd128; other cases reuse it (inferred)
+    fwd_h100 = _interp_seq(FA2_H100_FWD[(128, causal)], seq)
+    both_h100 = _interp_seq(FA2_H100_FWD_BWD[(128, causal)], seq)
+    fwd = both * fwd_h100 / both_h100
+    if not backward:
+        tf = fwd
+    else:  # t_bwd = t_both - t_fwd for 1 + 2.5 units of work
+        t = (1 + FA_BWD_FLOPS_RATIO) / both - 1 / fwd
+        tf = FA_BWD_FLOPS_RATIO / t
+    measured_on_peak = 312e12 if is_a100 else H100.peak("bf16")
+    return tf * 1e12 * gpu.peak("bf16") / measured_on_peak  # other GPUs: scaled by their peak (assumed)
+
+
+def attention_time(gpu: GPU, shape: tuple, backward: bool) -> float:
+    """Seconds for one flash-attention call of ``shape = (b, heads, sq, skv, d, causal)``."""
+    b, h, sq, skv, d, causal = shape
+    fwd_flops = 4.0 * b * h * sq * skv * d / (2 if causal else 1)
+    flops = fwd_flops * (FA_BWD_FLOPS_RATIO if backward else 1.0)
+    return flops / attention_tflops(gpu, skv, d, bool(causal), backward)
+
+
+# --- memory-bound ------------------------------------------------------------------------
+
+# Achieved share of HBM peak by memory-bound kernels: 3.01 / 3.35 TB/s [Quack].
+MEM_BW_EFF = 0.9
+
+
+def memory_time(gpu: GPU, nbytes: float, bw_eff: float = MEM_BW_EFF) -> float:
+    return nbytes / (gpu.hbm_bw * bw_eff)
+
+
+# --- a whole table -----------------------------------------------------------------------
+
+
+def table_time(gpu: GPU, rows: Iterable, gemm_dtype: str | None = None, gemm_table=None,
+               bw_eff: float = MEM_BW_EFF) -> float:
+    """Seconds to run every kernel of a profile table once, back to back.
+
+    ``gemm_dtype`` overrides the dtype GEMMs run in (e.g. "fp8"); ``gemm_table`` (a
+    ``costmodel.compute.EfficiencyTable``, from a calibration) replaces the shape surface
+    and prices attention as GEMM work of the same size (CPU: no flash kernels).
+    """
+    total = 0.0
+    for cls, _name, shape, dtype, count, flops, nbytes in rows:
+        total += count * gpu.launch_s
+        if cls == "gemm":
+            m, n, k, b = shape
+            per_call = flops / count
+            if gemm_table is not None:
+                t = per_call / (gpu.peak(_peak_dtype(gpu, dtype)) * gemm_table(per_call))
+            else:
+                t = gemm_time(gpu, m, n, k, b, gemm_dtype or dtype)
+            total += count * max(t, memory_time(gpu, nbytes / count, bw_eff))
+        elif cls in ("attn_fwd", "attn_bwd"):
+            if gemm_table is not None:
+                per_call = flops / count
+                total += count * per_call / (gpu.peak(_peak_dtype(gpu, dtype)) * gemm_table(per_call))
+            else:
+                total += count * attention_time(gpu, tuple(shape), cls == "attn_bwd")
+        else:
+            total += memory_time(gpu, nbytes, bw_eff)
+    return total
+
+
+def _peak_dtype(gpu: GPU, dtype: str) -> str:
+    return dtype if dtype in gpu.peak_flops else next(iter(gpu.peak_flops))

@@ -1,0 +1,204 @@
+"""Operator-level profiles: every aten op a segment runs, as compact kernel rows.
+
+A :class:`KernelRecorder` is a ``TorchDispatchMode`` that sees each aten op of a forward or
+backward on the ``meta`` device and files it under one operator class:
+
+``gemm``      mm / addmm / bmm / baddbmm; shape ``(m, n, k, batch)``
+``attn_fwd``  flash attention forward; shape ``(batch, q_heads, seq_q, seq_kv, head_dim, causal)``
+``attn_bwd``  flash attention backward; same shape
+``mem``       everything else that launches a kernel (elementwise, norms, softmax, rotary,
+              casts, reductions, index/scatter, embedding, cross-entropy); shape
+              ``(bytes per call,)`` = tensor bytes read + written
+
+Views (outputs aliasing an input) and allocations (``empty*``) launch nothing and are
+dropped. Rows are grouped by ``(class, name, shape, dtype)`` with a call count, so a layer
+is a few dozen rows whatever its size. A row is a plain tuple, JSON-able as a list:
+
+    (cls, name, shape, dtype, count, flops, bytes)   # flops and bytes summed over count
+
+Fused kernels that the models imitate on meta with an ``autograd.Function`` (RMSNorm)
+report themselves through :func:`note_kernel` (see ``piper_sim.models``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+KernelRow = tuple  # (cls, name, shape, dtype, count, flops, bytes)
+KERNEL_CLASSES = ("gemm", "attn_fwd", "attn_bwd", "mem")
+
+_aten = torch.ops.aten
+_GEMM = {_aten.mm.default: "mm", _aten.addmm.default: "addmm", _aten.bmm.default: "bmm",
+         _aten.baddbmm.default: "baddbmm"}
+_ATTN_FWD = {_aten._scaled_dot_product_flash_attention.default}
+_ATTN_BWD = {_aten._scaled_dot_product_flash_attention_backward.default}
+# ops that allocate without touching memory, or only read metadata
+_NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "lift_fresh",
+              "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "is_same_size", "alias"}
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+                torch.int64: "int64", torch.int32: "int32", torch.bool: "bool", torch.uint8: "uint8"}
+
+_listeners: list["KernelRecorder"] = []
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def note_kernel(name: str, nbytes: int, dtype: torch.dtype) -> None:
+    """Report a fused memory-bound kernel that a meta stand-in represents (one call)."""
+    for rec in _listeners:
+        rec.add("mem", name, (int(nbytes),), dtype_name(dtype), 0, nbytes)
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class KernelRecorder(TorchDispatchMode):
+    """Records the kernel rows of everything run under it (see the module docstring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: dict[tuple, list[float]] = {}
+
+    def add(self, cls: str, name: str, shape: tuple, dtype: str, flops: float, nbytes: float) -> None:
+        row = self.rows.setdefault((cls, name, shape, dtype), [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += flops
+        row[2] += nbytes
+
+    def __enter__(self):
+        _listeners.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _listeners.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _flops(self, func, args, kwargs, out) -> float:
+        formula = flop_registry.get(func._overloadpacket)
+        return float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
+
+    def _record(self, func, args, kwargs, out) -> None:
+        name = func._overloadpacket.__name__
+        if name in _NO_KERNEL:
+            return
+        ins, outs = _tensors(args) + _tensors(list(kwargs.values())), _tensors(out)
+        if not outs and not name.endswith("_"):
+            return
+        dtype = dtype_name((ins or outs)[0].dtype)
+        if func in _GEMM:
+            a, b = args[-2], args[-1]
+            batch = a.shape[0] if a.dim() == 3 else 1
+            m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+            nbytes = (_nbytes(a) + _nbytes(b) + sum(map(_nbytes, outs)))
+            self.add("gemm", _GEMM[func], (m, n, k, batch), dtype, self._flops(func, args, kwargs, out), nbytes)
+            return
+        if func in _ATTN_FWD or func in _ATTN_BWD:
+            bwd = func in _ATTN_BWD
+            q, k = (args[1], args[2]) if bwd else (args[0], args[1])
+            causal = bool(args[11] if bwd else (args[4] if len(args) > 4 else kwargs.get("is_causal", False)))
+            shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], int(causal))
+            nbytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))
+            self.add("attn_bwd" if bwd else "attn_fwd", "flash", shape, dtype,
+                     self._flops(func, args, kwargs, out), nbytes)
+            return
+        in_stores = {_storage(t) for t in ins}
+        if all(_storage(t) in in_stores for t in outs) and not name.endswith("_"):
+            return  # a view: no kernel
+        nbytes = sum(map(_nbytes, ins)) + sum(_nbytes(t) for t in outs if _storage(t) not in in_stores)
+        if name.endswith("_"):  # in place: the written input counts once more
+            nbytes += _nbytes(ins[0]) if ins else 0
+        self.add("mem", name, (int(nbytes),), dtype, self._flops(func, args, kwargs, out), nbytes)
+
+    def table(self) -> tuple[KernelRow, ...]:
+        return tuple((cls, name, shape, dtype, int(c), f, b)
+                     for (cls, name, shape, dtype), (c, f, b) in sorted(self.rows.items()))
+
+
+def subtract(full: Iterable[KernelRow], part: Iterable[KernelRow]) -> tuple[KernelRow, ...]:
+    """Rows of ``full`` minus those of ``part`` (call counts subtracted per group)."""
+    left = Counter({r[:4]: r[4] for r in full})
+    per_call = {r[:4]: (r[5] / r[4], r[6] / r[4]) for r in full}
+    for r in part:
+        left[r[:4]] -= r[4]
+    return tuple((*key, n, per_call[key][0] * n, per_call[key][1] * n)
+                 for key, n in sorted(left.items()) if n > 0)
+
+
+def scale(rows: Iterable[KernelRow], factor: float) -> tuple[KernelRow, ...]:
+    """Rows with their counts (and totals) multiplied by ``factor`` (rounded counts)."""
+    out = []
+    for cls, name, shape, dtype, count, flops, nbytes in rows:
+        n = max(1, round(count * factor))
+        out.append((cls, name, shape, dtype, n, flops * n / count, nbytes * n / count))
+    return tuple(out)
+
+
+def merge(*tables: Iterable[KernelRow]) -> tuple[KernelRow, ...]:
+    """One table from several (rows of the same group add up)."""
+    acc: dict[tuple, list[float]] = {}
+    for rows in tables:
+        for cls, name, shape, dtype, count, flops, nbytes in rows:
+            row = acc.setdefault((cls, name, tuple(shape), dtype), [0, 0.0, 0.0])
+            row[0] += count
+            row[1] += flops
+            row[2] += nbytes
+    return tuple((*key, int(c), f, b) for key, (c, f, b) in sorted(acc.items()))
+
+
+def totals(rows: Iterable[KernelRow]) -> tuple[float, float, int]:
+    """(flops, bytes, kernel launches) of a table."""
+    rows = list(rows)
+    return sum(r[5] for r in rows), sum(r[6] for r in rows), sum(r[4] for r in rows)
+
+
+def table_key(rows: Iterable[KernelRow]) -> str:
+    """A short content key for a table (identical tables share one entry in a plan)."""
+    import hashlib
+
+    return "k" + hashlib.sha1(repr(tuple(rows)).encode()).hexdigest()[:10]
+
+
+def regroup(rows: Iterable[KernelRow], factor: int) -> tuple[KernelRow, ...]:
+    """The same work in ``factor``× fewer, ``factor``× bigger calls: expert kernels under
+    expert parallelism, where each rank runs 1/EP of the experts on EP× the tokens each.
+    GEMMs grow in m (tokens), memory-bound calls in bytes; totals are unchanged."""
+    out = []
+    for cls, name, shape, dtype, count, flops, nbytes in rows:
+        n = max(1, round(count / factor))
+        grow = count / n
+        if cls == "gemm":
+            m, nn, k, b = shape
+            shape = (round(m * grow), nn, k, b)
+        elif cls == "mem":
+            shape = (round(shape[0] * grow),)
+        else:
+            n = count
+        out.append((cls, name, tuple(shape), dtype, n, flops, nbytes))
+    return tuple(out)
