@@ -57,22 +57,27 @@ def unit_times(segments: list[SegmentCost], gpu: GPU) -> dict[str, float]:
 def cost_balanced_layers(costs: list[float], first_extra: float, last_extra: float, n_stages: int) -> list[int]:
     """Layers per stage for contiguous stages of least maximum cost, where the first stage
     also carries ``first_extra`` (embedding) and the last ``last_extra`` (head and loss), each
-    stage at least one layer (binary search on the bound, greedy fill)."""
+    stage at least one layer. The bound comes from a binary search with a greedy fill; the cut
+    then gives each stage the layers closest to an even share of what is left, within it."""
     n = len(costs)
 
-    def fill(bound: float) -> list[int] | None:
+    def fill(bound: float, even: bool) -> list[int] | None:
         counts, i = [], 0
         for s in range(n_stages):
             load = first_extra if s == 0 else 0.0
             start = i
-            # take layers while they fit, leaving one for every later stage
-            while i < n - (n_stages - 1 - s) and (i == start or load + costs[i] <= bound):
+            left = sum(costs[i:]) + last_extra + load
+            cap = min(bound, left / (n_stages - s)) if even else bound
+            # take layers while they fit (to the nearest layer of an even share), leaving one for every later stage
+            while i < n - (n_stages - 1 - s) and (i == start or load + costs[i] <= cap + (costs[i] / 2 if even else 0)):
+                if load + costs[i] > bound:
+                    break
                 load += costs[i]
                 i += 1
             if s == n_stages - 1:
                 load += last_extra + sum(costs[i:])
                 i = n
-            if load > bound:
+            if load > bound * (1 + 1e-9):
                 return None
             counts.append(i - start)
         return counts
@@ -80,8 +85,8 @@ def cost_balanced_layers(costs: list[float], first_extra: float, last_extra: flo
     lo, hi = max(costs), sum(costs) + first_extra + last_extra
     for _ in range(60):
         mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fill(mid) else (mid, hi)
-    return fill(hi) or [len(r) for r in partition_layers(n, n_stages)]
+        lo, hi = (lo, mid) if fill(mid, False) else (mid, hi)
+    return fill(hi, True) or fill(hi, False) or [len(r) for r in partition_layers(n, n_stages)]
 
 
 def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
