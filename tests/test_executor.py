@@ -153,6 +153,9 @@ def _peer_worker(paths: list[str]) -> None:
                   flush=True)
         comms.destroy()
     dist.destroy_process_group()
+    from executor.worker import exit_now
+
+    exit_now(0)
 
 
 def test_gradients_equal_torch_pipelining_schedules(tmp_path):
