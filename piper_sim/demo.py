@@ -89,6 +89,21 @@ def cmd_demo(args: argparse.Namespace) -> None:
         return
     print(f"measured step time (executor, gloo, median after 2 warm-up steps): {step * 1e3:.1f} ms, "
           f"loss {steps[-1]['loss']:.4f}; error {100 * (sim.step_time_s - step) / step:+.1f}%")
+    busy = _busy_note()
+    if busy:
+        print(busy)
+
+
+def _busy_note() -> str:
+    """A warning when other processes share the cores (they slow the measured run)."""
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return ""
+    if load <= 0.5 * cores:
+        return ""
+    return (f"note: load average {load:.1f} on {cores} cores: other processes slowed the measured run, "
+            "so the error above is partly theirs")
 
 
 def add_demo_parser(sub) -> None:
