@@ -20,6 +20,9 @@ import subprocess
 from piper_sim.explore_cli import emit_best, progress_printer
 
 DEFAULT = {"model": "qwen3-moe-9b", "cluster": "h100:4x8", "global_batch": 256, "seq_len": 4096}
+# the project's 2-core dev VM, committed (traces/calibration/README.md): `validate`'s default
+CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "traces", "calibration", "cpu-2core.json")
 UNCALIBRATED = ("this machine is uncalibrated (--no-calibrate): simulating with the analytic CPU placeholders "
                 "of costmodel/hardware.py, not measurements, so expect a large error; run without "
                 "--no-calibrate to calibrate it once (~15 s)")
