@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 from costmodel.collectives import KINDS
 
@@ -95,6 +96,16 @@ def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> dict[str, float
 
 
 def save_calibration(data: dict, path: str) -> None:
+    """Write atomically (a temporary file in the same folder, then os.replace): a reader
+    never sees half a file, even when two processes write the same path."""
     check_calibration(data, path)
-    with open(path, "w") as f:
-        json.dump(data, f, indent=2)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".json.tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -20,6 +20,17 @@ Per-rank times for n ranks on a link of bandwidth B and per-step latency α:
 busbw = algbw · factor: 2(n−1)/n for ALLREDUCE, (n−1)/n for the others [NT]; in the ring
 model busbw equals B, so measured busbw is what `GPU.nvlink_bw` holds.
 
+Expert-parallel all-to-all (`moe_all_to_all_time`; byte counts derived in costmodel.moe)
+by algorithm, for one dispatch or combine whose plan size is S = T·k·h·b (k copies per
+token), with the load factor L (max/mean per EP rank) and FP8 dispatch f = (1 + 4/128)/2
+(1 for a combine or without FP8):
+  deepep   de-duplicated per destination rank (NVLink) and node (NIC), node-limited routing:
+               t = ep_alpha_s + L·f·S/k · max(D_ranks / B_nvl, D_remote_nodes / B_nic)
+           with B_nvl, B_nic = `GPU.ep_links` (DeepEP-measured), D_* from costmodel.moe (the
+           NIC term only when the group spans nodes)
+  nccl     a plain all-to-all of S·L·f: the ALL_TO_ALL formulas above (cross-node share
+           (N−1)/N of the bytes for N nodes, whatever the node limit)
+
 Links: a group inside one node uses NVLink (`nvlink_bw`, `intra_alpha_s`); a group spanning
 nodes uses the per-GPU NIC (`nic_bw`, `inter_alpha_s`), or both in the hierarchical case.
 Link ids are per rank and direction ("nvlink:rank3:tx", "nic:rank17:rx"): NVSwitch is
@@ -32,7 +43,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from costmodel.hardware import Cluster
+from costmodel.hardware import CPU, Cluster
+from costmodel.moe import FP8_DISPATCH_FACTOR, MoEOptions, Routing, traffic
 
 KINDS = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 P2P_KINDS = ("SEND", "RECV", "P2P")
@@ -121,6 +133,47 @@ def collective_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster
     if algorithm not in times:
         raise ValueError(f"no {algorithm!r} algorithm for {kind}; choose from auto, {', '.join(ALGORITHMS[kind])}")
     return times[algorithm]
+
+
+A2A_DIRECTIONS = ("dispatch", "combine")
+
+
+def a2a_algorithm(options: MoEOptions, cluster: Cluster) -> str:
+    """The all-to-all algorithm "auto" stands for: deepep on GPUs, the plain one on CPU."""
+    if options.a2a_algorithm != "auto":
+        return options.a2a_algorithm
+    return "nccl" if cluster.gpu.name == CPU.name else "deepep"
+
+
+def a2a_bytes_factor(direction: str, options: MoEOptions) -> float:
+    """Load factor times the FP8 factor (dispatch only) on an expert all-to-all's bytes."""
+    if direction not in A2A_DIRECTIONS:
+        raise ValueError(f"expert all-to-all direction must be dispatch or combine, got {direction!r}")
+    fp8 = FP8_DISPATCH_FACTOR if options.fp8_dispatch and direction == "dispatch" else 1.0
+    return options.load_factor() * fp8
+
+
+def moe_all_to_all_time(nbytes: float, ranks: list[int], cluster: Cluster, direction: str = "dispatch",
+                        routing: Routing | None = None, options: MoEOptions | None = None,
+                        algorithm: str = "auto") -> float:
+    """Seconds of one expert-parallel dispatch or combine of plan size `nbytes` (S, k copies
+    per token) over `ranks`; `options` default to the cluster's. See the module doc."""
+    options = cluster.moe if options is None else options
+    ranks = _group(ranks, cluster)
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    scaled = nbytes * a2a_bytes_factor(direction, options)
+    if a2a_algorithm(options, cluster) == "nccl":
+        return collective_time("ALL_TO_ALL", scaled, ranks, cluster, algorithm)
+    nodes = len({cluster.node_of(r) for r in ranks})
+    tr = traffic(n, nodes, routing, options.max_nodes_per_token)
+    b_nvl, b_nic = cluster.gpu.ep_links
+    per_copy = scaled / tr.copies
+    t = per_copy * tr.ranks / b_nvl
+    if nodes > 1:
+        t = max(t, per_copy * tr.remote_nodes / b_nic)
+    return cluster.gpu.ep_alpha_s + t
 
 
 def p2p_time(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:

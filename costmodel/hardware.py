@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from costmodel.moe import MoEOptions
 
 # Latencies shared by the GPU presets (per ring step).
 # 8×H200 all-reduce floor ≈ 18 µs over 2·7 ring steps [MLE-B] (inferred).
@@ -23,6 +25,27 @@ NIC_ALPHA_S = 13.5e-6
 # Kernel launch overhead added to every compute op (assumed; small-GEMM overhead is
 # already inside the efficiency table).
 GPU_LAUNCH_S = 2e-6
+
+# Expert-parallel all-to-all, DeepEP normal kernels (byte counts: costmodel.moe; pricing:
+# collectives.moe_all_to_all_time). tests/test_moe_costs.py re-derives every number here.
+# Per-op latency: DeepEP low-latency kernels, 128 tokens, hidden 7168, top-8, H800 + CX7
+# [DEP legacy]: a row's dispatch (FP8) and combine (bf16) move bytes in the ratio
+# 2/(1 + 4/128); t = alpha + bytes/B through each (dispatch, combine) pair gives alpha =
+# 37.6, 36.0, 29.4, 22.9, 3.6, 17.3 us for EP8..EP256; this is their median (inferred).
+DEEPEP_ALPHA_S = 26.1e-6
+# Link bandwidths implied by a published row (costmodel.moe.link_bw_from_row: DeepEP's
+# counted bytes / published bandwidth = the measured time; less DEEPEP_ALPHA_S, over the
+# bytes the bottleneck link really carries), DeepSeek-V3 setting: 4096 tokens, hidden 7168,
+# top-8 of 256 experts, top-min(nodes, 4) node groups, FP8 dispatch [DEP legacy].
+DEEPEP_H800_NVLINK_BW = 156.9e9  # intranode EP8 dispatch row, 153 GB/s (NVLink) [DEP legacy] (inferred)
+# internode EP64 dispatch row, 51 GB/s "RDMA", counted with the own node's tokens; the NIC
+# carries 7/8 of them (8 nodes) [DEP legacy] (inferred)
+DEEPEP_H800_NIC_BW = 45.17e9
+# The shares of H800's measured NVLink 160 GB/s and IB 50 GB/s [DSV3 §3.2.2] they reach;
+# presets without DeepEP measurements take these shares of their own nvlink_bw / nic_bw
+# (inferred).
+DEEPEP_NVLINK_SHARE = DEEPEP_H800_NVLINK_BW / 160e9
+DEEPEP_NIC_SHARE = DEEPEP_H800_NIC_BW / 50e9
 
 
 @dataclass(frozen=True)
@@ -40,11 +63,22 @@ class GPU:
     intra_alpha_s: float = NVLINK_ALPHA_S
     inter_alpha_s: float = NIC_ALPHA_S
     overlap_slowdown: float = 1.1  # compute slowdown while a comm kernel shares the device
+    # expert-parallel all-to-all (DeepEP-style, see costmodel.moe); 0 = this GPU's
+    # nvlink_bw / nic_bw times DEEPEP_NVLINK_SHARE / DEEPEP_NIC_SHARE
+    ep_nvlink_bw: float = 0.0
+    ep_nic_bw: float = 0.0
+    ep_alpha_s: float = DEEPEP_ALPHA_S
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
             raise ValueError(f"{self.name} has no {dtype!r} peak; known: {', '.join(self.peak_flops)}")
         return self.peak_flops[dtype]
+
+    @property
+    def ep_links(self) -> tuple[float, float]:
+        """(NVLink, NIC) bytes/s an expert-parallel all-to-all achieves."""
+        return (self.ep_nvlink_bw or DEEPEP_NVLINK_SHARE * self.nvlink_bw,
+                self.ep_nic_bw or DEEPEP_NIC_SHARE * self.nic_bw)
 
 
 A100 = GPU(
@@ -83,6 +117,8 @@ H800 = dataclasses.replace(
     # Same Hopper tensor cores and HBM as H100 (inferred) [DSISCA §4.1].
     nvlink_bw=160e9,  # measured [DSV3 §3.2.2] (spec 200 GB/s uni [DSISCA §4.1])
     nic_bw=50e9,  # IB measured 50 GB/s [DSV3 §3.2.2]
+    ep_nvlink_bw=DEEPEP_H800_NVLINK_BW,  # DeepEP EP8 row [DEP legacy] (inferred, see above)
+    ep_nic_bw=DEEPEP_H800_NIC_BW,  # DeepEP EP64 row [DEP legacy] (inferred, see above)
 )
 
 B200 = GPU(
@@ -95,6 +131,11 @@ B200 = GPU(
     nvlink_bw=720e9,
     nic_bw=50e9,  # 400 Gb/s CX7 [DEP README]
     mamf_eff=0.776,  # 1745 / 2250 [MLE-A]
+    # DeepEP V2, SM100, 8K tokens, hidden 7168, top-8, FP8 dispatch [DEP README]: the EP8 row
+    # 726 GB/s (NVLink, 64 SMs) and the EP8x2 row 90 GB/s (RDMA, "logical": half of it is the
+    # own node's) through link_bw_from_row with DEEPEP_ALPHA_S and 256 experts (inferred)
+    ep_nvlink_bw=771.6e9,
+    ep_nic_bw=45.89e9,
 )
 
 MI300X = GPU(
@@ -120,6 +161,8 @@ CPU = GPU(
     launch_s=10e-6,  # eager op dispatch (assumed)
     intra_alpha_s=30e-6, inter_alpha_s=100e-6,  # gloo (assumed)
     overlap_slowdown=1.1,
+    # no DeepEP on CPU: the "auto" all-to-all algorithm is the plain (gloo) one
+    ep_nvlink_bw=2e9, ep_nic_bw=1.25e9, ep_alpha_s=30e-6,
 )
 
 GPUS: dict[str, GPU] = {
@@ -139,11 +182,13 @@ def get_gpu(name: str) -> GPU:
 
 @dataclass(frozen=True)
 class Cluster:
-    """`nodes` identical nodes of `gpus_per_node` GPUs; rank r lives on node r // gpus_per_node."""
+    """`nodes` identical nodes of `gpus_per_node` GPUs; rank r lives on node r // gpus_per_node.
+    `moe`: how expert-parallel traffic and expert compute are priced (costmodel.moe)."""
 
     gpu: GPU
     nodes: int
     gpus_per_node: int
+    moe: MoEOptions = field(default_factory=MoEOptions)
 
     def __post_init__(self):
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -163,7 +208,10 @@ class Cluster:
 
     def to_dict(self) -> dict:
         """Plain dict with inline GPU fields; `parse_cluster` reads it back (YAML or JSON)."""
-        return {"gpu": dataclasses.asdict(self.gpu), "nodes": self.nodes, "gpus_per_node": self.gpus_per_node}
+        out = {"gpu": dataclasses.asdict(self.gpu), "nodes": self.nodes, "gpus_per_node": self.gpus_per_node}
+        if self.moe != MoEOptions():
+            out["moe"] = dataclasses.asdict(self.moe)
+        return out
 
 
 SPEC_FORMS = (
@@ -178,8 +226,9 @@ def parse_cluster(spec: str) -> Cluster:
 
     A cluster file (YAML or JSON) holds `gpu` (a preset name, or a mapping of GPU fields,
     which starts from the preset named by its `name` when there is one), `nodes`,
-    `gpus_per_node`, and optionally any GPU field at top level as an override, e.g.
-    `nic_bw: 25e9`.
+    `gpus_per_node`, optionally any GPU field at top level as an override, e.g.
+    `nic_bw: 25e9`, and `moe` (costmodel.moe.MoEOptions fields, e.g.
+    `moe: {max_nodes_per_token: 4, fp8_dispatch: true, imbalance: 1.1}`).
     """
     spec = str(spec).strip()
     if spec.lower().endswith((".yaml", ".yml", ".json")) or os.path.isfile(spec):
@@ -213,12 +262,16 @@ def _load_cluster_file(path: str) -> Cluster:
             data = yaml.safe_load(f)
     if not isinstance(data, dict) or not {"gpu", "nodes", "gpus_per_node"} <= data.keys():
         raise ValueError(f"cluster file {path!r} needs keys gpu, nodes, gpus_per_node")
-    unknown = set(data) - {"gpu", "nodes", "gpus_per_node"} - GPU_FIELDS
+    unknown = set(data) - {"gpu", "nodes", "gpus_per_node", "moe"} - GPU_FIELDS
     if unknown:
         raise ValueError(f"cluster file {path!r}: unknown keys {sorted(unknown)}")
     overrides = {k: v for k, v in data.items() if k in GPU_FIELDS}
     gpu = _gpu_from(data["gpu"], overrides, path)
-    return Cluster(gpu, int(data["nodes"]), int(data["gpus_per_node"]))
+    try:
+        moe = MoEOptions.from_dict(data.get("moe") or {})
+    except ValueError as e:
+        raise ValueError(f"cluster file {path!r}: {e}") from None
+    return Cluster(gpu, int(data["nodes"]), int(data["gpus_per_node"]), moe)
 
 
 def _gpu_from(entry, overrides: dict, path: str) -> GPU:

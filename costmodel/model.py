@@ -17,6 +17,7 @@ from costmodel import collectives as coll
 from costmodel import compute, operators
 from costmodel.calibration import load_calibration
 from costmodel.hardware import CPU, GPU_FIELDS, Cluster
+from costmodel.moe import MoEOptions, Routing
 
 COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
 
@@ -40,6 +41,16 @@ class CostModel:
     def collective_time(self, kind: str, nbytes: float, ranks: list[int]) -> float:
         raise NotImplementedError
 
+    def all_to_all_time(self, nbytes: float, ranks: list[int], direction: str = "dispatch",
+                        routing: Routing | None = None) -> float:
+        """An expert-parallel dispatch or combine (costmodel.moe); by default a plain ALL_TO_ALL."""
+        return self.collective_time("ALL_TO_ALL", nbytes, ranks)
+
+    @property
+    def expert_load_factor(self) -> float:
+        """Expert compute on the most loaded EP rank over the mean (costmodel.moe)."""
+        return 1.0
+
     def p2p_time(self, nbytes: float, src: int, dst: int) -> float:
         raise NotImplementedError
 
@@ -59,12 +70,13 @@ class AnalyticCostModel(CostModel):
 
     `overrides` may hold any GPU field (e.g. {"nic_bw": 25e9}; "peak_flops" may be one
     number for `dtype`), "dtype" (default "bf16"), "algorithm" (collective algorithm,
-    default "auto"), "comm_compute_slowdown", and the calibration keys "efficiency_table",
-    "collectives", "p2p", "overlap_slowdown".
+    default "auto"), "comm_compute_slowdown", "moe" (costmodel.moe.MoEOptions fields, over
+    the cluster's, e.g. {"moe": {"imbalance": 1.1, "fp8_dispatch": True}}), and the
+    calibration keys "efficiency_table", "collectives", "p2p", "overlap_slowdown".
     """
 
-    KEYS = GPU_FIELDS | {"dtype", "gemm_dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives", "p2p",
-                         "compute_slots"}
+    KEYS = GPU_FIELDS | {"dtype", "gemm_dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives",
+                         "p2p", "compute_slots", "moe"}
 
     def __init__(self, cluster: Cluster, overrides: dict | None = None, name: str = "analytic"):
         ov = dict(overrides or {})
@@ -92,7 +104,15 @@ class AnalyticCostModel(CostModel):
         gpu = cluster.gpu
         if not isinstance(ov.get("peak_flops", {}), dict):
             ov["peak_flops"] = {**gpu.peak_flops, self.dtype: float(ov["peak_flops"])}
+        moe = ov.pop("moe", None)
+        if moe is not None:
+            if not isinstance(moe, (dict, MoEOptions)):
+                raise ValueError(f"cost-model override moe must be a mapping of MoE options, got {moe!r}")
+            moe = MoEOptions.from_dict(moe if isinstance(moe, MoEOptions) else
+                                       {**dataclasses.asdict(cluster.moe), **moe})
+            cluster = dataclasses.replace(cluster, moe=moe)
         self.cluster = dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, **ov))
+        self.moe = self.cluster.moe
         self.gpu = self.cluster.gpu
         self.gpu.peak(self.dtype)  # fail early on a dtype the device lacks
         if self.comm_compute_slowdown < 1:
@@ -122,6 +142,16 @@ class AnalyticCostModel(CostModel):
         alpha = fits[m]["alpha_s"] * coll.ring_steps(kind, n) / coll.ring_steps(kind, m)
         bw = fits[m]["bw_Bps"] * coll.busbw_factor(kind, m) / coll.busbw_factor(kind, n)
         return alpha + nbytes / bw
+
+    def all_to_all_time(self, nbytes, ranks, direction="dispatch", routing=None):
+        if coll.a2a_algorithm(self.moe, self.cluster) == "nccl":
+            group = sorted(set(ranks))
+            return self.collective_time("ALL_TO_ALL", nbytes * coll.a2a_bytes_factor(direction, self.moe), group)
+        return coll.moe_all_to_all_time(nbytes, ranks, self.cluster, direction, routing, self.moe, self.algorithm)
+
+    @property
+    def expert_load_factor(self) -> float:
+        return self.moe.load_factor()
 
     def p2p_time(self, nbytes, src, dst):
         fit = self.p2p_fits.get("intra" if self.cluster.same_node((src, dst)) else "inter")

@@ -625,6 +625,16 @@ def machine_info(cfg: BenchConfig) -> dict:
     return info
 
 
+def fingerprint(device: str = "cpu", threads: int | None = None) -> dict:
+    """What a calibration of this machine depends on: processor model, usable cores, torch
+    version and intra-op threads per rank (default as `make_config`: $OMP_NUM_THREADS, else 1)."""
+    if threads is None:
+        threads = _int_env("OMP_NUM_THREADS", 1)
+    name = torch.cuda.get_device_name(0) if device == "cuda" else _cpu_name()
+    return {"device": device, "device_name": name, "cores": _cores(), "torch": torch.__version__,
+            "threads": threads}
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

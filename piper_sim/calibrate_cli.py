@@ -87,27 +87,77 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         raise CalibrationError(f"--device must be auto, cpu or cuda, got {args.device!r}")
     t0 = time.perf_counter()
     if args.refit:
-        from costmodel.fit import merge_raw
+        from costmodel.fit import build_calibration, merge_raw
 
-        raw = merge_raw([_load_raw(path) for path in args.refit])
+        calib = build_calibration(merge_raw([_load_raw(path) for path in args.refit]))
     else:
-        from executor.microbench import make_config, run_calibration  # torch: import only when measuring
+        calib = calibrate_machine(quick=args.quick, nproc=nproc, threads=threads, device=args.device,
+                                  progress=not args.no_progress)
+    write_calibration(calib, out)
+    print("\n".join(summary_lines(calib)))
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
 
-        cfg = make_config(quick=args.quick, nproc=nproc, threads=threads, device=args.device)
-        _warn_if_busy(cfg)
-        raw = run_calibration(cfg, progress=not args.no_progress)
 
-    from costmodel.calibration import save_calibration
+def calibrate_machine(quick: bool = False, nproc: int | None = None, threads: int | None = None,
+                      device: str = "auto", progress: bool = True) -> dict:
+    """Measure this machine and fit: the calibration dict (costmodel.calibration schema)."""
     from costmodel.fit import build_calibration
+    from executor.microbench import make_config, run_calibration  # torch: import only when measuring
+
+    cfg = make_config(quick=quick, nproc=nproc, threads=threads, device=device)
+    _warn_if_busy(cfg)
+    return build_calibration(run_calibration(cfg, progress=progress))
+
+
+def write_calibration(calib: dict, out: str) -> None:
+    """Save atomically and check the simulator can load it."""
+    from costmodel.calibration import save_calibration
     from costmodel.hardware import parse_cluster
     from costmodel.model import get_costmodel
 
-    calib = build_calibration(raw)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_calibration(calib, out)
-    get_costmodel(out, parse_cluster(f"cpu:{raw['config']['nproc']}"))  # the simulator can load it
-    print("\n".join(summary_lines(calib)))
-    print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
+    get_costmodel(out, parse_cluster(f"cpu:{calib.get('meta', {}).get('nproc', 2)}"))
+
+
+# --------------------------------------------------------------------------- per-machine cache
+
+
+def cache_dir() -> str:
+    """Where calibrations of this machine are kept: $XDG_CACHE_HOME/piper-sim, else
+    ~/.cache/piper-sim."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "piper-sim")
+
+
+def cached_calibration(quick: bool = True, device: str = "cpu", progress: bool = True,
+                       announce=None) -> tuple[str, bool]:
+    """This machine's calibration file, measured (`calibrate --quick`, ~15 s on 2 cores) on
+    first use and cached per machine fingerprint (processor, cores, torch version, threads
+    per rank; `executor.microbench.fingerprint`). Returns (path, measured now).
+    `announce(message)` is called before measuring."""
+    import hashlib
+    import json
+
+    from costmodel.calibration import load_calibration
+    from executor.microbench import fingerprint
+
+    fp = fingerprint(device)
+    key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), f"calibration-{fp['device']}-{key}.json")
+    if os.path.isfile(path):
+        try:
+            if load_calibration(path).get("meta", {}).get("fingerprint") == fp:
+                return path, False
+        except ValueError:
+            pass  # unreadable or stale: measure again
+    if announce is not None:
+        announce(f"calibrating this machine once ({fp['device_name']}, {fp['cores']} cores, torch {fp['torch']}, "
+                 f"{fp['threads']} thread(s)/rank; quick, about 15 s); cache: {path}")
+    calib = calibrate_machine(quick=quick, threads=fp["threads"], device=device, progress=progress)
+    calib.setdefault("meta", {})["fingerprint"] = fp
+    write_calibration(calib, path)
+    return path, True
 
 
 def _warn_if_busy(cfg) -> None:

@@ -348,6 +348,8 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
         "model_flops_per_step": _model_flops(ctx, strategy),
         "tokens_per_step": strategy.global_batch * strategy.seq_len,
     }
+    if cfg.is_moe:  # what the cost model's expert all-to-all traffic depends on (costmodel.moe)
+        meta["moe"] = {"top_k": cfg.top_k, "n_experts": cfg.n_experts}
     plan = Plan(layout=layout, classes=classes, meta=meta, kernels=dict(ctx.kernels))
     return Compiled(plan=plan, dag=dag, setup=ctx.setup, config=cfg, compile_s=time.perf_counter() - t0)
 

@@ -5,6 +5,10 @@
    simulated timeline;
 2. run a small plan of the same kind (same schedule family, MoE with expert parallel)
    for real on this machine (`cpu:2`, gloo, torchrun) and print simulated vs measured.
+   The simulation uses a calibration of *this* machine: measured once (`calibrate
+   --quick`, ~15 s) and cached per machine fingerprint under $XDG_CACHE_HOME/piper-sim
+   (else ~/.cache/piper-sim); `--no-calibrate` simulates with the uncalibrated analytic
+   CPU placeholders instead, and says so.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ import subprocess
 from piper_sim.explore_cli import emit_best, progress_printer
 
 DEFAULT = {"model": "qwen3-moe-9b", "cluster": "h100:4x8", "global_batch": 256, "seq_len": 4096}
+# the project's 2-core dev VM, committed (traces/calibration/README.md): `validate`'s default
 CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "traces", "calibration", "cpu-2core.json")
+UNCALIBRATED = ("this machine is uncalibrated (--no-calibrate): simulating with the analytic CPU placeholders "
+                "of costmodel/hardware.py, not measurements, so expect a large error; run without "
+                "--no-calibrate to calibrate it once (~15 s)")
 
 
 def small_strategy(best_schedule: str) -> dict:
@@ -31,6 +39,20 @@ def small_strategy(best_schedule: str) -> dict:
                 "directives": [{"op": "pipeline", "degree": 2, "stages_per_rank": v},
                                {"op": "schedule", "name": sched}]}
     return {**base, "global_batch": 8, "microbatches": 2, "directives": [{"op": "expert_parallel", "degree": 2}]}
+
+
+def machine_costmodel(no_calibrate: bool, progress: bool = True) -> tuple[str, str]:
+    """(cost model for `simulate`, a line saying what it is): this machine's cached
+    calibration (measured now on first use), or the analytic placeholders."""
+    from piper_sim.calibrate_cli import cached_calibration
+
+    if no_calibrate:
+        return "analytic", UNCALIBRATED
+    try:
+        path, fresh = cached_calibration(quick=True, progress=progress, announce=print)
+    except (ValueError, RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return "analytic", f"calibrating this machine failed ({e}); simulating uncalibrated (analytic placeholders)"
+    return path, f"{'measured' if fresh else 'cached'} calibration of this machine: {path}"
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -57,10 +79,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     plan = compile(small)
     plan_path = os.path.join(args.out, "small_plan.json")
     plan.save(plan_path)
-    costmodel = CALIBRATION if os.path.exists(CALIBRATION) else "analytic"
+    costmodel, what = machine_costmodel(args.no_calibrate, progress=not args.quiet)
+    print(what)
     sim = simulate(plan, costmodel)
     sim.plot_timeline(os.path.join(args.out, "small_simulated_timeline.png"), title="simulated (cpu:2)")
-    print(f"simulated step time ({os.path.basename(costmodel)}): {sim.step_time_s * 1e3:.1f} ms")
+    label = "uncalibrated" if costmodel == "analytic" else os.path.basename(costmodel)
+    print(f"simulated step time ({label}): {sim.step_time_s * 1e3:.1f} ms")
     try:
         step, steps = measure(plan_path, steps=4, warmup=2, trace=os.path.join(args.out, "measured_trace.json"))
     except (MeasurementError, subprocess.TimeoutExpired) as e:
@@ -68,6 +92,21 @@ def cmd_demo(args: argparse.Namespace) -> None:
         return
     print(f"measured step time (executor, gloo, median after 2 warm-up steps): {step * 1e3:.1f} ms, "
           f"loss {steps[-1]['loss']:.4f}; error {100 * (sim.step_time_s - step) / step:+.1f}%")
+    busy = _busy_note()
+    if busy:
+        print(busy)
+
+
+def _busy_note() -> str:
+    """A warning when other processes share the cores (they slow the measured run)."""
+    try:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return ""
+    if load <= 0.5 * cores:
+        return ""
+    return (f"note: load average {load:.1f} on {cores} cores: other processes slowed the measured run, "
+            "so the error above is partly theirs")
 
 
 def add_demo_parser(sub) -> None:
@@ -75,5 +114,7 @@ def add_demo_parser(sub) -> None:
     p.add_argument("--out", default="piper-sim-demo", help="folder for the table, pictures and plans")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--no-run", action="store_true", help="skip the measured run on this machine")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="do not calibrate this machine: simulate the small plan uncalibrated (and say so)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_demo)

@@ -268,14 +268,17 @@ def shard_pass(ctx: Context, dag: TrainingDAG) -> None:
         return
     by_stage: dict[int, list[Node]] = {}
     for n in dag.g.nodes:
-        if dag.ins(n).kind in ("F", "B", "BI"):
+        if dag.ins(n).kind in ("F", "B", "BI", "BW"):
             by_stage.setdefault(dag.ins(n).stage, []).append(n)
     for sc in ctx.stages:
         parts = sc.parts(ep)
         if len(parts) == 1:
             continue
         for node in by_stage.get(sc.stage, []):
-            _split_node(ctx, dag, node, parts)
+            if dag.ins(node).kind == "BW":  # not cut: its expert share is a field
+                dag.ins(node).expert_flops = float(sum(x.bwd_weight_flops for x in sc.experts))
+            else:
+                _split_node(ctx, dag, node, parts)
 
 
 def _split_node(ctx: Context, dag: TrainingDAG, node: Node, parts: list[list[SegmentCost]]) -> None:
@@ -298,6 +301,8 @@ def _split_node(ctx: Context, dag: TrainingDAG, node: Node, parts: list[list[Seg
         share = sum(x.saved_act_bytes for x in segs) / total_act if total_act else 0.0
         ins.alloc, ins.free = old.alloc * share, old.free * share
         is_expert = segs[0].is_expert
+        if is_expert:
+            ins.expert_flops = float(ins.flops)
         if is_expert:  # all-to-all into the expert block
             e = expert_idx[i]
             name = "dispatch" if forward else "combine"
@@ -318,9 +323,11 @@ def _split_node(ctx: Context, dag: TrainingDAG, node: Node, parts: list[list[Seg
 def _a2a(ctx: Context, dag: TrainingDAG, where: int, old: Instruction, e: int, name: str,
          nbytes: float) -> Node:
     pas = "F" if old.kind == "F" else "B"
+    # the backward of a dispatch moves gradients back from the experts: a combine
+    direction = name if pas == "F" else {"dispatch": "combine", "combine": "dispatch"}[name]
     return dag.add(where, Instruction(id=f"A2A.{pas}.s{old.stage}.mb{old.mb}.e{e}.{name}", kind="ALL_TO_ALL",
                                       stream=ctx.setup.streams["ALL_TO_ALL"], stage=old.stage, mb=old.mb,
-                                      bytes=nbytes, group=ctx.group("ep", where)))
+                                      bytes=nbytes, group=ctx.group("ep", where), a2a=direction))
 
 
 def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:

@@ -76,6 +76,13 @@ class Instruction:
              start (1.0: all of it). A gradient bucket is ready part-way through the last
              backward (buckets fill from the last layer), as DDP/FSDP overlap them. A back
              end that waits for the whole op is correct, only less overlapped.
+    a2a:     ALL_TO_ALL of an expert block only: "dispatch" when it moves tokens (forward)
+             or their output gradients (backward) to the experts, "combine" when it moves
+             expert outputs or input gradients back (the backward of a dispatch is a
+             combine, as in DeepEP). The cost model prices them apart (FP8 dispatch).
+    expert_flops: compute only, under expert parallel: the part of ``flops`` spent in
+             expert blocks (all of it for an expert piece; the experts' weight gradients
+             in a stage's BW), which the most loaded EP rank has more of.
     """
 
     id: str
@@ -99,6 +106,8 @@ class Instruction:
     gemm: list[int] = field(default_factory=list)
     dep_progress: float = 1.0
     kernels: str = ""
+    a2a: str = ""
+    expert_flops: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS

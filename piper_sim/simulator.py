@@ -32,6 +32,7 @@ import simpy
 
 from costmodel.hardware import Cluster, parse_cluster
 from costmodel.model import CostModel, UnitCostModel, get_costmodel
+from costmodel.moe import Routing
 from piper_sim import trace
 from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan
 
@@ -254,6 +255,8 @@ class _Engine:
         self._group_cache: dict[tuple[str, int], tuple[int, ...]] = {}
         self._bw: dict[str, float] = {}
         self._link_reps: dict[str, str] = {}
+        moe = plan.meta.get("moe")
+        self.routing = Routing(int(moe["top_k"]), int(moe["n_experts"])) if moe else None
         self._build()
 
     # --- setup ---------------------------------------------------------------------
@@ -281,10 +284,11 @@ class _Engine:
                 n_opt += ins.kind == "OPT"
         out: dict[int, float] = {}
         cache: dict[tuple, float] = {}
+        load = float(getattr(cm, "expert_load_factor", 1.0))
         for ins in cls.instructions():
             if ins.kind not in COMPUTE_KINDS:
                 continue
-            key = ins.kernels or (ins.kind, ins.flops, ins.bytes, tuple(ins.gemm))
+            key = (ins.kernels, ins.expert_flops) if ins.kernels else (ins.kind, ins.flops, ins.bytes, tuple(ins.gemm), ins.expert_flops)
             if not self.unit and ins.kind != "OPT" and key in cache:
                 out[id(ins)] = cache[key]
                 continue
@@ -306,6 +310,9 @@ class _Engine:
             else:
                 gemm = tuple(ins.gemm) if ins.gemm else None
                 t = cm.compute_time(ins.kind, ins.flops, mem_bytes=ins.bytes, gemm=gemm)
+            if ins.expert_flops and load != 1.0 and ins.flops > 0:
+                # the most loaded EP rank's experts get `load` × the mean tokens
+                t *= 1.0 + (load - 1.0) * min(1.0, ins.expert_flops / ins.flops)
             out[id(ins)] = cache[key] = float(t)
         return out
 
@@ -340,7 +347,7 @@ class _Engine:
                         if r not in op.group:
                             raise SimulationError(f"rank {r}: collective {ins.id} has group {ins.group} "
                                                   f"= {list(op.group)}, which does not contain the rank")
-                        op.cost = self._collective_cost(ins.kind, ins.bytes, op.group)
+                        op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, ins.a2a)
                     else:
                         raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
                     ops.append(op)
@@ -381,10 +388,13 @@ class _Engine:
             rep = self._link_reps[link] = f"{port}:rank{self._rep(int(rank[4:]))}:{direction}"
         return rep
 
-    def _collective_cost(self, kind: str, nbytes: float, group: tuple[int, ...]) -> tuple:
-        key = (kind, nbytes, group)
+    def _collective_cost(self, kind: str, nbytes: float, group: tuple[int, ...], a2a: str = "") -> tuple:
+        key = (kind, nbytes, group, a2a)
         if key not in self._coll_cache:
-            dur = float(self.cm.collective_time(kind, nbytes, list(group)))
+            if a2a:  # an expert block's dispatch or combine
+                dur = float(self.cm.all_to_all_time(nbytes, list(group), a2a, self.routing))
+            else:
+                dur = float(self.cm.collective_time(kind, nbytes, list(group)))
             reps = tuple(dict.fromkeys(self._rep(r) for r in group))
             gid = self._gids.setdefault(group, len(self._gids))  # a small rendezvous key
             members = len(reps) if self.folded else len(group)

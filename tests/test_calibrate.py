@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -151,3 +152,65 @@ def test_registered_in_main_cli(tmp_path, capsys):
         pytest.skip("calibrate is not registered in piper_sim.cli yet")
     assert rc == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# --- the demo's per-machine cache ----------------------------------------------------------
+
+COMMITTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces", "calibration",
+                         "cpu-2core.json")
+
+
+@pytest.fixture
+def fake_measure(monkeypatch, tmp_path):
+    """A temporary cache dir, and a calibration run that returns the committed file (counted)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calls = []
+
+    def measure(**kwargs):
+        calls.append(kwargs)
+        with open(COMMITTED) as f:
+            return json.load(f)
+
+    monkeypatch.setattr(calibrate_cli, "calibrate_machine", measure)
+    return calls
+
+
+def test_first_use_calibrates_and_caches_then_reuses(fake_measure, tmp_path):
+    said = []
+    path, fresh = calibrate_cli.cached_calibration(announce=said.append)
+    assert fresh and len(fake_measure) == 1 and fake_measure[0]["quick"] is True
+    assert path.startswith(str(tmp_path / "cache" / "piper-sim")) and said and "calibrating this machine" in said[0]
+    with open(path) as f:
+        stored = json.load(f)
+    from executor.microbench import fingerprint
+
+    assert stored["meta"]["fingerprint"] == fingerprint("cpu")
+    assert get_costmodel(path, parse_cluster("cpu:2")).name == f"calibration:{path}"
+    again, fresh = calibrate_cli.cached_calibration(announce=said.append)
+    assert (again, fresh) == (path, False) and len(fake_measure) == 1 and len(said) == 1  # no recalibration
+    leftovers = [p.name for p in (tmp_path / "cache" / "piper-sim").iterdir() if p.name != os.path.basename(path)]
+    assert leftovers == []  # atomic write: no temporary file left behind
+
+
+def test_another_fingerprint_gets_its_own_calibration(fake_measure, monkeypatch):
+    first, _ = calibrate_cli.cached_calibration()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # threads per rank change the machine's numbers
+    second, fresh = calibrate_cli.cached_calibration()
+    assert fresh and second != first and len(fake_measure) == 2
+
+
+def test_a_damaged_cache_file_is_measured_again(fake_measure):
+    path, _ = calibrate_cli.cached_calibration()
+    with open(path, "w") as f:
+        f.write("{not json")
+    again, fresh = calibrate_cli.cached_calibration()
+    assert again == path and fresh and len(fake_measure) == 2
+
+
+def test_demo_says_plainly_when_uncalibrated(fake_measure):
+    from piper_sim.demo import machine_costmodel
+
+    costmodel, line = machine_costmodel(no_calibrate=True)
+    assert costmodel == "analytic" and "uncalibrated" in line and fake_measure == []
+    costmodel, line = machine_costmodel(no_calibrate=False, progress=False)
+    assert costmodel.endswith(".json") and "calibration of this machine" in line and len(fake_measure) == 1
