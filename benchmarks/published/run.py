@@ -122,7 +122,8 @@ def _check_keys(item: Any, where: str, required: set[str], optional: set[str]) -
         _fail(where, f"missing field(s) {', '.join(sorted(missing))}")
     unknown = item.keys() - required - optional
     if unknown:
-        _fail(where, f"unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(required | optional))}")
+        allowed = ", ".join(sorted(required | optional))
+        _fail(where, f"unknown field(s) {', '.join(sorted(unknown))}; allowed: {allowed}")
 
 
 def _check_measurement(item: dict, where: str) -> None:
