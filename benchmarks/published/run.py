@@ -1,0 +1,524 @@
+"""Published-results suite: simulate real, published training runs and compare.
+
+    python benchmarks/published/run.py [--costmodel analytic] [--csv results.csv] [--only ID[,ID...]]
+
+Reads ``suite.yaml`` next to this file (every entry: a published measurement, its source and a
+piper-sim strategy that expresses the run), compiles and simulates each strategy, converts the
+simulated step into the published metric and prints, per run: published, simulated, the error
+(simulated / published - 1, in the published metric), the simulated peak memory per GPU against the
+GPU's memory, then the median and max |error| and every published ranking as PASS / FAIL.
+
+It is a report: it exits 0 however large the errors are, and also when a strategy fails to compile
+or simulate (that row says ERROR). It exits 2 with a one-line message when the suite file itself is
+malformed (or --only names an unknown id).
+
+Conventions. tokens/s/GPU = global_batch * seq_len / step_time / GPUs; samples/s/GPU =
+global_batch / step_time / GPUs; GPU hours per trillion tokens = 1e12 / (tokens/s/GPU) / 3600. These
+are the definitions the sources use (measured throughput, no FLOP convention involved). The "speed"
+column is simulated / published throughput whatever the metric (> 1: the simulator is optimistic).
+
+The Python API (used by notebooks/published.ipynb): load_suite, run_suite, check_rankings,
+summarize, results_frame.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere, without installing
+    sys.path.insert(0, str(ROOT))
+
+SUITE = HERE / "suite.yaml"
+GIB = 2**30
+
+
+class SuiteError(ValueError):
+    """The suite file is malformed; the message is one line."""
+
+
+# --------------------------------------------------------------------------------------- metrics
+
+
+@dataclass(frozen=True)
+class Metric:
+    label: str
+    higher_is_better: bool
+    # (SimResult, Plan) -> the metric's value for the simulated step
+    value: Callable[[Any, Any], float]
+
+
+def _tokens_per_s_per_gpu(sim, plan) -> float:
+    return sim.tokens_per_s / sim.world_size
+
+
+def _samples_per_s_per_gpu(sim, plan) -> float:
+    return plan.meta["global_batch"] / sim.step_time_s / sim.world_size
+
+
+def _gpu_hours_per_trillion_tokens(sim, plan) -> float:
+    return 1e12 / _tokens_per_s_per_gpu(sim, plan) / 3600.0
+
+
+def _model_tflops_per_gpu(sim, plan) -> float:
+    # the simulator's own count (profiled FLOPs, causal attention counted as full s x s)
+    return plan.meta["model_flops_per_step"] / sim.step_time_s / sim.world_size / 1e12
+
+
+METRICS: dict[str, Metric] = {
+    "tokens_per_s_per_gpu": Metric("tok/s/GPU", True, _tokens_per_s_per_gpu),
+    "samples_per_s_per_gpu": Metric("samp/s/GPU", True, _samples_per_s_per_gpu),
+    "gpu_hours_per_trillion_tokens": Metric("GPUh/Ttok", False, _gpu_hours_per_trillion_tokens),
+    "model_tflops_per_gpu": Metric("TFLOP/s/GPU", True, _model_tflops_per_gpu),
+    "mfu": Metric("MFU", True, lambda sim, plan: sim.mfu),
+}
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+
+ENTRY_REQUIRED = {"id", "source", "metric", "published", "precision", "strategy"}
+ENTRY_OPTIONAL = {"setup", "approximations", "notes", "published_memory_gib", "published_memory_gb"}
+HELD_REQUIRED = {"id", "needs", "source", "metric", "published", "precision"}
+HELD_OPTIONAL = {"setup", "strategy_sketch", "notes"}
+RANKING_REQUIRED = {"id", "source", "faster"}
+MODEL_META = {"published_params", "notes"}
+
+
+# ----------------------------------------------------------------------------------- the suite
+
+
+@dataclass
+class Suite:
+    path: Path
+    entries: list[dict[str, Any]]
+    rankings: list[dict[str, Any]]
+    held_back: list[dict[str, Any]]
+    models: dict[str, dict[str, Any]]
+
+    def entry(self, entry_id: str) -> dict[str, Any]:
+        for e in self.entries:
+            if e["id"] == entry_id:
+                return e
+        raise KeyError(entry_id)
+
+
+def _fail(where: str, msg: str) -> None:
+    raise SuiteError(f"{where}: {msg}")
+
+
+def _check_keys(item: Any, where: str, required: set[str], optional: set[str]) -> None:
+    if not isinstance(item, dict):
+        _fail(where, f"must be a mapping, got {type(item).__name__}")
+    missing = required - item.keys()
+    if missing:
+        _fail(where, f"missing field(s) {', '.join(sorted(missing))}")
+    unknown = item.keys() - required - optional
+    if unknown:
+        allowed = ", ".join(sorted(required | optional))
+        _fail(where, f"unknown field(s) {', '.join(sorted(unknown))}; allowed: {allowed}")
+
+
+def _check_measurement(item: dict, where: str) -> None:
+    if not isinstance(item["id"], str) or not item["id"]:
+        _fail(where, "id must be a non-empty string")
+    if not isinstance(item["source"], str) or not item["source"].strip():
+        _fail(where, "source must be a non-empty citation string")
+    if item["metric"] not in METRICS:
+        _fail(where, f"unknown metric {item['metric']!r}; known: {', '.join(METRICS)}")
+    p = item["published"]
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not p > 0 or not math.isfinite(p):
+        _fail(where, f"published must be a positive number, got {p!r}")
+    if item["precision"] not in PRECISIONS:
+        _fail(where, f"precision must be one of {', '.join(PRECISIONS)}, got {item['precision']!r}")
+
+
+def load_suite(path: str | Path = SUITE) -> Suite:
+    """Read and check a suite file; raises SuiteError (one line) when it is malformed."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SuiteError(f"{path}: suite file not found") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        raise SuiteError(f"{path}: malformed YAML{at}: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(data, dict):
+        raise SuiteError(f"{path}: the suite must be a mapping with 'entries'")
+    unknown = data.keys() - {"version", "models", "entries", "rankings", "held_back"}
+    if unknown:
+        raise SuiteError(f"{path}: unknown top-level key(s) {', '.join(sorted(unknown))}")
+    entries = data.get("entries")
+    if not isinstance(entries, list) or not entries:
+        raise SuiteError(f"{path}: 'entries' must be a non-empty list")
+    models = data.get("models") or {}
+    rankings = data.get("rankings") or []
+    held = data.get("held_back") or []
+    if not isinstance(models, dict):
+        raise SuiteError(f"{path}: 'models' must be a mapping of name -> ModelConfig fields")
+    if not isinstance(rankings, list) or not isinstance(held, list):
+        raise SuiteError(f"{path}: 'rankings' and 'held_back' must be lists")
+
+    seen: set[str] = set()
+    for i, e in enumerate(entries):
+        where = f"{path.name}: entries[{i}]" + (f" ({e.get('id')})" if isinstance(e, dict) else "")
+        _check_keys(e, where, ENTRY_REQUIRED, ENTRY_OPTIONAL)
+        _check_measurement(e, where)
+        if e["id"] in seen:
+            _fail(where, f"duplicate id {e['id']!r}")
+        seen.add(e["id"])
+        s = e["strategy"]
+        if not isinstance(s, dict) or not isinstance(s.get("model"), str) or not isinstance(s.get("cluster"), str):
+            _fail(where, "strategy must be a piper-sim strategy mapping with 'model' and 'cluster' strings")
+        for key in ("published_memory_gib", "published_memory_gb"):
+            if key in e and (isinstance(e[key], bool) or not isinstance(e[key], (int, float)) or e[key] <= 0):
+                _fail(where, f"{key} must be a positive number")
+    for i, h in enumerate(held):
+        where = f"{path.name}: held_back[{i}]" + (f" ({h.get('id')})" if isinstance(h, dict) else "")
+        _check_keys(h, where, HELD_REQUIRED, HELD_OPTIONAL)
+        _check_measurement(h, where)
+        if not isinstance(h["needs"], list) or not h["needs"]:
+            _fail(where, "needs must be a non-empty list of missing features")
+        if h["id"] in seen:
+            _fail(where, f"duplicate id {h['id']!r}")
+        seen.add(h["id"])
+    entry_ids = {e["id"]: e for e in entries}
+    ranking_ids: set[str] = set()
+    for i, r in enumerate(rankings):
+        where = f"{path.name}: rankings[{i}]" + (f" ({r.get('id')})" if isinstance(r, dict) else "")
+        _check_keys(r, where, RANKING_REQUIRED, {"notes"})
+        if r["id"] in ranking_ids:
+            _fail(where, f"duplicate ranking id {r['id']!r}")
+        ranking_ids.add(r["id"])
+        order = r["faster"]
+        if not isinstance(order, list) or len(order) < 2 or len(set(order)) != len(order):
+            _fail(where, "faster must list at least two distinct entry ids, fastest first")
+        for eid in order:
+            if eid not in entry_ids:
+                _fail(where, f"unknown entry id {eid!r}")
+        speeds = [_speed(entry_ids[eid]["metric"], entry_ids[eid]["published"]) for eid in order]
+        if any(a <= b for a, b in zip(speeds, speeds[1:])):
+            _fail(where, "the order contradicts the published numbers")
+    for name, spec in models.items():
+        if not isinstance(spec, dict):
+            _fail(f"{path.name}: models.{name}", "must be a mapping of ModelConfig fields")
+    _model_configs(models, path.name)  # field names and types
+    return Suite(path=path, entries=entries, rankings=rankings, held_back=held, models=models)
+
+
+def _speed(metric: str, value: float) -> float:
+    """Throughput-like number (higher = faster) for a metric value."""
+    return value if METRICS[metric].higher_is_better else 1.0 / value
+
+
+def _model_configs(models: dict[str, dict], where: str) -> dict:
+    from piper_sim.models import ModelConfig
+
+    out = {}
+    for name, spec in models.items():
+        kwargs = {k: v for k, v in spec.items() if k not in MODEL_META}
+        try:
+            out[name] = ModelConfig(name=name, **kwargs)
+        except TypeError as e:
+            raise SuiteError(f"{where}: models.{name}: {e}") from None
+    return out
+
+
+def register_models(suite: Suite) -> None:
+    """Add the suite's models to the zoo (piper_sim.models.ZOO), in this process only.
+
+    A name the zoo already holds must describe the same model (else SuiteError)."""
+    from piper_sim.models import ZOO
+
+    for name, cfg in _model_configs(suite.models, suite.path.name).items():
+        if name in ZOO and ZOO[name] != cfg:
+            raise SuiteError(f"{suite.path.name}: models.{name} differs from the zoo's {name}; rename it")
+        ZOO[name] = cfg
+
+
+def strategy_of(entry: dict, suite_dir: Path = HERE) -> dict:
+    """The entry's strategy, with a cluster-file path made absolute (relative to the suite file)."""
+    s = copy.deepcopy(entry["strategy"])
+    s.setdefault("name", entry["id"])
+    cluster = s["cluster"]
+    if cluster.lower().endswith((".yaml", ".yml", ".json")) and not Path(cluster).is_absolute():
+        s["cluster"] = str((suite_dir / cluster).resolve())
+    return s
+
+
+# ----------------------------------------------------------------------------------- running
+
+
+@dataclass
+class Result:
+    id: str
+    metric: str
+    published: float
+    precision: str
+    gpus: int = 0
+    simulated: float | None = None
+    error_pct: float | None = None  # simulated / published - 1, in %, in the published metric
+    speed_ratio: float | None = None  # simulated / published throughput
+    step_time_s: float | None = None
+    sim_mfu: float | None = None
+    bubble_fraction: float | None = None
+    peak_memory_gib: float | None = None  # max over ranks
+    gpu_memory_gib: float | None = None
+    fits: bool | None = None
+    published_memory_gib: float | None = None
+    compile_s: float | None = None
+    simulate_s: float | None = None
+    status: str = "ok"  # ok | error
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _published_memory_gib(entry: dict) -> float | None:
+    if "published_memory_gib" in entry:
+        return float(entry["published_memory_gib"])
+    if "published_memory_gb" in entry:
+        return float(entry["published_memory_gb"]) * 1e9 / GIB
+    return None
+
+
+def run_entry(entry: dict, costmodel: str = "analytic", suite_dir: Path = HERE) -> Result:
+    """Compile and simulate one entry; never raises for a strategy the simulator rejects."""
+    from costmodel.hardware import parse_cluster
+    from piper_sim.api import compile
+    from piper_sim.simulator import simulate
+
+    res = Result(id=entry["id"], metric=entry["metric"], published=float(entry["published"]),
+                 precision=entry["precision"], published_memory_gib=_published_memory_gib(entry))
+    try:
+        strategy = strategy_of(entry, suite_dir)
+        t0 = time.perf_counter()
+        plan = compile(strategy)
+        t1 = time.perf_counter()
+        sim = simulate(plan, costmodel)
+        t2 = time.perf_counter()
+        value = METRICS[entry["metric"]].value(sim, plan)
+        hbm = parse_cluster(strategy["cluster"]).gpu.hbm_bytes
+    except Exception as e:  # a report: one failing entry must not stop the others
+        res.status, res.message = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return res
+    peak = max(s.peak_memory_bytes for s in sim.per_rank)
+    res.gpus = sim.world_size
+    res.simulated = value
+    res.error_pct = 100.0 * (value / res.published - 1.0)
+    res.speed_ratio = _speed(res.metric, value) / _speed(res.metric, res.published)
+    res.step_time_s, res.sim_mfu, res.bubble_fraction = sim.step_time_s, sim.mfu, sim.bubble_fraction
+    res.peak_memory_gib, res.gpu_memory_gib, res.fits = peak / GIB, hbm / GIB, peak <= hbm
+    res.compile_s, res.simulate_s = t1 - t0, t2 - t1
+    return res
+
+
+def run_suite(suite: Suite, costmodel: str = "analytic", only: list[str] | None = None,
+              progress: Callable[[Result], None] | None = None) -> list[Result]:
+    """Simulate the suite's entries (those in `only`, when given), in file order."""
+    register_models(suite)
+    results = []
+    for entry in suite.entries:
+        if only is not None and entry["id"] not in only:
+            continue
+        res = run_entry(entry, costmodel, suite.path.parent)
+        if progress:
+            progress(res)
+        results.append(res)
+    return results
+
+
+# ----------------------------------------------------------------------------------- reporting
+
+
+@dataclass
+class RankingCheck:
+    id: str
+    order: list[str]
+    status: str  # PASS | FAIL | SKIP
+    simulated: list[float | None] = field(default_factory=list)
+    source: str = ""
+
+
+def check_rankings(suite: Suite, results: list[Result]) -> list[RankingCheck]:
+    """PASS when the simulated throughputs are strictly in the published order."""
+    by_id = {r.id: r for r in results}
+    out = []
+    for rk in suite.rankings:
+        order = rk["faster"]
+        got = [by_id.get(i) for i in order]
+        sims = [r.simulated if r and r.ok else None for r in got]
+        if any(v is None for v in sims):
+            status = "SKIP"
+        else:
+            speeds = [_speed(r.metric, r.simulated) for r in got]
+            status = "PASS" if all(a > b for a, b in zip(speeds, speeds[1:])) else "FAIL"
+        out.append(RankingCheck(id=rk["id"], order=list(order), status=status, simulated=sims, source=rk["source"]))
+    return out
+
+
+def summarize(results: list[Result]) -> dict[str, Any]:
+    """Median and max |error| (all runs, and without FP8 runs, which the simulator computes in BF16)."""
+    def stats(rs):
+        errs = [abs(r.error_pct) for r in rs]
+        return (statistics.median(errs) if errs else None, max(errs) if errs else None, len(errs))
+
+    ok = [r for r in results if r.ok]
+    med, mx, n = stats(ok)
+    med16, mx16, n16 = stats([r for r in ok if r.precision != "fp8"])
+    return {"runs": len(results), "simulated": n, "errors": len(results) - n,
+            "median_abs_error_pct": med, "max_abs_error_pct": mx,
+            "median_abs_error_pct_no_fp8": med16, "max_abs_error_pct_no_fp8": mx16, "runs_no_fp8": n16,
+            "not_fitting": [r.id for r in ok if r.fits is False],
+            "median_speed_ratio": statistics.median([r.speed_ratio for r in ok]) if ok else None}
+
+
+def results_frame(results: list[Result]):
+    """The results as a pandas DataFrame, one row per run."""
+    import pandas as pd
+
+    return pd.DataFrame([asdict(r) for r in results])
+
+
+def _num(v: float | None, width: int) -> str:
+    if v is None:
+        return "-".rjust(width)
+    if v >= 1e4:
+        s = f"{v:,.0f}"
+    elif v >= 100:
+        s = f"{v:.0f}"
+    elif v >= 10:
+        s = f"{v:.1f}"
+    else:
+        s = f"{v:.3g}"
+    return s.rjust(width)
+
+
+def format_table(results: list[Result], costmodel: str = "analytic") -> str:
+    w = max([len(r.id) for r in results] + [2])
+    head = (f"{'id':<{w}} {'GPUs':>5} {'prec':>4} {'metric':>11} {'published':>10} {'simulated':>10} "
+            f"{'error':>8} {'speed':>6} {'peak GiB':>8} {'GPU GiB':>7} {'fits':>4} {'pub GiB':>7}")
+    lines = [f"published-results suite, cost model: {costmodel}", head, "-" * len(head)]
+    for r in results:
+        if not r.ok:
+            lines.append(f"{r.id:<{w}} {'':>5} {r.precision:>4} {METRICS[r.metric].label:>11} "
+                         f"{_num(r.published, 10)} {'ERROR':>10}  {r.message}")
+            continue
+        lines.append(
+            f"{r.id:<{w}} {r.gpus:>5} {r.precision:>4} {METRICS[r.metric].label:>11} {_num(r.published, 10)} "
+            f"{_num(r.simulated, 10)} {r.error_pct:>+7.1f}% {r.speed_ratio:>5.2f}x {r.peak_memory_gib:>8.1f} "
+            f"{r.gpu_memory_gib:>7.1f} {'yes' if r.fits else 'NO':>4} "
+            f"{_num(r.published_memory_gib, 7) if r.published_memory_gib else '-'.rjust(7)}")
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict[str, Any], checks: list[RankingCheck]) -> str:
+    def pct(v):
+        return "-" if v is None else f"{v:.1f}%"
+
+    s = summary
+    lines = [
+        f"runs: {s['runs']} ({s['simulated']} simulated, {s['errors']} failed)",
+        f"|error|: median {pct(s['median_abs_error_pct'])}, max {pct(s['max_abs_error_pct'])}"
+        f"   without FP8 runs ({s['runs_no_fp8']}): median {pct(s['median_abs_error_pct_no_fp8'])}, "
+        f"max {pct(s['max_abs_error_pct_no_fp8'])}",
+        "median speed (simulated / published throughput): "
+        + ("-" if s["median_speed_ratio"] is None else f"{s['median_speed_ratio']:.2f}x"),
+        f"do not fit in GPU memory (simulated peak > GPU memory): "
+        + (", ".join(s["not_fitting"]) if s["not_fitting"] else "none"),
+        "",
+        f"rankings: {sum(c.status == 'PASS' for c in checks)} PASS, {sum(c.status == 'FAIL' for c in checks)} FAIL, "
+        f"{sum(c.status == 'SKIP' for c in checks)} SKIP",
+    ]
+    for c in checks:
+        sims = " > ".join("?" if v is None else _num(v, 0) for v in c.simulated)
+        lines.append(f"  {c.status:<4} {c.id}: {' > '.join(c.order)}   (simulated: {sims})")
+    return "\n".join(lines)
+
+
+def write_csv(results: list[Result], path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[fl.name for fl in fields(Result)])
+        w.writeheader()
+        for r in results:
+            w.writerow(asdict(r))
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def _check_costmodel(spec: str) -> None:
+    """Reject a cost-model spec no entry could use, before simulating anything."""
+    from costmodel.model import UnitCostModel
+
+    if spec.strip().lower() == "analytic":
+        return
+    if spec.strip().lower().startswith("unit"):
+        try:
+            UnitCostModel.parse(spec)
+        except ValueError as e:
+            raise SuiteError(f"--costmodel: {e}") from None
+    elif not Path(spec).is_file():
+        raise SuiteError(f"--costmodel: {spec!r} is not 'analytic', 'unit:...' or an existing calibration file")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--costmodel", default="analytic",
+                    help="'analytic' (default), 'unit:...', or a calibration .json (as piper-sim simulate)")
+    ap.add_argument("--csv", metavar="PATH", help="also write one row per run to this CSV file")
+    ap.add_argument("--only", action="append", metavar="ID",
+                    help="simulate only these entry ids (comma-separated, or repeat the flag)")
+    ap.add_argument("--suite", default=str(SUITE), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    try:
+        suite = load_suite(args.suite)
+        only = None
+        if args.only:
+            only = [i.strip() for arg in args.only for i in arg.split(",") if i.strip()]
+            known = {e["id"] for e in suite.entries}
+            unknown = [i for i in only if i not in known]
+            if unknown:
+                held = {h["id"] for h in suite.held_back}
+                why = " (held back: not simulated)" if set(unknown) <= held else ""
+                raise SuiteError(f"--only: unknown entry id(s) {', '.join(unknown)}{why}")
+        register_models(suite)
+        _check_costmodel(args.costmodel)
+    except SuiteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    def progress(r: Result) -> None:
+        t = "" if r.compile_s is None else f" (compile {r.compile_s:.1f} s, simulate {r.simulate_s:.1f} s)"
+        print(f"  {r.id}: {r.status}{t}", file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    results = run_suite(suite, args.costmodel, only, progress)
+    checks = check_rankings(suite, results)
+    print(format_table(results, args.costmodel))
+    print()
+    print(format_summary(summarize(results), checks))
+    if suite.held_back:
+        print(f"\nheld back (not simulated): "
+              + ", ".join(f"{h['id']} [{'+'.join(h['needs'])}]" for h in suite.held_back))
+    print(f"\n{len(results)} runs in {time.perf_counter() - t0:.0f} s")
+    if args.csv:
+        write_csv(results, args.csv)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

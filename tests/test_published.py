@@ -1,0 +1,191 @@
+"""The published-results suite (benchmarks/published): its data is well formed and cited, every
+strategy compiles, a few runs simulate end to end, and run.py reports (exit 0) or refuses a
+malformed suite (exit 2, one line).
+
+Fast: strategies with many micro-batches compile with 2 x PP of them (same model, cluster,
+degrees and micro-batch size); run.py compiles the full-size ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SUITE_DIR = ROOT / "benchmarks" / "published"
+
+
+def _load_module():
+    spec = importlib.util.spec_from_file_location("published_run", SUITE_DIR / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+R = _load_module()
+
+
+@pytest.fixture(scope="module")
+def suite():
+    """The suite, with its models registered in the zoo for this module only."""
+    from piper_sim.models import ZOO
+
+    saved = dict(ZOO)
+    s = R.load_suite()
+    R.register_models(s)
+    yield s
+    ZOO.clear()
+    ZOO.update(saved)
+
+
+def test_suite_has_enough_cited_runs(suite):
+    assert len(suite.entries) >= 12
+    for e in suite.entries + suite.held_back:
+        assert e["source"].strip(), e["id"]
+        assert isinstance(e["published"], (int, float)) and e["published"] > 0 and math.isfinite(e["published"])
+        assert e["metric"] in R.METRICS and e["precision"] in R.PRECISIONS
+    gpus = {int(e["setup"]["gpus"]) for e in suite.entries}
+    assert min(gpus) == 8 and max(gpus) >= 2048, sorted(gpus)
+
+
+def test_ids_are_unique(suite):
+    ids = [e["id"] for e in suite.entries + suite.held_back]
+    assert len(ids) == len(set(ids))
+    rids = [r["id"] for r in suite.rankings]
+    assert len(rids) == len(set(rids))
+
+
+def test_held_back_runs_say_what_they_need(suite):
+    assert any("tensor_parallel" in h["needs"] for h in suite.held_back)
+    for h in suite.held_back:
+        assert h["needs"] and all(isinstance(n, str) for n in h["needs"])
+
+
+def test_rankings_name_entries_in_published_order(suite):
+    by_id = {e["id"]: e for e in suite.entries}
+    for r in suite.rankings:
+        speeds = [R._speed(by_id[i]["metric"], by_id[i]["published"]) for i in r["faster"]]
+        assert speeds == sorted(speeds, reverse=True), r["id"]
+
+
+def test_setup_matches_strategy(suite):
+    """The strategy runs on the published number of GPUs with the published batch."""
+    from costmodel.hardware import parse_cluster
+
+    for e in suite.entries:
+        s = R.strategy_of(e)
+        assert parse_cluster(s["cluster"]).world_size == e["setup"]["gpus"], e["id"]
+        if "global_batch" in e["setup"]:
+            assert s["global_batch"] == e["setup"]["global_batch"], e["id"]
+        if "seq_len" in e["setup"]:
+            assert s["seq_len"] == e["setup"]["seq_len"], e["id"]
+
+
+def test_registered_models_match_published_parameter_counts(suite):
+    """Zoo models' heads are untied; the published counts tie the embedding (one vocab x h)."""
+    from piper_sim.models import get_config
+
+    checked = 0
+    for name, spec in suite.models.items():
+        if "published_params" in spec:
+            cfg = get_config(name)
+            ours = cfg.param_count() - cfg.vocab * cfg.hidden
+            assert ours == pytest.approx(spec["published_params"], rel=0.01), name
+            checked += 1
+    assert checked >= 5
+
+
+def _small(strategy: dict) -> dict:
+    """At most 2 x PP micro-batches (every schedule here accepts that), same micro-batch size."""
+    s = copy.deepcopy(strategy)
+    pp = next((d["degree"] for d in s["directives"] if d["op"] == "pipeline"), 1)
+    if s["microbatches"] > 2 * pp:
+        s["global_batch"] = s["global_batch"] // s["microbatches"] * 2 * pp
+        s["microbatches"] = 2 * pp
+    return s
+
+
+def test_every_strategy_compiles(suite):
+    from piper_sim.api import compile
+
+    for e in suite.entries:
+        plan = compile(_small(R.strategy_of(e)))
+        assert plan.world_size == e["setup"]["gpus"], e["id"]
+
+
+def test_runs_simulate_and_convert(suite):
+    ids = ["mpt-7b-h100x8", "zb-1.5b-zb1p-m32"]
+    results = R.run_suite(suite, only=ids)
+    assert [r.id for r in results] == ids
+    for r in results:
+        assert r.ok, r.message
+        assert r.simulated > 0 and r.step_time_s > 0 and r.peak_memory_gib > 0 and r.fits in (True, False)
+        assert r.error_pct == pytest.approx(100 * (r.simulated / r.published - 1))
+    mpt, zb = results
+    assert mpt.simulated == pytest.approx(48 * 2048 / mpt.step_time_s / 8)  # tokens/s/GPU
+    assert zb.simulated == pytest.approx(192 / zb.step_time_s / 8)  # samples/s/GPU
+    checks = {c.id: c.status for c in R.check_rankings(suite, results)}
+    assert set(checks.values()) == {"SKIP"}  # no ranking has both of its runs here
+    summary = R.summarize(results)
+    assert summary["simulated"] == 2 and summary["max_abs_error_pct"] >= summary["median_abs_error_pct"]
+    assert "mpt-7b-h100x8" in R.format_table(results)
+
+
+def test_gpu_hours_metric_is_inverse_throughput(suite):
+    class Sim:
+        tokens_per_s, world_size, step_time_s = 2048 * 1000.0, 2048, 1.0
+
+    assert R.METRICS["gpu_hours_per_trillion_tokens"].value(Sim, None) == pytest.approx(1e12 / 1000 / 3600)
+    assert not R.METRICS["gpu_hours_per_trillion_tokens"].higher_is_better
+
+
+def test_a_failing_strategy_is_reported_not_raised(suite):
+    e = copy.deepcopy(suite.entry("mpt-7b-h100x8"))
+    e["strategy"]["directives"] = [{"op": "data_parallel", "degree": 3}]
+    r = R.run_entry(e)
+    assert r.status == "error" and "\n" not in r.message and r.message
+
+
+def _write(tmp_path: Path, data) -> str:
+    p = tmp_path / "suite.yaml"
+    p.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return str(p)
+
+
+@pytest.mark.parametrize("breakage, expect", [
+    (lambda d: d["entries"][0].pop("source"), "missing field(s) source"),
+    (lambda d: d["entries"][1].update(id=d["entries"][0]["id"]), "duplicate id"),
+    (lambda d: d["entries"][0].update(published="fast"), "published must be a positive number"),
+    (lambda d: d["entries"][0].update(metric="tflops"), "unknown metric"),
+    (lambda d: d["rankings"][0]["faster"].reverse(), "contradicts the published numbers"),
+    (lambda d: d["rankings"][0]["faster"].append("nope"), "unknown entry id 'nope'"),
+    (lambda d: d["models"]["mpt-7b"].update(hiden=1), "models.mpt-7b"),
+])
+def test_malformed_suite_exits_2_with_one_line(tmp_path, capsys, breakage, expect):
+    data = yaml.safe_load((SUITE_DIR / "suite.yaml").read_text())
+    breakage(data)
+    assert R.main(["--suite", _write(tmp_path, data)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expect in err, err
+
+
+def test_unparsable_yaml_exits_2(tmp_path, capsys):
+    assert R.main(["--suite", _write(tmp_path, "entries: [\n")]) == 2
+    assert "malformed YAML" in capsys.readouterr().err
+
+
+def test_report_exits_0_and_writes_csv(tmp_path, capsys, suite):
+    out = tmp_path / "r.csv"
+    assert R.main(["--only", "mpt-7b-a100x8", "--csv", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "mpt-7b-a100x8" in text and "median" in text and "rankings:" in text
+    rows = out.read_text().splitlines()
+    assert len(rows) == 2 and rows[0].startswith("id,metric,published")
+    assert R.main(["--only", "no-such-run"]) == 2
