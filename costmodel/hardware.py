@@ -85,7 +85,8 @@ A100 = GPU(
     name="A100-80G",
     # bf16 [MLE-A][TT-U]; fp32 (non-tensor) 19.5 TFLOP/s from NVIDIA's datasheet (not in the note).
     peak_flops={"bf16": 312e12, "fp32": 19.5e12},
-    hbm_bytes=80e9, hbm_bw=2.039e12,  # [MLE-A] §1
+    # "80 GB" is 80 GiB: nvidia-smi reports 81920 MiB total on an A100 80GB; bandwidth [MLE-A] §1
+    hbm_bytes=81920 * 2**20, hbm_bw=2.039e12,
     nvlink_bw=235e9,  # measured nccl-tests all-reduce busbw, ≈80% of 300 GB/s [MLE-N]
     nic_bw=25e9,  # 200 Gb/s HDR IB per GPU [MEG21]
     mamf_eff=0.869,  # 271.2 / 312 [MLE-A]
@@ -95,7 +96,8 @@ H100 = GPU(
     name="H100",
     # [MLE-A][TT-U]; fp32 67 TFLOP/s from NVIDIA's datasheet (not in the note).
     peak_flops={"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12},
-    hbm_bytes=80e9, hbm_bw=3.35e12,  # [MLE-A] §1
+    # "80 GB" is 80 GiB: nvidia-smi reports 81559 MiB total on an H100 80GB HBM3; bandwidth [MLE-A] §1
+    hbm_bytes=81559 * 2**20, hbm_bw=3.35e12,
     # 8×H200 NVLink4 all-reduce busbw with NVLS off: 367.6 GB/s [MLE-B]; same NVLink4 (inferred).
     nvlink_bw=367.6e9,
     nic_bw=50e9,  # 400 Gb/s CX7 per GPU [L3 §3.3.1][TT-B]
@@ -105,7 +107,8 @@ H100 = GPU(
 H200 = dataclasses.replace(
     H100,
     name="H200",
-    hbm_bytes=141e9, hbm_bw=4.8e12,  # [MLE-A] §1
+    # "141 GB": nvidia-smi reports 143771 MiB total on an H200; bandwidth [MLE-A] §1
+    hbm_bytes=143771 * 2**20, hbm_bw=4.8e12,
     nvlink_bw=367.6e9,  # measured, NVLS off [MLE-B]
     nic_bw=50e9,  # 400 Gb/s, same HGX (inferred)
     mamf_eff=0.803,  # "H200 same" as H100 [MLE-A]
