@@ -36,7 +36,7 @@ class Setup:
     # (stage) -> list of (pp_rank, first_mb, end_mb): which copy runs which micro-batches
     placement: dict[int, list[tuple[int, int, int]]]
     orders: dict[int, list[Slot]]
-    recompute: set[int] = field(default_factory=set)
+    recompute: dict[int, str] = field(default_factory=dict)  # stage -> "full" | "selective"
     streams: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STREAMS))
     schedule: str = "custom"
     layers_per_stage: list[int] | str | None = None  # None: equal layer counts; "balanced": equal time
@@ -124,8 +124,8 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     placement: dict[int, list[tuple[int, int, int]]] = {}
     orders: dict[int, list[Slot]] = {}
     dp, zero, bucket_mb, ep = 1, 0, None, 1
-    recompute: set[int] = set()
-    recompute_all = False
+    recompute: dict[int, str] = {}
+    recompute_all: str | None = None
     streams = dict(DEFAULT_STREAMS)
     schedule = "custom"
     user_placed: set[int] = set()
@@ -151,12 +151,12 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
             dp, zero, bucket_mb = d["degree"], d.get("zero", 0), d.get("bucket_mb")
         elif op == "shard":
             ep = d["degree"]
-        elif op == "recompute":
-            stages = d.get("stages", "all")
+        elif op == "recompute":  # a later directive wins for the stages it names
+            stages, mode = d.get("stages", "all"), d.get("mode", "full")
             if stages == "all":
-                recompute_all = True
+                recompute_all, recompute = mode, {}
             else:
-                recompute |= set(stages)
+                recompute.update(dict.fromkeys(stages, mode))
         elif op == "stream":
             streams[d["kind"]] = d["name"]
         elif op == "segment":
@@ -179,8 +179,12 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
             pos = hi
         if pos != m:
             raise StrategyError(f"place: stage {stage} copies cover micro-batches up to {pos}, not {m}")
+    bad = sorted(s for s in recompute if s >= num_stages)
+    if bad:
+        raise StrategyError(f"directive recompute: field 'stages' names stage(s) {bad}, but there are "
+                            f"{num_stages} stages (0..{num_stages - 1})")
     if recompute_all:
-        recompute = set(range(num_stages))
+        recompute = {**dict.fromkeys(range(num_stages), recompute_all), **recompute}
     if zero and dp == 1 and max(len({r for r, _, _ in c}) for c in placement.values()) == 1:
         warnings.warn(f"replicate: zero={zero} on data-parallel degree 1 has nothing to shard; "
                       "it is ignored", stacklevel=2)

@@ -38,7 +38,7 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "replicate": ({"degree"}, {"zero", "bucket_mb", "stages"}),
     "shard": ({"degree"}, set()),
     "order": ({"pp_rank", "slots"}, {"from"}),
-    "recompute": (set(), {"stages"}),
+    "recompute": (set(), {"stages", "mode"}),
     "stream": ({"kind", "name"}, set()),
     "segment": ({"layers_per_stage"}, set()),
 }
@@ -47,6 +47,7 @@ TOP_LEVEL_FIELDS = {"model", "cluster", "global_batch", "seq_len", "microbatches
                     "dtype", "name", "seed"}
 STREAM_KINDS = ("SEND", "RECV", "ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 DTYPES = ("bf16", "fp16", "fp32")
+RECOMPUTE_MODES = ("full", "selective")
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Strategy:
             elif op == "expert_parallel":
                 parts.append(f"ep{d['degree']}")
             elif op == "recompute":
-                parts.append("recompute")
+                parts.append("recompute" + ("(selective)" if d.get("mode") == "selective" else ""))
         return " ".join(parts) or "single device"
 
 
@@ -126,6 +127,13 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
                               or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in lps)):
         raise StrategyError(f"{where} field 'layers_per_stage' must be \"balanced\" or a list of positive "
                             f"layer counts, one per stage (got {d['layers_per_stage']!r})")
+    if "mode" in d and d["mode"] not in RECOMPUTE_MODES:
+        raise StrategyError(f"{where} field 'mode' must be 'full' or 'selective' (got {d['mode']!r})")
+    if op == "recompute" and "stages" in d and d["stages"] != "all" and (
+            not isinstance(d["stages"], list)
+            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in d["stages"])):
+        raise StrategyError(f"{where} field 'stages' must be \"all\" or a list of stage indices >= 0 "
+                            f"(got {d['stages']!r})")
     if op == "order" and not isinstance(d["slots"], list):
         raise StrategyError(f"{where} field 'slots' must be a list of action strings like '0F1' or '(0F3;1B2)'")
     return d
