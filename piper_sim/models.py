@@ -279,6 +279,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out[..., :dv]
 
 
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+    """The attention core (scores, softmax, weighted sum). ``recompute``: selective
+    activation recomputation (Korthikanti et al. 2022) — keep only q, k, v and run the core
+    again in backward (``torch.utils.checkpoint``). With flash attention the core keeps no
+    ``s x s`` tensor anyway, so this frees only what the core alone saves (the softmax
+    log-sum-exp) and costs one more core forward."""
+    if recompute and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(attention, q, k, v, use_reentrant=False)
+    return attention(q, k, v)
+
+
+def attention_core_inputs(cfg: "ModelConfig", batch: int, seq: int, device="meta",
+                          dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tensors of the shapes one layer's attention core receives (q, k, v ``[B, heads, s, d]``)."""
+    B, s, H = batch, seq, cfg.n_heads
+    if cfg.attention == "mla":
+        qk = cfg.qk_nope_dim + cfg.qk_rope_dim
+        shapes = [(B, H, s, qk), (B, H, s, qk), (B, H, s, cfg.v_head_dim)]
+    else:
+        hd = cfg.head_dim
+        shapes = [(B, H, s, hd), (B, cfg.n_kv_heads, s, hd), (B, cfg.n_kv_heads, s, hd)]
+    q, k, v = (torch.empty(*shape, device=device, dtype=dtype, requires_grad=True) for shape in shapes)
+    return q, k, v
+
+
+def logits_bytes(cfg: "ModelConfig", tokens: int, dtype_bytes: int) -> int:
+    """Transient bytes of the head's logits: ``tokens x vocab`` in the model dtype plus the
+    fp32 copy the loss is computed on (none when the model is fp32)."""
+    return tokens * cfg.vocab * (dtype_bytes + (4 if dtype_bytes != 4 else 0))
+
+
 class GQAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -288,6 +321,7 @@ class GQAttention(nn.Module):
         self.wk = Linear(h, cfg.n_kv_heads * hd)
         self.wv = Linear(h, cfg.n_kv_heads * hd)
         self.wo = Linear(cfg.n_heads * hd, h)
+        self.recompute_core = False  # selective recomputation (see attention_core)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, (B, s, _) = self.cfg, x.shape
@@ -295,7 +329,7 @@ class GQAttention(nn.Module):
         k = self.wk(x).view(B, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(s, c.head_dim, c.rope_theta, x.device, x.dtype)
-        o = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        o = attention_core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, self.recompute_core)
         return self.wo(o.transpose(1, 2).reshape(B, s, -1))
 
 
@@ -320,6 +354,7 @@ class MLAttention(nn.Module):
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_dim + cfg.v_head_dim))
         self.wo = Linear(H * cfg.v_head_dim, h)
+        self.recompute_core = False  # selective recomputation (see attention_core)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, (B, s, _) = self.cfg, x.shape
@@ -332,7 +367,7 @@ class MLAttention(nn.Module):
         cos, sin = rope_cos_sin(s, rope, c.rope_theta, x.device, x.dtype)
         q_pe = apply_rope(q_pe, cos, sin)
         k_pe = apply_rope(k_pe.view(B, 1, s, rope), cos, sin).expand(B, H, s, rope)
-        o = attention(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v)
+        o = attention_core(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v, self.recompute_core)
         return self.wo(o.transpose(1, 2).reshape(B, s, -1))
 
 

@@ -1,0 +1,150 @@
+"""Activation memory per segment under each recompute mode, and the fits verdict.
+
+What a segment keeps from its forward to its backward, per micro-batch:
+
+``none``       every tensor autograd saves (the profile's ``saved_act_bytes``).
+``selective``  Korthikanti et al. 2022: the attention core (scores, softmax, weighted sum)
+               runs again in backward. It is *measured* like the profile, on ``meta``, with
+               the core under ``torch.utils.checkpoint`` (what the executor runs): the core's
+               inputs q, k, v stay, what only the core saves goes. With flash attention
+               the core saves no ``s x s`` tensor, so this frees only the softmax
+               log-sum-exp (GQA: ``4·B·heads·s`` bytes per layer; MLA also its padded v and
+               output) and costs one attention-core forward per layer in backward.
+``full``       every layer (and, cut by expert parallelism, every ``pre``/``experts`` piece)
+               and the head is a checkpoint: it keeps its input only (``B·s·h`` in the model
+               dtype; the dispatched tokens for an expert block), and its backward recomputes
+               it, so one unit's saved activations (its *working set*) are alive during that
+               unit's backward. The embedding (no flops; it keeps the token ids) is not.
+
+Temporary buffers (alive only while an op runs): the head's logits, ``B·s·V`` in the model
+dtype plus the fp32 copy the loss reads (`models.logits_bytes`), in the head's forward and
+backward. All-to-all receive buffers, ZeRO gathered parameters and unsharded gradient
+buckets are counted by the IR on the ops that hold them (see ``piper_sim.ir.memory_pass``).
+
+`fits` is the one check of a peak against a GPU's memory, used by the simulator's verdict
+and by the explorer.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from piper_sim.models import ModelConfig, attention, attention_core_inputs, build_units, logits_bytes
+from piper_sim.profiling import SegmentCost, measure, segment_kind
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+_RECOMPUTED_KINDS = ("dense", "moe_pre", "moe_experts", "head")
+
+
+@dataclass(frozen=True)
+class SegmentMemory:
+    """Memory facts of one segment for one micro-batch (bytes; flops for the core)."""
+
+    kind: str            # embed | dense | moe_pre | moe_experts | head
+    saved: float         # kept F -> B without recompute (the profile's saved_act_bytes)
+    selective: float     # kept F -> B with the attention core recomputed
+    checkpoint: float    # kept F -> B under full recompute (its input), if recomputed
+    temp: float          # transient bytes during its forward and its backward (head logits)
+    core_flops: float    # forward flops of its attention core (what selective recomputes)
+    a2a_bytes: float = 0.0
+
+    @property
+    def recomputed(self) -> bool:
+        """Whether full recompute checkpoints this segment (layers and head, not the embedding)."""
+        return self.kind in _RECOMPUTED_KINDS
+
+    def kept(self, mode: str, split_experts: bool = True) -> float:
+        """Bytes kept from forward to backward under ``mode``. An expert block that is not
+        cut out of its layer (no expert parallelism) is inside the layer's checkpoint."""
+        if mode == "selective":
+            return self.selective
+        if mode == "full" and self.recomputed:
+            if self.kind == "moe_experts" and not split_experts:
+                return 0.0
+            return self.checkpoint
+        return self.saved
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(saved bytes with the attention core recomputed, attention-core forward flops) of a
+    ``dense`` layer or a MoE ``pre`` segment, measured on ``meta``."""
+    layer = 0 if kind == "dense" else cfg.first_dense
+    block = build_units(cfg, [f"layers.{layer}"], device="meta", dtype=dtype)[f"layers.{layer}"]
+    block.attn.recompute_core = True
+    x = torch.empty(micro_batch, seq, cfg.hidden, device="meta", dtype=dtype, requires_grad=True)
+    if kind == "dense":
+        fn, params = block, list(block.parameters())
+    else:
+        experts = {id(p) for p in block.moe.experts.parameters()}
+        fn, params = block.forward_pre, [p for p in block.parameters() if id(p) not in experts]
+    saved = measure(fn, [x], params).saved_act_bytes
+    core = measure(attention, list(attention_core_inputs(cfg, micro_batch, seq, dtype=dtype)), [])
+    return saved, core.fwd_flops
+
+
+def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: int,
+                   dtype: torch.dtype) -> SegmentMemory:
+    kind = segment_kind(cfg, seg.name)
+    nbytes = dtype.itemsize
+    selective, core_flops, checkpoint, temp = float(seg.saved_act_bytes), 0.0, 0.0, 0.0
+    if kind in ("dense", "moe_pre"):
+        sel, core_flops = _layer_measure(cfg, kind, micro_batch, seq, dtype)
+        selective = float(sel)
+        checkpoint = float(seg.tokens * cfg.hidden * nbytes)
+    elif kind == "moe_experts":
+        checkpoint = float(seg.a2a_bytes)
+    elif kind == "head":
+        checkpoint = float(seg.tokens * cfg.hidden * nbytes)
+        temp = float(logits_bytes(cfg, seg.tokens, nbytes))
+    return SegmentMemory(kind=kind, saved=float(seg.saved_act_bytes), selective=selective,
+                         checkpoint=checkpoint, temp=temp, core_flops=float(core_flops),
+                         a2a_bytes=float(seg.a2a_bytes))
+
+
+def model_memory(cfg: ModelConfig, segments: list[SegmentCost], micro_batch: int, seq: int,
+                 dtype: torch.dtype) -> dict[str, SegmentMemory]:
+    """`SegmentMemory` of every segment, by segment name."""
+    return {s.name: segment_memory(cfg, s, micro_batch, seq, dtype) for s in segments}
+
+
+@dataclass(frozen=True)
+class PieceMemory:
+    """Activation memory of one compute piece (a set of segments run one after another)."""
+
+    kept: float      # F -> backward
+    temp: float      # transient during F and during the backward (largest of its segments)
+    working: float   # transient during the backward: recomputed activations of one unit
+    rerun: float     # what a BI that re-runs the piece's forward keeps for BW (full recompute)
+
+
+def piece_memory(mems: list[tuple[str, SegmentMemory]], mode: str, split_experts: bool) -> PieceMemory:
+    """``mems``: (unit, memory) of the piece's segments in order. Under full recompute the
+    backward recomputes one unit at a time: its working set is the largest unit's saved
+    activations; under selective one attention core at a time (what it alone saves)."""
+    kept = sum(m.kept(mode, split_experts) for _, m in mems)
+    temp = max((m.temp for _, m in mems), default=0.0)
+    working = rerun = 0.0
+    if mode == "full":
+        per_unit: dict[str, float] = {}
+        for unit, m in mems:
+            if m.recomputed:
+                per_unit[unit] = per_unit.get(unit, 0.0) + m.saved
+        working = max(per_unit.values(), default=0.0)
+        rerun = sum(per_unit.values())
+    elif mode == "selective":
+        working = max((m.saved - m.selective for _, m in mems), default=0.0)
+    return PieceMemory(kept=kept, temp=temp, working=working, rerun=rerun)
+
+
+# ----------------------------------------------------------------------------- verdict
+
+
+def fits(peak_bytes: float, capacity_bytes: float) -> bool:
+    """Whether a rank whose memory peaks at ``peak_bytes`` fits a device of
+    ``capacity_bytes`` (the catalog's HBM per GPU). The one check the simulator's verdict
+    and the explorer both use."""
+    return peak_bytes <= capacity_bytes
