@@ -12,8 +12,9 @@ from costmodel import operators
 from costmodel.hardware import GPU, H100, parse_cluster
 from costmodel.memory import model_state_bytes
 from piper_sim.directives import Setup, expand, resolve
-from piper_sim.ir import Context, Node, StageCost, TrainingDAG, optimizer_pass, order_pass, place_pass, \
-    replicate_pass, shard_pass, split_pass
+from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memory_pass, grad_bucket_memory, \
+    optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, unit_buckets
+from piper_sim.memory import model_memory
 from piper_sim.models import ModelConfig, get_config
 from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
@@ -162,15 +163,18 @@ def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Con
     import torch
 
     cfg, setup, layout, mbs = _setup_and_layout(strategy)
-    segments = profile_model(cfg, mbs, strategy.seq_len, getattr(torch, _TORCH_DTYPE[strategy.dtype]))
+    dtype = getattr(torch, _TORCH_DTYPE[strategy.dtype])
+    segments = profile_model(cfg, mbs, strategy.seq_len, dtype)
     gpu = parse_cluster(strategy.cluster).gpu
     ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage, gpu),
-                  layout=layout,
-                  dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded)
+                  layout=layout, dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded,
+                  memory=model_memory(cfg, segments, mbs, strategy.seq_len, dtype))
     dag = TrainingDAG()
     kinds = split_pass(ctx)
     place_pass(ctx, dag, kinds)
-    shard_pass(ctx, dag)
+    piece_pass(ctx, dag)
+    recompute_pass(ctx, dag)
+    activation_memory_pass(ctx, dag)
     replicate_pass(ctx, dag)
     optimizer_pass(ctx, dag)
     sequences = order_pass(ctx, dag)
@@ -180,6 +184,7 @@ def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Con
         ops = " -> ".join(f"{dag.ins(a).id}@{a[0]}" for a, _ in cycle)
         raise StrategyError(f"order: the schedule deadlocks; these ops wait on each other: {ops}")
     ctx.sequences = sequences
+    grad_bucket_memory(ctx, dag)
     return dag, ctx, cfg
 
 
@@ -193,13 +198,18 @@ def _prefetch_edges(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> None:
                     dag.edge(seq[i - 2], p, "temporal")
 
 
-def _issued_before(dag: TrainingDAG, n: Node) -> Node | None:
+def _issued_before(dag: TrainingDAG, n: Node, previous: dict[Node, Node]) -> Node | None:
     """The op a node is issued just before, for ops that wait on another rank and would
-    otherwise block their in-order stream too early: RECVs, ZeRO-3 prefetch gathers, and
-    all-to-alls inside a stage (issued before the piece that consumes them)."""
+    otherwise block their in-order stream too early: RECVs, all-to-alls inside a stage
+    (issued before the piece that consumes them) and ZeRO-3 gathers, issued before the
+    compute op that precedes their consumer (``previous``), so the gather of unit i+1 is
+    on its stream ahead of unit i's reduce-scatter and runs while unit i computes."""
     ins = dag.ins(n)
     local = [q for q in dag.g.successors(n) if q[0] == n[0]]
-    if ins.kind == "RECV" or (ins.kind == "ALL_GATHER" and ins.mb >= 0):
+    if ins.kind == "ALL_GATHER" and ins.mb >= 0:
+        consumer = next((q for q in local if dag.ins(q).kind in ("F", "B", "BI")), None)
+        return previous.get(consumer, consumer) if consumer is not None else None
+    if ins.kind == "RECV":
         return local[0] if local else None
     if ins.kind == "ALL_TO_ALL":
         family = "F" if ins.id.startswith("A2A.F") else "B"
@@ -225,7 +235,8 @@ def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node
     orders: dict[int, list[Node]] = {w: [] for w in by_where}
     for n in nx.topological_sort(dag.g):  # one global order, split per rank
         orders[n[0]].append(n)
-    before = {n: _issued_before(dag, n) for n in dag.g.nodes}
+    previous = {b: a for seq in sequences.values() for a, b in zip(seq, seq[1:])}
+    before = {n: _issued_before(dag, n, previous) for n in dag.g.nodes}
     for _ in range(4):
         key: dict[Node, float] = {}
         for where, topo in orders.items():
@@ -343,13 +354,18 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
         "dtype": strategy.dtype, "zero": ctx.setup.zero, "seed": strategy.seed,
         "num_stages": ctx.setup.num_stages,
         "stage_units": [sorted({x.unit for x in sc.segments}, key=_unit_order) for sc in ctx.stages],
-        # the pieces F/B/BI ops are cut into (``.p{i}`` op ids) when expert-parallel
-        "stage_parts": [[[x.name for x in part] for part in sc.parts(layout.ep)] for sc in ctx.stages],
+        # the pieces F/B/BI ops are cut into (``.p{i}`` op ids): around expert blocks, per unit under ZeRO-3
+        "stage_parts": [[[x.name for x in part] for part in ctx.parts(sc.stage)] for sc in ctx.stages],
         "model_flops_per_step": _model_flops(ctx, strategy),
         "tokens_per_step": strategy.global_batch * strategy.seq_len,
     }
     if cfg.is_moe:  # what the cost model's expert all-to-all traffic depends on (costmodel.moe)
         meta["moe"] = {"top_k": cfg.top_k, "n_experts": cfg.n_experts}
+    if ctx.setup.zero == 3:  # the segments of each gathered bucket, per stage and sync group
+        meta["zero3_buckets"] = [{tag: [[x.name for x in b] for b in bs] for tag, bs in unit_buckets(ctx, s).items()}
+                                 for s in range(ctx.setup.num_stages)]
+    if ctx.setup.recompute:  # stage -> "full" | "selective"
+        meta["recompute"] = {str(s): mode for s, mode in sorted(ctx.setup.recompute.items())}
     plan = Plan(layout=layout, classes=classes, meta=meta, kernels=dict(ctx.kernels))
     return Compiled(plan=plan, dag=dag, setup=ctx.setup, config=cfg, compile_s=time.perf_counter() - t0)
 

@@ -7,8 +7,14 @@ Edges carry ``kind``: ``data``, ``temporal`` or ``p2p`` (a SEND to its RECV).
 
 Passes run in a fixed order, whatever the order of the directives:
 ``split`` -> ``backward split`` (from ``order``) -> ``place`` (+ SEND/RECV) ->
-``shard`` (expert all-to-alls) -> ``recompute`` -> ``replicate`` (DP/ZeRO collectives)
--> ``order`` (temporal edges, overlapped pairs).
+``pieces`` (F/B/BI cut around expert blocks with all-to-alls under EP, per unit under
+ZeRO-3) -> ``recompute`` + activation memory -> ``replicate`` (DP/ZeRO collectives) ->
+``order`` (temporal edges, overlapped pairs) -> gradient-bucket memory.
+
+Memory (``alloc`` at an op's start, ``free`` at its end) is set by `activation_memory_pass`
+(activations per recompute mode, temporaries, all-to-all buffers; see
+``piper_sim.memory``), `replicate_pass` (ZeRO-3 gathered units) and `grad_bucket_memory`
+(unsharded ZeRO-2/3 gradient buckets).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import networkx as nx
 
 from piper_sim import kernels
 from piper_sim.directives import Setup
+from piper_sim.memory import SegmentMemory, piece_memory
 from piper_sim.plan import Instruction, Layout
 from piper_sim.profiling import SegmentCost
 from piper_sim.strategy import StrategyError
@@ -43,16 +50,19 @@ class StageCost:
     def experts(self) -> list[SegmentCost]:
         return [s for s in self.segments if s.is_expert]
 
-    def parts(self, ep: int) -> list[list[SegmentCost]]:
-        """Pieces of the stage cut around expert blocks (only when expert-parallel)."""
-        if ep == 1 or not self.experts:
+    def parts(self, ep: int, per_unit: bool = False) -> list[list[SegmentCost]]:
+        """Pieces of the stage: cut around expert blocks when expert-parallel, and between
+        units (FSDP-style, one gathered unit per piece) when ``per_unit``."""
+        if (ep == 1 or not self.experts) and not per_unit:
             return [self.segments]
         out: list[list[SegmentCost]] = [[]]
         for seg in self.segments:
-            if seg.is_expert:
+            if seg.is_expert and ep > 1:
                 out.append([seg])
                 out.append([])
             else:
+                if per_unit and out[-1] and out[-1][-1].unit != seg.unit:
+                    out.append([])
                 out[-1].append(seg)
         return [p for p in out if p]
 
@@ -70,6 +80,7 @@ class Context:
     sequences: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # per rank, set by order_pass
     kernels: dict[str, tuple] = field(default_factory=dict)  # operator-level tables by key (Plan.kernels)
     _kernel_keys: dict[tuple, str] = field(default_factory=dict, repr=False)
+    memory: dict[str, SegmentMemory] = field(default_factory=dict)  # per segment name (piper_sim.memory)
 
     def kernel_table(self, kind: str, segs: list[SegmentCost], recompute: bool) -> str:
         """Key of the operator-level table of one compute op over ``segs`` (shared by
@@ -97,6 +108,15 @@ class Context:
             self.kernels[key] = rows
         self._kernel_keys[memo] = key
         return key
+
+    def per_unit(self, stage: int) -> bool:
+        """ZeRO-3 with someone to shard with: F/B/BI run one unit at a time, each on its own
+        gathered unit (FSDP)."""
+        return self.setup.zero == 3 and len(self.layout.stage_ranks[stage]) * self.layout.dp > 1
+
+    def parts(self, stage: int) -> list[list[SegmentCost]]:
+        """The pieces F/B/BI of a stage are cut into (``.p{i}`` op ids when more than one)."""
+        return self.stages[stage].parts(self.layout.ep, self.per_unit(stage))
 
     def replicas(self) -> list[int]:
         return [0] if self.folded else list(range(self.layout.dp))
@@ -200,22 +220,16 @@ def place_pass(ctx: Context, dag: TrainingDAG, kinds: dict[tuple[int, int], list
     for d in ctx.replicas():
         for s in range(S):
             sc = ctx.stages[s]
-            rec = s in setup.recompute
+            rec = setup.recompute.get(s) == "full"  # selective: see recompute_pass
             for mb in range(setup.microbatches):
                 w = ctx.where(setup.rank_of(s, mb), d)
-                f = _compute(ctx, "F", s, mb, sc.segments)
-                f.alloc = (sc.segments[0].out_bytes if rec else sum(x.saved_act_bytes for x in sc.segments))
-                fn = dag.add(w, f)
+                fn = dag.add(w, _compute(ctx, "F", s, mb, sc.segments))
                 if kinds[(s, mb)] == ["F", "B"]:
-                    b = _compute(ctx, "B", s, mb, sc.segments, rec)
-                    b.free = f.alloc
-                    bn = dag.add(w, b)
+                    bn = dag.add(w, _compute(ctx, "B", s, mb, sc.segments, rec))
                     dag.edge(fn, bn)
                 else:
                     bi = _compute(ctx, "BI", s, mb, sc.segments, rec)
                     bw = _compute(ctx, "BW", s, mb, sc.segments)
-                    bi.free = f.alloc * (1 - BW_KEEP_FRACTION)
-                    bw.free = f.alloc * BW_KEEP_FRACTION
                     bin_, bwn = dag.add(w, bi), dag.add(w, bw)
                     dag.edge(fn, bin_)
                     dag.edge(bin_, bwn)
@@ -260,25 +274,24 @@ def _link(dag: TrainingDAG, ctx: Context, src: Node, dst: Node, src_pp: int, dst
     dag.edge(recv, dst)
 
 
-def shard_pass(ctx: Context, dag: TrainingDAG) -> None:
-    """Expert parallel: cut F and B/BI of stages with expert blocks into pieces with
-    all-to-all dispatch before and combine after each expert block (mirrored in backward)."""
-    ep = ctx.layout.ep
-    if ep == 1:
-        return
+def piece_pass(ctx: Context, dag: TrainingDAG) -> None:
+    """Cut F and B/BI into pieces (`Context.parts`): under expert parallelism around each
+    expert block, with all-to-all dispatch before and combine after it (mirrored in
+    backward); under ZeRO-3 one piece per unit, each to run on its own gathered unit.
+    BW is not cut (under EP its expert share is the ``expert_flops`` field)."""
     by_stage: dict[int, list[Node]] = {}
     for n in dag.g.nodes:
         if dag.ins(n).kind in ("F", "B", "BI", "BW"):
             by_stage.setdefault(dag.ins(n).stage, []).append(n)
     for sc in ctx.stages:
-        parts = sc.parts(ep)
+        parts = ctx.parts(sc.stage)
         if len(parts) == 1:
             continue
         for node in by_stage.get(sc.stage, []):
-            if dag.ins(node).kind == "BW":  # not cut: its expert share is a field
-                dag.ins(node).expert_flops = float(sum(x.bwd_weight_flops for x in sc.experts))
-            else:
+            if dag.ins(node).kind != "BW":
                 _split_node(ctx, dag, node, parts)
+            elif ctx.layout.ep > 1 and sc.experts:  # not cut: its expert share is a field
+                dag.ins(node).expert_flops = float(sum(x.bwd_weight_flops for x in sc.experts))
 
 
 def _split_node(ctx: Context, dag: TrainingDAG, node: Node, parts: list[list[SegmentCost]]) -> None:
@@ -289,7 +302,6 @@ def _split_node(ctx: Context, dag: TrainingDAG, node: Node, parts: list[list[Seg
     dag.g.remove_node(node)
     forward = old.kind == "F"
     seq = list(range(len(parts))) if forward else list(reversed(range(len(parts))))
-    total_act = sum(x.saved_act_bytes for x in sum(parts, []))
     chain: list[Node] = []
     expert_idx = {p: k for k, p in enumerate(i for i, part in enumerate(parts) if part and part[0].is_expert)}
     for pos, i in enumerate(seq):
@@ -298,12 +310,10 @@ def _split_node(ctx: Context, dag: TrainingDAG, node: Node, parts: list[list[Seg
             continue
         ins = _compute(ctx, old.kind, old.stage, old.mb, segs, old.recompute, suffix=f".p{i}")
         ins.part, ins.parts = i, len(parts)
-        share = sum(x.saved_act_bytes for x in segs) / total_act if total_act else 0.0
-        ins.alloc, ins.free = old.alloc * share, old.free * share
-        is_expert = segs[0].is_expert
+        is_expert = segs[0].is_expert and ctx.layout.ep > 1
         if is_expert:
             ins.expert_flops = float(ins.flops)
-        if is_expert:  # all-to-all into the expert block
+            # all-to-all into the expert block
             e = expert_idx[i]
             name = "dispatch" if forward else "combine"
             chain.append(_a2a(ctx, dag, where, old, e, name, segs[0].a2a_bytes))
@@ -330,6 +340,106 @@ def _a2a(ctx: Context, dag: TrainingDAG, where: int, old: Instruction, e: int, n
                                       bytes=nbytes, group=ctx.group("ep", where), a2a=direction))
 
 
+def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
+    """Selective recompute: each backward piece (B/BI) of a selective stage runs the
+    forward of its attention cores again (full recompute is priced by ``_compute``)."""
+    for n in dag.g.nodes:
+        ins = dag.ins(n)
+        if ins.kind in ("B", "BI") and ctx.setup.recompute.get(ins.stage) == "selective":
+            ins.flops += sum(ctx.memory[x.name].core_flops for x in ctx.parts(ins.stage)[ins.part])
+            ins.recompute = True
+
+
+def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
+    """``alloc``/``free`` of compute ops and all-to-alls (see ``piper_sim.memory``).
+
+    Per piece (`memory.piece_memory`): F takes what the piece keeps (+ temporaries while it
+    runs); B frees it, holding the recompute working set and temporaries while it runs. A
+    BI/BW split leaves ``BW_KEEP_FRACTION`` of the kept activations to BW; under full
+    recompute BI runs the piece's forward again and keeps that graph for BW.
+    All-to-all receive buffers: the forward dispatch's is the expert block's input (part of
+    what its piece keeps); the forward combine's (expert outputs back home) is kept for the
+    backward of the weighted sum (until the backward combine); backward ones live until the
+    piece that consumes them ends."""
+    ep = ctx.layout.ep
+    cache: dict[tuple[int, int], object] = {}
+
+    def piece(stage: int, part: int):
+        key = (stage, part)
+        if key not in cache:
+            mode = ctx.setup.recompute.get(stage, "none")
+            segs = ctx.parts(stage)[part]
+            cache[key] = piece_memory([(x.unit, ctx.memory[x.name]) for x in segs], mode, ep > 1)
+        return cache[key]
+
+    keep = BW_KEEP_FRACTION
+    for n in dag.g.nodes:
+        ins = dag.ins(n)
+        if ins.kind not in ("F", "B", "BI", "BW"):
+            continue
+        full = ctx.setup.recompute.get(ins.stage) == "full"
+        if ins.kind == "BW":  # one op for the whole stage
+            pms = [piece(ins.stage, i) for i in range(len(ctx.parts(ins.stage)))]
+            ins.free = keep * sum(p.kept + (p.rerun if full else 0.0) for p in pms)
+            continue
+        p = piece(ins.stage, ins.part)
+        if ins.kind == "F":
+            ins.alloc, ins.free = p.kept + p.temp, p.temp
+        elif ins.kind == "B":
+            ins.alloc, ins.free = p.working + p.temp, p.kept + p.working + p.temp
+        elif full:
+            ins.alloc, ins.free = p.rerun + p.temp, p.temp + (1 - keep) * (p.kept + p.rerun)
+        else:
+            ins.alloc, ins.free = p.working + p.temp, p.working + p.temp + (1 - keep) * p.kept
+    for n in list(dag.g.nodes):
+        ins = dag.ins(n)
+        if ins.kind != "ALL_TO_ALL":
+            continue
+        ins.alloc = ins.bytes
+        forward, dispatch = ins.id.startswith("A2A.F."), ins.id.endswith(".dispatch")
+        if forward and not dispatch:
+            back = (n[0], "A2A.B." + ins.id[len("A2A.F."):])
+            dag.ins(back).free += ins.bytes
+            continue
+        consumer = next(q for q in dag.g.successors(n) if q[0] == n[0] and dag.ins(q).kind in ("F", "B", "BI"))
+        c = dag.ins(consumer)
+        if forward:  # the buffer becomes what the expert piece keeps
+            c.alloc -= min(ins.bytes, c.alloc - c.free)
+        else:
+            c.free += ins.bytes
+
+
+def unit_buckets(ctx: Context, stage: int) -> dict[str, list[list[SegmentCost]]]:
+    """ZeRO-3 buckets of a stage per sync group (``""`` dense, ``".e"`` local experts under
+    EP): one unit each, or consecutive whole units up to ``bucket_mb`` MB."""
+    layout, sc = ctx.layout, ctx.stages[stage]
+    groups = {"": [x for x in sc.segments if not (x.is_expert and layout.ep > 1)]}
+    if layout.ep > 1 and sc.experts:
+        groups[".e"] = sc.experts
+    out: dict[str, list[list[SegmentCost]]] = {}
+    limit = None if ctx.setup.bucket_mb is None else ctx.setup.bucket_mb * 2**20
+    for tag, segs in groups.items():
+        scale = layout.ep if tag else 1
+        units: list[list[SegmentCost]] = []
+        for x in segs:
+            if units and units[-1][-1].unit == x.unit:
+                units[-1].append(x)
+            else:
+                units.append([x])
+        buckets: list[list[SegmentCost]] = []
+        size = 0.0
+        for u in units:
+            nbytes = sum(x.param_bytes for x in u) / scale
+            if buckets and limit is not None and size + nbytes <= limit:
+                buckets[-1] += u
+                size += nbytes
+            else:
+                buckets.append(list(u))
+                size = nbytes
+        out[tag] = buckets
+    return out
+
+
 def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
     """Data parallel: gradient sync after a stage's backward, ZeRO sharding comms."""
     setup, layout = ctx.setup, ctx.layout
@@ -353,8 +463,11 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
             param_bytes = sum(x.param_bytes for x in segs) / (layout.ep if tag else 1)
             if size == 1 or param_bytes == 0:
                 continue
-            buckets = _buckets(param_bytes, setup.bucket_mb, len({x.unit for x in segs}))
             group = ctx.group(symbolic, where)
+            if zero == 3:  # per_unit(s) holds: the dense group has peers
+                _zero3_per_unit(ctx, dag, where, s, nodes, tag, unit_buckets(ctx, s)[tag], size, group, opt)
+                continue
+            buckets = _buckets(param_bytes, setup.bucket_mb, len({x.unit for x in segs}))
             n_b = len(buckets)
             for b, nbytes in enumerate(buckets):
                 # bucket b (in parameter order) has its gradients once the backward reached it
@@ -375,34 +488,75 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                                                     stream=stream["ALL_GATHER"], stage=s, bytes=nbytes,
                                                     group=group))
                     dag.edge(opt, ag)
-                elif zero == 3:
-                    _zero3_gathers(ctx, dag, where, s, nodes, tag, b, nbytes, size, group)
 
 
-def _zero3_gathers(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: list[Node], tag: str,
-                   b: int, nbytes: float, size: int, group: str) -> None:
-    """ZeRO-3: all-gather a bucket before each forward and backward; drop it after."""
-    gathered = nbytes * (size - 1) / size
-    count = {"F": 0, "B": 0}
-    for n in sorted(nodes, key=lambda n: (dag.ins(n).mb, dag.ins(n).part)):
+def _zero3_per_unit(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: list[Node], tag: str,
+                    buckets: list[list[SegmentCost]], size: int, group: str, opt: Node) -> None:
+    """ZeRO-3, FSDP-style: before each forward and backward (B/BI) of the stage, all-gather
+    each bucket (a unit) just for the pieces that use it, and drop it when the last of
+    them ends (the compiler lets a gather start once the compute op two places before its
+    consumer ended: one unit of prefetch). BW does not read the parameters (weight
+    gradients need activations and output gradients only), so a BI piece drops its unit
+    too. The gradients of a bucket are reduce-scattered once the backward pieces that
+    produce them ran (B), or as the weight pass reaches them (BW)."""
+    stream = ctx.setup.streams
+    part_names = [{x.name for x in p} for p in ctx.parts(s)]
+    passes: dict[tuple[str, int], list[Node]] = {}
+    for n in nodes:
         ins = dag.ins(n)
-        if ins.kind not in ("F", "B", "BI"):
+        if ins.kind in ("F", "B", "BI"):
+            passes.setdefault(("F" if ins.kind == "F" else "B", ins.mb), []).append(n)
+    n_b = len(buckets)
+    bws = [n for n in nodes if dag.ins(n).kind == "BW"]
+    for b, bucket in enumerate(buckets):
+        names = {x.name for x in bucket}
+        nbytes = sum(x.param_bytes for x in bucket) / (ctx.layout.ep if tag else 1)
+        gathered = nbytes * (size - 1) / size
+        for pas in ("F", "B"):
+            # numbered per copy (i-th forward of this stage here), so DualPipe's two copies match
+            for i, mb in enumerate(sorted(mb for p, mb in passes if p == pas)):
+                pieces = sorted(passes[(pas, mb)], key=lambda n: dag.ins(n).part, reverse=pas == "B")
+                users = [n for n in pieces if part_names[dag.ins(n).part] & names]
+                ag = dag.add(where, Instruction(id=f"AG.{pas}.s{s}.i{i}{tag}.b{b}", kind="ALL_GATHER",
+                                                stream=stream["ALL_GATHER"], stage=s, mb=mb, bytes=nbytes,
+                                                group=group, alloc=gathered))
+                dag.edge(ag, users[0])
+                dag.ins(users[-1]).free += gathered
+        rs = dag.add(where, Instruction(id=f"RS.s{s}{tag}.b{b}", kind="REDUCE_SCATTER",
+                                        stream=stream["REDUCE_SCATTER"], stage=s, bytes=nbytes, group=group,
+                                        dep_progress=(n_b - b) / n_b if bws else 1.0))
+        for n in nodes:
+            ins = dag.ins(n)
+            if ins.kind == "B" and part_names[ins.part] & names or ins.kind == "BW":
+                dag.edge(n, rs)
+        dag.edge(rs, opt)
+
+
+def grad_bucket_memory(ctx: Context, dag: TrainingDAG) -> None:
+    """ZeRO-2/3 keep only a gradient shard between steps: a bucket's unsharded gradients
+    exist from the first backward that produces them (in the rank's compute order) until
+    its reduce-scatter ends (the local shard is in the static memory)."""
+    if ctx.setup.zero < 2:
+        return
+    position = {n: i for seq in ctx.sequences.values() for i, n in enumerate(seq)}
+    for n in dag.g.nodes:
+        ins = dag.ins(n)
+        if ins.kind != "REDUCE_SCATTER":
             continue
-        first, last = (0, ins.parts - 1) if ins.kind == "F" else (ins.parts - 1, 0)
-        if ins.part != first:
+        producers = [p for p in dag.g.predecessors(n) if p[0] == n[0] and dag.ins(p).kind in ("B", "BW")]
+        if not producers:
             continue
-        pas = "F" if ins.kind == "F" else "B"
-        # numbered per copy (i-th forward of this stage), so DualPipe's two copies match
-        i = count[pas]
-        count[pas] += 1
-        ag = dag.add(where, Instruction(id=f"AG.{pas}.s{s}.i{i}{tag}.b{b}", kind="ALL_GATHER",
-                                        stream=ctx.setup.streams["ALL_GATHER"], stage=s, mb=ins.mb,
-                                        bytes=nbytes, group=group, alloc=gathered))
-        dag.edge(ag, n)
-        last_id = f"{ins.kind}.s{s}.mb{ins.mb}" + (f".p{last}" if ins.parts > 1 else "")
-        if ins.kind == "BI":  # the weight pass still reads the gathered parameters
-            last_id = f"BW.s{s}.mb{ins.mb}"
-        dag.ins((where, last_id)).free += gathered
+        size = _group_size(ctx, ins)
+        transient = ins.bytes * (size - 1) / size
+        dag.ins(min(producers, key=position.__getitem__)).alloc += transient
+        ins.free += transient
+
+
+def _group_size(ctx: Context, ins: Instruction) -> int:
+    if ins.group.startswith("ranks:"):
+        return ins.group.count(",") + 1
+    copies = len(ctx.layout.stage_ranks[ins.stage]) * ctx.layout.dp
+    return copies // ctx.layout.ep if ins.group.endswith(":edp") else copies
 
 
 def _buckets(param_bytes: float, bucket_mb: float | None, n_units: int) -> list[float]:
