@@ -27,7 +27,7 @@ def _state(rt) -> dict[str, torch.Tensor]:
             sd[base] = fp.shard.data
         else:
             base, param = f"{fp.key}.flat", fp.flat
-        if fp.materialised():
+        if fp.materialised() and not fp.per_bucket:
             sd[f"{fp.key}.flat"] = fp.flat.data
         state = fp.optimizer.state[param]
         sd[f"{base}.exp_avg"] = state["exp_avg"]

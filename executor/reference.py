@@ -39,11 +39,12 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
 def full_parameters(fp: FlatParams, comms) -> torch.Tensor:
     """The full flat parameters of a group (all-gathered from the shards under ZeRO-3)."""
     if fp.materialised():
-        return fp.flat.data
+        return fp.full_flat()
     pg = comms.group(fp.stream, "ranks:" + ",".join(map(str, fp.group)))
-    full = torch.empty(fp.n_buckets * fp.bucket_len, dtype=fp.flat.dtype, device=fp.flat.device)
-    works = [all_gather(full[b * fp.bucket_len:(b + 1) * fp.bucket_len], fp.shard_piece(b),
-                                        group=pg, async_op=True) for b in range(fp.n_buckets)]
+    like = fp.params[0]
+    full = torch.empty(fp.total_len, dtype=like.dtype, device=like.device)
+    works = [all_gather(full[fp.offsets[b]:fp.offsets[b] + fp.lens[b]], fp.shard_piece(b), group=pg, async_op=True)
+             for b in range(fp.n_buckets)]
     for w in works:
         w.wait(timeout=timedelta(seconds=120))
     return full

@@ -17,8 +17,15 @@ Instruction semantics (op ids from ``piper_sim.compiler``):
   SEND/RECV.F.s{s}.mb{m}  stage s output -> stage s+1;  SEND/RECV.B.s{s}.mb{m}: grad of
                           stage s input -> stage s-1
   AR/RS/AG.s{s}[.e].b{b}  bucket b of the stage's flat gradients / parameters
-  AG.F|B.s{s}.i{i}[.e].b{b}  ZeRO-3 gather before the i-th forward / backward of the stage
-                          here (``mb`` names the consumer's micro-batch)
+  AG.F|B.s{s}.i{i}[.e].b{b}  ZeRO-3 gather of bucket b (a unit: ``meta["zero3_buckets"]``)
+                          before the i-th forward / backward of the stage here (``mb`` names
+                          the consumer's micro-batch); dropped after the last piece using it
+                          (a BI piece too: BW reads activations and gradients, not weights)
+
+Recomputation (``meta["recompute"]``: stage -> mode): ``full`` checkpoints every layer /
+expert block / head of the forward (``torch.utils.checkpoint``; a B recomputes them one at
+a time; a BI runs its piece's forward again and keeps that graph for BW); ``selective``
+checkpoints the attention cores only.
   A2A.F|B.s{s}.mb{m}.e{e}.dispatch|combine  expert-parallel token exchange
 """
 
@@ -40,7 +47,7 @@ from executor.collectives import Comms, Completions, all_gather, group_ranks, re
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
 from piper_sim.models import get_config
-from piper_sim.plan import Instruction, Plan
+from piper_sim.plan import Instruction, Plan, PlanError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 RE_SYNC = re.compile(r"^(AR|RS|AG)\.s(\d+)(\.e)?\.b(\d+)$")
@@ -132,9 +139,14 @@ class Runtime:
         self.stages = {s: Stage(self.cfg, s, meta["num_stages"], meta["stage_units"][s], meta["stage_parts"][s],
                                 ep, self.ep_index, device, self.dtype, meta["seed"])
                        for s in self.prog.stages}
-        self.flats = self._build_flats(meta.get("zero", 0))
         self.instructions = [i for lst in self.prog.streams.values() for i in lst]
-        self.recompute = {i.stage for i in self.instructions if i.recompute}  # stages whose F keeps no graph
+        self.flats = self._build_flats(meta.get("zero", 0))
+        # stage -> "full" | "selective" (plans without the meta field knew only full)
+        self.recompute = {int(k): v for k, v in meta["recompute"].items()} if "recompute" in meta else \
+            {i.stage: "full" for i in self.instructions if i.recompute}
+        for s, stage in self.stages.items():
+            stage.set_selective_recompute(self.recompute.get(s) == "selective")
+        self.bucket_parts = self._bucket_parts()
         self._handlers: dict[str, Callable[[Instruction], Any]] = {
             "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
             "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv, "ALLREDUCE": self._sync,
@@ -153,6 +165,9 @@ class Runtime:
                 m = RE_SYNC.match(ins.id)
                 if m and m[1] in ("AR", "RS"):
                     syncs.setdefault((int(m[2]), m[3] or ""), []).append(ins)
+        unit_buckets = self.plan.meta.get("zero3_buckets")
+        if zero == 3 and syncs and unit_buckets is None:
+            raise PlanError("this ZeRO-3 plan predates per-unit gathers (no meta.zero3_buckets); recompile it")
         flats = {}
         for s, stage in sorted(self.stages.items()):
             dense, experts = stage.named_parameters()
@@ -162,12 +177,25 @@ class Runtime:
                 ops = syncs.get((s, tag), [])
                 group = group_ranks(ops[0].group) if ops else ()
                 sync = "none" if not ops else "allreduce" if ops[0].kind == "ALLREDUCE" else "shard"
+                numels = None
+                if zero == 3 and ops:
+                    named, numels = _by_bucket(named, unit_buckets[s][tag])
                 flats[(s, tag)] = FlatParams(
                     key=f"s{s}{tag}" + (f".ep{self.ep_index}" if tag else ""), names=[n for n, _ in named],
                     params=[p for _, p in named], n_buckets=max(len(ops), 1), group=group, sync=sync,
                     index=group.index(self.rank) if group else 0, zero=zero,
-                    stream=ops[0].stream if ops else "dp")
+                    stream=ops[0].stream if ops else "dp", bucket_numels=numels)
         return flats
+
+    def _bucket_parts(self) -> dict[tuple[int, str, int], list[int]]:
+        """ZeRO-3: the pieces of its stage that use each bucket, in piece order."""
+        out: dict[tuple[int, str, int], list[int]] = {}
+        parts = self.plan.meta["stage_parts"]
+        for s, by_tag in enumerate(self.plan.meta.get("zero3_buckets") or []):
+            for tag, buckets in by_tag.items():
+                for b, segs in enumerate(buckets):
+                    out[(s, tag, b)] = [i for i, piece in enumerate(parts[s]) if set(piece) & set(segs)]
+        return out
 
     def stage_flats(self, s: int) -> list[FlatParams]:
         return [fp for (st, _), fp in sorted(self.flats.items()) if st == s]
@@ -179,7 +207,7 @@ class Runtime:
         self.envs: dict[tuple[int, int], MicroBatch] = {}
         self.received: dict[tuple[str, int, int], torch.Tensor] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self.releases: dict[tuple[str, int, int], list[FlatParams]] = {}
+        self.releases: dict[tuple[str, int, int, int], list[tuple[FlatParams, int]]] = {}
         self.inflight: dict[str, tuple[Instruction, Any]] = {}
         self.done: set[str] = set()
         self.busy: dict[str, str] = {}
@@ -229,7 +257,7 @@ class Runtime:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.t0
-        leftovers = [k for k in (self.envs, self.received, self.input_grads, self.inflight) if k]
+        leftovers = [k for k in (self.envs, self.received, self.input_grads, self.inflight, self.releases) if k]
         if leftovers:
             raise InstructionError(self.rank, step, None, f"state left over after the step: {leftovers}")
         return StepResult(step, float(loss), elapsed, self._events())
@@ -355,12 +383,11 @@ class Runtime:
                 env.targets = self._microbatch(m)[1]
         env = self.envs[(s, m)]
         rec = stage.forward_piece(part, env.vals, env.meta, env.targets, self.loss_scale,
-                                  grad=s not in self.recompute)
+                                  checkpoint=self.recompute.get(s) == "full")
         env.records[f"p{part}"] = rec
         if "loss" in rec.outputs:
             self.loss_sum += rec.outputs["loss"].detach().float()
-        if part == ins.parts - 1:
-            self._release("F", s, m)
+        self._release("F", s, m, part)
 
     def _backward_env(self, s: int, m: int) -> MicroBatch:
         """The micro-batch's state, seeded with the gradient of the stage output the first
@@ -384,25 +411,21 @@ class Runtime:
         env = self._backward_env(s, m)
         split = ins.kind == "BI"
         rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
-        if s in self.recompute:  # the forward kept only its inputs: run it again, with a graph
+        if split and self.recompute.get(s) == "full":  # run the forward again; BW uses this graph
             rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.meta, env.targets, self.loss_scale)
-            if split:
-                env.records[f"p{part}"] = rec
+            env.records[f"p{part}"] = rec
         env.grads.update((backward_input if split else backward_full)(rec, self._take_grads(env, rec)))
+        self._release("B", s, m, part)  # BW needs no weights: a BI drops its units too
         if part == 0:
             if s > 0:
                 self.input_grads[(s, m)] = env.grads.pop("x")
             if not split:
                 del self.envs[(s, m)]
-                self._release("B", s, m)
-            else:  # ZeRO-3: BW's autograd nodes unpack the weights too; keep them until BW
-                self.releases[("W", s, m)] = self.releases.pop(("B", s, m), [])
 
     def _backward_weight(self, ins: Instruction) -> None:
         env = self.envs.pop((ins.stage, ins.mb))
         for rec in env.records.values():
             backward_weight(rec)
-        self._release("W", ins.stage, ins.mb)
 
     def _optimizer(self, ins: Instruction) -> None:
         for fp in self.stage_flats(ins.stage):
@@ -410,9 +433,9 @@ class Runtime:
                 self.captured_grads.update({n: p.grad.detach().clone() for n, p in zip(fp.names, fp.params)})
             fp.step()
 
-    def _release(self, letter: str, s: int, m: int) -> None:
-        for fp in self.releases.pop((letter, s, m), []):
-            fp.release()
+    def _release(self, letter: str, s: int, m: int, part: int) -> None:
+        for fp, b in self.releases.pop((letter, s, m, part), []):
+            fp.release(b)
 
     # ------------------------------------------------------------------ communication
     def _send(self, ins: Instruction) -> Posted:
@@ -440,11 +463,13 @@ class Runtime:
 
     def _gather(self, ins: Instruction) -> Posted:
         m = RE_GATHER.match(ins.id)
-        if m:  # ZeRO-3: gather for one forward / backward, released after its last piece
-            fp = self.flats[(int(m[2]), m[4] or "")]
-            fp.acquire()
-            self.releases.setdefault((m[1], ins.stage, ins.mb), []).append(fp)  # mb: the consumer's
-            b = int(m[5])
+        if m:  # ZeRO-3: gather a unit for one forward / backward, dropped after the last piece using it
+            s, tag, b = int(m[2]), m[4] or "", int(m[5])
+            fp = self.flats[(s, tag)]
+            fp.acquire(b)
+            users = self.bucket_parts[(s, tag, b)]
+            last = users[-1] if m[1] == "F" else users[0]
+            self.releases.setdefault((m[1], s, ins.mb, last), []).append((fp, b))  # mb: the consumer's
         else:
             _, s, tag, b = self._parse_sync(ins)
             fp = self.flats[(s, tag)]
@@ -528,6 +553,26 @@ class Runtime:
                          "flops": ins.flops, "peer": ins.peer if ins.kind in ("SEND", "RECV") else -1,
                          "posted": posted, "group": ins.group})
         return rows
+
+
+def _by_bucket(named: list[tuple[str, Any]], buckets: list[list[str]]) -> tuple[list[tuple[str, Any]], list[int]]:
+    """Parameters reordered bucket by bucket (a bucket lists segment names, e.g.
+    ``layers.3`` or ``layers.3.pre``; a parameter belongs to its unit) and each bucket's
+    element count."""
+    unit_bucket = {}
+    for b, segs in enumerate(buckets):
+        for seg in segs:
+            unit_bucket[".".join(seg.split(".")[:2]) if seg.startswith("layers.") else seg] = b
+
+    def bucket_of(name: str) -> int:
+        parts = name.split(".")
+        return unit_bucket[".".join(parts[:2]) if parts[0] == "layers" else parts[0]]
+
+    ordered = sorted(named, key=lambda kv: bucket_of(kv[0]))  # stable: model order inside a bucket
+    numels = [0] * len(buckets)
+    for name, p in ordered:
+        numels[bucket_of(name)] += p.numel()
+    return ordered, numels
 
 
 class _Null:

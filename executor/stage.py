@@ -8,9 +8,11 @@ a plan cuts it into.
   ``autograd`` over one piece, and all-to-alls sit between pieces.
 * `FlatParams` is one flat, padded buffer per stage and sync group (dense parameters, and
   local experts under EP): parameters are views into it, gradients views into a twin
-  buffer. Bucket ``b`` is the ``b``-th of ``n`` equal slices; under ZeRO each member of
-  the sync group owns slice ``index`` of every bucket (its *shard*) and the optimizer only
-  steps the shard. ZeRO-3 frees the full buffer between uses (``acquire``/``release``).
+  buffer. Bucket ``b`` is the ``b``-th of ``n`` equal slices, or under ZeRO-3 one unit (or
+  a few whole units: the plan's ``zero3_buckets``), each padded on its own; under ZeRO
+  each member of the sync group owns slice ``index`` of every bucket (its *shard*) and the
+  optimizer only steps the shard. ZeRO-3 keeps one storage per bucket and frees it
+  between uses (``acquire(b)``/``release(b)``), so one gathered unit is dropped at a time.
 * `backward_input` / `backward_weight` split a piece's backward in two (zero-bubble BI/BW):
   BI runs autograd to the piece inputs only and keeps, for every parameter, the gradients
   flowing into the graph nodes where its weight-gradient path leaves the input path; BW
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, Node
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from piper_sim.models import Block, ModelConfig, build_units, lm_loss
 
@@ -57,80 +60,119 @@ class FlatParams:
     index: int                    # position of this rank in ``group``
     zero: int
     stream: str = "dp"            # plan stream of the sync ops (names the process group)
+    # ZeRO-3: elements of each bucket (whole units, parameters in bucket order); None: equal slices
+    bucket_numels: list[int] | None = None
     flat: nn.Parameter = field(init=False)
     grad: torch.Tensor = field(init=False)
     shard: nn.Parameter | None = field(init=False, default=None)
     optimizer: torch.optim.AdamW = field(init=False)
-    users: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         numel = sum(p.numel() for p in self.params)
         g = len(self.group) if self.sync == "shard" else 1
-        self.bucket_len = -(-numel // (self.n_buckets * g)) * g
-        self.piece_len = self.bucket_len // g
+        if self.bucket_numels is None:  # equal slices of the parameters laid end to end
+            blen = -(-numel // (self.n_buckets * g)) * g
+            self.lens = [blen] * self.n_buckets
+            starts = [0] * len(self.params)
+            off = 0
+            for i, p in enumerate(self.params):
+                starts[i], off = off, off + p.numel()
+        else:  # one bucket per unit group: each starts on its own boundary, padded at its end
+            if len(self.bucket_numels) != self.n_buckets or sum(self.bucket_numels) != numel:
+                raise ValueError(f"{self.key}: bucket sizes {self.bucket_numels} do not cover the {numel} "
+                                 f"parameters in {self.n_buckets} buckets")
+            self.lens = [-(-n // g) * g for n in self.bucket_numels]
+            starts, b, used = [], 0, 0
+            for p in self.params:
+                while used == self.bucket_numels[b] and b + 1 < self.n_buckets:
+                    b, used = b + 1, 0
+                starts.append(sum(self.lens[:b]) + used)
+                used += p.numel()
+        self.offsets = [sum(self.lens[:b]) for b in range(self.n_buckets)]
+        self.piece_lens = [n // g for n in self.lens]
+        self.piece_offsets = [sum(self.piece_lens[:b]) for b in range(self.n_buckets)]
+        self.param_offsets = starts
+        total = sum(self.lens)
         like = self.params[0]
-        self.flat = nn.Parameter(torch.zeros(self.n_buckets * self.bucket_len, dtype=like.dtype,
-                                             device=like.device))
-        self.grad = torch.zeros_like(self.flat.data)
+        # ZeRO-3 keeps one storage per bucket, so a gathered unit can be dropped on its own
+        self.per_bucket = self.zero >= 3 and self.sync == "shard"
+        opts = dict(dtype=like.dtype, device=like.device)
+        if self.per_bucket:
+            self.flat = nn.Parameter(torch.zeros(0, **opts))
+            self.bufs = [torch.zeros(n, **opts) for n in self.lens]
+        else:
+            self.flat = nn.Parameter(torch.zeros(total, **opts))
+            self.bufs = [self.flat.data[o:o + n] for o, n in zip(self.offsets, self.lens)]
+        self.users = [0] * self.n_buckets
+        self.grad = torch.zeros(total, **opts)
         self.numel = numel
-        off = 0
-        for p in self.params:
+        for p, off in zip(self.params, self.param_offsets):
             n = p.numel()
-            self.flat.data[off:off + n].copy_(p.data.reshape(-1))
-            p.data = self.flat.data[off:off + n].view_as(p)
+            b = max(i for i, o in enumerate(self.offsets) if o <= off) if self.per_bucket else 0
+            base = self.bufs[b] if self.per_bucket else self.flat.data
+            lo = off - (self.offsets[b] if self.per_bucket else 0)
+            base[lo:lo + n].copy_(p.data.reshape(-1))
+            p.data = base[lo:lo + n].view_as(p)
             p.grad = self.grad[off:off + n].view_as(p)
-            off += n
-        self.flat.grad = self.grad
+        if not self.per_bucket:
+            self.flat.grad = self.grad
         if self.sync == "shard":
-            self.shard = nn.Parameter(torch.cat([self.shard_of(self.flat.data, b)
-                                                 for b in range(self.n_buckets)]).clone())
+            self.shard = nn.Parameter(torch.cat([self.bucket(b)[self.index * n:(self.index + 1) * n]
+                                                 for b, n in enumerate(self.piece_lens)]).clone())
             self.shard.grad = torch.zeros_like(self.shard.data)
             self.optimizer = make_optimizer([self.shard])
-            if self.zero >= 3:
-                self._resize(self.flat.data, 0)
+            if self.per_bucket:
+                for buf in self.bufs:
+                    self._resize(buf, 0)
         else:
             self.optimizer = make_optimizer([self.flat])
 
     # buckets and shards
     def bucket(self, b: int) -> torch.Tensor:
-        return self.flat.data[b * self.bucket_len:(b + 1) * self.bucket_len]
+        return self.bufs[b]
 
     def grad_bucket(self, b: int) -> torch.Tensor:
-        return self.grad[b * self.bucket_len:(b + 1) * self.bucket_len]
-
-    def shard_of(self, buf: torch.Tensor, b: int) -> torch.Tensor:
-        lo = b * self.bucket_len + self.index * self.piece_len
-        return buf[lo:lo + self.piece_len]
+        return self.grad[self.offsets[b]:self.offsets[b] + self.lens[b]]
 
     def shard_piece(self, b: int) -> torch.Tensor:
         assert self.shard is not None
-        return self.shard.data[b * self.piece_len:(b + 1) * self.piece_len]
+        return self.shard.data[self.piece_offsets[b]:self.piece_offsets[b] + self.piece_lens[b]]
 
     def shard_grad_piece(self, b: int) -> torch.Tensor:
         assert self.shard is not None and self.shard.grad is not None
-        return self.shard.grad[b * self.piece_len:(b + 1) * self.piece_len]
+        return self.shard.grad[self.piece_offsets[b]:self.piece_offsets[b] + self.piece_lens[b]]
 
-    # ZeRO-3: the full parameters exist only while someone uses them
+    @property
+    def total_len(self) -> int:
+        return sum(self.lens)
+
+    # ZeRO-3: a bucket's full parameters exist only while someone uses them
     @staticmethod
     def _resize(t: torch.Tensor, numel: int) -> None:
         t.untyped_storage().resize_(numel * t.element_size())
 
     def materialised(self) -> bool:
-        return self.flat.data.untyped_storage().nbytes() > 0
+        return all(buf.untyped_storage().nbytes() > 0 for buf in self.bufs)
 
-    def acquire(self) -> None:
-        if self.zero >= 3 and self.sync == "shard":
-            if self.users == 0 and not self.materialised():
-                self._resize(self.flat.data, self.flat.numel())
-            self.users += 1
+    def acquire(self, b: int) -> None:
+        if self.per_bucket:
+            buf = self.bufs[b]
+            if self.users[b] == 0 and buf.untyped_storage().nbytes() == 0:
+                self._resize(buf, buf.numel())
+            self.users[b] += 1
 
-    def release(self) -> None:
-        if self.zero >= 3 and self.sync == "shard":
-            self.users -= 1
-            if self.users == 0:
-                if self.flat.is_cuda:  # kernels on other streams may still read it
-                    torch.cuda.synchronize(self.flat.device)
-                self._resize(self.flat.data, 0)
+    def release(self, b: int) -> None:
+        if self.per_bucket:
+            self.users[b] -= 1
+            if self.users[b] == 0:
+                buf = self.bufs[b]
+                if buf.is_cuda:  # kernels on other streams may still read it
+                    torch.cuda.synchronize(buf.device)
+                self._resize(buf, 0)
+
+    def full_flat(self) -> torch.Tensor:
+        """The parameters in the flat layout (a copy under ZeRO-3)."""
+        return torch.cat(self.bufs) if self.per_bucket else self.flat.data
 
     # gradients and the optimizer
     def zero_grad(self) -> None:
@@ -144,12 +186,9 @@ class FlatParams:
             self._resize(self.grad, 0)
 
     def named_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-parameter views of a full flat buffer laid out like ``flat``."""
-        out, off = {}, 0
-        for name, p in zip(self.names, self.params):
-            out[name] = buf[off:off + p.numel()].view(p.shape)
-            off += p.numel()
-        return out
+        """Per-parameter views of a full flat buffer laid out like the buckets end to end."""
+        return {name: buf[off:off + p.numel()].view(p.shape)
+                for name, p, off in zip(self.names, self.params, self.param_offsets)}
 
 
 # --------------------------------------------------------------------------- pieces
@@ -254,25 +293,37 @@ class Stage:
         return dense, experts
 
     # forward
+    def set_selective_recompute(self, on: bool) -> None:
+        """Selective recomputation: every attention core of the stage keeps only q, k, v
+        and runs again in backward (``models.attention_core``)."""
+        for name in self.units.unit_names():
+            if name.startswith("layers."):
+                self.units[name].attn.recompute_core = on
+
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], meta: dict[str, Any],
-                      targets: torch.Tensor | None, loss_scale: float, grad: bool = True) -> Record:
-        """Run piece ``i`` on ``vals`` (named tensors; outputs are added to it). Without
-        ``grad`` no graph is kept (activation recomputation: the backward runs it again)."""
+                      targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = False) -> Record:
+        """Run piece ``i`` on ``vals`` (named tensors; outputs are added to it). With
+        ``checkpoint`` (full recomputation) every layer, expert block and the head keep only
+        their input (``torch.utils.checkpoint``) and run again in backward, one at a time."""
         piece = self.pieces[i]
         inputs = {n: _leaf(vals[n]) for n in piece.inputs}
         outputs: dict[str, torch.Tensor] = {}
-        with torch.enable_grad() if grad else torch.no_grad():
+
+        def run(fn, *args):
+            return _checkpoint(fn, *args, use_reentrant=False) if checkpoint else fn(*args)
+
+        with torch.enable_grad():
             x = inputs.get("x")
             for kind, layer in piece.steps:
                 if kind == "embed":
                     x = self.units["embed"](inputs["tokens"])
                 elif kind == "layer":
-                    x = self._block(layer)(x)
+                    x = run(self._block(layer), x)
                 elif kind == "head":
-                    outputs["loss"] = lm_loss(self.units["head"](x), targets) * loss_scale
+                    outputs["loss"] = run(self._head_loss, x, targets) * loss_scale
                 elif kind == "pre":
                     block = self._block(layer)
-                    x, h, weights, ids, shared = block.forward_pre(x)
+                    x, h, weights, ids, shared = run(block.forward_pre, x)
                     tokens, order, counts = block.moe.permute(h, ids)
                     outputs.update({f"xres.{layer}": x, f"send.{layer}": tokens, f"w.{layer}": weights})
                     if shared is not None:
@@ -280,13 +331,16 @@ class Stage:
                     meta[f"order.{layer}"], meta[f"counts.{layer}"] = order, counts
                     meta[f"ntok.{layer}"] = h.shape[0]
                 elif kind == "experts":
-                    y = self._local_experts(layer, inputs[f"recv.{layer}"], meta[f"recv_counts.{layer}"])
+                    y = run(self._local_experts, layer, inputs[f"recv.{layer}"], meta[f"recv_counts.{layer}"])
                     outputs[f"y.{layer}"] = y
             last = piece.steps[-1][0]
             if last == "layer" or last == "embed":
                 outputs["x"] = x
         vals.update(outputs)
         return Record(inputs, outputs, piece.params)
+
+    def _head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.units["head"](x), targets)
 
     def _local_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Tokens arrive grouped by source rank, then by local expert: regroup by expert, run
