@@ -66,3 +66,11 @@ def comm_buffer_bytes(bucket_bytes: float, dp: int, zero: int) -> float:
     """
     _check(dp, zero)
     return bucket_bytes * (dp - 1) / dp if zero == 3 else 0.0
+
+
+def fits(peak_bytes: float, capacity_bytes: float) -> bool:
+    """Whether a rank whose memory peaks at ``peak_bytes`` fits a device with
+    ``capacity_bytes`` (the catalog's memory per GPU; no reserve is taken for the CUDA
+    context, communication buffers or fragmentation). The one check behind the
+    simulator's ``fits`` verdict and the explorer's out-of-memory rows."""
+    return peak_bytes <= capacity_bytes

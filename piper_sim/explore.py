@@ -1,8 +1,10 @@
 """Strategy explorer: enumerate valid strategies, simulate each, rank them.
 
 Two prunes, both exact (they never drop a strategy that would have won):
-- memory: a plan whose static memory (params + grads + optimizer state) alone exceeds the
-  GPU's memory is out of memory whatever the schedule does;
+- memory: a plan whose static memory (params + grads + optimizer state) plus what one
+  micro-batch of its largest stage keeps for backward (``piper_sim.memory``, by recompute
+  mode) exceeds the GPU's memory is out of memory whatever the schedule does (the
+  simulated peak holds at least that much);
 - time: a plan's step time is at least its busiest rank's compute time. Candidates are
   simulated in order of that lower bound, and once it reaches the best simulated step
   time the rest cannot win and are skipped.
@@ -21,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 from costmodel.hardware import parse_cluster
+from costmodel.memory import fits
 from costmodel.model import get_costmodel
 from piper_sim.models import get_config
 from piper_sim.strategy import StrategyError
@@ -157,13 +160,15 @@ def _schedule(name: str, pp: int, m: int, v: int):
 def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, float, str]:
     """Bounds without compiling: (memory lower bound bytes, step-time lower bound s, error).
 
-    Memory: model states + one micro-batch of the largest stage's activations, on the
+    Memory: model states + what one micro-batch of the largest stage keeps for its
+    backward under the candidate's recompute mode (`memory.SegmentMemory.kept`), on the
     fullest rank. Time: the busiest rank's forward+backward flops as one op at the cost
     model's best efficiency (every real op is smaller, so no faster)."""
     import torch
 
     from piper_sim.compiler import DTYPE_BYTES, _TORCH_DTYPE, static_memory, stage_costs
     from piper_sim.ir import Context
+    from piper_sim.memory import model_memory
     from piper_sim.plan import Layout
     from piper_sim.profiling import profile_model
     from piper_sim.schedules import ScheduleError
@@ -171,19 +176,22 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     cfg = get_config(settings["model"])
     dtype = settings.get("dtype", "bf16")
     mbs = settings["global_batch"] // (cand.dp * cand.microbatches)
+    tdtype = getattr(torch, _TORCH_DTYPE[dtype])
     try:
         spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
-        stages = stage_costs(cfg, profile_model(cfg, mbs, settings["seq_len"], getattr(torch, _TORCH_DTYPE[dtype])),
-                             spec.num_stages, "balanced" if cand.pp > 1 else None, parse_cluster(settings["cluster"]).gpu)
+        segments = profile_model(cfg, mbs, settings["seq_len"], tdtype)
+        stages = stage_costs(cfg, segments, spec.num_stages, "balanced" if cand.pp > 1 else None,
+                             parse_cluster(settings["cluster"]).gpu)
     except (ScheduleError, StrategyError) as e:
         return 0.0, 0.0, str(e)
     layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks)
     ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[dtype])  # type: ignore[arg-type]
+    mems = model_memory(cfg, segments, mbs, settings["seq_len"], tdtype)
+    mode = "full" if cand.recompute else "none"
     mem = time_lb = 0.0
     for r in range(cand.pp):
         held = [s for s, ranks in spec.stage_ranks.items() if r in ranks]
-        act = max(sum(x.saved_act_bytes for x in stages[s].segments) if not cand.recompute
-                  else stages[s].segments[0].out_bytes for s in held)
+        act = max(sum(mems[x.name].kept(mode, cand.ep > 1) for x in stages[s].segments) for s in held)
         mem = max(mem, sum(static_memory(ctx, r, cand.zero).values()) + act)
         busy = 0.0
         for s in held:
@@ -225,7 +233,7 @@ def _compile_and_simulate(task: tuple) -> tuple:
         return cand, None, str(e)
     r = simulate(plan, settings["costmodel"])
     peak = max(x.peak_memory_bytes for x in r.per_rank)
-    return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak), ""
+    return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak, r.fits is not False), ""
 
 
 def _pool(workers: int, use_ray: bool):
@@ -266,7 +274,7 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
             progress("screen", i + 1, len(candidates))
         if err:
             rows.append(Row(cand, "invalid", reason=err))
-        elif prune and mem > hbm:
+        elif prune and not fits(mem, hbm):
             rows.append(Row(cand, "oom", peak_memory_bytes=mem, lower_bound_s=bound,
                             reason=f"model states + one micro-batch need {mem / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
         else:
@@ -294,8 +302,8 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
                 if res is None:
                     rows.append(Row(cand, "invalid", reason=err))
                     continue
-                step, tps, mfu, bubble, peak = res
-                if peak > hbm:
+                step, tps, mfu, bubble, peak, fit = res  # fit: the simulator's verdict (costmodel.memory.fits)
+                if not fit:
                     rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand],
                                     reason=f"peak {peak / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
                     continue

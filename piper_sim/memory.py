@@ -21,8 +21,7 @@ dtype plus the fp32 copy the loss reads (`models.logits_bytes`), in the head's f
 backward. All-to-all receive buffers, ZeRO gathered parameters and unsharded gradient
 buckets are counted by the IR on the ops that hold them (see ``piper_sim.ir.memory_pass``).
 
-`fits` is the one check of a peak against a GPU's memory, used by the simulator's verdict
-and by the explorer.
+The fits verdict against a GPU's memory is `costmodel.memory.fits` (simulator and explorer).
 """
 
 from __future__ import annotations
@@ -138,13 +137,3 @@ def piece_memory(mems: list[tuple[str, SegmentMemory]], mode: str, split_experts
     elif mode == "selective":
         working = max((m.saved - m.selective for _, m in mems), default=0.0)
     return PieceMemory(kept=kept, temp=temp, working=working, rerun=rerun)
-
-
-# ----------------------------------------------------------------------------- verdict
-
-
-def fits(peak_bytes: float, capacity_bytes: float) -> bool:
-    """Whether a rank whose memory peaks at ``peak_bytes`` fits a device of
-    ``capacity_bytes`` (the catalog's HBM per GPU). The one check the simulator's verdict
-    and the explorer both use."""
-    return peak_bytes <= capacity_bytes

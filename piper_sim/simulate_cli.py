@@ -45,6 +45,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         result.plot_timeline(args.timeline, title=title)
     if args.memory:
         result.plot_memory(args.memory, title=title)
+    _warn_if_over_memory(result)
     if args.json:
         print(json.dumps(result.to_json()))
         return
@@ -58,9 +59,24 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
         print(f"{s.rank:>6} {s.represents:>5} {s.compute_s:>11.5g} {s.comm_exposed_s:>11.5g} {s.idle_s:>11.5g} "
               f"{s.peak_memory_bytes / 2**30:>9.2f} {states / 2**30:>10.2f} {s.activations_bytes / 2**30:>8.2f}")
+    if result.fits is not None:
+        peak = max(s.peak_memory_bytes for s in result.per_rank)
+        print(f"fits: {str(result.fits).lower()} (highest peak {peak / 2**30:.2f} GiB of "
+              f"{result.memory_capacity_bytes / 2**30:.2f} GiB = {result.memory_capacity_bytes / 1e9:.0f} GB per GPU)")
     for label, path in (("trace", args.trace), ("timeline", args.timeline), ("memory", args.memory)):
         if path:
             print(f"wrote {label} {path}")
+
+
+def _warn_if_over_memory(result) -> None:
+    over = result.over_memory()
+    if not over:
+        return
+    worst = max(over, key=lambda s: s.peak_memory_bytes)
+    ranks = sum(s.represents for s in over)
+    print(f"piper-sim: warning: the plan does not fit in memory: {ranks} of {result.world_size} ranks exceed "
+          f"{result.memory_capacity_bytes / 1e9:.0f} GB per GPU (rank {worst.rank} peaks at "
+          f"{worst.peak_memory_bytes / 1e9:.1f} GB)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

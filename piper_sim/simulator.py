@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import simpy
 
 from costmodel.hardware import Cluster, parse_cluster
+from costmodel.memory import fits as memory_fits
 from costmodel.model import CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
 from piper_sim import trace
@@ -70,6 +71,7 @@ class RankStats:
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float  # peak of the transient (alloc/free) memory
+    fits: bool | None = None  # peak_memory_bytes within the GPU's memory (None: no cluster known)
 
 
 @dataclass
@@ -78,6 +80,8 @@ class SimResult:
 
     bubble_fraction: mean over ranks of bubble_s / step_time_s (share of the step the
     compute stream does not compute). mfu: model flops / (step time × world × peak).
+    fits: every rank's peak memory within ``memory_capacity_bytes``, the GPU's memory
+    (`costmodel.memory.fits`); None when the plan names no cluster.
     events: one row per executed op (`piper_sim.trace.EVENT_COLUMNS` + ``posted``);
     memory: transient bytes per rank over time (`trace.MEMORY_COLUMNS`). Both are pandas
     DataFrames built on first access (a planner that reads only the totals skips them).
@@ -95,6 +99,8 @@ class SimResult:
     folded: bool = True
     world_size: int = 0
     costmodel: str = ""
+    fits: bool | None = None
+    memory_capacity_bytes: float = 0.0
 
     @cached_property
     def events(self) -> "pd.DataFrame":
@@ -109,9 +115,13 @@ class SimResult:
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction, "num_events": self.num_events,
             "sim_wall_s": self.sim_wall_s, "folded": self.folded, "world_size": self.world_size,
-            "costmodel": self.costmodel,
+            "costmodel": self.costmodel, "fits": self.fits, "memory_capacity_bytes": self.memory_capacity_bytes,
             "per_rank": [asdict(s) for s in self.per_rank],
         }
+
+    def over_memory(self) -> list[RankStats]:
+        """Ranks whose peak memory does not fit the GPU."""
+        return [s for s in self.per_rank if s.fits is False]
 
     def shown_ranks(self, max_ranks: int = 16) -> list[int]:
         """Ranks to draw: all when few, else one per pipeline rank."""
@@ -671,6 +681,17 @@ def _cluster(plan: Plan, cm: CostModel) -> Cluster | None:
         return None
 
 
+def _memory_capacity(plan: Plan, cm: CostModel) -> float | None:
+    """Bytes of memory per GPU of the plan's cluster (the cost model's, else the plan's)."""
+    cluster = getattr(cm, "cluster", None)
+    if cluster is None:
+        try:
+            cluster = parse_cluster(plan.meta["cluster"])
+        except (KeyError, ValueError):
+            return None
+    return float(cluster.gpu.hbm_bytes)
+
+
 def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bool = True) -> SimResult:
     """Simulate one training step of `plan` (a Plan or a plan JSON path).
 
@@ -707,6 +728,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         else:
             by_rank[r][1].append((s, e))
     per_rank = []
+    capacity = _memory_capacity(plan, cm)
     for r in eng.ranks:
         cls = eng.class_of[r]
         static = cls.static_memory
@@ -719,7 +741,8 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
             comm_exposed_s=exposed, idle_s=max(0.0, bubble - exposed), bubble_s=bubble,
             peak_memory_bytes=sm + eng.mem_peak[r],
             params_bytes=float(static.get("params_bytes", 0.0)), grads_bytes=float(static.get("grads_bytes", 0.0)),
-            optimizer_bytes=float(static.get("optimizer_bytes", 0.0)), activations_bytes=eng.mem_peak[r]))
+            optimizer_bytes=float(static.get("optimizer_bytes", 0.0)), activations_bytes=eng.mem_peak[r],
+            fits=None if capacity is None else memory_fits(sm + eng.mem_peak[r], capacity)))
     weights = sum(s.represents for s in per_rank) or 1
     bubble_fraction = (sum(s.bubble_s * s.represents for s in per_rank) / weights / step) if step > 0 else 0.0
     tokens = plan.meta.get("tokens_per_step")
@@ -735,4 +758,6 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         per_rank=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
         rows=eng.rows, memory_samples=eng.mem_samples, folded=folded, world_size=layout.world_size,
         costmodel=getattr(cm, "name", type(cm).__name__),
+        fits=None if capacity is None else all(s.fits for s in per_rank),
+        memory_capacity_bytes=capacity or 0.0,
     )
