@@ -346,8 +346,13 @@ def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
     for n in dag.g.nodes:
         ins = dag.ins(n)
         if ins.kind in ("B", "BI") and ctx.setup.recompute.get(ins.stage) == "selective":
-            ins.flops += sum(ctx.memory[x.name].core_flops for x in ctx.parts(ins.stage)[ins.part])
+            mems = [ctx.memory[x.name] for x in ctx.parts(ins.stage)[ins.part]]
+            ins.flops += sum(m.core_flops for m in mems)
             ins.recompute = True
+            rows = kernels.merge(ctx.kernels.get(ins.kernels, ()), *[m.core_kernels for m in mems])
+            if rows:
+                ins.kernels = kernels.table_key(rows)
+                ctx.kernels[ins.kernels] = rows
 
 
 def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:

@@ -49,6 +49,7 @@ class SegmentMemory:
     temp: float          # transient bytes during its forward and its backward (head logits)
     core_flops: float    # forward flops of its attention core (what selective recomputes)
     a2a_bytes: float = 0.0
+    core_kernels: tuple = ()  # operator-level rows of that core forward (piper_sim.kernels)
 
     @property
     def recomputed(self) -> bool:
@@ -68,9 +69,10 @@ class SegmentMemory:
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(saved bytes with the attention core recomputed, attention-core forward flops) of a
-    ``dense`` layer or a MoE ``pre`` segment, measured on ``meta``."""
+def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
+                   dtype: torch.dtype) -> tuple[int, int, tuple]:
+    """(saved bytes with the attention core recomputed, attention-core forward flops and
+    kernel rows) of a ``dense`` layer or a MoE ``pre`` segment, measured on ``meta``."""
     layer = 0 if kind == "dense" else cfg.first_dense
     block = build_units(cfg, [f"layers.{layer}"], device="meta", dtype=dtype)[f"layers.{layer}"]
     block.attn.recompute_core = True
@@ -82,7 +84,7 @@ def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int, dtyp
         fn, params = block.forward_pre, [p for p in block.parameters() if id(p) not in experts]
     saved = measure(fn, [x], params).saved_act_bytes
     core = measure(attention, list(attention_core_inputs(cfg, micro_batch, seq, dtype=dtype)), [])
-    return saved, core.fwd_flops
+    return saved, core.fwd_flops, core.kernels_f
 
 
 def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: int,
@@ -90,8 +92,9 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     kind = segment_kind(cfg, seg.name)
     nbytes = dtype.itemsize
     selective, core_flops, checkpoint, temp = float(seg.saved_act_bytes), 0.0, 0.0, 0.0
+    core_kernels: tuple = ()
     if kind in ("dense", "moe_pre"):
-        sel, core_flops = _layer_measure(cfg, kind, micro_batch, seq, dtype)
+        sel, core_flops, core_kernels = _layer_measure(cfg, kind, micro_batch, seq, dtype)
         selective = float(sel)
         checkpoint = float(seg.tokens * cfg.hidden * nbytes)
     elif kind == "moe_experts":
@@ -101,7 +104,7 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
         temp = float(logits_bytes(cfg, seg.tokens, nbytes))
     return SegmentMemory(kind=kind, saved=float(seg.saved_act_bytes), selective=selective,
                          checkpoint=checkpoint, temp=temp, core_flops=float(core_flops),
-                         a2a_bytes=float(seg.a2a_bytes))
+                         a2a_bytes=float(seg.a2a_bytes), core_kernels=core_kernels)
 
 
 def model_memory(cfg: ModelConfig, segments: list[SegmentCost], micro_batch: int, seq: int,
