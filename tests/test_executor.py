@@ -39,6 +39,10 @@ def strategy(model: str = "gpt-tiny", pp: int = 1, sched: str = "1f1b", dp: int 
             "microbatches": m, "dtype": "fp32", "directives": d}
 
 
+def recompute(s: dict, mode: str) -> dict:
+    return {**s, "directives": [*s["directives"], {"op": "recompute", "mode": mode}]}
+
+
 def save_plan(tmp_path, name: str, s: dict) -> str:
     from piper_sim.api import compile
 
@@ -93,6 +97,13 @@ def test_check_two_ranks_dp_zero_pp2_schedules_ep(tmp_path):
     configs["moe-ep2"] = strategy("moe-tiny", dp=2, ep=2, m=2, mbs=2)
     configs["pp2-1f1b-recompute"] = {**strategy(pp=2, m=4, mbs=2), "directives": [
         *strategy(pp=2, m=4)["directives"], {"op": "recompute"}]}
+    # recompute modes: checkpointed layers (full; BI re-runs its piece for BW), checkpointed attention cores
+    configs["pp2-1f1b-selective"] = recompute(strategy(pp=2, m=4, mbs=2), "selective")
+    configs["pp2-zb1p-full"] = recompute(strategy(pp=2, sched="zb1p", m=4, mbs=2), "full")
+    # ZeRO-3 per unit: each piece on its own gathered unit; units grouped up to bucket_mb
+    configs["dp2-zero3-full"] = recompute(strategy(dp=2, zero=3, m=2, mbs=2), "full")
+    configs["dp2-zero3-bucket"] = strategy(dp=2, zero=3, m=2, mbs=2)
+    configs["dp2-zero3-bucket"]["directives"][0]["bucket_mb"] = 0.6  # two layers a bucket
     res = check_all(tmp_path, 2, configs)
     assert set(res) == set(configs)
     for name, row in res.items():
@@ -111,6 +122,11 @@ def test_check_four_ranks_pp4_schedules_pp_dp_dualpipev_ep(tmp_path):
     configs["dualpipev-ep2"] = strategy("moe-tiny", pp=2, sched="dualpipev", dp=2, ep=2, m=4)
     # BI/BW split around expert all-to-alls, with ZeRO-3 gathers and frees
     configs["zb1p-ep2-zero3"] = strategy("moe-tiny", pp=2, sched="zb1p", dp=2, zero=3, ep=2, m=4)
+    configs["pp2-dp2-zero3"] = strategy(pp=2, dp=2, zero=3, m=4)
+    configs["pp2-dp2-zero3-zb1p-selective"] = recompute(strategy(pp=2, sched="zb1p", dp=2, zero=3, m=4),
+                                                        "selective")
+    configs["dualpipev-ep2-zero3-full"] = recompute(
+        strategy("moe-tiny", pp=2, sched="dualpipev", dp=2, zero=3, ep=2, m=4), "full")
     res = check_all(tmp_path, 4, configs)
     assert set(res) == set(configs)
     for name, row in res.items():

@@ -1,0 +1,298 @@
+"""Memory: activation bytes per layer against a closed form, FSDP-style ZeRO-3 (per-unit
+gathers) on Llama-3-70B against a hand calculation, recompute modes, the fits verdict."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import costmodel.memory
+from piper_sim.api import compile
+from piper_sim.compiler import compile_strategy
+from piper_sim.memory import model_memory, piece_memory
+from piper_sim.models import get_config, unit_param_count
+from piper_sim.profiling import profile_model
+from piper_sim.simulator import simulate
+
+GB = 1e9
+
+
+# ----------------------------------------------------------------------------- closed form
+
+
+def layer_activation_bytes(cfg, B: int, s: int) -> dict[str, float]:
+    """Bytes one SwiGLU + GQA + flash-attention layer keeps for its backward, bf16, per
+    micro-batch of B sequences of s tokens, derived tensor by tensor:
+
+    attention half: layer input x (RMSNorm input, 2h) + RMSNorm rstd (fp32, 4) + normed x
+    (input of the q/k/v projections, 2h) + q and k after rotary and v (flash inputs,
+    2h + 2·2·h_kv) + flash output (= o_proj input, 2h) + flash log-sum-exp (fp32, 4·heads);
+    MLP half: residual after attention (RMSNorm input, 2h) + rstd (4) + normed (gate/up
+    input, 2h) + gate output (SiLU input, 2f) + SiLU output (2f) + up output (2f) + their
+    product (down_proj input, 2f); plus the rotary cos/sin tables (2·s·head_dim·2).
+    No s×s tensor (flash attention), no dropout masks.
+    """
+    T, h, f, H, d = B * s, cfg.hidden, cfg.ffn, cfg.n_heads, cfg.head_dim
+    hkv = cfg.n_kv_heads * d
+    attention = 2 * h + 4 + 2 * h + (2 * h + 2 * hkv + 2 * hkv) + 2 * h + 4 * H
+    mlp = 2 * h + 4 + 2 * h + 4 * 2 * f
+    none = T * (attention + mlp) + 2 * s * d * 2
+    return {
+        "none": none,
+        # the attention core runs again in backward: only its log-sum-exp is not kept
+        "selective": none - T * H * 4,
+        # a checkpoint: the layer input only; its backward recomputes the layer (working set)
+        "full": T * h * 2,
+        "full_working": none,
+    }
+
+
+@pytest.mark.parametrize("name,B,s", [("llama3-8b", 2, 4096), ("llama3-70b", 1, 8192)])
+def test_activation_per_layer_matches_closed_form(name, B, s):
+    cfg = get_config(name)
+    want = layer_activation_bytes(cfg, B, s)
+    segs = profile_model(cfg, B, s, torch.bfloat16)
+    layer = next(x for x in segs if x.name == "layers.3")
+    mem = model_memory(cfg, segs, B, s, torch.bfloat16)["layers.3"]
+    assert layer.saved_act_bytes == pytest.approx(want["none"], rel=0.10)  # the profile
+    assert mem.kept("none") == pytest.approx(want["none"], rel=0.10)
+    assert mem.kept("selective") == pytest.approx(want["selective"], rel=0.10)
+    assert mem.kept("full") == pytest.approx(want["full"], rel=0.10)
+    assert piece_memory([("layers.3", mem)], "full", False).working == pytest.approx(want["full_working"], rel=0.10)
+    # with flash attention, selective recompute frees only the log-sum-exp: < 1% of a layer
+    assert 0 < mem.kept("none") - mem.kept("selective") < 0.01 * mem.kept("none")
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_plan_allocates_the_closed_form_per_layer(mode):
+    """Under ZeRO-3 every layer is its own piece: its forward keeps exactly one layer's bytes."""
+    cfg, B, s = get_config("llama3-8b"), 1, 4096
+    d = [{"op": "data_parallel", "degree": 8, "zero": 3}]
+    if mode != "none":
+        d.append({"op": "recompute", "mode": mode})
+    plan = compile({"model": cfg.name, "cluster": "h100:1x8", "global_batch": 8, "seq_len": s,
+                    "microbatches": 1, "directives": d})
+    ops = {i.id: i for i in plan.classes[0].instructions()}
+    f = ops["F.s0.mb0.p4"]  # layers.3 (p0 is the embedding); it also drops its gathered unit
+    assert f.alloc - (f.free - ops["AG.F.s0.i0.b4"].alloc) == pytest.approx(layer_activation_bytes(cfg, B, s)[mode], rel=0.10)
+
+
+# ----------------------------------------------------------------------------- Llama-3-70B FSDP
+
+
+def llama70b(zero: int, recompute: str | None = "full") -> dict:
+    d: list[dict] = [{"op": "data_parallel", "degree": 64, "zero": zero}]
+    if recompute:
+        d.append({"op": "recompute", "mode": recompute})
+    return {"model": "llama3-70b", "cluster": "h100:8x8", "global_batch": 64, "seq_len": 8192,
+            "microbatches": 1, "directives": d}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for zero in (1, 3):
+        plan = compile_strategy(llama70b(zero)).plan
+        out[zero] = (plan, simulate(plan))
+    return out
+
+
+def hand_zero3_peak(cfg, n: int, T: int, dtype_bytes: int = 2) -> float:
+    """ZeRO-3 (FSDP) with full recompute, peak at the head's backward (the first backward
+    piece, when every checkpoint is still held)."""
+    h, V = cfg.hidden, cfg.vocab
+    states = 16 * cfg.param_count() / n                                     # 16 B/param, sharded
+    unit = lambda name: unit_param_count(cfg, name) * dtype_bytes * (n - 1) / n  # noqa: E731 gathered, less own shard
+    gathered = unit("head") + unit(f"layers.{cfg.n_layers - 1}")            # in use + the prefetched next unit
+    grads = unit("head")                                                    # unsharded until its reduce-scatter
+    checkpoints = (cfg.n_layers + 1) * T * h * dtype_bytes                  # every layer's and the head's input
+    working = T * (2 * h + 4 + 2 * h + 4 * V + 8)   # head recomputed: norm in/rstd/out, fp32 log-probs, targets
+    logits = T * V * (dtype_bytes + 4)                                      # bf16 logits + fp32 copy for the loss
+    return states + gathered + grads + checkpoints + working + logits
+
+
+def test_llama3_70b_fsdp_fits_and_zero1_does_not(runs):
+    z1, z3 = runs[1][1], runs[3][1]
+    p1, p3 = (max(s.peak_memory_bytes for s in r.per_rank) for r in (z1, z3))
+    assert p3 < 80 * GB and z3.fits is True and all(s.fits for s in z3.per_rank)
+    assert p1 >= 3 * p3 and z1.fits is False
+    cfg = get_config("llama3-70b")
+    assert p3 == pytest.approx(hand_zero3_peak(cfg, 64, 8192), rel=0.15)
+    # the states are what ZeRO says; the rest is transient (gathers, checkpoints, working set, logits)
+    s3 = z3.per_rank[0]
+    assert s3.params_bytes + s3.grads_bytes + s3.optimizer_bytes == pytest.approx(16 * cfg.param_count() / 64)
+
+
+def test_zero3_gathers_one_unit_ahead(runs):
+    """Each piece waits for its own unit's gather; the gather of unit i+2 waits for piece i;
+    at most two gathered units are alive at once."""
+    plan, r = runs[3]
+    ops = {i.id: i for i in plan.classes[0].instructions()}
+    n_units = get_config("llama3-70b").n_layers + 2
+    assert sum(1 for k in ops if k.startswith("F.s0.mb0.p")) == n_units
+    for p in range(n_units):
+        f = ops[f"F.s0.mb0.p{p}"]
+        assert f"AG.F.s0.i0.b{p}" in f.deps
+        if p >= 2:
+            assert f"F.s0.mb0.p{p - 2}" in ops[f"AG.F.s0.i0.b{p}"].deps
+        assert ops[f"AG.F.s0.i0.b{p}"].alloc > 0 and f.free >= ops[f"AG.F.s0.i0.b{p}"].alloc
+        assert ops[f"B.s0.mb0.p{p}"].id in ops[f"RS.s0.b{p}"].deps
+    ev = r.events[r.events["rank"] == 0].set_index("op_id")
+    spans = []
+    for p in range(n_units):
+        for pas in ("F", "B"):
+            spans.append((ev.loc[f"AG.{pas}.s0.i0.b{p}", "start"], ev.loc[f"{pas}.s0.mb0.p{p}", "end"]))
+    points = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda t: (t[0], t[1]))
+    live = peak = 0
+    for _, d in points:
+        live += d
+        peak = max(peak, live)
+    assert peak == 2
+
+
+def test_zero3_peak_under_recompute_modes():
+    """Without recompute every layer's activations stay (~220 GB); full recompute keeps one
+    input per layer; selective saves almost nothing with flash attention."""
+    peaks = {}
+    for mode in (None, "selective", "full"):
+        r = simulate(compile_strategy(llama70b(3, mode)).plan)
+        peaks[mode] = max(s.peak_memory_bytes for s in r.per_rank)
+    assert peaks["full"] < 80 * GB < peaks["selective"] <= peaks[None]
+    assert peaks[None] - peaks["selective"] < 0.01 * peaks[None]
+
+
+# ----------------------------------------------------------------------------- verdict
+
+
+def test_fits_verdict_in_json_and_warning(runs, tmp_path, capsys):
+    from piper_sim.cli import main
+
+    for zero, expect in ((3, True), (1, False)):
+        path = tmp_path / f"z{zero}.json"
+        runs[zero][0].save(str(path))
+        assert main(["simulate", str(path), "--json"]) == 0
+        out, err = capsys.readouterr()
+        d = json.loads(out)
+        assert d["fits"] is expect and d["memory_capacity_bytes"] == 80e9
+        assert [r["fits"] for r in d["per_rank"]] == [expect]
+        assert ("does not fit" in err) is (not expect)
+        if not expect:
+            assert err.count("\n") == 1 and "80 GB" in err
+
+
+def test_one_fits_check_for_simulator_and_explorer():
+    import piper_sim.explore
+    import piper_sim.simulator
+
+    assert piper_sim.simulator.memory_fits is costmodel.memory.fits
+    assert piper_sim.explore.fits is costmodel.memory.fits
+    assert costmodel.memory.fits(80e9, 80e9) and not costmodel.memory.fits(80e9 + 1, 80e9)
+
+
+def test_fits_is_none_without_a_cluster():
+    from piper_sim.plan import Instruction, Layout, Plan, RankClass
+
+    layout = Layout(pp=1, dp=1, stage_ranks={0: [0]})
+    cls = RankClass(pp_rank=0, ranks=[0], streams={"compute": [Instruction("F.s0.mb0", "F", "compute", stage=0,
+                                                                           mb=0, flops=1.0, alloc=5.0)]})
+    r = simulate(Plan(layout=layout, classes=[cls], meta={}), "unit:F=1,BI=1,BW=1,comm=0")
+    assert r.fits is None and r.per_rank[0].fits is None
+
+
+# ----------------------------------------------------------------------------- executor recompute
+
+
+def test_executor_stage_checkpoints_what_the_mode_says():
+    """The executor's full recompute keeps each layer's input only (torch.utils.checkpoint);
+    selective keeps all but what the attention core alone saves."""
+    from executor.stage import Stage
+
+    cfg = get_config("gpt-tiny")
+    units = ["layers.0", "layers.1"]
+    stage = Stage(cfg, 1, 3, units, [units], 1, 0, torch.device("cpu"), torch.float32, 0)
+    params = {p.untyped_storage()._cdata for p in stage.units.parameters()}
+    x = torch.randn(2, 16, cfg.hidden)
+
+    def run(checkpoint=False):
+        def fn():
+            stage.forward_piece(0, {"x": x}, {}, None, 1.0, checkpoint=checkpoint)
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            key = t.untyped_storage()._cdata
+            if key not in params:
+                saved[key] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(saved.values())
+
+    plain = run()
+    full = run(checkpoint=True)
+    stage.set_selective_recompute(True)
+    selective = run()
+    stage.set_selective_recompute(False)
+    layer_input = 2 * 16 * cfg.hidden * 4
+    assert full == 2 * layer_input  # one input per layer
+    assert plain - selective == 2 * 2 * cfg.n_heads * 16 * 4  # two layers' fp32 log-sum-exp [B, H, s]
+    # the meta measure of selective recompute agrees with what the real module saves
+    segs = profile_model(cfg, 2, 16, torch.float32)
+    mem = model_memory(cfg, segs, 2, 16, torch.float32)["layers.0"]
+    assert mem.saved - mem.selective == pytest.approx((plain - selective) / 2, rel=0.05)
+
+
+def test_recompute_directive_modes_and_errors():
+    from piper_sim.strategy import StrategyError
+
+    base = {"model": "gpt-tiny", "cluster": "cpu:2", "global_batch": 4, "seq_len": 16, "microbatches": 4,
+            "directives": [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"}]}
+
+    def with_rc(*rc):
+        return {**base, "directives": base["directives"] + list(rc)}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = compile(base)
+        full = compile(with_rc({"op": "recompute"}))
+        sel = compile(with_rc({"op": "recompute", "mode": "selective"}))
+        mixed = compile(with_rc({"op": "recompute", "mode": "selective"},
+                                {"op": "recompute", "mode": "full", "stages": [1]}))
+    assert full.meta["recompute"] == {"0": "full", "1": "full"}
+    assert mixed.meta["recompute"] == {"0": "selective", "1": "full"}
+    assert "recompute" not in plain.meta
+
+    def op(plan, pp, op_id):
+        return next(i for i in plan.classes[pp].streams["compute"] if i.id == op_id)
+
+    fp, bp = op(plain, 0, "F.s0.mb0"), op(plain, 0, "B.s0.mb0")
+    fs, bs = op(sel, 0, "F.s0.mb0"), op(sel, 0, "B.s0.mb0")
+    ff = op(full, 0, "F.s0.mb0")
+    # selective: a little less kept, the attention cores' forward again in backward
+    assert ff.alloc < fs.alloc - fs.free < fp.alloc - fp.free
+    assert bp.flops < bs.flops < op(full, 0, "B.s0.mb0").flops and bs.recompute
+    for bad, msg in [({"op": "recompute", "mode": "some"}, "field 'mode' must be 'full' or 'selective'"),
+                     ({"op": "recompute", "stages": [5]}, "names stage(s) [5], but there are 2 stages"),
+                     ({"op": "recompute", "stages": "first"}, "field 'stages' must be \"all\" or a list"),
+                     ({"op": "recompute", "layers": 2}, "unknown field(s) layers")]:
+        with pytest.raises(StrategyError, match="recompute") as e:
+            compile(with_rc(bad))
+        assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_zero3_bucket_mb_groups_whole_units():
+    s = {"model": "gpt-tiny", "cluster": "cpu:2", "global_batch": 4, "seq_len": 16, "microbatches": 2,
+         "directives": [{"op": "data_parallel", "degree": 2, "zero": 3, "bucket_mb": 1}]}
+    plan = compile(s)
+    buckets = plan.meta["zero3_buckets"][0][""]
+    assert [u for b in buckets for u in b] == ["embed", *(f"layers.{i}" for i in range(8)), "head"]
+    assert len(buckets) < 10  # units share buckets up to 1 MB
+    ops = {i.id: i for i in plan.classes[0].instructions()}
+    gathers = [k for k in ops if k.startswith("AG.F.s0.i0.")]
+    assert len(gathers) == len(buckets)
+    # a bucket is gathered before its first piece and dropped after its last
+    last = len(buckets[0]) - 1
+    assert ops[f"F.s0.mb0.p{last}"].free >= ops["AG.F.s0.i0.b0"].alloc
