@@ -66,10 +66,12 @@ class Instruction:
              Expanded: ``"ranks:0,1,2"``.
     slot:    compute only: index of the ``order`` slot; two ops with one slot are an
              overlapped pair. -1 otherwise.
-    part:    piece of a stage split around expert all-to-alls (0 when not split), and
-             ``parts`` the number of pieces.
+    part:    piece of a stage split around expert all-to-alls, or per unit under ZeRO-3
+             (0 when not split), and ``parts`` the number of pieces.
     tokens:  tokens processed (compute), for the cost model's GEMM-size efficiency.
-    recompute: forward is recomputed inside this backward (B/BI).
+    recompute: forward is recomputed inside this backward (B/BI): all of it under full
+             recompute, the attention cores under selective (``meta["recompute"]``: stage ->
+             mode).
     gemm:    [m, n, k] of the op's dominant matmul, for size-dependent efficiency.
     kernels: compute only: key of the op's operator-level table in ``Plan.kernels``.
     dep_progress: the share of its compute deps that must have run before this op may
