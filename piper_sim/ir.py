@@ -26,7 +26,7 @@ import networkx as nx
 
 from piper_sim import kernels
 from piper_sim.directives import Setup
-from piper_sim.memory import SegmentMemory, piece_memory
+from piper_sim.memory import PieceMemory, SegmentMemory, piece_memory
 from piper_sim.plan import Instruction, Layout
 from piper_sim.profiling import SegmentCost
 from piper_sim.strategy import StrategyError
@@ -367,9 +367,9 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
     backward of the weighted sum (until the backward combine); backward ones live until the
     piece that consumes them ends."""
     ep = ctx.layout.ep
-    cache: dict[tuple[int, int], object] = {}
+    cache: dict[tuple[int, int], PieceMemory] = {}
 
-    def piece(stage: int, part: int):
+    def piece(stage: int, part: int) -> PieceMemory:
         key = (stage, part)
         if key not in cache:
             mode = ctx.setup.recompute.get(stage, "none")
