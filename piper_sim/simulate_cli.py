@@ -62,7 +62,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     if result.fits is not None:
         peak = max(s.peak_memory_bytes for s in result.per_rank)
         print(f"fits: {str(result.fits).lower()} (highest peak {peak / 2**30:.2f} GiB of "
-              f"{result.memory_capacity_bytes / 2**30:.2f} GiB = {result.memory_capacity_bytes / 1e9:.0f} GB per GPU)")
+              f"{result.memory_capacity_bytes / 2**30:.2f} GiB per GPU)")
     for label, path in (("trace", args.trace), ("timeline", args.timeline), ("memory", args.memory)):
         if path:
             print(f"wrote {label} {path}")
@@ -75,8 +75,8 @@ def _warn_if_over_memory(result) -> None:
     worst = max(over, key=lambda s: s.peak_memory_bytes)
     ranks = sum(s.represents for s in over)
     print(f"piper-sim: warning: the plan does not fit in memory: {ranks} of {result.world_size} ranks exceed "
-          f"{result.memory_capacity_bytes / 1e9:.0f} GB per GPU (rank {worst.rank} peaks at "
-          f"{worst.peak_memory_bytes / 1e9:.1f} GB)", file=sys.stderr)
+          f"{result.memory_capacity_bytes / 2**30:.0f} GiB per GPU (rank {worst.rank} peaks at "
+          f"{worst.peak_memory_bytes / 2**30:.1f} GiB)", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
