@@ -85,7 +85,7 @@ METRICS: dict[str, Metric] = {
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
 ENTRY_REQUIRED = {"id", "source", "metric", "published", "precision", "strategy"}
-ENTRY_OPTIONAL = {"setup", "approximations", "notes", "published_memory_gib", "published_memory_gb"}
+ENTRY_OPTIONAL = {"setup", "approximations", "notes", "published_memory_gib", "published_memory_gb", "run_options"}
 HELD_REQUIRED = {"id", "needs", "source", "metric", "published", "precision"}
 HELD_OPTIONAL = {"setup", "strategy_sketch", "notes"}
 RANKING_REQUIRED = {"id", "source", "faster"}
@@ -294,6 +294,21 @@ def _published_memory_gib(entry: dict) -> float | None:
     return None
 
 
+def _costmodel_for(entry: dict, strategy: dict, costmodel: str):
+    """The analytic model with what the source says the run did: FP8 GEMMs for an ``fp8``
+    run, and the entry's ``run_options`` (e.g. DeepSeek-V3's node-limited routing and FP8
+    dispatch, as ``{"moe": {...}}`` cost-model overrides). Published facts, not fitted values."""
+    if costmodel != "analytic":
+        return costmodel
+    from costmodel.hardware import parse_cluster
+    from costmodel.model import AnalyticCostModel
+
+    overrides = dict(entry.get("run_options", {}))
+    if entry["precision"] == "fp8":
+        overrides.setdefault("gemm_dtype", "fp8")
+    return AnalyticCostModel(parse_cluster(strategy["cluster"]), overrides) if overrides else costmodel
+
+
 def run_entry(entry: dict, costmodel: str = "analytic", suite_dir: Path = HERE) -> Result:
     """Compile and simulate one entry; never raises for a strategy the simulator rejects."""
     from costmodel.hardware import parse_cluster
@@ -307,7 +322,7 @@ def run_entry(entry: dict, costmodel: str = "analytic", suite_dir: Path = HERE) 
         t0 = time.perf_counter()
         plan = compile(strategy)
         t1 = time.perf_counter()
-        sim = simulate(plan, costmodel)
+        sim = simulate(plan, _costmodel_for(entry, strategy, costmodel))
         t2 = time.perf_counter()
         value = METRICS[entry["metric"]].value(sim, plan)
         hbm = parse_cluster(strategy["cluster"]).gpu.hbm_bytes
