@@ -23,6 +23,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                         "or a calibration .json")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    s.add_argument("--kineto", metavar="DIR",
+                   help="write Kineto-shaped traces, one per simulated rank, in DIR (HolisticTraceAnalysis, Perfetto)")
     s.add_argument("--timeline", metavar="OUT.png", help="write a timeline picture")
     s.add_argument("--memory", metavar="OUT.png", help="write a memory-over-time picture")
     s.add_argument("--no-fold", action="store_true", help="simulate every rank, not one per rank class")
@@ -41,6 +43,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
              f"ep={plan.layout.ep}, {m.get('schedule', '?')}, m={m.get('microbatches', '?')} ({result.costmodel})")
     if args.trace:
         result.write_trace(args.trace)
+    if args.kineto:
+        result.write_kineto(args.kineto)
     if args.timeline:
         result.plot_timeline(args.timeline, title=title)
     if args.memory:
@@ -58,7 +62,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
         print(f"{s.rank:>6} {s.represents:>5} {s.compute_s:>11.5g} {s.comm_exposed_s:>11.5g} {s.idle_s:>11.5g} "
               f"{s.peak_memory_bytes / 2**30:>9.2f} {states / 2**30:>10.2f} {s.activations_bytes / 2**30:>8.2f}")
-    for label, path in (("trace", args.trace), ("timeline", args.timeline), ("memory", args.memory)):
+    for label, path in (("trace", args.trace), ("Kineto traces", args.kineto), ("timeline", args.timeline),
+                        ("memory", args.memory)):
         if path:
             print(f"wrote {label} {path}")
 

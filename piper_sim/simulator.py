@@ -95,6 +95,7 @@ class SimResult:
     folded: bool = True
     world_size: int = 0
     costmodel: str = ""
+    meta: dict[str, Any] = field(repr=False, default_factory=dict)  # the plan's meta (model, cluster, dtype...)
 
     @cached_property
     def events(self) -> "pd.DataFrame":
@@ -123,15 +124,32 @@ class SimResult:
             first.setdefault(s.pp_rank, s.rank)
         return list(first.values())[:64]
 
+    def static_bytes(self) -> dict[int, float]:
+        """Model-state bytes (params + grads + optimizer) per rank."""
+        return {s.rank: s.params_bytes + s.grads_bytes + s.optimizer_bytes for s in self.per_rank}
+
     def write_trace(self, path: str) -> None:
-        trace.write_chrome_trace(self.events, path, flows=True)
+        """One Chrome trace file (Perfetto): a process per rank, a thread per stream, p2p
+        flow arrows, a memory counter per rank."""
+        trace.write_chrome_trace(self.events, path, flows=True, memory=self.memory, static_bytes=self.static_bytes())
+
+    def write_kineto(self, out_dir: str) -> list[str]:
+        """Kineto-shaped traces, one file per simulated rank (per rank class when folded),
+        that HolisticTraceAnalysis and Perfetto read (`piper_sim.kineto`). Returns the paths."""
+        from piper_sim.kineto import write_kineto_traces
+
+        cluster = str(self.meta.get("cluster", ""))
+        return write_kineto_traces(self.events, out_dir, world_size=self.world_size or None,
+                                   dtype=self.meta.get("dtype", "bf16"), memory=self.memory,
+                                   static_bytes=self.static_bytes(), step_end=self.step_time_s,
+                                   device_name=f"simulated {cluster}".strip(), name="piper-sim simulator",
+                                   backend="gloo" if cluster.startswith("cpu") else "nccl")
 
     def plot_timeline(self, path: str, title: str = "") -> None:
         trace.plot_timeline(self.events, path, title=title, ranks=self.shown_ranks())
 
     def plot_memory(self, path: str, title: str = "") -> None:
-        static = {s.rank: s.params_bytes + s.grads_bytes + s.optimizer_bytes for s in self.per_rank}
-        trace.plot_memory(self.memory, path, title=title, static_bytes=static, ranks=self.shown_ranks())
+        trace.plot_memory(self.memory, path, title=title, static_bytes=self.static_bytes(), ranks=self.shown_ranks())
 
 
 # ----------------------------------------------------------------------------- folding
@@ -734,5 +752,5 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         bubble_fraction=bubble_fraction,
         per_rank=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
         rows=eng.rows, memory_samples=eng.mem_samples, folded=folded, world_size=layout.world_size,
-        costmodel=getattr(cm, "name", type(cm).__name__),
+        costmodel=getattr(cm, "name", type(cm).__name__), meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
     )

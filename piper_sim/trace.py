@@ -76,9 +76,11 @@ def stream_order(streams: Iterable[str]) -> list[str]:
     return sorted(set(streams), key=key)
 
 
-def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim") -> dict[str, Any]:
+def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim",
+                 memory: "pd.DataFrame | None" = None, static_bytes: dict[int, float] | None = None) -> dict[str, Any]:
     """The Chrome trace event dict: X events in µs, one process per rank, one thread per
-    stream, flow arrows from each SEND to its RECV."""
+    stream, flow arrows from each SEND to its RECV; with ``memory`` (`MEMORY_COLUMNS`), a
+    ``memory (GB)`` counter track per rank (plus its ``static_bytes``)."""
     events: list[dict[str, Any]] = []
     tids: dict[tuple[int, str], int] = {}
     for rank in sorted(df["rank"].unique().tolist()):
@@ -120,13 +122,33 @@ def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim"
                        "ts": send[1]})
         events.append({"ph": "f", "bp": "e", "id": flow_id, "name": "p2p", "cat": "p2p", "pid": dst,
                        "tid": tid, "ts": ts})
+    if memory is not None:
+        events += memory_counters(memory, static_bytes)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"generator": name}}
 
 
-def write_chrome_trace(df: "pd.DataFrame", path: str, flows: bool = True, name: str = "piper-sim") -> None:
+def memory_counters(memory: "pd.DataFrame", static_bytes: dict[int, float] | None = None,
+                    pid_of: dict[int, int] | None = None) -> list[dict[str, Any]]:
+    """``ph: "C"`` events: each rank's memory in GB (transient + static) after every change."""
+    out: list[dict[str, Any]] = []
+    for rank in sorted(memory["rank"].unique().tolist()):
+        sub = memory[memory["rank"] == rank].drop_duplicates("time", keep="last")
+        base = float((static_bytes or {}).get(rank, 0.0))
+        pid = (pid_of or {}).get(rank, int(rank))
+        out.append({"ph": "C", "name": "memory (GB)", "pid": pid, "tid": 0, "ts": 0.0,
+                    "args": {"allocated": round(base / 1e9, 6)}})
+        for t, b in zip(sub["time"], sub["bytes"]):
+            out.append({"ph": "C", "name": "memory (GB)", "pid": pid, "tid": 0, "ts": _us(t),
+                        "args": {"allocated": round((base + float(b)) / 1e9, 6)}})
+    return out
+
+
+def write_chrome_trace(df: "pd.DataFrame", path: str, flows: bool = True, name: str = "piper-sim",
+                       memory: "pd.DataFrame | None" = None, static_bytes: dict[int, float] | None = None) -> None:
     """Write a Chrome trace JSON file that Perfetto (ui.perfetto.dev) and chrome://tracing open."""
     with open(path, "w") as f:
-        json.dump(chrome_trace(df, flows=flows, name=name), f, separators=(",", ":"))
+        json.dump(chrome_trace(df, flows=flows, name=name, memory=memory, static_bytes=static_bytes), f,
+                  separators=(",", ":"))
 
 
 def read_chrome_trace(path: str) -> "pd.DataFrame":
