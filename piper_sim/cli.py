@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the command line only writes picture files: a non-interactive matplotlib backend for this
+    # process and the ranks it starts (the library itself never selects one)
+    os.environ.setdefault("MPLBACKEND", "Agg")
     warnings.formatwarning = lambda msg, *a, **k: f"piper-sim: warning: {msg}\n"
     args = build_parser().parse_args(argv)
     try:

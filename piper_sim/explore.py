@@ -346,15 +346,14 @@ def write_csv(result: ExploreResult, path: str) -> None:
             w.writerow({**{k: d[k] for k in fields}, **d["candidate"]})
 
 
-def plot_pareto(result: ExploreResult, path: str) -> None:
-    """Throughput vs peak memory; the Pareto front (more throughput for less memory) joined."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_pareto(result: ExploreResult, path: str | None = None, *, ax: Any = None) -> Any:
+    """Throughput vs peak memory (GB); the Pareto front (more throughput for less memory)
+    joined. Returns the Figure; writes ``path`` when given; draws into ``ax`` when given."""
+    from piper_sim.trace import new_figure
 
     ok = result.ok
-    fig, ax = plt.subplots(figsize=(8, 5))
+    own = ax is None
+    fig, ax = new_figure(ax, figsize=(8, 5))
     if ok:
         ax.scatter([r.peak_memory_bytes / 1e9 for r in ok], [r.tokens_per_s for r in ok], s=14, alpha=0.6,
                    label="simulated strategies")
@@ -374,6 +373,8 @@ def plot_pareto(result: ExploreResult, path: str) -> None:
     ax.set(xlabel="peak memory per GPU (GB)", ylabel="tokens / s",
            title=f"{s['model']} on {s['cluster']}, batch {s['global_batch']}×{s['seq_len']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if own:
+        fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig

@@ -56,12 +56,12 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     print(f"step {result.step_time_s:.6g} s, {result.tokens_per_s:.6g} tokens/s, MFU {100 * result.mfu:.1f}%, "
           f"bubble {100 * result.bubble_fraction:.1f}% "
           f"({result.num_events} events in {result.sim_wall_s:.3f} s, {'folded' if result.folded else 'unfolded'})")
-    print(f"{'rank':>6} {'x':>5} {'compute s':>11} {'comm exp s':>11} {'idle s':>11} {'peak GiB':>9} "
-          f"{'states GiB':>10} {'act GiB':>8}")
+    print(f"{'rank':>6} {'x':>5} {'compute s':>11} {'comm exp s':>11} {'idle s':>11} {'peak GB':>9} "
+          f"{'states GB':>10} {'act GB':>8}")
     for s in result.per_rank:
         states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
         print(f"{s.rank:>6} {s.represents:>5} {s.compute_s:>11.5g} {s.comm_exposed_s:>11.5g} {s.idle_s:>11.5g} "
-              f"{s.peak_memory_bytes / 2**30:>9.2f} {states / 2**30:>10.2f} {s.activations_bytes / 2**30:>8.2f}")
+              f"{s.peak_memory_bytes / 1e9:>9.2f} {states / 1e9:>10.2f} {s.activations_bytes / 1e9:>8.2f}")
     for label, path in (("trace", args.trace), ("Kineto traces", args.kineto), ("timeline", args.timeline),
                         ("memory", args.memory)):
         if path:

@@ -96,10 +96,16 @@ class SimResult:
     world_size: int = 0
     costmodel: str = ""
     meta: dict[str, Any] = field(repr=False, default_factory=dict)  # the plan's meta (model, cluster, dtype...)
+    pairs: dict[tuple[int, str], int] = field(repr=False, default_factory=dict)  # (pp rank, op id) -> slot
 
     @cached_property
     def events(self) -> "pd.DataFrame":
-        return trace.events_to_dataframe(self.rows, extra_columns=("posted",))
+        """One row per op; ``pair``: the plan slot of ops that run as an overlapped F&B
+        pair (DualPipe, DualPipeV), -1 otherwise."""
+        df = trace.events_to_dataframe(self.rows, extra_columns=("posted",))
+        pp_of = {s.rank: s.pp_rank for s in self.per_rank}
+        df["pair"] = [self.pairs.get((pp_of.get(r, -1), op), -1) for r, op in zip(df["rank"], df["op_id"])]
+        return df
 
     @cached_property
     def memory(self) -> "pd.DataFrame":
@@ -145,11 +151,24 @@ class SimResult:
                                    device_name=f"simulated {cluster}".strip(), name="piper-sim simulator",
                                    backend="gloo" if cluster.startswith("cpu") else "nccl")
 
-    def plot_timeline(self, path: str, title: str = "") -> None:
-        trace.plot_timeline(self.events, path, title=title, ranks=self.shown_ranks())
+    @property
+    def time_unit(self) -> str | None:
+        """"units" for a unit cost model (times are not seconds), else None (auto s/ms/µs)."""
+        return "units" if self.costmodel.startswith("unit") else None
 
-    def plot_memory(self, path: str, title: str = "") -> None:
-        trace.plot_memory(self.memory, path, title=title, static_bytes=self.static_bytes(), ranks=self.shown_ranks())
+    def plot_timeline(self, path: str | None = None, title: str = "", *, ax: Any = None, **kwargs: Any) -> Any:
+        """The step as a pipeline picture (`trace.plot_timeline`); returns the Figure,
+        writes ``path`` when given, draws into ``ax`` when given."""
+        kwargs.setdefault("ranks", self.shown_ranks())
+        kwargs.setdefault("time_unit", self.time_unit)
+        return trace.plot_timeline(self.events, path, title=title, ax=ax, **kwargs)
+
+    def plot_memory(self, path: str | None = None, title: str = "", *, ax: Any = None, **kwargs: Any) -> Any:
+        """Memory per rank over the step in GB (`trace.plot_memory`); returns the Figure."""
+        kwargs.setdefault("ranks", self.shown_ranks())
+        kwargs.setdefault("time_unit", self.time_unit)
+        return trace.plot_memory(self.memory, path, title=title, static_bytes=self.static_bytes(), ax=ax,
+                                 t_end=self.step_time_s, **kwargs)
 
 
 # ----------------------------------------------------------------------------- folding
@@ -689,6 +708,21 @@ def _cluster(plan: Plan, cm: CostModel) -> Cluster | None:
         return None
 
 
+def _overlapped_pairs(plan: Plan) -> dict[tuple[int, str], int]:
+    """(pp rank, op id) -> slot for the compute ops of overlapped F&B pairs: a slot that
+    holds more than one (stage, kind, micro-batch) action."""
+    out: dict[tuple[int, str], int] = {}
+    for c in plan.classes:
+        by_slot: dict[int, list[Instruction]] = {}
+        for ins in c.streams.get("compute", []):
+            if ins.slot >= 0 and ins.kind in COMPUTE_KINDS:
+                by_slot.setdefault(ins.slot, []).append(ins)
+        for slot, lst in by_slot.items():
+            if len({(i.stage, i.kind, i.mb) for i in lst}) > 1:
+                out.update({(c.pp_rank, i.id): slot for i in lst})
+    return out
+
+
 def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bool = True) -> SimResult:
     """Simulate one training step of `plan` (a Plan or a plan JSON path).
 
@@ -752,5 +786,5 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         bubble_fraction=bubble_fraction,
         per_rank=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
         rows=eng.rows, memory_samples=eng.mem_samples, folded=folded, world_size=layout.world_size,
-        costmodel=getattr(cm, "name", type(cm).__name__), meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
+        costmodel=getattr(cm, "name", type(cm).__name__), pairs=_overlapped_pairs(plan), meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
     )
