@@ -44,7 +44,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="execute a plan with torch.distributed (one process per rank, torchrun)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("plan", metavar="PLAN.json", help="plan file from `piper-sim compile`")
     p.add_argument("--nproc", type=int, help="ranks on this node (default: the plan's world size / nnodes)")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (run this command on each)")
     p.add_argument("--node-rank", type=int, help="this node's rank (optional with the c10d rendezvous)")

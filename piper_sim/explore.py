@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import csv
 import functools
+import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from costmodel.hardware import parse_cluster
 from costmodel.model import get_costmodel
 from piper_sim.models import get_config
 from piper_sim.strategy import StrategyError
 
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+log = logging.getLogger(__name__)
 SCHEDULE_V = {"gpipe": 1, "1f1b": 1, "zb1p": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2, "dualpipe": 1}
 
 
@@ -102,6 +107,19 @@ class ExploreResult:
     def best_strategy(self) -> dict[str, Any]:
         s = self.settings
         return self.best.candidate.strategy(s["model"], s["cluster"], s["global_batch"], s["seq_len"])
+
+    @property
+    def table(self) -> "pd.DataFrame":
+        """Every candidate as a DataFrame row, best first (simulated ones by step time, then
+        the rest): ``strategy`` (short name), ``status`` (ok | oom | invalid | pruned), the
+        simulated numbers, ``reason``, and the candidate's fields (pp, schedule, ...)."""
+        import pandas as pd
+
+        rows = sorted(self.rows, key=lambda r: (r.status != "ok", r.step_time_s))
+        cols = ["strategy", "status", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction",
+                "peak_memory_bytes", "lower_bound_s", "reason"] + [f.name for f in fields(Candidate)]
+        return pd.DataFrame([{**{k: v for k, v in r.to_json().items() if k != "candidate"},
+                              **asdict(r.candidate)} for r in rows], columns=cols)
 
 
 def _divisors(n: int) -> list[int]:
@@ -224,7 +242,7 @@ def _compile_and_simulate(task: tuple) -> tuple:
     except (StrategyError, ValueError) as e:
         return cand, None, str(e)
     r = simulate(plan, settings["costmodel"])
-    peak = max(x.peak_memory_bytes for x in r.per_rank)
+    peak = max(x.peak_memory_bytes for x in r.rank_stats)
     return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak), ""
 
 
@@ -235,7 +253,7 @@ def _pool(workers: int, use_ray: bool):
 
             return RayPool(workers)
         except ImportError:
-            print("piper-sim: warning: Ray is not installed; using local processes", file=sys.stderr)
+            log.warning("Ray is not installed; using local processes")
     import multiprocessing as mp
 
     # fork: workers inherit the imported torch and the profiles the screen already cached
@@ -378,3 +396,14 @@ def plot_pareto(result: ExploreResult, path: str | None = None, *, ax: Any = Non
     if path:
         fig.savefig(path, dpi=120)
     return fig
+
+
+class _CallableModule(type(sys)):
+    """``piper_sim.explore(...)`` runs `explore`: the package's top-level name and this
+    module's name are the same, so the module itself is callable."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ExploreResult:
+        return explore(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["HOST_PID_BASE", "NCCL_KERNELS", "kineto_trace", "write_kineto_traces", "read_kineto_traces",
            "stream_ids"]
 
+log = logging.getLogger(__name__)
 HOST_PID_BASE = 100000
 CORRELATION_BASE = 1 << 24
 COMPUTE_STREAM_ID = 7  # the default CUDA stream's id in Kineto traces
@@ -205,6 +207,7 @@ def write_kineto_traces(df: "pd.DataFrame", out_dir: str, *, ranks: Sequence[int
             f.write(",\n".join("  " + json.dumps(e) for e in events))
             f.write("\n  ]\n}\n")
         paths.append(path)
+    log.debug("wrote %d Kineto-shaped traces in %s", len(paths), out_dir)
     return paths
 
 

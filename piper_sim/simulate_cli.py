@@ -53,12 +53,14 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         print(json.dumps(result.to_json()))
         return
     print(title)
-    print(f"step {result.step_time_s:.6g} s, {result.tokens_per_s:.6g} tokens/s, MFU {100 * result.mfu:.1f}%, "
+    u = "u" if result.time_unit == "units" else "s"  # a unit cost model counts in its own time units
+    print(f"step {result.step_time_s:.6g} {'units' if u == 'u' else 's'}, {result.tokens_per_s:.6g} tokens/"
+          f"{'unit' if u == 'u' else 's'}, MFU {100 * result.mfu:.1f}%, "
           f"bubble {100 * result.bubble_fraction:.1f}% "
           f"({result.num_events} events in {result.sim_wall_s:.3f} s, {'folded' if result.folded else 'unfolded'})")
-    print(f"{'rank':>6} {'x':>5} {'compute s':>11} {'comm exp s':>11} {'idle s':>11} {'peak GB':>9} "
+    print(f"{'rank':>6} {'x':>5} {'compute ' + u:>11} {'comm exp ' + u:>11} {'idle ' + u:>11} {'peak GB':>9} "
           f"{'states GB':>10} {'act GB':>8}")
-    for s in result.per_rank:
+    for s in result.rank_stats:
         states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
         print(f"{s.rank:>6} {s.represents:>5} {s.compute_s:>11.5g} {s.comm_exposed_s:>11.5g} {s.idle_s:>11.5g} "
               f"{s.peak_memory_bytes / 1e9:>9.2f} {states / 1e9:>10.2f} {s.activations_bytes / 1e9:>8.2f}")

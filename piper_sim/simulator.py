@@ -22,9 +22,10 @@ If the run cannot finish, `SimulationDeadlock` names the op each blocked stream 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,8 @@ from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RankStats", "SimResult", "SimulationDeadlock", "SimulationError", "fold_is_exact", "simulate"]
 
@@ -78,16 +81,17 @@ class SimResult:
 
     bubble_fraction: mean over ranks of bubble_s / step_time_s (share of the step the
     compute stream does not compute). mfu: model flops / (step time × world × peak).
-    events: one row per executed op (`piper_sim.trace.EVENT_COLUMNS` + ``posted``);
-    memory: transient bytes per rank over time (`trace.MEMORY_COLUMNS`). Both are pandas
-    DataFrames built on first access (a planner that reads only the totals skips them).
+    per_rank: one row per simulated rank (`RankStats`); events: one row per executed op
+    (`piper_sim.trace.EVENT_COLUMNS` + ``posted``, ``pair``); memory: transient bytes per
+    rank over time (`trace.MEMORY_COLUMNS`). All three are pandas DataFrames built on first
+    access (a planner that reads only the totals skips them); `to_json` is the JSON view.
     """
 
     step_time_s: float
     tokens_per_s: float
     mfu: float
     bubble_fraction: float
-    per_rank: list[RankStats]
+    rank_stats: list[RankStats]  # one per simulated rank; `per_rank` is the same as a DataFrame
     num_events: int
     sim_wall_s: float
     rows: list[tuple] = field(repr=False, default_factory=list)
@@ -103,9 +107,19 @@ class SimResult:
         """One row per op; ``pair``: the plan slot of ops that run as an overlapped F&B
         pair (DualPipe, DualPipeV), -1 otherwise."""
         df = trace.events_to_dataframe(self.rows, extra_columns=("posted",))
-        pp_of = {s.rank: s.pp_rank for s in self.per_rank}
+        pp_of = {s.rank: s.pp_rank for s in self.rank_stats}
         df["pair"] = [self.pairs.get((pp_of.get(r, -1), op), -1) for r, op in zip(df["rank"], df["op_id"])]
         return df
+
+    @cached_property
+    def per_rank(self) -> "pd.DataFrame":
+        """One row per simulated rank (`RankStats` columns: compute_s, comm_exposed_s,
+        idle_s, bubble_s, peak_memory_bytes and its parts...); ``represents``: how many
+        ranks the row stands for (a rank class when folded). `rank_stats` has the same
+        rows as objects; `to_json` as dicts."""
+        import pandas as pd
+
+        return pd.DataFrame([asdict(s) for s in self.rank_stats], columns=[f.name for f in fields(RankStats)])
 
     @cached_property
     def memory(self) -> "pd.DataFrame":
@@ -117,22 +131,22 @@ class SimResult:
             "bubble_fraction": self.bubble_fraction, "num_events": self.num_events,
             "sim_wall_s": self.sim_wall_s, "folded": self.folded, "world_size": self.world_size,
             "costmodel": self.costmodel,
-            "per_rank": [asdict(s) for s in self.per_rank],
+            "per_rank": [asdict(s) for s in self.rank_stats],
         }
 
     def shown_ranks(self, max_ranks: int = 16) -> list[int]:
         """Ranks to draw: all when few, else one per pipeline rank."""
-        ranks = [s.rank for s in self.per_rank]
+        ranks = [s.rank for s in self.rank_stats]
         if len(ranks) <= max_ranks:
             return ranks
         first: dict[int, int] = {}
-        for s in self.per_rank:
+        for s in self.rank_stats:
             first.setdefault(s.pp_rank, s.rank)
         return list(first.values())[:64]
 
     def static_bytes(self) -> dict[int, float]:
         """Model-state bytes (params + grads + optimizer) per rank."""
-        return {s.rank: s.params_bytes + s.grads_bytes + s.optimizer_bytes for s in self.per_rank}
+        return {s.rank: s.params_bytes + s.grads_bytes + s.optimizer_bytes for s in self.rank_stats}
 
     def write_trace(self, path: str) -> None:
         """One Chrome trace file (Perfetto): a process per rank, a thread per stream, p2p
@@ -743,7 +757,10 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
             cluster = parse_cluster(plan.meta["cluster"])
         costmodel = get_costmodel(spec, cluster)
     cm = costmodel
-    folded = fold and fold_is_exact(plan, _cluster(plan, cm))[0]
+    exact, why = fold_is_exact(plan, _cluster(plan, cm)) if fold else (False, "fold=False")
+    folded = fold and exact
+    if fold and not exact:
+        log.debug("simulating every rank: folding is not exact (%s)", why)
     eng = _Engine(plan, cm, folded)
     eng.run()
 
@@ -778,13 +795,15 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     if tokens is None and "global_batch" in plan.meta and "seq_len" in plan.meta:
         tokens = plan.meta["global_batch"] * plan.meta["seq_len"]
     peak = _peak_flops(plan, cm)
+    log.debug("simulated %d events on %d ranks in %.3f s (%s): step %.6g s", len(eng.rows), len(eng.ranks),
+              time.perf_counter() - t0, "folded" if folded else "unfolded", step)
     model_flops = plan.meta.get("model_flops_per_step", 0.0)
     return SimResult(
         step_time_s=step,
         tokens_per_s=(tokens or 0) / step if step > 0 else 0.0,
         mfu=model_flops / (step * layout.world_size * peak) if step > 0 and peak > 0 else 0.0,
         bubble_fraction=bubble_fraction,
-        per_rank=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
+        rank_stats=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
         rows=eng.rows, memory_samples=eng.mem_samples, folded=folded, world_size=layout.world_size,
         costmodel=getattr(cm, "name", type(cm).__name__), pairs=_overlapped_pairs(plan), meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
     )

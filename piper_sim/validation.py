@@ -149,7 +149,8 @@ def validate_one(strategy: Strategy | dict | str, costmodel: str, steps: int, wa
 
 def validate(strategies: list, costmodel: str, steps: int = 6, warmup: int = 2, out_dir: str = "validation",
              progress=None) -> dict[str, Any]:
-    """Validate several strategies; write CSV, JSON and an overlay picture of the first."""
+    """Validate several strategies; write CSV, JSON and an overlay picture of the first.
+    Returns the summary written to validation.json plus ``table``: its rows as a DataFrame."""
     import pandas as pd
 
     os.makedirs(out_dir, exist_ok=True)
@@ -172,6 +173,7 @@ def validate(strategies: list, costmodel: str, steps: int = 6, warmup: int = 2, 
                "rows": [asdict(r) for r in rows]}
     with open(os.path.join(out_dir, "validation.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    summary["table"] = table  # the rows as a DataFrame (not in the JSON file)
     return summary
 
 

@@ -64,7 +64,7 @@ def test_kineto_shape_and_round_trip(sim):
         counter = [e for e in ev if e["ph"] == "C"]
         assert mem and counter and min(e["args"]["allocated"] for e in counter) >= 0
         assert max(e["args"]["Total Allocated"] for e in mem) == pytest.approx(
-            result.per_rank[ranks.index(rank)].peak_memory_bytes, rel=1e-6)
+            result.rank_stats[ranks.index(rank)].peak_memory_bytes, rel=1e-6)
         by_thread = defaultdict(list)  # Perfetto: slices on one thread nest or are disjoint
         for e in ev:
             if e["ph"] == "X":
@@ -111,7 +111,7 @@ def test_hta_reads_a_simulated_trace(sim):
     assert ta.t.get_ranks() == ranks and ta.get_profiler_steps() == [0]
     _sane(temporal, idle, overlap, result.step_time_s * 1e6, ranks)
     ev = result.events
-    for s in result.per_rank:  # HTA's compute time is the simulator's, to HTA's rounding (< 2 µs per kernel)
+    for s in result.per_rank.itertuples():  # HTA's compute time is the simulator's, to HTA's rounding (< 2 µs per kernel)
         row = temporal[temporal["rank"] == s.rank].iloc[0]
         n = ((ev["rank"] == s.rank) & ev["kind"].isin(["F", "B", "BI", "BW", "OPT"])).sum()
         assert row["compute_time(us)"] == pytest.approx(s.compute_s * 1e6, abs=2 * n + 1)

@@ -100,7 +100,7 @@ def test_memory_plot_zero_based_gb_with_dips(runs):
     fig = r.plot_memory()
     axes = fig.axes
     assert len(axes) == len(r.shown_ranks())  # one panel per rank
-    for ax, s in zip(axes, r.per_rank):
+    for ax, s in zip(axes, r.rank_stats):
         assert ax.get_ylim()[0] == 0 and "GB" in ax.get_ylabel()
         (line,) = ax.lines
         x, y = line.get_data()
