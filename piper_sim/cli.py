@@ -12,20 +12,14 @@ import warnings
 from piper_sim.plan import Plan, PlanError
 
 log = logging.getLogger("piper_sim.cli")
-COMPUTE_LETTER = {"F": "F", "B": "B", "BI": "I", "BW": "W"}
 
 
 def compute_order(plan: Plan, pp_rank: int) -> str:
-    """A rank's compute actions in torch.distributed.pipelining notation."""
-    slots: dict[int, list[str]] = {}
-    for ins in plan.classes[pp_rank].streams.get("compute", []):
-        if ins.kind not in COMPUTE_LETTER or ins.slot < 0:
-            continue
-        action = f"{ins.stage}{COMPUTE_LETTER[ins.kind]}{ins.mb}"
-        acts = slots.setdefault(ins.slot, [])
-        if action not in acts:
-            acts.append(action)
-    return " ".join(a[0] if len(a) == 1 else "(" + ";".join(a) + ")" for _, a in sorted(slots.items()))
+    """A rank's compute actions in torch.distributed.pipelining notation, overlapped pairs as
+    ``(0F3;3B1)OVERLAP_F_B`` (every action parses with torch's ``_Action.from_str``)."""
+    from piper_sim.pipelining import compute_actions
+
+    return " ".join(compute_actions(plan, pp_rank))
 
 
 def cmd_models(args: argparse.Namespace) -> None:
@@ -67,6 +61,15 @@ def cmd_expand(args: argparse.Namespace) -> None:
 def cmd_show(args: argparse.Namespace) -> None:
     plan = Plan.load(args.plan, check_hash=not args.no_hash_check)
     ranks = range(len(plan.classes)) if args.rank is None else [plan.layout.coords(args.rank)[0]]
+    if args.csv:
+        from piper_sim.pipelining import write_schedule_csv
+
+        write_schedule_csv(plan, args.csv, comms=args.comms)
+        print(f"wrote {args.csv}: {len(plan.classes)} pipeline ranks, "
+              f"{'compute and comms' if args.comms else 'compute only'} (torch _load_csv format="
+              f"{'compute_comms' if args.comms else 'compute_only'})")
+        if not args.compute_order:
+            return
     if args.compute_order:
         for r in ranks:
             print(f"rank {r}: {compute_order(plan, r)}")
@@ -128,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan", metavar="PLAN.json", help="plan file from `piper-sim compile`")
     s.add_argument("--compute-order", action="store_true",
                    help="one line per pipeline rank in torch.distributed.pipelining notation")
+    s.add_argument("--csv", metavar="OUT.csv",
+                   help="write the per-rank action CSV that torch's _load_csv and torchtitan's "
+                        "--parallelism.pipeline_parallel_schedule_csv load (one row per pipeline rank)")
+    s.add_argument("--comms", action="store_true",
+                   help="with --csv: add the plan's SEND/RECV and REDUCE_GRAD actions "
+                        "(torch's compute_comms format)")
     s.add_argument("--rank", type=int, help="only this global rank's class")
     s.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
     s.set_defaults(func=cmd_show)
