@@ -138,3 +138,23 @@ def test_version_module_entry_point_and_log_levels(tmp_path, capsys, restore_log
     assert "debug" not in cap.err and "step 21 units" in cap.out
     assert main(["-qq", "compile", str(tmp_path / "missing.json")]) == 2  # errors are always shown
     assert "piper-sim: error:" in capsys.readouterr().err
+
+
+def test_readme_notebook_api(tmp_path, monkeypatch):
+    """The README's notebook snippet runs on the README's strategy and gives a DataFrame and a Figure."""
+    import re
+
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split("## In a notebook", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len(code.strip().splitlines()) <= 6
+    strategy = re.search(r"## A strategy\s*```json\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "strategy.json").write_text(strategy)
+    monkeypatch.chdir(tmp_path)
+    env: dict = {}
+    exec(code, env)  # noqa: S102 - the README's own code
+    assert isinstance(env["res"].per_rank, pd.DataFrame) and len(env["res"].per_rank) > 0
+    assert isinstance(env["fig"], Figure)
