@@ -130,7 +130,8 @@ def check_same_everywhere(args, plans: list[Plan]) -> None:
     """Collective: every rank (every node) must run the same plans with the same options,
     or the collectives they imply (trace gather, checks, checkpoints) would not match."""
     mine = {"plans": [p.content_hash() for p in plans], "steps": args.steps, "check": args.check,
-            "save": bool(args.save), "resume": bool(args.resume), "trace": bool(args.trace or args.timeline or args.kineto),
+            "save": bool(args.save), "resume": bool(args.resume),
+            "trace": bool(args.trace or args.timeline or args.kineto),
             "profile": bool(args.profile), "device": args.device}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

@@ -12,12 +12,15 @@ class, and its file stands for the whole class). Each file has:
 - on the host (pid ``HOST_PID_BASE + rank``): a ``ProfilerStep#N`` span over the step on
   the main thread and, on one thread per plan stream, every op as a ``user_annotation``
   named by its op id (what ``torch.profiler.record_function(op_id)`` records, from the
-  op's ``posted`` time to its start) around a ``cudaLaunchKernel`` (``cuda_runtime``);
+  op's ``posted`` time to its start, cut at the thread's next launch) around a
+  ``cudaLaunchKernel`` (``cuda_runtime``);
 - on the device (pid = rank, tid = the CUDA stream id, ``args.stream``/``args.device``/
   ``args.correlation``/``args.External id`` as Kineto writes them): one ``kernel`` per
-  op that took time. Compute kernels are named by their op id (``F.s3.mb5``); comm
-  kernels as NCCL's (``ncclDevKernel_SendRecv``, ``ncclDevKernel_AllReduce_Sum_f32_RING_LL``...)
-  with NCCL's record args (``Collective name``, ``In msg nelems``, ``dtype``...), so HTA
+  op that took time; ops of one plan stream that overlap in time (the executor keeps
+  asynchronous comms in flight together) go to extra streams (`trace.lanes`). Compute
+  kernels are named by their op id (``F.s3.mb5``); comm kernels as NCCL's
+  (``ncclDevKernel_SendRecv``, ``ncclDevKernel_AllReduce_Sum_f32_RING_LL``...) with NCCL's
+  record args (``Collective name``, ``In msg nelems``, ``dtype``...), so HTA
   counts them as communication. The plan's fields (op id, kind, stage, mb, bytes, flops,
   peer) ride along in ``args``;
 - memory: Kineto's ``[memory]`` instant events (``Total Allocated``, ``Bytes``) and a
@@ -36,7 +39,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from piper_sim.trace import COMPUTE_KINDS, events_to_dataframe, memory_counters, stream_order
+from piper_sim.trace import COMPUTE_KINDS, events_to_dataframe, lane_name, lanes, memory_counters, stream_order
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -91,9 +94,15 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
     ``static_bytes``: the rank's model states, added to the memory counter; ``step_end``:
     end of the ``ProfilerStep`` span (default: the last event of any rank)."""
     sub = df[df["rank"] == rank].sort_values(["start", "end"], kind="stable")
+    sub = sub.assign(lane=lanes(sub))  # ops of one stream in flight together get their own CUDA streams
     world = int(world_size if world_size is not None else max(int(df["rank"].max()) + 1, 1))
     host, dev = HOST_PID_BASE + int(rank), int(rank)
-    sids = stream_ids(sub["stream"])
+    base = stream_ids(sub["stream"])
+    sids = {(s, 0): sid for s, sid in base.items()}
+    nxt = max(base.values(), default=COMPUTE_STREAM_ID) + 1
+    for s, k in sorted({(s, int(k)) for s, k in zip(sub["stream"], sub["lane"]) if k > 0}):
+        sids[(s, k)] = nxt
+        nxt += 1
     host_tids = {s: i + 2 for i, s in enumerate(stream_order(sub["stream"]))}
     nccl_dt, torch_dt, elt = _NCCL_DTYPES.get(dtype, _NCCL_DTYPES["fp32"])
     end_all = float(df["end"].max()) if len(df) else 0.0
@@ -112,19 +121,30 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
     for s, tid in host_tids.items():
         ev.append({"ph": "M", "name": "thread_name", "pid": host, "tid": tid, "args": {"name": f"issue {s}"}})
         ev.append({"ph": "M", "name": "thread_sort_index", "pid": host, "tid": tid, "args": {"sort_index": tid}})
-    for s, sid in sids.items():
-        ev.append({"ph": "M", "name": "thread_name", "pid": dev, "tid": sid, "args": {"name": f"stream {sid} {s}"}})
+    for (s, k), sid in sids.items():
+        ev.append({"ph": "M", "name": "thread_name", "pid": dev, "tid": sid,
+                   "args": {"name": f"stream {sid} {lane_name(s, k)}"}})
         ev.append({"ph": "M", "name": "thread_sort_index", "pid": dev, "tid": sid, "args": {"sort_index": sid}})
 
-    has_posted = "posted" in sub.columns
-    cols = ["stream", "op_id", "kind", "stage", "mb", "start", "end", "bytes", "flops", "peer"]
-    posted = sub["posted"].tolist() if has_posted else sub["start"].tolist()
+    cols = ["stream", "op_id", "kind", "stage", "mb", "start", "end", "bytes", "flops", "peer", "lane"]
+    posted = sub["posted"].tolist() if "posted" in sub.columns else sub["start"].tolist()
+    # the host annotation of an op (its record_function) runs from its launch to its start on the
+    # device, cut at the next launch on the same issuing thread
+    launch = [min(_us(p if p == p else s), _us(s)) for p, s in zip(posted, sub["start"])]  # NaN: at start
+    next_launch = [float("inf")] * len(sub)
+    by_thread: dict[str, list[int]] = {}
+    for i, stream in enumerate(sub["stream"]):
+        by_thread.setdefault(stream, []).append(i)
+    for idx in by_thread.values():
+        idx.sort(key=lambda i: launch[i])
+        for a_, b_ in zip(idx, idx[1:]):
+            next_launch[a_] = launch[b_]
     # correlation ids in Kineto's range: HTA downcasts the column and then stores event
     # indices in it, which fails under pandas 3 when small ids made it int8/int16
-    for corr, (row, t_post) in enumerate(zip(sub[cols].itertuples(index=False), posted), start=CORRELATION_BASE):
-        stream, op, kind, stage, mb, start, end, nbytes, flops, peer = row
-        ts, te = _us(start), _us(end)
-        tp = min(_us(t_post if t_post == t_post else start), ts)  # NaN posted: launched at the start
+    for i, (corr, row) in enumerate(zip(range(CORRELATION_BASE, CORRELATION_BASE + len(sub)),
+                                        sub[cols].itertuples(index=False))):
+        stream, op, kind, stage, mb, start, end, nbytes, flops, peer, lane = row
+        ts, te, tp = _us(start), _us(end), launch[i]
         plan_args: dict[str, Any] = {"op_id": op, "kind": kind}
         if stage >= 0:
             plan_args["stage"] = int(stage)
@@ -136,13 +156,15 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
             plan_args["flops"] = float(flops)
         if peer >= 0:
             plan_args["peer"] = int(peer)
-        tid = host_tids[stream]
+        tid, sid = host_tids[stream], sids[(stream, int(lane))]
+        idle = te <= ts  # took no time: no kernel; the annotation keeps where it sat on the device
         ev.append({"ph": "X", "cat": "user_annotation", "name": op, "pid": host, "tid": tid, "ts": tp,
-                   "dur": round(ts - tp, 3), "args": {"External id": corr, **plan_args}})
+                   "dur": round(max(0.0, min(ts, next_launch[i]) - tp), 3),
+                   "args": {"External id": corr, **plan_args, **({"device_ts": ts} if idle else {})}})
         ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": host, "tid": tid,
                    "ts": tp, "dur": 0.0, "args": {"External id": corr, "correlation": corr, "cbid": 211}})
-        if te <= ts:
-            continue  # nothing ran on the device
+        if idle:
+            continue
         if kind in COMPUTE_KINDS:
             kname, extra = op, {}
         else:
@@ -151,11 +173,11 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
             nelems = int(nbytes // elt) if nbytes else 0
             extra = {"Collective name": COLLECTIVE_NAMES.get(kind, kind.lower()), "In msg nelems": nelems,
                      "Out msg nelems": nelems, "dtype": torch_dt, "Process Group Name": stream}
-        ev.append({"ph": "X", "cat": "kernel", "name": kname, "pid": dev, "tid": sids[stream], "ts": ts,
+        ev.append({"ph": "X", "cat": "kernel", "name": kname, "pid": dev, "tid": sid, "ts": ts,
                    "dur": round(te - ts, 3),
-                   "args": {"queued": 0, "device": dev, "context": 1, "stream": sids[stream], "correlation": corr,
+                   "args": {"queued": 0, "device": dev, "context": 1, "stream": sid, "correlation": corr,
                             "External id": corr, **extra, **plan_args}})
-        ev.append({"ph": "f", "id": corr, "pid": dev, "tid": sids[stream], "ts": ts, "cat": "ac2g",
+        ev.append({"ph": "f", "id": corr, "pid": dev, "tid": sid, "ts": ts, "cat": "ac2g",
                    "name": "ac2g", "bp": "e"})
         ev.append({"ph": "s", "id": corr, "pid": host, "tid": tid, "ts": tp, "cat": "ac2g", "name": "ac2g"})
 
@@ -229,7 +251,7 @@ def read_kineto_traces(path: str) -> "pd.DataFrame":
             if e.get("ph") != "X" or e.get("cat") != "user_annotation" or "op_id" not in a:
                 continue
             k = kernels.get(a["op_id"])
-            start = (k["ts"] if k else e["ts"] + e["dur"]) / 1e6
+            start = (k["ts"] if k else a.get("device_ts", e["ts"] + e["dur"])) / 1e6
             end = (k["ts"] + k["dur"]) / 1e6 if k else start
             stream = tnames.get((e["pid"], e["tid"]), "").removeprefix("issue ")
             rows.append({"rank": rank, "stream": stream, "op_id": a["op_id"], "kind": a["kind"],

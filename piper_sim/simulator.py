@@ -805,5 +805,6 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         bubble_fraction=bubble_fraction,
         rank_stats=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
         rows=eng.rows, memory_samples=eng.mem_samples, folded=folded, world_size=layout.world_size,
-        costmodel=getattr(cm, "name", type(cm).__name__), pairs=_overlapped_pairs(plan), meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
+        costmodel=getattr(cm, "name", type(cm).__name__), pairs=_overlapped_pairs(plan),
+        meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
     )

@@ -20,6 +20,7 @@ backend. pandas and matplotlib are imported inside the functions.
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,26 +79,62 @@ def stream_order(streams: Iterable[str]) -> list[str]:
     return sorted(set(streams), key=key)
 
 
+def lanes(df: "pd.DataFrame") -> list[int]:
+    """Lane of each event within its (rank, stream): 0, unless it starts before an earlier
+    event of that stream has ended (a back end may keep several ops of one stream in flight,
+    like the executor's asynchronous comms on CPU); then the first lane that is free. One
+    thread/CUDA stream per lane keeps each one's slices disjoint, as Perfetto and HTA need."""
+    out = [0] * len(df)
+    ends: dict[tuple[int, str], list[float]] = {}
+    order = sorted(range(len(df)), key=lambda i: (df["start"].iat[i], df["end"].iat[i]))
+    for i in order:
+        key = (int(df["rank"].iat[i]), df["stream"].iat[i])
+        start, end = float(df["start"].iat[i]), float(df["end"].iat[i])
+        lane_ends = ends.setdefault(key, [])
+        for lane, e in enumerate(lane_ends):
+            if start >= e - 1e-12:
+                break
+        else:
+            lane = len(lane_ends)
+            lane_ends.append(0.0)
+        lane_ends[lane] = max(end, start)
+        out[i] = lane
+    return out
+
+
+def lane_name(stream: str, lane: int) -> str:
+    """Thread name of a stream's lane: the stream, then ``stream #2``, ``#3``..."""
+    return stream if lane == 0 else f"{stream} #{lane + 1}"
+
+
 def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim",
                  memory: "pd.DataFrame | None" = None, static_bytes: dict[int, float] | None = None) -> dict[str, Any]:
     """The Chrome trace event dict: X events in µs, one process per rank, one thread per
     stream, flow arrows from each SEND to its RECV; with ``memory`` (`MEMORY_COLUMNS`), a
     ``memory (GB)`` counter track per rank (plus its ``static_bytes``)."""
     events: list[dict[str, Any]] = []
-    tids: dict[tuple[int, str], int] = {}
+    tids: dict[tuple[int, str, int], int] = {}
+    lane = lanes(df)
+    df = df.assign(lane=lane)
     for rank in sorted(df["rank"].unique().tolist()):
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
-        for i, stream in enumerate(stream_order(df.loc[df["rank"] == rank, "stream"])):
-            tids[(rank, stream)] = i
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": i, "args": {"name": stream}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": i, "args": {"sort_index": i}})
-    cols = ["rank", "stream", "op_id", "kind", "stage", "mb", "start", "end", "bytes", "flops", "peer"]
+        sub = df[df["rank"] == rank]
+        i = 0
+        for stream in stream_order(sub["stream"]):
+            for k in range(int(sub.loc[sub["stream"] == stream, "lane"].max()) + 1):
+                tids[(rank, stream, k)] = i
+                events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": i,
+                               "args": {"name": lane_name(stream, k)}})
+                events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": i,
+                               "args": {"sort_index": i}})
+                i += 1
+    cols = ["rank", "stream", "op_id", "kind", "stage", "mb", "start", "end", "bytes", "flops", "peer", "lane"]
     sends: dict[tuple[int, int, str], tuple[int, float]] = {}
     recvs: list[tuple[int, int, str, int, float]] = []
-    for rank, stream, op, kind, stage, mb, start, end, nbytes, flops, peer in df[cols].itertuples(index=False):
+    for rank, stream, op, kind, stage, mb, start, end, nbytes, flops, peer, k in df[cols].itertuples(index=False):
         ts, te = _us(start), _us(end)
-        tid = tids[(rank, stream)]
+        tid = tids[(rank, stream, k)]
         args: dict[str, Any] = {"kind": kind}
         if stage >= 0:
             args["stage"] = int(stage)
@@ -159,8 +196,8 @@ def read_chrome_trace(path: str) -> "pd.DataFrame":
     with open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    streams = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    streams = {(e["pid"], e["tid"]): re.sub(r" #\d+$", "", e["args"]["name"]) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}  # a stream's lanes are one stream
     rows = []
     for e in events:
         if e.get("ph") != "X":

@@ -111,7 +111,7 @@ def test_hta_reads_a_simulated_trace(sim):
     assert ta.t.get_ranks() == ranks and ta.get_profiler_steps() == [0]
     _sane(temporal, idle, overlap, result.step_time_s * 1e6, ranks)
     ev = result.events
-    for s in result.per_rank.itertuples():  # HTA's compute time is the simulator's, to HTA's rounding (< 2 µs per kernel)
+    for s in result.per_rank.itertuples():  # HTA's compute time is ours, to its rounding (< 2 µs per kernel)
         row = temporal[temporal["rank"] == s.rank].iloc[0]
         n = ((ev["rank"] == s.rank) & ev["kind"].isin(["F", "B", "BI", "BW", "OPT"])).sum()
         assert row["compute_time(us)"] == pytest.approx(s.compute_s * 1e6, abs=2 * n + 1)
@@ -139,3 +139,26 @@ def test_hta_reads_a_measured_trace_and_profile_names_ops(tmp_path):
         assert {"ProfilerStep#0", "ProfilerStep#1"} <= set(names)
         ops = [i.id for lst in p.program(rank).streams.values() for i in lst]
         assert all(names.count(op) == 2 for op in ops)  # once per step
+
+
+def test_ops_in_flight_together_get_their_own_lanes(tmp_path):
+    """The executor keeps async comms of one plan stream in flight together; Perfetto and HTA
+    need each thread / CUDA stream's slices disjoint, so overlapping ones go to extra lanes."""
+    from piper_sim import trace
+
+    rows = [(0, "compute", "F.s0.mb0", "F", 0, 0, 0.0, 1e-3, 0.0, 1.0, -1),
+            (0, "send.pp1", "SEND.F.s0.mb0", "SEND", 0, 0, 1e-3, 4e-3, 8.0, 0.0, 1),
+            (0, "send.pp1", "SEND.F.s0.mb1", "SEND", 0, 1, 2e-3, 3e-3, 8.0, 0.0, 1),  # inside the first
+            (0, "send.pp1", "SEND.F.s0.mb2", "SEND", 0, 2, 5e-3, 6e-3, 8.0, 0.0, 1)]
+    df = trace.events_to_dataframe(rows)
+    assert trace.lanes(df) == [0, 0, 1, 0]
+    from piper_sim.kineto import kineto_trace
+
+    ev = kineto_trace(df, 0, world_size=2)["traceEvents"]
+    sends = [e for e in ev if e.get("cat") == "kernel" and e["args"]["kind"] == "SEND"]
+    assert len({e["tid"] for e in sends}) == 2 and all(e["name"].startswith("ncclDevKernel_SendRecv") for e in sends)
+    path = tmp_path / "t.json"
+    trace.write_chrome_trace(df, str(path))
+    names = [e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "thread_name"]
+    assert names == ["compute", "send.pp1", "send.pp1 #2"]
+    assert trace.read_chrome_trace(str(path))[["stream", "op_id"]].equals(df[["stream", "op_id"]])
