@@ -24,6 +24,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
     p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the last step, all ranks")
     p.add_argument("--timeline", metavar="OUT.png", help="timeline picture of the last step")
+    p.add_argument("--kineto", metavar="DIR",
+                   help="Kineto-shaped trace per rank of the last step in DIR (HolisticTraceAnalysis, Perfetto)")
     p.add_argument("--json", action="store_true", help="one JSON object per line: loss and step time per step")
     p.add_argument("--check", action="store_true",
                    help="also train a single-process reference and print max_abs/max_rel_param_diff")
@@ -31,7 +33,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="DIR", help="start from a checkpoint of the same plan")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds without progress before a rank gives up (default 60)")
-    p.add_argument("--profile", metavar="DIR", help="save a torch.profiler (Kineto) trace per rank in DIR")
+    p.add_argument("--profile", metavar="DIR",
+                   help="save a torch.profiler (Kineto) trace per rank in DIR: steps are ProfilerStep#N, "
+                        "every plan op a record_function(op_id) range")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA for GPU clusters when available, else CPU")
     p.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
@@ -40,7 +44,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="execute a plan with torch.distributed (one process per rank, torchrun)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("plan", metavar="PLAN.json", help="plan file from `piper-sim compile`")
     p.add_argument("--nproc", type=int, help="ranks on this node (default: the plan's world size / nnodes)")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (run this command on each)")
     p.add_argument("--node-rank", type=int, help="this node's rank (optional with the c10d rendezvous)")
@@ -70,7 +74,7 @@ def torchrun_command(args, plan: Plan) -> list[str]:
         cmd.append("--standalone")
     cmd += ["-m", "executor", os.path.abspath(args.plan), "--steps", str(args.steps),
             "--timeout", str(args.timeout), "--device", args.device]
-    for flag in ("trace", "timeline", "save", "resume", "profile"):
+    for flag in ("trace", "timeline", "kineto", "save", "resume", "profile"):
         value = getattr(args, flag)
         if value:
             cmd += [f"--{flag}", os.path.abspath(value)]

@@ -117,7 +117,11 @@ class StepResult:
 
 
 class Runtime:
-    """Everything one rank needs to run a plan's steps."""
+    """Everything one rank needs to run a plan's steps. ``record_ops``: wrap each plan op in
+    ``torch.profiler.record_function(op_id)`` (``run --profile``), so profiled kernels join
+    to plan ops."""
+
+    record_ops = False
 
     def __init__(self, plan: Plan, rank: int, comms: Comms, device: torch.device,
                  timeout_s: float = 60.0, fault: Fault | None = None):
@@ -279,7 +283,7 @@ class Runtime:
                 and self.fault.op_id == ins.id:
             self._inject(ins)
         self.times[ins.id] = [self._now()]
-        with self._on_stream(ins, first=True):
+        with self._on_stream(ins, first=True), self._range(ins):
             out = self._handlers[ins.kind](ins)
         if inspect.isgenerator(out):
             self.busy[ins.stream] = ins.id
@@ -291,7 +295,7 @@ class Runtime:
 
     def _advance(self, ins: Instruction, gen) -> None:
         try:
-            with self._on_stream(ins):
+            with self._on_stream(ins), self._range(ins):
                 work = next(gen)
         except StopIteration as stop:
             self.busy.pop(ins.stream, None)
@@ -330,6 +334,9 @@ class Runtime:
             end.record(self.cuda_streams[ins.stream])
             self.cuda_events[ins.id] = (self.start_events.pop(ins.id), end)
         self.done.add(ins.id)
+
+    def _range(self, ins: Instruction):
+        return torch.profiler.record_function(ins.id) if self.record_ops else _NULL
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0

@@ -65,6 +65,7 @@ def _say(args, obj: dict, text: str) -> None:
 def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> None:
     comms = Comms.create(plan, args.timeout)
     rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=Fault.from_env())
+    rt.record_ops = bool(args.profile)  # record_function(op_id) around every plan op
     start = checkpoint.load(rt, args.resume) if args.resume else 0
     dist.barrier()
     prof = nullcontext()
@@ -76,7 +77,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
     result = None
     with prof as p:
         for step in range(start, start + args.steps):
-            with torch.profiler.record_function(f"piper_step_{step}"):
+            with torch.profiler.record_function(f"ProfilerStep#{step}"):  # the name prof.step() gives
                 result = rt.run_step(step)
             if rank == 0:
                 _say(args, {"plan": path, "step": step, "loss": result.loss, "step_time_s": result.time_s},
@@ -86,8 +87,9 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
         p.export_chrome_trace(os.path.join(args.profile, f"rank{rank}.json"))
     if args.save:
         checkpoint.save(rt, args.save, start + args.steps)
-    if (args.trace or args.timeline) and result is not None:
-        write_trace(result.events, rank, args.trace, args.timeline, f"{path} step {result.step}")
+    if (args.trace or args.timeline or args.kineto) and result is not None:
+        write_trace(result.events, rank, args.trace, args.timeline, f"{path} step {result.step}",
+                    kineto=args.kineto, step=result.step, dtype=plan.meta.get("dtype", "fp32"))
     if args.check:
         ref, _ = reference_training(plan, start + args.steps, device)
         diffs = torch.tensor(compare(rt.flats, comms, ref), dtype=torch.float64, device=device)
@@ -102,9 +104,10 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
     comms.destroy()
 
 
-def write_trace(rows: list[dict], rank: int, trace: str | None, timeline: str | None, title: str) -> None:
-    """Collective: gather every rank's event rows; rank 0 writes the Chrome trace / timeline
-    with the simulator's code (``piper_sim.trace``)."""
+def write_trace(rows: list[dict], rank: int, trace: str | None, timeline: str | None, title: str,
+                kineto: str | None = None, step: int = 0, dtype: str = "fp32") -> None:
+    """Collective: gather every rank's event rows; rank 0 writes the Chrome trace / timeline /
+    per-rank Kineto-shaped traces with the simulator's code (``piper_sim.trace``, ``piper_sim.kineto``)."""
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(rows, gathered, dst=0)
     if rank != 0:
@@ -116,13 +119,19 @@ def write_trace(rows: list[dict], rank: int, trace: str | None, timeline: str | 
         write_chrome_trace(df, trace, name="piper-sim executor")
     if timeline:
         plot_timeline(df, timeline, title=f"measured: {title}")
+    if kineto:
+        from piper_sim.kineto import write_kineto_traces
+
+        write_kineto_traces(df, kineto, step=step, world_size=dist.get_world_size(), backend=dist.get_backend(),
+                            dtype=dtype, name="piper-sim executor")
 
 
 def check_same_everywhere(args, plans: list[Plan]) -> None:
     """Collective: every rank (every node) must run the same plans with the same options,
     or the collectives they imply (trace gather, checks, checkpoints) would not match."""
     mine = {"plans": [p.content_hash() for p in plans], "steps": args.steps, "check": args.check,
-            "save": bool(args.save), "resume": bool(args.resume), "trace": bool(args.trace or args.timeline),
+            "save": bool(args.save), "resume": bool(args.resume),
+            "trace": bool(args.trace or args.timeline or args.kineto),
             "profile": bool(args.profile), "device": args.device}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -151,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         plans = load_plans(args.plans, world, rank, check_hash=not args.no_hash_check)
-        if len(plans) > 1 and (args.save or args.resume or args.trace or args.timeline or args.profile):
-            raise PlanError("--save, --resume, --trace, --timeline and --profile take a single plan")
+        if len(plans) > 1 and (args.save or args.resume or args.trace or args.timeline or args.kineto
+                               or args.profile):
+            raise PlanError("--save, --resume, --trace, --timeline, --kineto and --profile take a single plan")
     except (PlanError, OSError, ValueError) as e:
         if rank == 0:
             print(f"piper-sim executor: refused: {e}", file=sys.stderr, flush=True)

@@ -1,3 +1,35 @@
-"""piper-sim: programmable distributed training, simulator first."""
+"""piper-sim: programmable distributed training, simulator first.
+
+The notebook API, imported lazily (``import piper_sim`` loads nothing heavy)::
+
+    import piper_sim
+    plan = piper_sim.compile(strategy)          # dict, Strategy or JSON path -> validated Plan
+    res = piper_sim.simulate(plan)              # SimResult: .per_rank, .events, .memory DataFrames
+    fig = res.plot_timeline()                   # a matplotlib Figure
+    best = piper_sim.explore("llama3-8b", "h100:1x8", 64, 4096).table   # ranked DataFrame
+
+``piper_sim.explore`` is the explorer module, callable as `piper_sim.explore.explore`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+__all__ = ["__version__", "compile", "simulate", "explore"]
+
+_LAZY = {"compile": ("piper_sim.api", "compile"), "simulate": ("piper_sim.simulator", "simulate"),
+         "explore": ("piper_sim.explore", None)}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'piper_sim' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    value = importlib.import_module(module)
+    return getattr(value, attr) if attr else value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

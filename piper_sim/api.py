@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from piper_sim.plan import Plan
 from piper_sim.strategy import Strategy, load_strategy, parse_strategy
+
+
+log = logging.getLogger(__name__)
 
 
 def as_strategy(strategy: Strategy | dict[str, Any] | str) -> Strategy:
@@ -25,4 +29,7 @@ def compile(strategy: Strategy | dict[str, Any] | str, validate: bool = True) ->
     plan = compile_strategy(as_strategy(strategy)).plan
     if validate:
         validate_plan(plan)
+    if log.isEnabledFor(logging.DEBUG):  # the hash serialises the plan
+        log.debug("compiled %s: %d ranks in %d classes, hash %s", plan.meta.get("model"), plan.world_size,
+                  len(plan.classes), plan.content_hash())
     return plan

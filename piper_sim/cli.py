@@ -4,26 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import warnings
 
 from piper_sim.plan import Plan, PlanError
 
-COMPUTE_LETTER = {"F": "F", "B": "B", "BI": "I", "BW": "W"}
+log = logging.getLogger("piper_sim.cli")
 
 
 def compute_order(plan: Plan, pp_rank: int) -> str:
-    """A rank's compute actions in torch.distributed.pipelining notation."""
-    slots: dict[int, list[str]] = {}
-    for ins in plan.classes[pp_rank].streams.get("compute", []):
-        if ins.kind not in COMPUTE_LETTER or ins.slot < 0:
-            continue
-        action = f"{ins.stage}{COMPUTE_LETTER[ins.kind]}{ins.mb}"
-        acts = slots.setdefault(ins.slot, [])
-        if action not in acts:
-            acts.append(action)
-    return " ".join(a[0] if len(a) == 1 else "(" + ";".join(a) + ")" for _, a in sorted(slots.items()))
+    """A rank's compute actions in torch.distributed.pipelining notation, overlapped pairs as
+    ``(0F3;3B1)OVERLAP_F_B`` (every action parses with torch's ``_Action.from_str``)."""
+    from piper_sim.pipelining import compute_actions
+
+    return " ".join(compute_actions(plan, pp_rank))
 
 
 def cmd_models(args: argparse.Namespace) -> None:
@@ -65,6 +61,15 @@ def cmd_expand(args: argparse.Namespace) -> None:
 def cmd_show(args: argparse.Namespace) -> None:
     plan = Plan.load(args.plan, check_hash=not args.no_hash_check)
     ranks = range(len(plan.classes)) if args.rank is None else [plan.layout.coords(args.rank)[0]]
+    if args.csv:
+        from piper_sim.pipelining import write_schedule_csv
+
+        write_schedule_csv(plan, args.csv, comms=args.comms)
+        print(f"wrote {args.csv}: {len(plan.classes)} pipeline ranks, "
+              f"{'compute and comms' if args.comms else 'compute only'} (torch _load_csv format="
+              f"{'compute_comms' if args.comms else 'compute_only'})")
+        if not args.compute_order:
+            return
     if args.compute_order:
         for r in ranks:
             print(f"rank {r}: {compute_order(plan, r)}")
@@ -96,8 +101,8 @@ def cmd_validate(args: argparse.Namespace) -> None:
     costmodel = args.costmodel or (CALIBRATION if os.path.exists(CALIBRATION) else "analytic")
 
     def show(row) -> None:
-        print(f"  {row.name}: predicted {row.predicted_s * 1e3:.1f} ms, measured {row.measured_s * 1e3:.1f} ms "
-              f"({row.error_pct:+.1f}%)", file=sys.stderr, flush=True)
+        log.info(f"  {row.name}: predicted {row.predicted_s * 1e3:.1f} ms, measured {row.measured_s * 1e3:.1f} ms "
+                 f"({row.error_pct:+.1f}%)")
 
     summary = validate(strategies, costmodel, steps=args.steps, warmup=args.warmup, out_dir=args.out, progress=show)
     print(format_report(summary))
@@ -105,30 +110,44 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from piper_sim import __version__
+
     p = argparse.ArgumentParser(prog="piper-sim", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"piper-sim {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="more log output on stderr (-v: debug); before the subcommand")
+    p.add_argument("-q", "--quiet", dest="log_quiet", action="count", default=0,
+                   help="less log output (-q: warnings and errors only, -qq: errors only, no warnings)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     sub.add_parser("models", help="list the model zoo").set_defaults(func=cmd_models)
     c = sub.add_parser("compile", help="compile a strategy JSON into a plan JSON")
-    c.add_argument("strategy")
-    c.add_argument("-o", "--output")
+    c.add_argument("strategy", metavar="STRATEGY.json", help="strategy file (model, cluster, batch, directives)")
+    c.add_argument("-o", "--output", metavar="PLAN.json", help="plan file to write (default: STRATEGY.plan.json)")
     c.set_defaults(func=cmd_compile)
     e = sub.add_parser("expand", help="print a strategy with its directives expanded to the low-level set")
-    e.add_argument("strategy")
+    e.add_argument("strategy", metavar="STRATEGY.json", help="strategy file")
     e.set_defaults(func=cmd_expand)
     s = sub.add_parser("show", help="print a plan's per-rank order")
-    s.add_argument("plan")
+    s.add_argument("plan", metavar="PLAN.json", help="plan file from `piper-sim compile`")
     s.add_argument("--compute-order", action="store_true",
                    help="one line per pipeline rank in torch.distributed.pipelining notation")
+    s.add_argument("--csv", metavar="OUT.csv",
+                   help="write the per-rank action CSV that torch's _load_csv and torchtitan's "
+                        "--parallelism.pipeline_parallel_schedule_csv load (one row per pipeline rank)")
+    s.add_argument("--comms", action="store_true",
+                   help="with --csv: add the plan's SEND/RECV and REDUCE_GRAD actions "
+                        "(torch's compute_comms format)")
     s.add_argument("--rank", type=int, help="only this global rank's class")
     s.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
     s.set_defaults(func=cmd_show)
     v = sub.add_parser("validate", help="simulate and execute strategies; report predicted vs measured")
-    v.add_argument("strategies", nargs="*", metavar="STRATEGY.json")
+    v.add_argument("strategies", nargs="*", metavar="STRATEGY.json", help="strategy files to validate")
     v.add_argument("--suite", action="store_true", help="add the built-in suite (10 strategies on cpu:2/cpu:4)")
     v.add_argument("--costmodel", help="default: traces/calibration/cpu-2core.json when present")
-    v.add_argument("--steps", type=int, default=6)
+    v.add_argument("--steps", type=int, default=6, help="measured training steps per strategy (default 6)")
     v.add_argument("--warmup", type=int, default=2, help="steps left out of the measured median")
-    v.add_argument("--out", default="validation")
+    v.add_argument("--out", default="validation", metavar="DIR",
+                   help="folder for the report, plans and measured traces (default: validation)")
     v.set_defaults(func=cmd_validate)
     from piper_sim.explore_cli import add_explore_parser
     from piper_sim.simulate_cli import add_simulate_parser
@@ -147,13 +166,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Stderr(logging.Handler):
+    """Writes to the sys.stderr of the moment (pytest's capsys, a notebook's stream)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if record.levelno >= logging.WARNING or record.levelno < logging.INFO:
+            msg = f"piper-sim: {record.levelname.lower()}: {msg}"
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+
+
+def setup_logging(verbose: int = 0, quiet: int = 0) -> None:
+    """Log records of piper_sim, costmodel and executor to stderr: info by default, debug
+    with -v, warnings with -q, errors only with -qq. Idempotent (notebooks call main())."""
+    level = {-1: logging.DEBUG, 0: logging.INFO, 1: logging.WARNING}.get(max(-1, min(2, quiet - verbose)),
+                                                                         logging.ERROR)
+    for name in ("piper_sim", "costmodel", "executor"):
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        if not any(isinstance(h, _Stderr) for h in logger.handlers):
+            logger.addHandler(_Stderr())
+            logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
+    # the command line only writes picture files: a non-interactive matplotlib backend for this
+    # process and the ranks it starts (the library itself never selects one)
+    os.environ.setdefault("MPLBACKEND", "Agg")
     warnings.formatwarning = lambda msg, *a, **k: f"piper-sim: warning: {msg}\n"
     args = build_parser().parse_args(argv)
+    setup_logging(args.verbose, args.log_quiet)
     try:
-        args.func(args)
+        with warnings.catch_warnings():
+            if args.log_quiet >= 2:
+                warnings.simplefilter("ignore")
+            args.func(args)
     except (ValueError, PlanError, FileNotFoundError) as e:  # StrategyError & co are ValueErrors
-        print(f"piper-sim: error: {e}", file=sys.stderr)
+        print(f"piper-sim: error: {e}", file=sys.stderr)  # always, whatever -q says
         return 2
     return 0
 

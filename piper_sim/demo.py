@@ -61,11 +61,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from piper_sim.simulator import simulate
     from piper_sim.validation import MeasurementError, measure
 
+    quiet = args.quiet or getattr(args, "log_quiet", 0)
     os.makedirs(args.out, exist_ok=True)
     print(f"== 1. exploring strategies for {DEFAULT['model']} on {DEFAULT['cluster']}, "
           f"batch {DEFAULT['global_batch']}x{DEFAULT['seq_len']} (simulated)")
     result = explore(**DEFAULT, workers=args.workers, zero_levels=(1, 3), recompute=(False,),
-                     microbatch_factors=(2,), progress=progress_printer(not args.quiet))
+                     microbatch_factors=(2,), progress=progress_printer(not quiet))
     print(format_table(result, 8))
     write_csv(result, os.path.join(args.out, "strategies.csv"))
     plot_pareto(result, os.path.join(args.out, "pareto.png"))
@@ -79,7 +80,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     plan = compile(small)
     plan_path = os.path.join(args.out, "small_plan.json")
     plan.save(plan_path)
-    costmodel, what = machine_costmodel(args.no_calibrate, progress=not args.quiet)
+    costmodel, what = machine_costmodel(args.no_calibrate, progress=not quiet)
     print(what)
     sim = simulate(plan, costmodel)
     sim.plot_timeline(os.path.join(args.out, "small_simulated_timeline.png"), title="simulated (cpu:2)")
@@ -112,9 +113,9 @@ def _busy_note() -> str:
 def add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="explore a built-in default, then run a small plan of its kind for real")
     p.add_argument("--out", default="piper-sim-demo", help="folder for the table, pictures and plans")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--workers", type=int, default=None, help="processes for the exploration (default: all cores)")
     p.add_argument("--no-run", action="store_true", help="skip the measured run on this machine")
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not calibrate this machine: simulate the small plan uncalibrated (and say so)")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_demo)

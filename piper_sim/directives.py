@@ -14,7 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from piper_sim.schedules import SCHEDULES, Action, ScheduleError, Slot, build_schedule, format_slot
+from piper_sim.schedules import (SCHEDULES, Action, ScheduleError, Slot, build_schedule, canonical_schedule,
+                                 format_slot, known_names)
 from piper_sim.strategy import Strategy, StrategyError
 
 _ACTION_RE = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
@@ -53,8 +54,11 @@ class Setup:
 
 
 def parse_slot(text: str, where: str) -> Slot:
-    """``'0F3'`` -> (Action,), ``'(0F3;1B2)'`` -> overlapped pair."""
+    """``'0F3'`` -> (Action,), ``'(0F3;1B2)'`` or torch's ``'(0F3;1B2)OVERLAP_F_B'`` ->
+    overlapped pair."""
     body = text.strip()
+    if body.startswith("(") and body.endswith(")OVERLAP_F_B"):
+        body = body[: -len("OVERLAP_F_B")]
     if body.startswith("(") and body.endswith(")"):
         body = body[1:-1]
     actions = []
@@ -82,9 +86,9 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
     sched = by_op.get("schedule")
     has_low_level = any(d["op"] in ("place", "order") for d in strategy.directives)
     if sched or not has_low_level:
-        name = sched["name"] if sched else ("interleaved_1f1b" if v and v > 1 else "1f1b")
+        name = canonical_schedule(sched["name"]) if sched else ("interleaved_1f1b" if v and v > 1 else "1f1b")
         if name not in SCHEDULES:
-            raise StrategyError(f"schedule: unknown name {name!r}; choose one of {', '.join(SCHEDULES)}")
+            raise StrategyError(f"schedule: unknown name {sched['name']!r}; choose one of {known_names()}")
         placement = pipe.get("placement")
         try:
             spec = build_schedule(name, pp, m, stages_per_rank=v, placement=placement)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import csv
 import functools
+import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterable
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
@@ -28,6 +29,10 @@ from costmodel.model import get_costmodel
 from piper_sim.models import get_config
 from piper_sim.strategy import StrategyError
 
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+log = logging.getLogger(__name__)
 SCHEDULE_V = {"gpipe": 1, "1f1b": 1, "zb1p": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2, "dualpipe": 1}
 
 
@@ -105,6 +110,19 @@ class ExploreResult:
     def best_strategy(self) -> dict[str, Any]:
         s = self.settings
         return self.best.candidate.strategy(s["model"], s["cluster"], s["global_batch"], s["seq_len"])
+
+    @property
+    def table(self) -> "pd.DataFrame":
+        """Every candidate as a DataFrame row, best first (simulated ones by step time, then
+        the rest): ``strategy`` (short name), ``status`` (ok | oom | invalid | pruned), the
+        simulated numbers, ``reason``, and the candidate's fields (pp, schedule, ...)."""
+        import pandas as pd
+
+        rows = sorted(self.rows, key=lambda r: (r.status != "ok", r.step_time_s))
+        cols = ["strategy", "status", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction",
+                "peak_memory_bytes", "lower_bound_s", "reason"] + [f.name for f in fields(Candidate)]
+        return pd.DataFrame([{**{k: v for k, v in r.to_json().items() if k != "candidate"},
+                              **asdict(r.candidate)} for r in rows], columns=cols)
 
 
 def _divisors(n: int) -> list[int]:
@@ -232,7 +250,7 @@ def _compile_and_simulate(task: tuple) -> tuple:
     except (StrategyError, ValueError) as e:
         return cand, None, str(e)
     r = simulate(plan, settings["costmodel"])
-    peak = max(x.peak_memory_bytes for x in r.per_rank)
+    peak = max(x.peak_memory_bytes for x in r.rank_stats)
     return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak, r.fits is not False), ""
 
 
@@ -243,7 +261,7 @@ def _pool(workers: int, use_ray: bool):
 
             return RayPool(workers)
         except ImportError:
-            print("piper-sim: warning: Ray is not installed; using local processes", file=sys.stderr)
+            log.warning("Ray is not installed; using local processes")
     import multiprocessing as mp
 
     # fork: workers inherit the imported torch and the profiles the screen already cached
@@ -354,15 +372,14 @@ def write_csv(result: ExploreResult, path: str) -> None:
             w.writerow({**{k: d[k] for k in fields}, **d["candidate"]})
 
 
-def plot_pareto(result: ExploreResult, path: str) -> None:
-    """Throughput vs peak memory; the Pareto front (more throughput for less memory) joined."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_pareto(result: ExploreResult, path: str | None = None, *, ax: Any = None) -> Any:
+    """Throughput vs peak memory (GB); the Pareto front (more throughput for less memory)
+    joined. Returns the Figure; writes ``path`` when given; draws into ``ax`` when given."""
+    from piper_sim.trace import new_figure
 
     ok = result.ok
-    fig, ax = plt.subplots(figsize=(8, 5))
+    own = ax is None
+    fig, ax = new_figure(ax, figsize=(8, 5))
     if ok:
         ax.scatter([r.peak_memory_bytes / 1e9 for r in ok], [r.tokens_per_s for r in ok], s=14, alpha=0.6,
                    label="simulated strategies")
@@ -382,6 +399,19 @@ def plot_pareto(result: ExploreResult, path: str) -> None:
     ax.set(xlabel="peak memory per GPU (GB)", ylabel="tokens / s",
            title=f"{s['model']} on {s['cluster']}, batch {s['global_batch']}×{s['seq_len']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if own:
+        fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+class _CallableModule(type(sys)):
+    """``piper_sim.explore(...)`` runs `explore`: the package's top-level name and this
+    module's name are the same, so the module itself is callable."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ExploreResult:
+        return explore(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

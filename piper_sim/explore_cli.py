@@ -58,7 +58,7 @@ def cmd_explore(args: argparse.Namespace) -> None:
         kw["recompute"] = (False,)
     result = explore(args.model, args.cluster, args.global_batch, args.seq_len, costmodel=args.costmodel,
                      workers=args.workers, prune=not args.no_prune, use_ray=args.ray,
-                     progress=progress_printer(not args.quiet), **kw)
+                     progress=progress_printer(not (args.quiet or getattr(args, "log_quiet", 0))), **kw)
     print(format_table(result, args.top))
     if args.csv:
         write_csv(result, args.csv)
@@ -73,18 +73,23 @@ def cmd_explore(args: argparse.Namespace) -> None:
 
 def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     d = defaults or {}
-    p.add_argument("--model", required="model" not in d, default=d.get("model"))
-    p.add_argument("--cluster", required="cluster" not in d, default=d.get("cluster"))
-    p.add_argument("--global-batch", type=int, required="global_batch" not in d, default=d.get("global_batch"))
-    p.add_argument("--seq-len", type=int, required="seq_len" not in d, default=d.get("seq_len"))
+    p.add_argument("--model", required="model" not in d, default=d.get("model"),
+                   help="a model of the zoo (`piper-sim models`)")
+    p.add_argument("--cluster", required="cluster" not in d, default=d.get("cluster"),
+                   help="cpu:N, a100|h100|h200|h800|b200|mi300x:NODESxGPUS, or a YAML/JSON cluster file")
+    p.add_argument("--global-batch", type=int, required="global_batch" not in d, default=d.get("global_batch"),
+                   help="sequences per training step")
+    p.add_argument("--seq-len", type=int, required="seq_len" not in d, default=d.get("seq_len"),
+                   help="tokens per sequence")
     p.add_argument("--costmodel", default="analytic", help="analytic, unit:..., or a calibration JSON")
-    p.add_argument("--top", type=int, default=10)
-    p.add_argument("--csv")
+    p.add_argument("--top", type=int, default=10, help="rows of the printed table (default 10)")
+    p.add_argument("--csv", metavar="OUT.csv", help="write every candidate with its status and numbers")
     p.add_argument("--plot", help="throughput-vs-memory Pareto PNG")
     p.add_argument("--emit-best", metavar="DIR", help="write the best strategy, plan and timeline here")
     p.add_argument("--schedules", default=d.get("schedules"), help="comma-separated subset of schedules")
     p.add_argument("--zero", default=d.get("zero"), help="comma-separated ZeRO levels (default 0,1,2,3)")
-    p.add_argument("--no-recompute", action="store_true", default=d.get("no_recompute", False))
+    p.add_argument("--no-recompute", action="store_true", default=d.get("no_recompute", False),
+                   help="leave activation recomputation out of the search")
     p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     p.add_argument("--ray", action="store_true", help="run the sweep on Ray when installed")
     p.add_argument("--no-prune", action="store_true", help="simulate every strategy (exhaustive)")

@@ -33,6 +33,7 @@ __all__ = [
     "ScheduleSpec",
     "Slot",
     "build_schedule",
+    "canonical_schedule",
     "format_slot",
     "validate_orders",
 ]
@@ -41,6 +42,30 @@ SCHEDULES: tuple[str, ...] = (
     "gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipe", "dualpipev",
 )
 KINDS = ("F", "B", "I", "W")
+# torch.distributed.pipelining's names (``get_schedule_class``) of the schedules whose orders
+# equal ours; accepted, case-insensitively and with or without "Schedule", wherever a
+# schedule is named.
+TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
+               "zb1p": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
+_ALIASES = {torch.lower(): ours for ours, torch in TORCH_NAMES.items()}
+
+
+def canonical_schedule(name: str) -> str:
+    """Our name of a schedule named ours or torch's way: ``"ZBVZeroBubble"`` -> ``"zbv"``,
+    ``"ScheduleInterleaved1F1B"`` -> ``"interleaved_1f1b"``. Unknown names come back lowered."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if not isinstance(key, str):
+        return key
+    if key.startswith("schedule") and key[len("schedule"):] in _ALIASES:
+        key = key[len("schedule"):]
+    return _ALIASES.get(key, key)
+
+
+def known_names() -> str:
+    """For error messages: ours, then torch's aliases."""
+    return ", ".join(SCHEDULES) + " (or torch's " + ", ".join(TORCH_NAMES.values()) + ")"
+
+
 # Placement style of each schedule (see module docstring).
 PLACEMENTS = {
     "gpipe": "loop", "1f1b": "loop", "interleaved_1f1b": "loop", "zb1p": "loop",
@@ -316,7 +341,7 @@ def _multiples_hint(m: int, k: int) -> str:
 def _check(name: str, pp: int, m: int, spr: int | None) -> int:
     """Validate a request; return the stages per rank to use."""
     if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of {known_names()}")
     if not isinstance(pp, int) or pp < 1:
         raise _fail(name, f"needs pp to be an integer >= 1 (got pp={pp!r})")
     if not isinstance(m, int) or m < 1:
@@ -368,7 +393,7 @@ def build_schedule(name: str, pp: int, microbatches: int, stages_per_rank: int |
     may name the schedule's placement (``loop``, ``v`` or ``mirror``) but cannot change
     it. Raises ScheduleError on impossible requests.
     """
-    name = name.lower() if isinstance(name, str) else name
+    name = canonical_schedule(name)
     v = _check(name, pp, microbatches, stages_per_rank)
     m = microbatches
     style = PLACEMENTS[name]

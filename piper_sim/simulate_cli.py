@@ -23,6 +23,8 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                         "or a calibration .json")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    s.add_argument("--kineto", metavar="DIR",
+                   help="write Kineto-shaped traces, one per simulated rank, in DIR (HolisticTraceAnalysis, Perfetto)")
     s.add_argument("--timeline", metavar="OUT.png", help="write a timeline picture")
     s.add_argument("--memory", metavar="OUT.png", help="write a memory-over-time picture")
     s.add_argument("--no-fold", action="store_true", help="simulate every rank, not one per rank class")
@@ -41,6 +43,8 @@ def cmd_simulate(args: argparse.Namespace) -> None:
              f"ep={plan.layout.ep}, {m.get('schedule', '?')}, m={m.get('microbatches', '?')} ({result.costmodel})")
     if args.trace:
         result.write_trace(args.trace)
+    if args.kineto:
+        result.write_kineto(args.kineto)
     if args.timeline:
         result.plot_timeline(args.timeline, title=title)
     if args.memory:
@@ -50,20 +54,23 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         print(json.dumps(result.to_json()))
         return
     print(title)
-    print(f"step {result.step_time_s:.6g} s, {result.tokens_per_s:.6g} tokens/s, MFU {100 * result.mfu:.1f}%, "
+    u = "u" if result.time_unit == "units" else "s"  # a unit cost model counts in its own time units
+    print(f"step {result.step_time_s:.6g} {'units' if u == 'u' else 's'}, {result.tokens_per_s:.6g} tokens/"
+          f"{'unit' if u == 'u' else 's'}, MFU {100 * result.mfu:.1f}%, "
           f"bubble {100 * result.bubble_fraction:.1f}% "
           f"({result.num_events} events in {result.sim_wall_s:.3f} s, {'folded' if result.folded else 'unfolded'})")
-    print(f"{'rank':>6} {'x':>5} {'compute s':>11} {'comm exp s':>11} {'idle s':>11} {'peak GiB':>9} "
-          f"{'states GiB':>10} {'act GiB':>8}")
-    for s in result.per_rank:
+    print(f"{'rank':>6} {'x':>5} {'compute ' + u:>11} {'comm exp ' + u:>11} {'idle ' + u:>11} {'peak GB':>9} "
+          f"{'states GB':>10} {'act GB':>8}")
+    for s in result.rank_stats:
         states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
         print(f"{s.rank:>6} {s.represents:>5} {s.compute_s:>11.5g} {s.comm_exposed_s:>11.5g} {s.idle_s:>11.5g} "
-              f"{s.peak_memory_bytes / 2**30:>9.2f} {states / 2**30:>10.2f} {s.activations_bytes / 2**30:>8.2f}")
+              f"{s.peak_memory_bytes / 1e9:>9.2f} {states / 1e9:>10.2f} {s.activations_bytes / 1e9:>8.2f}")
     if result.fits is not None:
-        peak = max(s.peak_memory_bytes for s in result.per_rank)
-        print(f"fits: {str(result.fits).lower()} (highest peak {peak / 2**30:.2f} GiB of "
-              f"{result.memory_capacity_bytes / 2**30:.2f} GiB per GPU)")
-    for label, path in (("trace", args.trace), ("timeline", args.timeline), ("memory", args.memory)):
+        peak = max(s.peak_memory_bytes for s in result.rank_stats)
+        print(f"fits: {str(result.fits).lower()} (highest peak {peak / 1e9:.2f} GB of "
+              f"{result.memory_capacity_bytes / 1e9:.2f} GB per GPU)")
+    for label, path in (("trace", args.trace), ("Kineto traces", args.kineto), ("timeline", args.timeline),
+                        ("memory", args.memory)):
         if path:
             print(f"wrote {label} {path}")
 

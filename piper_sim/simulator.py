@@ -22,9 +22,10 @@ If the run cannot finish, `SimulationDeadlock` names the op each blocked stream 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,8 @@ from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RankStats", "SimResult", "SimulationDeadlock", "SimulationError", "fold_is_exact", "simulate"]
 
@@ -82,16 +85,17 @@ class SimResult:
     compute stream does not compute). mfu: model flops / (step time × world × peak).
     fits: every rank's peak memory within ``memory_capacity_bytes``, the GPU's memory
     (`costmodel.memory.fits`); None when the plan names no cluster.
-    events: one row per executed op (`piper_sim.trace.EVENT_COLUMNS` + ``posted``);
-    memory: transient bytes per rank over time (`trace.MEMORY_COLUMNS`). Both are pandas
-    DataFrames built on first access (a planner that reads only the totals skips them).
+    per_rank: one row per simulated rank (`RankStats`); events: one row per executed op
+    (`piper_sim.trace.EVENT_COLUMNS` + ``posted``, ``pair``); memory: transient bytes per
+    rank over time (`trace.MEMORY_COLUMNS`). All three are pandas DataFrames built on first
+    access (a planner that reads only the totals skips them); `to_json` is the JSON view.
     """
 
     step_time_s: float
     tokens_per_s: float
     mfu: float
     bubble_fraction: float
-    per_rank: list[RankStats]
+    rank_stats: list[RankStats]  # one per simulated rank; `per_rank` is the same as a DataFrame
     num_events: int
     sim_wall_s: float
     rows: list[tuple] = field(repr=False, default_factory=list)
@@ -101,10 +105,27 @@ class SimResult:
     costmodel: str = ""
     fits: bool | None = None
     memory_capacity_bytes: float = 0.0
+    meta: dict[str, Any] = field(repr=False, default_factory=dict)  # the plan's meta (model, cluster, dtype...)
+    pairs: dict[tuple[int, str], int] = field(repr=False, default_factory=dict)  # (pp rank, op id) -> slot
 
     @cached_property
     def events(self) -> "pd.DataFrame":
-        return trace.events_to_dataframe(self.rows, extra_columns=("posted",))
+        """One row per op; ``pair``: the plan slot of ops that run as an overlapped F&B
+        pair (DualPipe, DualPipeV), -1 otherwise."""
+        df = trace.events_to_dataframe(self.rows, extra_columns=("posted",))
+        pp_of = {s.rank: s.pp_rank for s in self.rank_stats}
+        df["pair"] = [self.pairs.get((pp_of.get(r, -1), op), -1) for r, op in zip(df["rank"], df["op_id"])]
+        return df
+
+    @cached_property
+    def per_rank(self) -> "pd.DataFrame":
+        """One row per simulated rank (`RankStats` columns: compute_s, comm_exposed_s,
+        idle_s, bubble_s, peak_memory_bytes and its parts...); ``represents``: how many
+        ranks the row stands for (a rank class when folded). `rank_stats` has the same
+        rows as objects; `to_json` as dicts."""
+        import pandas as pd
+
+        return pd.DataFrame([asdict(s) for s in self.rank_stats], columns=[f.name for f in fields(RankStats)])
 
     @cached_property
     def memory(self) -> "pd.DataFrame":
@@ -116,32 +137,62 @@ class SimResult:
             "bubble_fraction": self.bubble_fraction, "num_events": self.num_events,
             "sim_wall_s": self.sim_wall_s, "folded": self.folded, "world_size": self.world_size,
             "costmodel": self.costmodel, "fits": self.fits, "memory_capacity_bytes": self.memory_capacity_bytes,
-            "per_rank": [asdict(s) for s in self.per_rank],
+            "per_rank": [asdict(s) for s in self.rank_stats],
         }
 
     def over_memory(self) -> list[RankStats]:
         """Ranks whose peak memory does not fit the GPU."""
-        return [s for s in self.per_rank if s.fits is False]
+        return [s for s in self.rank_stats if s.fits is False]
 
     def shown_ranks(self, max_ranks: int = 16) -> list[int]:
         """Ranks to draw: all when few, else one per pipeline rank."""
-        ranks = [s.rank for s in self.per_rank]
+        ranks = [s.rank for s in self.rank_stats]
         if len(ranks) <= max_ranks:
             return ranks
         first: dict[int, int] = {}
-        for s in self.per_rank:
+        for s in self.rank_stats:
             first.setdefault(s.pp_rank, s.rank)
         return list(first.values())[:64]
 
+    def static_bytes(self) -> dict[int, float]:
+        """Model-state bytes (params + grads + optimizer) per rank."""
+        return {s.rank: s.params_bytes + s.grads_bytes + s.optimizer_bytes for s in self.rank_stats}
+
     def write_trace(self, path: str) -> None:
-        trace.write_chrome_trace(self.events, path, flows=True)
+        """One Chrome trace file (Perfetto): a process per rank, a thread per stream, p2p
+        flow arrows, a memory counter per rank."""
+        trace.write_chrome_trace(self.events, path, flows=True, memory=self.memory, static_bytes=self.static_bytes())
 
-    def plot_timeline(self, path: str, title: str = "") -> None:
-        trace.plot_timeline(self.events, path, title=title, ranks=self.shown_ranks())
+    def write_kineto(self, out_dir: str) -> list[str]:
+        """Kineto-shaped traces, one file per simulated rank (per rank class when folded),
+        that HolisticTraceAnalysis and Perfetto read (`piper_sim.kineto`). Returns the paths."""
+        from piper_sim.kineto import write_kineto_traces
 
-    def plot_memory(self, path: str, title: str = "") -> None:
-        static = {s.rank: s.params_bytes + s.grads_bytes + s.optimizer_bytes for s in self.per_rank}
-        trace.plot_memory(self.memory, path, title=title, static_bytes=static, ranks=self.shown_ranks())
+        cluster = str(self.meta.get("cluster", ""))
+        return write_kineto_traces(self.events, out_dir, world_size=self.world_size or None,
+                                   dtype=self.meta.get("dtype", "bf16"), memory=self.memory,
+                                   static_bytes=self.static_bytes(), step_end=self.step_time_s,
+                                   device_name=f"simulated {cluster}".strip(), name="piper-sim simulator",
+                                   backend="gloo" if cluster.startswith("cpu") else "nccl")
+
+    @property
+    def time_unit(self) -> str | None:
+        """"units" for a unit cost model (times are not seconds), else None (auto s/ms/µs)."""
+        return "units" if self.costmodel.startswith("unit") else None
+
+    def plot_timeline(self, path: str | None = None, title: str = "", *, ax: Any = None, **kwargs: Any) -> Any:
+        """The step as a pipeline picture (`trace.plot_timeline`); returns the Figure,
+        writes ``path`` when given, draws into ``ax`` when given."""
+        kwargs.setdefault("ranks", self.shown_ranks())
+        kwargs.setdefault("time_unit", self.time_unit)
+        return trace.plot_timeline(self.events, path, title=title, ax=ax, **kwargs)
+
+    def plot_memory(self, path: str | None = None, title: str = "", *, ax: Any = None, **kwargs: Any) -> Any:
+        """Memory per rank over the step in GB (`trace.plot_memory`); returns the Figure."""
+        kwargs.setdefault("ranks", self.shown_ranks())
+        kwargs.setdefault("time_unit", self.time_unit)
+        return trace.plot_memory(self.memory, path, title=title, static_bytes=self.static_bytes(), ax=ax,
+                                 t_end=self.step_time_s, **kwargs)
 
 
 # ----------------------------------------------------------------------------- folding
@@ -692,6 +743,21 @@ def _memory_capacity(plan: Plan, cm: CostModel) -> float | None:
     return float(cluster.gpu.hbm_bytes)
 
 
+def _overlapped_pairs(plan: Plan) -> dict[tuple[int, str], int]:
+    """(pp rank, op id) -> slot for the compute ops of overlapped F&B pairs: a slot that
+    holds more than one (stage, kind, micro-batch) action."""
+    out: dict[tuple[int, str], int] = {}
+    for c in plan.classes:
+        by_slot: dict[int, list[Instruction]] = {}
+        for ins in c.streams.get("compute", []):
+            if ins.slot >= 0 and ins.kind in COMPUTE_KINDS:
+                by_slot.setdefault(ins.slot, []).append(ins)
+        for slot, lst in by_slot.items():
+            if len({(i.stage, i.kind, i.mb) for i in lst}) > 1:
+                out.update({(c.pp_rank, i.id): slot for i in lst})
+    return out
+
+
 def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bool = True) -> SimResult:
     """Simulate one training step of `plan` (a Plan or a plan JSON path).
 
@@ -712,7 +778,10 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
             cluster = parse_cluster(plan.meta["cluster"])
         costmodel = get_costmodel(spec, cluster)
     cm = costmodel
-    folded = fold and fold_is_exact(plan, _cluster(plan, cm))[0]
+    exact, why = fold_is_exact(plan, _cluster(plan, cm)) if fold else (False, "fold=False")
+    folded = fold and exact
+    if fold and not exact:
+        log.debug("simulating every rank: folding is not exact (%s)", why)
     eng = _Engine(plan, cm, folded)
     eng.run()
 
@@ -749,15 +818,18 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     if tokens is None and "global_batch" in plan.meta and "seq_len" in plan.meta:
         tokens = plan.meta["global_batch"] * plan.meta["seq_len"]
     peak = _peak_flops(plan, cm)
+    log.debug("simulated %d events on %d ranks in %.3f s (%s): step %.6g s", len(eng.rows), len(eng.ranks),
+              time.perf_counter() - t0, "folded" if folded else "unfolded", step)
     model_flops = plan.meta.get("model_flops_per_step", 0.0)
     return SimResult(
         step_time_s=step,
         tokens_per_s=(tokens or 0) / step if step > 0 else 0.0,
         mfu=model_flops / (step * layout.world_size * peak) if step > 0 and peak > 0 else 0.0,
         bubble_fraction=bubble_fraction,
-        per_rank=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
+        rank_stats=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
         rows=eng.rows, memory_samples=eng.mem_samples, folded=folded, world_size=layout.world_size,
-        costmodel=getattr(cm, "name", type(cm).__name__),
+        costmodel=getattr(cm, "name", type(cm).__name__), pairs=_overlapped_pairs(plan),
+        meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
         fits=None if capacity is None else all(s.fits for s in per_rank),
         memory_capacity_bytes=capacity or 0.0,
     )

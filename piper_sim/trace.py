@@ -10,14 +10,17 @@ Memory samples (`MEMORY_COLUMNS`): ``rank, time, bytes`` — bytes held by activ
 other transient buffers (the plan's ``alloc``/``free``) after each change; the static
 model states live in the per-rank results.
 
-Outputs: `events_to_dataframe`, `write_chrome_trace` (Perfetto / chrome://tracing),
-`plot_timeline` (a pipeline picture in the style of the DualPipe / zero-bubble papers)
-and `plot_memory`. pandas and matplotlib are imported inside the functions.
+Outputs: `events_to_dataframe`, `write_chrome_trace` (Perfetto / chrome://tracing; per-rank
+Kineto-shaped traces for HolisticTraceAnalysis are in `piper_sim.kineto`), `plot_timeline`
+(a pipeline picture in the style of the DualPipe / zero-bubble papers) and `plot_memory`.
+The plot functions take ``ax=`` and return the matplotlib Figure; they never select a
+backend. pandas and matplotlib are imported inside the functions.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,24 +79,62 @@ def stream_order(streams: Iterable[str]) -> list[str]:
     return sorted(set(streams), key=key)
 
 
-def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim") -> dict[str, Any]:
+def lanes(df: "pd.DataFrame") -> list[int]:
+    """Lane of each event within its (rank, stream): 0, unless it starts before an earlier
+    event of that stream has ended (a back end may keep several ops of one stream in flight,
+    like the executor's asynchronous comms on CPU); then the first lane that is free. One
+    thread/CUDA stream per lane keeps each one's slices disjoint, as Perfetto and HTA need."""
+    out = [0] * len(df)
+    ends: dict[tuple[int, str], list[float]] = {}
+    order = sorted(range(len(df)), key=lambda i: (df["start"].iat[i], df["end"].iat[i]))
+    for i in order:
+        key = (int(df["rank"].iat[i]), df["stream"].iat[i])
+        start, end = float(df["start"].iat[i]), float(df["end"].iat[i])
+        lane_ends = ends.setdefault(key, [])
+        for lane, e in enumerate(lane_ends):
+            if start >= e - 1e-12:
+                break
+        else:
+            lane = len(lane_ends)
+            lane_ends.append(0.0)
+        lane_ends[lane] = max(end, start)
+        out[i] = lane
+    return out
+
+
+def lane_name(stream: str, lane: int) -> str:
+    """Thread name of a stream's lane: the stream, then ``stream #2``, ``#3``..."""
+    return stream if lane == 0 else f"{stream} #{lane + 1}"
+
+
+def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim",
+                 memory: "pd.DataFrame | None" = None, static_bytes: dict[int, float] | None = None) -> dict[str, Any]:
     """The Chrome trace event dict: X events in µs, one process per rank, one thread per
-    stream, flow arrows from each SEND to its RECV."""
+    stream, flow arrows from each SEND to its RECV; with ``memory`` (`MEMORY_COLUMNS`), a
+    ``memory (GB)`` counter track per rank (plus its ``static_bytes``)."""
     events: list[dict[str, Any]] = []
-    tids: dict[tuple[int, str], int] = {}
+    tids: dict[tuple[int, str, int], int] = {}
+    lane = lanes(df)
+    df = df.assign(lane=lane)
     for rank in sorted(df["rank"].unique().tolist()):
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
-        for i, stream in enumerate(stream_order(df.loc[df["rank"] == rank, "stream"])):
-            tids[(rank, stream)] = i
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": i, "args": {"name": stream}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": i, "args": {"sort_index": i}})
-    cols = ["rank", "stream", "op_id", "kind", "stage", "mb", "start", "end", "bytes", "flops", "peer"]
+        sub = df[df["rank"] == rank]
+        i = 0
+        for stream in stream_order(sub["stream"]):
+            for k in range(int(sub.loc[sub["stream"] == stream, "lane"].max()) + 1):
+                tids[(rank, stream, k)] = i
+                events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": i,
+                               "args": {"name": lane_name(stream, k)}})
+                events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": i,
+                               "args": {"sort_index": i}})
+                i += 1
+    cols = ["rank", "stream", "op_id", "kind", "stage", "mb", "start", "end", "bytes", "flops", "peer", "lane"]
     sends: dict[tuple[int, int, str], tuple[int, float]] = {}
     recvs: list[tuple[int, int, str, int, float]] = []
-    for rank, stream, op, kind, stage, mb, start, end, nbytes, flops, peer in df[cols].itertuples(index=False):
+    for rank, stream, op, kind, stage, mb, start, end, nbytes, flops, peer, k in df[cols].itertuples(index=False):
         ts, te = _us(start), _us(end)
-        tid = tids[(rank, stream)]
+        tid = tids[(rank, stream, k)]
         args: dict[str, Any] = {"kind": kind}
         if stage >= 0:
             args["stage"] = int(stage)
@@ -120,13 +161,33 @@ def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim"
                        "ts": send[1]})
         events.append({"ph": "f", "bp": "e", "id": flow_id, "name": "p2p", "cat": "p2p", "pid": dst,
                        "tid": tid, "ts": ts})
+    if memory is not None:
+        events += memory_counters(memory, static_bytes)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"generator": name}}
 
 
-def write_chrome_trace(df: "pd.DataFrame", path: str, flows: bool = True, name: str = "piper-sim") -> None:
+def memory_counters(memory: "pd.DataFrame", static_bytes: dict[int, float] | None = None,
+                    pid_of: dict[int, int] | None = None) -> list[dict[str, Any]]:
+    """``ph: "C"`` events: each rank's memory in GB (transient + static) after every change."""
+    out: list[dict[str, Any]] = []
+    for rank in sorted(memory["rank"].unique().tolist()):
+        sub = memory[memory["rank"] == rank].drop_duplicates("time", keep="last")
+        base = float((static_bytes or {}).get(rank, 0.0))
+        pid = (pid_of or {}).get(rank, int(rank))
+        out.append({"ph": "C", "name": "memory (GB)", "pid": pid, "tid": 0, "ts": 0.0,
+                    "args": {"allocated": round(base / 1e9, 6)}})
+        for t, b in zip(sub["time"], sub["bytes"]):
+            out.append({"ph": "C", "name": "memory (GB)", "pid": pid, "tid": 0, "ts": _us(t),
+                        "args": {"allocated": round((base + float(b)) / 1e9, 6)}})
+    return out
+
+
+def write_chrome_trace(df: "pd.DataFrame", path: str, flows: bool = True, name: str = "piper-sim",
+                       memory: "pd.DataFrame | None" = None, static_bytes: dict[int, float] | None = None) -> None:
     """Write a Chrome trace JSON file that Perfetto (ui.perfetto.dev) and chrome://tracing open."""
     with open(path, "w") as f:
-        json.dump(chrome_trace(df, flows=flows, name=name), f, separators=(",", ":"))
+        json.dump(chrome_trace(df, flows=flows, name=name, memory=memory, static_bytes=static_bytes), f,
+                  separators=(",", ":"))
 
 
 def read_chrome_trace(path: str) -> "pd.DataFrame":
@@ -135,8 +196,8 @@ def read_chrome_trace(path: str) -> "pd.DataFrame":
     with open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    streams = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    streams = {(e["pid"], e["tid"]): re.sub(r" #\d+$", "", e["args"]["name"]) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}  # a stream's lanes are one stream
     rows = []
     for e in events:
         if e.get("ph") != "X":
@@ -154,6 +215,75 @@ def _us(seconds: float) -> float:
 
 
 # --------------------------------------------------------------------- pictures
+#
+# Figures are built with matplotlib.figure.Figure, not pyplot: no backend is selected or
+# switched (a notebook's inline plots keep working), nothing stays open, and the returned
+# Figure shows itself once in a notebook. Pass ``ax=`` to draw into your own axes.
+
+TIME_UNITS = {"s": 1.0, "ms": 1e3, "µs": 1e6}
+
+
+def time_scale(t_end: float, unit: str | None = None) -> tuple[float, str]:
+    """(factor, axis label) for times in seconds: ``unit`` "s", "ms", "µs", or "units" (a
+    unit cost model: times are in its units, not seconds); None picks s/ms/µs by ``t_end``."""
+    if unit == "units":
+        return 1.0, "time (cost-model units)"
+    if unit is None:
+        unit = "s" if t_end >= 1 else "ms" if t_end >= 1e-3 else "µs"
+    if unit not in TIME_UNITS:
+        raise ValueError(f"time unit {unit!r}: use one of s, ms, µs, units")
+    return TIME_UNITS[unit], f"time ({unit})"
+
+
+def new_figure(ax: Any = None, figsize: tuple[float, float] = (12, 4), nrows: int = 1,
+               sharex: bool = True) -> tuple[Any, Any]:
+    """(figure, axes): ``ax`` and its figure when given, else a new pyplot-free Figure with
+    ``nrows`` axes (an array when nrows > 1)."""
+    if ax is not None:
+        return ax.figure if not isinstance(ax, (list, tuple)) else ax[0].figure, ax
+    from matplotlib.figure import Figure
+
+    _notebook_display()
+    fig = Figure(figsize=figsize)
+    axes = fig.subplots(nrows, 1, sharex=sharex, squeeze=nrows == 1)
+    return fig, (axes if nrows == 1 else list(axes[:, 0]))
+
+
+def _notebook_display() -> None:
+    """In IPython, make sure a returned Figure renders as a PNG even when pyplot was never
+    imported (the inline backend registers that formatter only when it is activated)."""
+    import sys
+
+    if "IPython" not in sys.modules:
+        return
+    try:
+        from IPython import get_ipython
+        from matplotlib.figure import Figure
+
+        ip = get_ipython()
+        if ip is None:
+            return
+        png = ip.display_formatter.formatters["image/png"]
+        try:
+            png.lookup_by_type(Figure)
+        except KeyError:
+            png.for_type(Figure, lambda fig: _png_bytes(fig))
+    except Exception:  # noqa: BLE001 - display is a convenience, never an error
+        return
+
+
+def _png_bytes(fig: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _save(fig: Any, path: str | None, dpi: int) -> Any:
+    if path:
+        fig.savefig(path, dpi=dpi)
+    return fig
 
 
 def _pick_ranks(df: "pd.DataFrame", ranks: Sequence[int] | None, max_ranks: int) -> list[int]:
@@ -173,21 +303,71 @@ def _row_name(stream: str, kind: str) -> str:
     return "p2p" if kind in P2P_KINDS else stream
 
 
-def plot_timeline(df: "pd.DataFrame", path: str, title: str = "", ranks: Sequence[int] | None = None,
-                  max_ranks: int = 16, comm: bool = True) -> None:
-    """One row per rank (compute) plus thin rows for comm (send/recv together, then each
-    collective stream; rows without time are left out); blocks coloured by kind with
-    micro-batch numbers. With more than `max_ranks` ranks, pass `ranks` (e.g. one
-    per rank class); otherwise an even sample is drawn."""
-    import matplotlib
+def _stage_layout(df: "pd.DataFrame") -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+    """(index of each (rank, stage) among the rank's stages, {rank: micro-batch count} for
+    ranks whose two stages see disjoint micro-batches: DualPipe's two model copies)."""
+    comp = df[df["kind"].isin(COMPUTE_KINDS) & (df["stage"] >= 0)]
+    index: dict[tuple[int, int], int] = {}
+    mirror: dict[int, int] = {}
+    for rank, sub in comp.groupby("rank"):
+        mbs = {int(s): set(g["mb"][g["mb"] >= 0].tolist()) for s, g in sub.groupby("stage")}
+        stages = sorted(mbs)
+        if len(stages) == 2 and not (mbs[stages[0]] & mbs[stages[1]]) and all(mbs.values()):
+            mirror[int(rank)] = int(max(max(v) for v in mbs.values())) + 1
+        for i, st in enumerate(stages):
+            index[(int(rank), st)] = i
+    return index, mirror
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def chunk_of(df: "pd.DataFrame") -> list[int]:
+    """Model chunk of each compute event on its rank (-1 for comm): the stage's index among
+    the rank's stages (interleaved, ZB-V, DualPipeV: 0 = the first/downward chunk); when a
+    rank's two stages see disjoint micro-batches (DualPipe's two model copies), the
+    direction: 0 for micro-batches entering at the first rank, 1 for the reverse direction."""
+    index, mirror = _stage_layout(df)
+    out = []
+    for rank, kind, stage, mb in zip(df["rank"], df["kind"], df["stage"], df["mb"]):
+        if kind not in COMPUTE_KINDS or stage < 0:
+            out.append(-1)
+        elif rank in mirror:
+            out.append(int(mb >= (mirror[rank] + 1) // 2) if mb >= 0 else 0)
+        else:
+            out.append(index.get((int(rank), int(stage)), 0))
+    return out
+
+
+def _shade(color: str, chunk: int) -> str:
+    """The kind's colour for chunk 0, darker for each further chunk (the DualPipe figures
+    shade the reverse direction)."""
+    from matplotlib.colors import to_hex, to_rgb
+
+    if chunk <= 0:
+        return color
+    k = min(0.3 * chunk, 0.6)
+    return to_hex(tuple(c * (1 - k) for c in to_rgb(color)))
+
+
+def plot_timeline(df: "pd.DataFrame", path: str | None = None, title: str = "", ranks: Sequence[int] | None = None,
+                  max_ranks: int = 16, comm: bool = True, *, ax: Any = None, time_unit: str | None = None,
+                  chunks: bool = True, pairs: bool = True, dpi: int = 130) -> Any:
+    """The step as a pipeline picture, in the style of the DualPipe / zero-bubble papers.
+    Returns the matplotlib Figure (and writes it to ``path`` when given).
+
+    One row per rank (compute) plus thin rows for comm (send/recv together, then each
+    collective stream; rows without time are left out); blocks coloured by kind with
+    micro-batch numbers. ``chunks``: the second model chunk (interleaved, ZB-V, DualPipeV)
+    or DualPipe's reverse direction is drawn darker (`chunk_of`). ``pairs``: when the frame
+    has a ``pair`` column (`SimResult.events` does: the plan slot of ops that run as an
+    overlapped F&B pair, -1 otherwise), each pair is framed. ``time_unit``: see
+    `time_scale` ("units" for a unit cost model). With more than ``max_ranks`` ranks pass
+    ``ranks`` (e.g. one per rank class); otherwise an even sample is drawn. ``ax``: draw
+    into these axes instead of a new figure."""
     from matplotlib.collections import PolyCollection
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch, Rectangle
 
     shown = _pick_ranks(df, ranks, max_ranks)
-    df = df.assign(row=[_row_name(s, k) for s, k in zip(df["stream"], df["kind"])])
+    df = df.assign(row=[_row_name(s, k) for s, k in zip(df["stream"], df["kind"])],
+                   chunk=chunk_of(df) if chunks else [0] * len(df))
     rows: list[tuple[int, str, float]] = []  # (rank, row name, height)
     for r in shown:
         sub = df[df["rank"] == r]
@@ -198,68 +378,112 @@ def plot_timeline(df: "pd.DataFrame", path: str, title: str = "", ranks: Sequenc
             rows += [(r, s, 0.35) for s in names if s != "compute" and busy.get(s, 0) > 0]
     t_end = float(df["end"].max()) if len(df) else 1.0
     t_end = t_end if t_end > 0 else 1.0
+    scale, xlabel = time_scale(t_end, time_unit)
     height = sum(h for _, _, h in rows) + 0.15 * len(rows)
-    fig, ax = plt.subplots(figsize=(14, max(2.0, 0.42 * height + 1.2)))
+    own = ax is None
+    fig, ax = new_figure(ax, figsize=(14, max(2.0, 0.42 * height + 1.2)))
     y, yticks, ylabels = 0.0, [], []
-    boxes: dict[tuple[str, bool], list] = {}  # (kind, framed) -> block outlines
+    boxes: dict[tuple[str, bool, int], list] = {}  # (kind, framed, chunk) -> block outlines
+    frames: list[tuple[float, float, float, float]] = []
     labels = 0
     min_w = t_end * 1e-4  # keep zero-length ops visible as hairlines
+    has_pairs = pairs and "pair" in df.columns
     for r, stream, h in rows:
         sub = df[(df["rank"] == r) & (df["row"] == stream)]
         y -= h + 0.15
-        for kind, s, e, mb in zip(sub["kind"], sub["start"], sub["end"], sub["mb"]):
+        for kind, s, e, mb, ch in zip(sub["kind"], sub["start"], sub["end"], sub["mb"], sub["chunk"]):
             e = max(e, s + min_w)
-            boxes.setdefault((kind, h == 1.0), []).append([(s, y), (e, y), (e, y + h), (s, y + h)])
-            if h == 1.0 and mb >= 0 and e - s > t_end * 0.008 and labels < 3000:
+            s, e = s * scale, e * scale
+            boxes.setdefault((kind, h == 1.0, max(int(ch), 0)), []).append([(s, y), (e, y), (e, y + h), (s, y + h)])
+            if h == 1.0 and mb >= 0 and e - s > t_end * scale * 0.008 and labels < 3000:
                 ax.text((s + e) / 2, y + h / 2, str(int(mb)), ha="center", va="center", fontsize=6,
-                        in_layout=False)
+                        color="white" if ch >= 1 and kind != "F" else "black", in_layout=False)
                 labels += 1
+        if has_pairs and h == 1.0:
+            paired = sub[sub["pair"] >= 0]
+            for _, g in paired.groupby("pair"):
+                frames.append((g["start"].min() * scale, y, (g["end"].max() - g["start"].min()) * scale, h))
         yticks.append(y + h / 2)
         ylabels.append(f"rank {r}" if h == 1.0 else stream)
-    for (kind, framed), verts in boxes.items():
-        ax.add_collection(PolyCollection(verts, facecolors=KIND_COLORS.get(kind, "#cccccc"),
+    for (kind, framed, ch), verts in boxes.items():
+        ax.add_collection(PolyCollection(verts, facecolors=_shade(KIND_COLORS.get(kind, "#cccccc"), ch),
                                          edgecolors="black" if framed else "none", linewidths=0.3))
+    for x0, y0, w, h in frames:
+        ax.add_patch(Rectangle((x0, y0 - 0.04), w, h + 0.08, fill=False, edgecolor="black", linewidth=1.6,
+                               zorder=3))
     ax.set_yticks(yticks)
     ax.set_yticklabels(ylabels, fontsize=7)
-    ax.set_xlim(0, t_end)
+    ax.set_xlim(0, t_end * scale)
     ax.set_ylim(y - 0.2, 0.1)
-    ax.set_xlabel("time (s)")
+    ax.set_xlabel(xlabel)
     ax.set_title(title or "timeline")
     kinds = set(df["kind"])
     handles = [Patch(facecolor=KIND_COLORS[k], edgecolor="black", label=lab) for k, lab in LEGEND
                if k in kinds or (k == "SEND" and "RECV" in kinds)
                or (k == "ALLREDUCE" and kinds & {"REDUCE_SCATTER", "ALL_GATHER"})]
-    fig_h = fig.get_size_inches()[1]
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles) or 1, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.35 / fig_h, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    if chunks and (df["chunk"] >= 1).any():
+        mirror = bool(_stage_layout(df)[1])
+        handles.append(Patch(facecolor=_shade("#bbbbbb", 1), edgecolor="black",
+                             label="reverse direction (darker)" if mirror else "second chunk (darker)"))
+    if frames:
+        handles.append(Patch(facecolor="none", edgecolor="black", linewidth=1.6, label="overlapped F&B pair"))
+    if own:
+        fig_h = fig.get_size_inches()[1]
+        fig.legend(handles=handles, loc="lower center", ncol=len(handles) or 1, fontsize=7, frameon=False)
+        fig.tight_layout(rect=(0, 0.35 / fig_h, 1, 1))
+    elif handles:
+        ax.legend(handles=handles, loc="upper right", fontsize=6, ncol=2)
+    return _save(fig, path, dpi)
 
 
-def plot_memory(memory: "pd.DataFrame", path: str, title: str = "", static_bytes: dict[int, float] | None = None,
-                ranks: Sequence[int] | None = None, max_ranks: int = 16) -> None:
-    """Memory over time per rank: transient bytes (plus each rank's static model states
-    when `static_bytes` maps rank -> bytes), in GiB."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_memory(memory: "pd.DataFrame", path: str | None = None, title: str = "",
+                static_bytes: dict[int, float] | None = None, ranks: Sequence[int] | None = None,
+                max_ranks: int = 16, *, ax: Any = None, t_end: float | None = None, time_unit: str | None = None,
+                dpi: int = 130) -> Any:
+    """Memory over the step per rank, in GB (1e9 bytes), from zero: the static model states
+    (``static_bytes``: rank -> bytes) as a grey band, the transient bytes (activations and
+    buffers, the plan's alloc/free) on top, as a step function through every change (an
+    alloc and a free at the same instant count once, at their net). One panel per rank;
+    ``ax``: one Axes (all ranks as lines) or one Axes per rank. ``t_end``: end of the
+    step (default: the last change). Returns the Figure."""
     shown = _pick_ranks(memory, ranks, max_ranks)
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    t_end = float(memory["time"].max()) if len(memory) else 1.0
-    for r in shown:
-        sub = memory[memory["rank"] == r].drop_duplicates("time", keep="last")  # no same-instant spikes
-        base = (static_bytes or {}).get(r, 0.0)
-        ts = [0.0] + sub["time"].tolist() + [t_end]
-        vs = [0.0] + sub["bytes"].tolist()
+    last = float(memory["time"].max()) if len(memory) else 0.0
+    t_end = max(float(t_end or 0.0), last) or 1.0
+    scale, xlabel = time_scale(t_end, time_unit)
+    overlay = ax is not None and not isinstance(ax, (list, tuple))
+    fig, axes = new_figure(ax, figsize=(12, 0.5 + 1.1 * max(len(shown), 1)), nrows=max(len(shown), 1))
+    axes = [axes] * len(shown) if overlay else ([axes] if not isinstance(axes, list) else axes)
+    top = 0.0
+    for i, (r, a) in enumerate(zip(shown, axes)):
+        sub = memory[memory["rank"] == r].drop_duplicates("time", keep="last")
+        base = float((static_bytes or {}).get(r, 0.0)) / 1e9
+        ts = [0.0] + [t * scale for t in sub["time"]] + [t_end * scale]
+        vs = [0.0] + [b / 1e9 for b in sub["bytes"]]
         vs.append(vs[-1])
-        ax.step(ts, [(base + v) / 2**30 for v in vs], where="post", label=f"rank {r}", linewidth=1)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("GiB" + (" (model states + activations)" if static_bytes else " (activations)"))
-    ax.set_title(title or "memory")
-    ax.legend(fontsize=7, ncol=min(len(shown), 8) or 1, loc="upper right")
-    ax.set_xlim(0, t_end if t_end > 0 else 1.0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+        total = [base + v for v in vs]
+        top = max(top, max(total))
+        if overlay:
+            a.step(ts, total, where="post", label=f"rank {r}", linewidth=1)
+            continue
+        color = f"C{i % 10}"
+        if base > 0:
+            a.fill_between(ts, 0, base, step="post", color="#cccccc", linewidth=0, label="model states")
+        a.fill_between(ts, base, total, step="post", color=color, alpha=0.45, linewidth=0, label="activations")
+        a.step(ts, total, where="post", color=color, linewidth=1)
+        a.set_ylabel(f"rank {r}\nGB", fontsize=7)
+        a.tick_params(labelsize=7)
+    for a in (axes[:1] if overlay else axes):
+        a.set_ylim(0, top * 1.08 if top > 0 else 1.0)
+        a.set_xlim(0, t_end * scale)
+    if axes:
+        axes[-1].set_xlabel(xlabel)
+        axes[0].set_title(title or ("memory per rank (GB): model states + activations" if static_bytes
+                                    else "memory per rank (GB): activations"))
+        if overlay:
+            axes[0].set_ylabel("GB")
+            axes[0].legend(fontsize=7, ncol=min(len(shown), 8) or 1, loc="upper right")
+        else:
+            axes[0].legend(fontsize=7, loc="upper right", ncol=2)
+    if ax is None:
+        fig.tight_layout()
+    return _save(fig, path, dpi)

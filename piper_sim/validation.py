@@ -90,18 +90,18 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return score / (n * (n - 1) / 2)
 
 
-def overlay_timeline(sim, meas, path: str, title: str = "") -> None:
-    """Simulated and measured timelines of one step, one pair of rows per rank."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def overlay_timeline(sim, meas, path: str | None = None, title: str = "", *, ax: Any = None) -> Any:
+    """Simulated and measured timelines of one step, one pair of rows per rank. Returns the
+    Figure; writes ``path`` when given; draws into ``ax`` when given."""
     from matplotlib.patches import Patch
 
-    from piper_sim.trace import COMPUTE_KINDS, KIND_COLORS
+    from piper_sim.trace import COMPUTE_KINDS, KIND_COLORS, new_figure, time_scale
 
     ranks = sorted(set(sim["rank"]) | set(meas["rank"]))
-    fig, ax = plt.subplots(figsize=(13, 0.9 * len(ranks) * 2 + 1.2))
+    own = ax is None
+    fig, ax = new_figure(ax, figsize=(13, 0.9 * len(ranks) * 2 + 1.2))
+    t_end = max(float((df["end"] - df["start"].min()).max()) if len(df) else 0.0 for df in (sim, meas))
+    scale, xlabel = time_scale(t_end)
     labels = []
     for i, r in enumerate(ranks):
         for j, (name, df) in enumerate((("simulated", sim), ("measured", meas))):
@@ -109,17 +109,19 @@ def overlay_timeline(sim, meas, path: str, title: str = "") -> None:
             rows = df[(df["rank"] == r) & df["kind"].isin(COMPUTE_KINDS)]
             t0 = df["start"].min()
             for kind, s, e, mb in rows[["kind", "start", "end", "mb"]].itertuples(index=False):
-                ax.barh(y, e - s, left=s - t0, height=0.8, color=KIND_COLORS.get(kind, "#cccccc"),
+                ax.barh(y, (e - s) * scale, left=(s - t0) * scale, height=0.8, color=KIND_COLORS.get(kind, "#cccccc"),
                         edgecolor="black", linewidth=0.3)
             labels.append((y, f"rank {r} {name}"))
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
-    ax.set_xlabel("time in step (s)")
+    ax.set_xlabel(xlabel.replace("time", "time in step"))
     ax.set_title(title or "simulated vs measured")
     ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in ("F", "B", "BI", "BW", "OPT")],
               loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    if own:
+        fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=110)
+    return fig
 
 
 def validate_one(strategy: Strategy | dict | str, costmodel: str, steps: int, warmup: int, out_dir: str,
@@ -147,7 +149,8 @@ def validate_one(strategy: Strategy | dict | str, costmodel: str, steps: int, wa
 
 def validate(strategies: list, costmodel: str, steps: int = 6, warmup: int = 2, out_dir: str = "validation",
              progress=None) -> dict[str, Any]:
-    """Validate several strategies; write CSV, JSON and an overlay picture of the first."""
+    """Validate several strategies; write CSV, JSON and an overlay picture of the first.
+    Returns the summary written to validation.json plus ``table``: its rows as a DataFrame."""
     import pandas as pd
 
     os.makedirs(out_dir, exist_ok=True)
@@ -170,6 +173,7 @@ def validate(strategies: list, costmodel: str, steps: int = 6, warmup: int = 2, 
                "rows": [asdict(r) for r in rows]}
     with open(os.path.join(out_dir, "validation.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    summary["table"] = table  # the rows as a DataFrame (not in the JSON file)
     return summary
 
 

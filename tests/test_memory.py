@@ -117,13 +117,13 @@ def hand_zero3_peak(cfg, n: int, T: int, dtype_bytes: int = 2) -> float:
 
 def test_llama3_70b_fsdp_fits_and_zero1_does_not(runs):
     z1, z3 = runs[1][1], runs[3][1]
-    p1, p3 = (max(s.peak_memory_bytes for s in r.per_rank) for r in (z1, z3))
-    assert p3 < 80 * GB <= get_gpu("h100").hbm_bytes and z3.fits is True and all(s.fits for s in z3.per_rank)
+    p1, p3 = (max(s.peak_memory_bytes for s in r.rank_stats) for r in (z1, z3))
+    assert p3 < 80 * GB <= get_gpu("h100").hbm_bytes and z3.fits is True and all(s.fits for s in z3.rank_stats)
     assert p1 >= 3 * p3 and z1.fits is False
     cfg = get_config("llama3-70b")
     assert p3 == pytest.approx(hand_zero3_peak(cfg, 64, 8192), rel=0.15)
     # the states are what ZeRO says; the rest is transient (gathers, checkpoints, working set, logits)
-    s3 = z3.per_rank[0]
+    s3 = z3.rank_stats[0]
     assert s3.params_bytes + s3.grads_bytes + s3.optimizer_bytes == pytest.approx(16 * cfg.param_count() / 64)
 
 
@@ -160,7 +160,7 @@ def test_zero3_peak_under_recompute_modes():
     peaks = {}
     for mode in (None, "selective", "full"):
         r = simulate(compile_strategy(llama70b(3, mode)).plan)
-        peaks[mode] = max(s.peak_memory_bytes for s in r.per_rank)
+        peaks[mode] = max(s.peak_memory_bytes for s in r.rank_stats)
     assert peaks["full"] < 80 * GB < get_gpu("h100").hbm_bytes < peaks["selective"] <= peaks[None]
     assert peaks[None] - peaks["selective"] < 0.01 * peaks[None]
 
@@ -200,7 +200,7 @@ def test_fits_is_none_without_a_cluster():
     cls = RankClass(pp_rank=0, ranks=[0], streams={"compute": [Instruction("F.s0.mb0", "F", "compute", stage=0,
                                                                            mb=0, flops=1.0, alloc=5.0)]})
     r = simulate(Plan(layout=layout, classes=[cls], meta={}), "unit:F=1,BI=1,BW=1,comm=0")
-    assert r.fits is None and r.per_rank[0].fits is None
+    assert r.fits is None and r.rank_stats[0].fits is None
 
 
 # ----------------------------------------------------------------------------- executor recompute
@@ -320,4 +320,4 @@ def test_every_byte_taken_is_given_back(directives):
         assert all(i.alloc >= 0 and i.free >= 0 for i in ins)
     r = simulate(plan, "unit:F=1,BI=1,BW=1,comm=0")
     assert r.memory["bytes"].min() >= -1e-6
-    assert all(s.activations_bytes > 0 for s in r.per_rank)
+    assert all(s.activations_bytes > 0 for s in r.rank_stats)

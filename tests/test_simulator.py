@@ -63,7 +63,7 @@ def check_data_dependencies(plan: Plan, events) -> None:
 
 
 def bubbles(result) -> list[float]:
-    return [s.bubble_s for s in result.per_rank]
+    return [s.bubble_s for s in result.rank_stats]
 
 
 # ----------------------------------------------------------------------------- bubbles
@@ -91,7 +91,7 @@ def test_zb1p_bubble(pp, m):
 def test_interleaved_bubble_fraction(pp, v, m):
     plan = tiny("interleaved_1f1b", pp, m, stages_per_rank=v)
     r = simulate(plan, UNIT)
-    for s in r.per_rank:
+    for s in r.rank_stats:
         assert s.compute_s == pytest.approx(v * m * (F + B))
         assert s.bubble_s / s.compute_s == pytest.approx((pp - 1) / (v * m))
     check_data_dependencies(plan, r.events)
@@ -146,9 +146,9 @@ def test_activation_memory_1f1b_and_dualpipe(pp):
     assert max(in_flight(pd, rd).values()) == pytest.approx(pp + 1)
     # the engine's own peak: rank 0 of 1f1b holds pp forward activations of stage 0
     f0 = next(i.alloc for i in p1.classes[0].streams["compute"] if i.kind == "F")
-    assert r1.per_rank[0].activations_bytes == pytest.approx(pp * f0)
+    assert r1.rank_stats[0].activations_bytes == pytest.approx(pp * f0)
     # DualPipe holds every stage twice
-    assert sum(s.params_bytes for s in rd.per_rank) == pytest.approx(2 * sum(s.params_bytes for s in r1.per_rank))
+    assert sum(s.params_bytes for s in rd.rank_stats) == pytest.approx(2 * sum(s.params_bytes for s in r1.rank_stats))
 
 
 def test_activation_memory_dualpipev():
@@ -165,7 +165,7 @@ def test_zero_model_states(zero, per_param):
                     "microbatches": 2, "directives": [{"op": "data_parallel", "degree": n, "zero": zero}]})
     psi = get_config("gpt-tiny").param_count()
     r = simulate(plan, UNIT)
-    for s in r.per_rank:
+    for s in r.rank_stats:
         states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
         assert states == pytest.approx(per_param(n) * psi)
         assert s.peak_memory_bytes == pytest.approx(states + s.activations_bytes)
@@ -269,15 +269,15 @@ def assert_same_results(folded, unfolded, dp: int) -> None:
     assert folded.folded and not unfolded.folded
     assert folded.step_time_s == pytest.approx(unfolded.step_time_s, rel=1e-9)
     assert folded.bubble_fraction == pytest.approx(unfolded.bubble_fraction, rel=1e-9)
-    rows = {s.rank: s for s in unfolded.per_rank}
-    assert len(rows) == sum(s.represents for s in folded.per_rank)
-    for s in folded.per_rank:
+    rows = {s.rank: s for s in unfolded.rank_stats}
+    assert len(rows) == sum(s.represents for s in folded.rank_stats)
+    for s in folded.rank_stats:
         for d in range(dp):
             u = rows[s.rank + d]
             for f in ("compute_s", "comm_exposed_s", "idle_s", "peak_memory_bytes", "activations_bytes",
                       "params_bytes", "optimizer_bytes"):
                 assert getattr(s, f) == pytest.approx(getattr(u, f), rel=1e-9, abs=1e-12), (s.rank, d, f)
-    ev_u = unfolded.events[unfolded.events["rank"].isin([s.rank for s in folded.per_rank])]
+    ev_u = unfolded.events[unfolded.events["rank"].isin([s.rank for s in folded.rank_stats])]
     cols = ["rank", "op_id", "start", "end"]
     a = folded.events[cols].sort_values(cols[:2]).reset_index(drop=True)
     b = ev_u[cols].sort_values(cols[:2]).reset_index(drop=True)
@@ -293,7 +293,7 @@ def test_fold_equals_unfold_on_64_gpus():
     folded, unfolded = simulate(plan), simulate(plan, fold=False)
     assert folded.num_events * 16 == unfolded.num_events
     assert_same_results(folded, unfolded, 16)
-    assert 0 < folded.mfu < 1 and folded.per_rank[0].comm_exposed_s > 0
+    assert 0 < folded.mfu < 1 and folded.rank_stats[0].comm_exposed_s > 0
 
 
 def test_fold_equals_unfold_with_experts_and_dualpipe():
@@ -312,7 +312,7 @@ def test_fold_falls_back_when_replicas_differ():
     exact, why = fold_is_exact(plan, parse_cluster("h100:3x4"))
     assert not exact and "p2p" in why
     r = simulate(plan)
-    assert not r.folded and len(r.per_rank) == 12
+    assert not r.folded and len(r.rank_stats) == 12
     assert r.step_time_s == simulate(plan, fold=False).step_time_s
 
 
@@ -331,7 +331,7 @@ def test_result_fields_and_json():
     peak = parse_cluster("cpu:4").gpu.peak("bf16")
     assert r.mfu == pytest.approx(plan.meta["model_flops_per_step"] / (r.step_time_s * 4 * peak))
     assert r.num_events == len(r.events) == sum(len(lst) for c in plan.classes for lst in c.streams.values())
-    for s in r.per_rank:
+    for s in r.rank_stats:
         assert s.compute_s + s.comm_exposed_s + s.idle_s == pytest.approx(r.step_time_s)
     assert list(r.events.columns[:11]) == ["rank", "stream", "op_id", "kind", "stage", "mb", "start", "end",
                                            "bytes", "flops", "peer"]

@@ -329,7 +329,7 @@ def run_entry(entry: dict, costmodel: str = "analytic", suite_dir: Path = HERE) 
     except Exception as e:  # a report: one failing entry must not stop the others
         res.status, res.message = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return res
-    peak = max(s.peak_memory_bytes for s in sim.per_rank)
+    peak = float(sim.per_rank["peak_memory_bytes"].max())
     res.gpus = sim.world_size
     res.simulated = value
     res.error_pct = 100.0 * (value / res.published - 1.0)

@@ -1,0 +1,7 @@
+"""``python -m piper_sim SUBCOMMAND ...``: the same as the ``piper-sim`` command."""
+
+import sys
+
+from piper_sim.cli import main
+
+sys.exit(main())
