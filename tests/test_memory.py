@@ -140,7 +140,7 @@ def test_zero3_gathers_one_unit_ahead(runs):
         if p >= 2:
             assert f"F.s0.mb0.p{p - 2}" in ops[f"AG.F.s0.i0.b{p}"].deps
         assert ops[f"AG.F.s0.i0.b{p}"].alloc > 0 and f.free >= ops[f"AG.F.s0.i0.b{p}"].alloc
-        assert ops[f"B.s0.mb0.p{p}"].id in ops[f"RS.s0.b{p}"].deps
+        assert ops[f"B.s0.mb0.p{p}"].id in ops[f"RS.s0.mb0.b{p}"].deps
     ev = r.events[r.events["rank"] == 0].set_index("op_id")
     spans = []
     for p in range(n_units):
