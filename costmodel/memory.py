@@ -30,21 +30,30 @@ def model_state_bytes(params: float, dp: int, zero: int, param_bytes: float = 2,
 
 
 def dp_collectives(params: float, dp: int, zero: int, param_bytes: float = 2,
-                   grad_bytes: float = 2) -> list[tuple[str, float]]:
+                   grad_bytes: float = 2, microbatches: int = 1,
+                   reduce: str = "per_microbatch") -> list[tuple[str, float]]:
     """The data-parallel collectives of one step as (kind, S), S as in `collectives`.
 
     ZeRO-0: all-reduce of the grads. ZeRO-1/2: reduce-scatter of the grads, all-gather of
     the updated params. ZeRO-3: all-gather in forward and in backward, reduce-scatter of grads.
+    With ``microbatches`` per step: ZeRO-0/1 accumulate full gradients and sync once;
+    ZeRO-2/3 reduce-scatter every micro-batch's gradients (``reduce="per_microbatch"``, FSDP's
+    and DeepSpeed's default; ``"per_step"``: once); ZeRO-3 gathers for every micro-batch.
     """
     _check(dp, zero)
     if dp == 1:
         return []
     grads, weights = params * grad_bytes, params * param_bytes
+    rs = [("REDUCE_SCATTER", grads)] * (microbatches if reduce == "per_microbatch" else 1)
     if zero == 0:
         return [("ALLREDUCE", grads)]
-    if zero in (1, 2):
+    if zero == 1:
         return [("REDUCE_SCATTER", grads), ("ALL_GATHER", weights)]
-    return [("ALL_GATHER", weights), ("ALL_GATHER", weights), ("REDUCE_SCATTER", grads)]
+    if zero == 2:
+        return rs + [("ALL_GATHER", weights)]
+    if reduce == "per_microbatch":
+        return [("ALL_GATHER", weights), ("ALL_GATHER", weights), ("REDUCE_SCATTER", grads)] * microbatches
+    return [("ALL_GATHER", weights), ("ALL_GATHER", weights)] * microbatches + rs
 
 
 def bucket_sizes(total_bytes: float, bucket_mb: float) -> list[float]:

@@ -17,6 +17,9 @@ Instruction semantics (op ids from ``piper_sim.compiler``):
   SEND/RECV.F.s{s}.mb{m}  stage s output -> stage s+1;  SEND/RECV.B.s{s}.mb{m}: grad of
                           stage s input -> stage s-1
   AR/RS/AG.s{s}[.e].b{b}  bucket b of the stage's flat gradients / parameters
+  RS.s{s}.mb{m}|.i{i}[.e].b{b}  ZeRO-2/3: bucket b's gradients of micro-batch m (of the i-th
+                          backward of the stage here, when it has several copies), reduce-
+                          scattered into the shard's gradient, which sums the step's micro-batches
   AG.F|B.s{s}.i{i}[.e].b{b}  ZeRO-3 gather of bucket b (a unit: ``meta["zero3_buckets"]``)
                           before the i-th forward / backward of the stage here (``mb`` names
                           the consumer's micro-batch); dropped after the last piece using it
@@ -50,7 +53,7 @@ from piper_sim.models import get_config
 from piper_sim.plan import Instruction, Plan, PlanError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RE_SYNC = re.compile(r"^(AR|RS|AG)\.s(\d+)(\.e)?\.b(\d+)$")
+RE_SYNC = re.compile(r"^(AR|RS|AG)\.s(\d+)(?:\.(?:mb|i)\d+)?(\.e)?\.b(\d+)$")
 RE_GATHER = re.compile(r"^AG\.(F|B)\.s(\d+)\.(?:mb|i)(\d+)(\.e)?\.b(\d+)$")
 RE_A2A = re.compile(r"^A2A\.(F|B)\.s(\d+)\.mb(\d+)\.e(\d+)\.(dispatch|combine)$")
 
@@ -184,9 +187,10 @@ class Runtime:
                 numels = None
                 if zero == 3 and ops:
                     named, numels = _by_bucket(named, unit_buckets[s][tag])
+                n_buckets = len({RE_SYNC.match(i.id)[4] for i in ops})  # RS: one per bucket and micro-batch
                 flats[(s, tag)] = FlatParams(
                     key=f"s{s}{tag}" + (f".ep{self.ep_index}" if tag else ""), names=[n for n, _ in named],
-                    params=[p for _, p in named], n_buckets=max(len(ops), 1), group=group, sync=sync,
+                    params=[p for _, p in named], n_buckets=max(n_buckets, 1), group=group, sync=sync,
                     index=group.index(self.rank) if group else 0, zero=zero,
                     stream=ops[0].stream if ops else "dp", bucket_numels=numels)
         return flats
@@ -421,6 +425,8 @@ class Runtime:
         if split and self.recompute.get(s) == "full":  # run the forward again; BW uses this graph
             rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.meta, env.targets, self.loss_scale)
             env.records[f"p{part}"] = rec
+        if not split:
+            self._grads_for(s, [part])
         env.grads.update((backward_input if split else backward_full)(rec, self._take_grads(env, rec)))
         self._release("B", s, m, part)  # BW needs no weights: a BI drops its units too
         if part == 0:
@@ -431,6 +437,7 @@ class Runtime:
 
     def _backward_weight(self, ins: Instruction) -> None:
         env = self.envs.pop((ins.stage, ins.mb))
+        self._grads_for(ins.stage, range(len(self.plan.meta["stage_parts"][ins.stage])))
         for rec in env.records.values():
             backward_weight(rec)
 
@@ -439,6 +446,15 @@ class Runtime:
             if self.capture and fp.sync != "shard":
                 self.captured_grads.update({n: p.grad.detach().clone() for n, p in zip(fp.names, fp.params)})
             fp.step()
+
+    def _grads_for(self, s: int, parts) -> None:
+        """ZeRO-3: gradient storage for the buckets the backward of these pieces writes (the
+        last went to a reduce-scatter)."""
+        for (st, tag), fp in self.flats.items():
+            if st == s and fp.per_bucket:
+                for b in range(fp.n_buckets):
+                    if set(self.bucket_parts[(s, tag, b)]) & set(parts):
+                        fp.grad_acquire(b)
 
     def _release(self, letter: str, s: int, m: int, part: int) -> None:
         for fp, b in self.releases.pop((letter, s, m, part), []):
@@ -465,8 +481,25 @@ class Runtime:
         pg = self.comms.group(ins.stream, ins.group)
         if kind == "AR":
             return Posted(dist.all_reduce(fp.grad_bucket(b), group=pg, async_op=True))
-        return Posted(reduce_scatter(fp.shard_grad_piece(b), fp.grad_bucket(b), group=pg,
-                                                 async_op=True))
+        # the bucket's gradients so far go (the bucket restarts from zero); their reduced
+        # shard is added to the shard's gradient, which sums the step's micro-batches
+        send = self._take_grads_in_compute_order(ins, fp, b)
+        out = torch.empty_like(fp.shard_grad_piece(b))
+        work = reduce_scatter(out, send, group=pg, async_op=True)
+        return Posted(work, lambda: fp.shard_grad_piece(b).add_(out))
+
+    def _take_grads_in_compute_order(self, ins: Instruction, fp: FlatParams, b: int) -> torch.Tensor:
+        """CUDA: the take runs on the compute stream, after every backward issued so far
+        (a later micro-batch's may already add to the bucket: that goes too), and the
+        reduce-scatter's stream waits for it."""
+        if not self.cuda:
+            return fp.take_grad_bucket(b)
+        compute, mine = self.cuda_streams["compute"], self.cuda_streams[ins.stream]
+        with torch.cuda.stream(compute):
+            send = fp.take_grad_bucket(b)
+        mine.wait_stream(compute)
+        send.record_stream(mine)
+        return send
 
     def _gather(self, ins: Instruction) -> Posted:
         m = RE_GATHER.match(ins.id)

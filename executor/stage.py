@@ -13,6 +13,12 @@ a plan cuts it into.
   each member of the sync group owns slice ``index`` of every bucket (its *shard*) and the
   optimizer only steps the shard. ZeRO-3 keeps one storage per bucket and frees it
   between uses (``acquire(b)``/``release(b)``), so one gathered unit is dropped at a time.
+  Under ZeRO a bucket's gradients are handed to its reduce-scatter (``take_grad_bucket``),
+  which the runtime adds into the shard's gradient (``shard.grad``, the accumulator of the
+  step: ZeRO-2/3 reduce every micro-batch's gradients); under ZeRO-3 each bucket's gradient
+  has its own storage too, allocated by the first backward that writes it
+  (``grad_acquire``) and given away with the reduce-scatter, so unsharded gradients live
+  from one micro-batch's backward of a unit to its reduce-scatter.
 * `backward_input` / `backward_weight` split a piece's backward in two (zero-bubble BI/BW):
   BI runs autograd to the piece inputs only and keeps, for every parameter, the gradients
   flowing into the graph nodes where its weight-gradient path leaves the input path; BW
@@ -104,16 +110,23 @@ class FlatParams:
             self.flat = nn.Parameter(torch.zeros(total, **opts))
             self.bufs = [self.flat.data[o:o + n] for o, n in zip(self.offsets, self.lens)]
         self.users = [0] * self.n_buckets
-        self.grad = torch.zeros(total, **opts)
+        # ZeRO-3: per-bucket gradient storages, None while handed off (see grad_acquire)
+        self.grad = torch.zeros(0 if self.per_bucket else total, **opts)
+        self.gbufs: list[torch.Tensor | None] = [None] * self.n_buckets
+        self.bucket_params: list[list[int]] = [[] for _ in range(self.n_buckets)]
         self.numel = numel
-        for p, off in zip(self.params, self.param_offsets):
+        for i, (p, off) in enumerate(zip(self.params, self.param_offsets)):
             n = p.numel()
             b = max(i for i, o in enumerate(self.offsets) if o <= off) if self.per_bucket else 0
             base = self.bufs[b] if self.per_bucket else self.flat.data
             lo = off - (self.offsets[b] if self.per_bucket else 0)
             base[lo:lo + n].copy_(p.data.reshape(-1))
             p.data = base[lo:lo + n].view_as(p)
-            p.grad = self.grad[off:off + n].view_as(p)
+            if self.per_bucket:
+                self.bucket_params[b].append(i)
+                p.grad = None
+            else:
+                p.grad = self.grad[off:off + n].view_as(p)
         if not self.per_bucket:
             self.flat.grad = self.grad
         if self.sync == "shard":
@@ -176,13 +189,63 @@ class FlatParams:
 
     # gradients and the optimizer
     def zero_grad(self) -> None:
-        if self.grad.untyped_storage().nbytes() == 0:
-            self._resize(self.grad, self.grad.numel())
-        self.grad.zero_()
+        if self.per_bucket:
+            for b in range(self.n_buckets):
+                self._drop_grad(b)
+        else:
+            if self.grad.untyped_storage().nbytes() == 0:
+                self._resize(self.grad, self.grad.numel())
+            self.grad.zero_()
+        if self.shard is not None:  # the step's accumulator of reduce-scattered gradients
+            self.shard.grad.zero_()
+
+    def _drop_grad(self, b: int) -> None:
+        self.gbufs[b] = None
+        for i in self.bucket_params[b]:
+            self.params[i].grad = None
+
+    def grad_acquire(self, b: int) -> None:
+        """ZeRO-3: give bucket ``b`` a zeroed gradient storage (its parameters' ``.grad``
+        views) if its last one went to a reduce-scatter; call before a backward writes it."""
+        if not self.per_bucket or self.gbufs[b] is not None:
+            return
+        like = self.bufs[b]
+        buf = torch.zeros(self.lens[b], dtype=like.dtype, device=like.device)
+        for i in self.bucket_params[b]:
+            p = self.params[i]
+            if p.grad is not None:
+                raise RuntimeError(f"{self.key}: {self.names[i]} got a gradient outside its bucket's storage "
+                                   f"(bucket {b} was written before grad_acquire)")
+            lo = self.param_offsets[i] - self.offsets[b]
+            p.grad = buf[lo:lo + p.numel()].view_as(p)
+        self.gbufs[b] = buf
+
+    def take_grad_bucket(self, b: int) -> torch.Tensor:
+        """The unsharded gradients of bucket ``b`` accumulated so far, for its reduce-scatter;
+        the bucket starts again from zero. ZeRO-3 hands the storage itself over (the next
+        backward writing the bucket allocates a new one); otherwise a copy goes and the
+        bucket's slice of the flat gradient is zeroed."""
+        if self.per_bucket:
+            buf = self.gbufs[b]
+            if buf is None:  # nothing wrote it since the last reduce-scatter
+                like = self.bufs[b]
+                buf = torch.zeros(self.lens[b], dtype=like.dtype, device=like.device)
+            self._drop_grad(b)
+            return buf
+        g = self.grad_bucket(b)
+        out = g.clone()
+        g.zero_()
+        return out
 
     def step(self) -> None:
+        if self.per_bucket:
+            left = [self.names[i] for b in range(self.n_buckets) for i in self.bucket_params[b]
+                    if self.params[i].grad is not None]
+            if left:
+                raise RuntimeError(f"{self.key}: gradients of {left[:3]} were written after their bucket's "
+                                   "last reduce-scatter of the step")
         self.optimizer.step()
-        if self.zero >= 2 and self.sync == "shard":  # ZeRO-2/3: full gradients are not kept
+        if self.zero >= 2 and self.sync == "shard" and not self.per_bucket:  # ZeRO-2: full gradients are not kept
             self._resize(self.grad, 0)
 
     def named_views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -40,6 +40,9 @@ class Setup:
     recompute: dict[int, str] = field(default_factory=dict)  # stage -> "full" | "selective"
     streams: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STREAMS))
     schedule: str = "custom"
+    # ZeRO-2/3: reduce-scatter each micro-batch's gradients ("per_microbatch", FSDP's and
+    # DeepSpeed's default) or the accumulated ones once per step ("per_step", no_sync-style)
+    reduce: str = "per_microbatch"
     layers_per_stage: list[int] | str | None = None  # None: equal layer counts; "balanced": equal time
 
     def rank_of(self, stage: int, mb: int) -> int:
@@ -48,6 +51,12 @@ class Setup:
                 return pp_rank
         raise StrategyError(f"place: stage {stage} has no copy for micro-batch {mb}; "
                             "cover every micro-batch with place directives")
+
+    @property
+    def reduce_per_microbatch(self) -> bool:
+        """ZeRO-2/3 reduce-scatter each micro-batch's gradients right after its backward
+        (the unsharded gradients are freed, the shard accumulates); ZeRO-0/1 never do."""
+        return self.zero >= 2 and self.reduce == "per_microbatch"
 
     def stage_ranks(self) -> dict[int, list[int]]:
         return {s: sorted({r for r, _, _ in copies}) for s, copies in self.placement.items()}
@@ -110,7 +119,7 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
     if "data_parallel" in by_op:
         d = by_op["data_parallel"]
         out.append({"op": "replicate", "degree": d["degree"], "zero": d.get("zero", 0),
-                    **({"bucket_mb": d["bucket_mb"]} if "bucket_mb" in d else {})})
+                    **{k: d[k] for k in ("bucket_mb", "reduce") if k in d}})
     if "expert_parallel" in by_op:
         out.append({"op": "shard", "degree": by_op["expert_parallel"]["degree"]})
         if "data_parallel" not in by_op and not any(d["op"] == "replicate" for d in strategy.directives):
@@ -127,7 +136,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     m = next(d["microbatches"] for d in directives if d["op"] == "split")
     placement: dict[int, list[tuple[int, int, int]]] = {}
     orders: dict[int, list[Slot]] = {}
-    dp, zero, bucket_mb, ep = 1, 0, None, 1
+    dp, zero, bucket_mb, ep, reduce = 1, 0, None, 1, "per_microbatch"
     recompute: dict[int, str] = {}
     recompute_all: str | None = None
     streams = dict(DEFAULT_STREAMS)
@@ -153,6 +162,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
             schedule = d.get("from", "custom")
         elif op == "replicate":
             dp, zero, bucket_mb = d["degree"], d.get("zero", 0), d.get("bucket_mb")
+            reduce = d.get("reduce", "per_microbatch")
         elif op == "shard":
             ep = d["degree"]
         elif op == "recompute":  # a later directive wins for the stages it names
@@ -194,4 +204,4 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
                       "it is ignored", stacklevel=2)
     return Setup(pp=pp, dp=dp, ep=ep, zero=zero, bucket_mb=bucket_mb, microbatches=m,
                  num_stages=num_stages, placement=placement, orders=orders, recompute=recompute,
-                 streams=streams, schedule=schedule, layers_per_stage=layers_per_stage)
+                 streams=streams, schedule=schedule, reduce=reduce, layers_per_stage=layers_per_stage)

@@ -474,25 +474,47 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                 continue
             buckets = _buckets(param_bytes, setup.bucket_mb, len({x.unit for x in segs}))
             n_b = len(buckets)
+            rounds = _reduce_rounds(ctx, dag, s, nodes) if zero == 2 else [("", -1, last_backward)]
             for b, nbytes in enumerate(buckets):
                 # bucket b (in parameter order) has its gradients once the backward reached it
                 ready = (n_b - b) / n_b
-                if zero == 0:
-                    sync = Instruction(id=f"AR.s{s}{tag}.b{b}", kind="ALLREDUCE", stream=stream["ALLREDUCE"],
-                                       stage=s, bytes=nbytes, group=group, dep_progress=ready)
-                else:
-                    sync = Instruction(id=f"RS.s{s}{tag}.b{b}", kind="REDUCE_SCATTER",
-                                       stream=stream["REDUCE_SCATTER"], stage=s, bytes=nbytes, group=group,
-                                       dep_progress=ready)
-                sn = dag.add(where, sync)
-                for n in last_backward:
-                    dag.edge(n, sn)
-                dag.edge(sn, opt)
+                for label, mb, producers in rounds:
+                    if zero == 0:
+                        sync = Instruction(id=f"AR.s{s}{tag}.b{b}", kind="ALLREDUCE", stream=stream["ALLREDUCE"],
+                                           stage=s, bytes=nbytes, group=group, dep_progress=ready)
+                    else:
+                        sync = Instruction(id=f"RS.s{s}{label}{tag}.b{b}", kind="REDUCE_SCATTER",
+                                           stream=stream["REDUCE_SCATTER"], stage=s, mb=mb, bytes=nbytes,
+                                           group=group, dep_progress=ready)
+                    sn = dag.add(where, sync)
+                    for n in producers:
+                        if dag.ins(n).kind in ("B", "BW"):
+                            dag.edge(n, sn)
+                    dag.edge(sn, opt)
                 if zero in (1, 2):
                     ag = dag.add(where, Instruction(id=f"AG.s{s}{tag}.b{b}", kind="ALL_GATHER",
                                                     stream=stream["ALL_GATHER"], stage=s, bytes=nbytes,
                                                     group=group))
                     dag.edge(opt, ag)
+
+
+def _reduce_rounds(ctx: Context, dag: TrainingDAG, s: int, nodes: list[Node]) -> list[tuple[str, int, list[Node]]]:
+    """When a ZeRO-2/3 stage copy reduce-scatters its gradients: (op id label, micro-batch,
+    the backward ops whose gradients go). Per micro-batch (``Setup.reduce_per_microbatch``,
+    FSDP's and DeepSpeed's default): one round per micro-batch this copy runs the backward
+    of, labelled ``.mb{m}``, or ``.i{i}`` (the i-th here) when the stage has several copies
+    (DualPipe), so the copies' collectives pair up. Per step: one round, label ``""``."""
+    backward = [n for n in nodes if dag.ins(n).kind in ("B", "BI", "BW")]
+    if not ctx.setup.reduce_per_microbatch:
+        return [("", -1, backward)]
+    copies = ctx.setup.placement[s]
+    if len({hi - lo for _, lo, hi in copies}) > 1:
+        raise StrategyError(f"replicate: reduce 'per_microbatch' needs the copies of stage {s} to run as many "
+                            f"micro-batches each (placement {copies}); use reduce 'per_step'")
+    mbs = sorted({dag.ins(n).mb for n in backward})
+    many = len(ctx.layout.stage_ranks[s]) > 1
+    return [(f".i{i}" if many else f".mb{mb}", mb, [n for n in backward if dag.ins(n).mb == mb])
+            for i, mb in enumerate(mbs)]
 
 
 def _zero3_per_unit(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: list[Node], tag: str,
@@ -503,7 +525,9 @@ def _zero3_per_unit(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: l
     consumer ended: one unit of prefetch). BW does not read the parameters (weight
     gradients need activations and output gradients only), so a BI piece drops its unit
     too. The gradients of a bucket are reduce-scattered once the backward pieces that
-    produce them ran (B), or as the weight pass reaches them (BW)."""
+    produce them ran (B), or as the weight pass reaches them (BW): after every micro-batch's
+    backward (into the rank's gradient shard; FSDP's default), or once per step
+    (`_reduce_rounds`)."""
     stream = ctx.setup.streams
     part_names = [{x.name for x in p} for p in ctx.parts(s)]
     passes: dict[tuple[str, int], list[Node]] = {}
@@ -512,7 +536,7 @@ def _zero3_per_unit(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: l
         if ins.kind in ("F", "B", "BI"):
             passes.setdefault(("F" if ins.kind == "F" else "B", ins.mb), []).append(n)
     n_b = len(buckets)
-    bws = [n for n in nodes if dag.ins(n).kind == "BW"]
+    rounds = _reduce_rounds(ctx, dag, s, nodes)
     for b, bucket in enumerate(buckets):
         names = {x.name for x in bucket}
         nbytes = sum(x.param_bytes for x in bucket) / (ctx.layout.ep if tag else 1)
@@ -527,20 +551,24 @@ def _zero3_per_unit(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: l
                                                 group=group, alloc=gathered))
                 dag.edge(ag, users[0])
                 dag.ins(users[-1]).free += gathered
-        rs = dag.add(where, Instruction(id=f"RS.s{s}{tag}.b{b}", kind="REDUCE_SCATTER",
-                                        stream=stream["REDUCE_SCATTER"], stage=s, bytes=nbytes, group=group,
-                                        dep_progress=(n_b - b) / n_b if bws else 1.0))
-        for n in nodes:
-            ins = dag.ins(n)
-            if ins.kind == "B" and part_names[ins.part] & names or ins.kind == "BW":
-                dag.edge(n, rs)
-        dag.edge(rs, opt)
+        for label, mb, producers in rounds:
+            bws = [n for n in producers if dag.ins(n).kind == "BW"]
+            rs = dag.add(where, Instruction(id=f"RS.s{s}{label}{tag}.b{b}", kind="REDUCE_SCATTER",
+                                            stream=stream["REDUCE_SCATTER"], stage=s, mb=mb, bytes=nbytes,
+                                            group=group, dep_progress=(n_b - b) / n_b if bws else 1.0))
+            for n in producers:
+                ins = dag.ins(n)
+                if ins.kind == "B" and part_names[ins.part] & names or ins.kind == "BW":
+                    dag.edge(n, rs)
+            dag.edge(rs, opt)
 
 
 def grad_bucket_memory(ctx: Context, dag: TrainingDAG) -> None:
     """ZeRO-2/3 keep only a gradient shard between steps: a bucket's unsharded gradients
     exist from the first backward that produces them (in the rank's compute order) until
-    its reduce-scatter ends (the local shard is in the static memory)."""
+    its reduce-scatter ends (the local shard is in the static memory). Reduced per
+    micro-batch, that is one micro-batch's backward of the bucket to its reduce-scatter;
+    per step, from the first micro-batch's backward to the end of the backward phase."""
     if ctx.setup.zero < 2:
         return
     position = {n: i for seq in ctx.sequences.values() for i, n in enumerate(seq)}

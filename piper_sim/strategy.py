@@ -29,13 +29,13 @@ class StrategyError(ValueError):
 DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # high level
     "pipeline": ({"degree"}, {"stages_per_rank", "placement", "layers_per_stage"}),
-    "data_parallel": ({"degree"}, {"zero", "bucket_mb"}),
+    "data_parallel": ({"degree"}, {"zero", "bucket_mb", "reduce"}),
     "expert_parallel": ({"degree"}, set()),
     "schedule": ({"name"}, set()),
     # low level
     "split": ({"microbatches"}, set()),
     "place": ({"stage", "pp_rank"}, {"microbatches", "from"}),
-    "replicate": ({"degree"}, {"zero", "bucket_mb", "stages"}),
+    "replicate": ({"degree"}, {"zero", "bucket_mb", "stages", "reduce"}),
     "shard": ({"degree"}, set()),
     "order": ({"pp_rank", "slots"}, {"from"}),
     "recompute": (set(), {"stages", "mode"}),
@@ -48,6 +48,7 @@ TOP_LEVEL_FIELDS = {"model", "cluster", "global_batch", "seq_len", "microbatches
 STREAM_KINDS = ("SEND", "RECV", "ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 DTYPES = ("bf16", "fp16", "fp32")
 RECOMPUTE_MODES = ("full", "selective")
+REDUCE_MODES = ("per_microbatch", "per_step")  # when ZeRO-2/3 reduce-scatter gradients
 
 
 @dataclass
@@ -118,6 +119,12 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
         raise StrategyError(f"{where} field 'zero' must be 0, 1, 2 or 3 (got {d['zero']!r})")
     if "bucket_mb" in d and (not isinstance(d["bucket_mb"], (int, float)) or d["bucket_mb"] <= 0):
         raise StrategyError(f"{where} field 'bucket_mb' must be a positive number of MB (got {d['bucket_mb']!r})")
+    if "reduce" in d:
+        if d["reduce"] not in REDUCE_MODES:
+            raise StrategyError(f"{where} field 'reduce' must be 'per_microbatch' or 'per_step' (got {d['reduce']!r})")
+        if d["reduce"] == "per_microbatch" and d.get("zero", 0) < 2:
+            raise StrategyError(f"{where} field 'reduce': 'per_microbatch' needs zero 2 or 3 (ZeRO-0/1 "
+                                "accumulate full gradients and sync once per step); drop the field")
     if "placement" in d and d["placement"] not in ("loop", "v"):
         raise StrategyError(f"{where} field 'placement' must be 'loop' or 'v' (got {d['placement']!r})")
     if op == "stream" and d["kind"] not in STREAM_KINDS:

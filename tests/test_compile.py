@@ -142,6 +142,53 @@ def test_op_ids_are_stable_and_readable():
     assert again.content_hash() == plan.content_hash()
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero23_reduce_scatter_every_microbatch(zero):
+    """ZeRO-2/3 reduce-scatter every bucket once per micro-batch, right after that
+    micro-batch's backward (FSDP's default); the optimizer waits for all of them; the
+    unsharded gradients live from one micro-batch's backward to its reduce-scatter.
+    ``reduce: per_step`` keeps one reduce-scatter per bucket after the last backward."""
+    def ops_of(plan, pp=0):
+        return {i.id: i for i in plan.classes[pp].instructions()}
+
+    per_mb = ops_of(compile(strategy(pp=2, sched="zb1p", dp=2, zero=zero, m=4)))
+    rs = sorted(k for k, i in per_mb.items() if i.kind == "REDUCE_SCATTER")
+    buckets = sorted({k.rsplit(".", 1)[1] for k in rs})
+    assert rs == sorted(f"RS.s0.mb{m}.{b}" for m in range(4) for b in buckets)
+    for m in range(4):
+        for b in buckets:
+            ins = per_mb[f"RS.s0.mb{m}.{b}"]
+            assert ins.mb == m and ins.deps == [f"BW.s0.mb{m}"] and ins.free > 0
+    assert {k for k in rs} <= set(per_mb["OPT.s0"].deps)
+    # the unsharded gradients are taken by each micro-batch's weight pass, given back by its reduce-scatters
+    assert per_mb["BW.s0.mb1"].alloc == pytest.approx(sum(per_mb[f"RS.s0.mb1.{b}"].free for b in buckets))
+    s = strategy(pp=2, sched="zb1p", dp=2, zero=zero, m=4)
+    s["directives"][-1]["reduce"] = "per_step"
+    per_step = ops_of(compile(s))
+    assert sorted(k for k, i in per_step.items() if i.kind == "REDUCE_SCATTER") == \
+        sorted(f"RS.s0.{b}" for b in buckets)
+    assert per_step["RS.s0.b0"].deps == [f"BW.s0.mb{m}" for m in range(4)]
+    # DualPipe's two copies of a stage pair their reduce-scatters by the i-th backward here
+    dual = compile(strategy(pp=2, sched="dualpipe", dp=2, zero=zero, m=4))
+    for c in dual.classes:
+        ids = {i.id for i in c.instructions() if i.kind == "REDUCE_SCATTER"}
+        assert {"RS.s0.i0.b0", "RS.s0.i1.b0", "RS.s1.i1.b0"} <= ids and not any(".mb" in k for k in ids)
+    validate_plan(dual)
+
+
+def test_reduce_field_errors():
+    for zero, reduce, msg in [(1, "per_microbatch", "needs zero 2 or 3"), (3, "sometimes", "must be 'per_microbatch'")]:
+        s = strategy(pp=1, dp=2, zero=zero)
+        s["directives"][-1]["reduce"] = reduce
+        with pytest.raises(StrategyError, match="reduce") as e:
+            compile(s)
+        assert msg in str(e.value)
+    s = strategy(pp=1, dp=2, zero=1)
+    s["directives"][-1]["reduce"] = "per_step"  # what ZeRO-0/1 do anyway
+    a, b = compile(s), compile(strategy(pp=1, dp=2, zero=1))
+    assert a.classes[0].streams == b.classes[0].streams
+
+
 def test_every_dependency_and_peer_is_consistent_after_json_round_trip(tmp_path):
     plan = compile(strategy("moe-tiny", pp=2, sched="1f1b", dp=2, zero=3, ep=2, m=4))
     path = tmp_path / "plan.json"

@@ -104,6 +104,9 @@ def test_check_two_ranks_dp_zero_pp2_schedules_ep(tmp_path):
     configs["dp2-zero3-full"] = recompute(strategy(dp=2, zero=3, m=2, mbs=2), "full")
     configs["dp2-zero3-bucket"] = strategy(dp=2, zero=3, m=2, mbs=2)
     configs["dp2-zero3-bucket"]["directives"][0]["bucket_mb"] = 0.6  # two layers a bucket
+    # ZeRO-2/3 reduce-scatter every micro-batch (default); per_step accumulates unsharded gradients
+    configs["dp2-zero3-m4-per-step"] = strategy(dp=2, zero=3, m=4, mbs=1)
+    configs["dp2-zero3-m4-per-step"]["directives"][0]["reduce"] = "per_step"
     res = check_all(tmp_path, 2, configs)
     assert set(res) == set(configs)
     for name, row in res.items():
@@ -123,6 +126,7 @@ def test_check_four_ranks_pp4_schedules_pp_dp_dualpipev_ep(tmp_path):
     # BI/BW split around expert all-to-alls, with ZeRO-3 gathers and frees
     configs["zb1p-ep2-zero3"] = strategy("moe-tiny", pp=2, sched="zb1p", dp=2, zero=3, ep=2, m=4)
     configs["pp2-dp2-zero3"] = strategy(pp=2, dp=2, zero=3, m=4)
+    configs["dualpipe-dp2-zero2"] = strategy(pp=2, sched="dualpipe", dp=2, zero=2, m=4)  # RS.s{s}.i{i}: per copy
     configs["pp2-dp2-zero3-zb1p-selective"] = recompute(strategy(pp=2, sched="zb1p", dp=2, zero=3, m=4),
                                                         "selective")
     configs["dualpipev-ep2-zero3-full"] = recompute(
@@ -274,6 +278,37 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     assert [row["step"] for row in json_lines(second.stdout)] == [2, 3]
     assert losses == pytest.approx(resumed, rel=1e-6, abs=1e-7)
     assert len(losses) == 4 and losses[3] != losses[1]
+
+
+def test_zero3_gradient_buckets_go_to_their_reduce_scatter():
+    """ZeRO-3 FlatParams: a bucket's gradient storage exists from the first backward that
+    writes it (grad_acquire) until it is handed to its reduce-scatter (take_grad_bucket);
+    a write outside it is refused."""
+    import torch
+    import torch.nn as nn
+
+    from executor.stage import FlatParams
+
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(4))]
+    fp = FlatParams(key="s0", names=["a", "b", "c"], params=params, n_buckets=2, group=(0, 1), sync="shard",
+                    index=0, zero=3, bucket_numels=[5, 4])
+    fp.zero_grad()
+    assert all(p.grad is None for p in params) and fp.gbufs == [None, None]
+    fp.grad_acquire(0)
+    params[0].grad.add_(1.0)
+    params[1].grad.add_(2.0)
+    sent = fp.take_grad_bucket(0)
+    assert sent.tolist()[:5] == [1, 1, 1, 2, 2] and fp.gbufs[0] is None and params[0].grad is None
+    fp.grad_acquire(0)  # the next micro-batch starts from zero in a new storage
+    assert params[0].grad.tolist() == [0, 0, 0] and params[0].grad.untyped_storage().data_ptr() != \
+        sent.untyped_storage().data_ptr()
+    fp.take_grad_bucket(0)
+    params[2].grad = torch.ones(4)  # what autograd does to a bucket without storage
+    with pytest.raises(RuntimeError, match="outside its bucket's storage"):
+        fp.grad_acquire(1)
+    params[2].grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match="after their bucket's last reduce-scatter"):
+        fp.step()
 
 
 def test_data_split_follows_the_plan():

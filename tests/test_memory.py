@@ -127,6 +127,30 @@ def test_llama3_70b_fsdp_fits_and_zero1_does_not(runs):
     assert s3.params_bytes + s3.grads_bytes + s3.optimizer_bytes == pytest.approx(16 * cfg.param_count() / 64)
 
 
+def test_llama3_70b_fsdp_with_microbatches_reduces_each_one():
+    """MPT-70B-like FSDP with gradient accumulation (llama3-70b, 64 H100, 4 micro-batches of
+    one 4096-token sequence, full recompute): each micro-batch's unit gradients are
+    reduce-scattered after its backward, so the peak is the one-micro-batch peak (states/N,
+    two gathered units, the checkpoints, one unit's working set, one or two unsharded
+    gradient units), not the whole model's unsharded gradients (``reduce: per_step``)."""
+    cfg = get_config("llama3-70b")
+    peaks, fit = {}, {}
+    for m, reduce in ((1, None), (4, None), (4, "per_step")):
+        d = {"op": "data_parallel", "degree": 64, "zero": 3, **({"reduce": reduce} if reduce else {})}
+        r = simulate(compile_strategy({"model": "llama3-70b", "cluster": "h100:8x8", "global_batch": 64 * m,
+                                       "seq_len": 4096, "microbatches": m,
+                                       "directives": [d, {"op": "recompute", "mode": "full"}]}).plan)
+        peaks[(m, reduce)] = max(st.peak_memory_bytes for st in r.per_rank)
+        fit[(m, reduce)] = r.fits
+    p1, p4, step = peaks[(1, None)], peaks[(4, None)], peaks[(4, "per_step")]
+    assert p4 < 80 * GB and fit[(4, None)] is True
+    assert p4 <= 1.2 * p1
+    assert p4 == pytest.approx(hand_zero3_peak(cfg, 64, 4096), rel=0.15)
+    # accumulated per step, the whole model's unsharded gradients (less the own shard) wait for the last backward
+    assert fit[(4, "per_step")] is False
+    assert step - p4 == pytest.approx(2 * cfg.param_count() * 63 / 64, rel=0.05)
+
+
 def test_zero3_gathers_one_unit_ahead(runs):
     """Each piece waits for its own unit's gather; the gather of unit i+2 waits for piece i;
     at most two gathered units are alive at once."""
@@ -140,7 +164,7 @@ def test_zero3_gathers_one_unit_ahead(runs):
         if p >= 2:
             assert f"F.s0.mb0.p{p - 2}" in ops[f"AG.F.s0.i0.b{p}"].deps
         assert ops[f"AG.F.s0.i0.b{p}"].alloc > 0 and f.free >= ops[f"AG.F.s0.i0.b{p}"].alloc
-        assert ops[f"B.s0.mb0.p{p}"].id in ops[f"RS.s0.b{p}"].deps
+        assert ops[f"B.s0.mb0.p{p}"].id in ops[f"RS.s0.mb0.b{p}"].deps
     ev = r.events[r.events["rank"] == 0].set_index("op_id")
     spans = []
     for p in range(n_units):

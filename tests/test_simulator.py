@@ -372,3 +372,27 @@ def test_cpu_ranks_share_cores():
     assert alone == pytest.approx(3.0)
     assert shared == pytest.approx(2 * alone)
     assert enough == pytest.approx(alone)
+
+
+@pytest.mark.parametrize("zero,reduce", [(2, "per_microbatch"), (3, "per_microbatch"), (2, "per_step"),
+                                         (3, "per_step"), (1, None)])
+def test_dp_traffic_per_step_is_the_zero_formula_with_microbatches(zero, reduce):
+    """Simulated bytes per rank and step of each DP collective kind = `dp_collectives`:
+    ZeRO-2/3 reduce-scatter the sharded gradients once per micro-batch (m × Ψ·2 bytes),
+    ZeRO-3 gathers for every forward and backward, ZeRO-1 syncs once per step."""
+    from costmodel.memory import dp_collectives
+
+    m, dp = 4, 4
+    d = {"op": "data_parallel", "degree": dp, "zero": zero, **({"reduce": reduce} if reduce else {})}
+    r = simulate(compile({"model": "gpt-tiny", "cluster": f"cpu:{dp}", "global_batch": dp * m, "seq_len": 32,
+                          "microbatches": m, "directives": [d]}), "analytic")
+    psi = get_config("gpt-tiny").param_count()
+    want: dict[str, float] = {}
+    for kind, nbytes in dp_collectives(psi, dp, zero, microbatches=m, reduce=reduce or "per_step"):
+        want[kind] = want.get(kind, 0.0) + nbytes
+    ev = r.events
+    for rank in sorted(set(ev["rank"])):  # the simulated ranks (DP replicas fold into one)
+        got = ev[(ev["rank"] == rank) & ev["kind"].isin(list(want))].groupby("kind")["bytes"].sum().to_dict()
+        assert got == pytest.approx(want)
+    n_rs = (1 if zero < 2 or reduce == "per_step" else m)
+    assert want["REDUCE_SCATTER"] == pytest.approx(n_rs * psi * 2)
