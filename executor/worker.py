@@ -24,6 +24,7 @@ from executor.cli import add_run_options
 from executor.collectives import Comms
 from executor.reference import compare, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
+from piper_sim.files import atomic_path
 from piper_sim.plan import Plan, PlanError
 
 
@@ -83,7 +84,8 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
                      f"{path}: step {step}: loss {result.loss:.6f}  step time {result.time_s * 1e3:.1f} ms")
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-        p.export_chrome_trace(os.path.join(args.profile, f"rank{rank}.json"))
+        with atomic_path(os.path.join(args.profile, f"rank{rank}.json")) as tmp:
+            p.export_chrome_trace(tmp)
     if args.save:
         checkpoint.save(rt, args.save, start + args.steps)
     if (args.trace or args.timeline) and result is not None:

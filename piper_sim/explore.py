@@ -24,6 +24,7 @@ from costmodel.hardware import parse_cluster
 from costmodel.model import get_costmodel
 from piper_sim.models import get_config
 from piper_sim.strategy import StrategyError
+from piper_sim.trace import save_figure
 
 SCHEDULE_V = {"gpipe": 1, "1f1b": 1, "zb1p": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2, "dualpipe": 1}
 
@@ -338,7 +339,9 @@ def format_table(result: ExploreResult, top: int = 10) -> str:
 def write_csv(result: ExploreResult, path: str) -> None:
     fields = ["strategy", "status", "tokens_per_s", "step_time_s", "mfu", "bubble_fraction",
               "peak_memory_bytes", "lower_bound_s", "reason"]
-    with open(path, "w", newline="") as f:
+    from piper_sim.files import atomic_write
+
+    with atomic_write(path, newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields + list(asdict(result.rows[0].candidate)) if result.rows else fields)
         w.writeheader()
         for r in sorted(result.rows, key=lambda r: (r.status != "ok", r.step_time_s)):
@@ -375,5 +378,4 @@ def plot_pareto(result: ExploreResult, path: str) -> None:
            title=f"{s['model']} on {s['cluster']}, batch {s['global_batch']}×{s['seq_len']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)

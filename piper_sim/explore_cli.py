@@ -35,7 +35,9 @@ def emit_best(result, out_dir: str, costmodel: str = "analytic") -> dict[str, st
     paths = {k: os.path.join(out_dir, f) for k, f in
              (("strategy", "best_strategy.json"), ("plan", "best_plan.json"), ("trace", "best_trace.json"),
               ("timeline", "best_timeline.png"), ("memory", "best_memory.png"))}
-    with open(paths["strategy"], "w") as f:
+    from piper_sim.files import atomic_write
+
+    with atomic_write(paths["strategy"]) as f:
         json.dump(strategy, f, indent=1)
     plan = compile(strategy)
     plan.save(paths["plan"])

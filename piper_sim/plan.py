@@ -271,8 +271,10 @@ class Plan:
         return json.dumps(self.to_json(), separators=(",", ":"))
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            f.write(self.dumps())
+        """Write atomically: a killed save leaves the previous file, never a partial one."""
+        from piper_sim.files import write_text
+
+        write_text(path, self.dumps())
 
     @classmethod
     def from_json(cls, d: dict[str, Any], check_hash: bool = True) -> "Plan":

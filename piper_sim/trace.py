@@ -18,6 +18,7 @@ and `plot_memory`. pandas and matplotlib are imported inside the functions.
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -63,6 +64,19 @@ def memory_to_dataframe(samples: Iterable[tuple[int, float, float]]) -> "pd.Data
     import pandas as pd
 
     return pd.DataFrame(list(samples), columns=list(MEMORY_COLUMNS))
+
+
+def save_figure(fig, path: str, dpi: int) -> None:
+    """Save a matplotlib figure atomically (format from the extension) and close it."""
+    import matplotlib.pyplot as plt
+
+    from piper_sim.files import atomic_path
+
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or None)
+    finally:
+        plt.close(fig)
 
 
 # --------------------------------------------------------------------- chrome trace
@@ -125,7 +139,9 @@ def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim"
 
 def write_chrome_trace(df: "pd.DataFrame", path: str, flows: bool = True, name: str = "piper-sim") -> None:
     """Write a Chrome trace JSON file that Perfetto (ui.perfetto.dev) and chrome://tracing open."""
-    with open(path, "w") as f:
+    from piper_sim.files import atomic_write
+
+    with atomic_write(path) as f:
         json.dump(chrome_trace(df, flows=flows, name=name), f, separators=(",", ":"))
 
 
@@ -232,8 +248,7 @@ def plot_timeline(df: "pd.DataFrame", path: str, title: str = "", ranks: Sequenc
     fig_h = fig.get_size_inches()[1]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles) or 1, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.35 / fig_h, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def plot_memory(memory: "pd.DataFrame", path: str, title: str = "", static_bytes: dict[int, float] | None = None,
@@ -261,5 +276,4 @@ def plot_memory(memory: "pd.DataFrame", path: str, title: str = "", static_bytes
     ax.legend(fontsize=7, ncol=min(len(shown), 8) or 1, loc="upper right")
     ax.set_xlim(0, t_end if t_end > 0 else 1.0)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)

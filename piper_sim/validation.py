@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from piper_sim.api import as_strategy, compile
+from piper_sim.files import atomic_write
 from piper_sim.strategy import Strategy
+from piper_sim.trace import save_figure
 
 
 @dataclass
@@ -118,8 +120,7 @@ def overlay_timeline(sim, meas, path: str, title: str = "") -> None:
     ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in ("F", "B", "BI", "BW", "OPT")],
               loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def validate_one(strategy: Strategy | dict | str, costmodel: str, steps: int, warmup: int, out_dir: str,
@@ -162,13 +163,14 @@ def validate(strategies: list, costmodel: str, steps: int = 6, warmup: int = 2, 
         if progress:
             progress(row)
     table = pd.DataFrame([asdict(r) for r in rows])
-    table.to_csv(os.path.join(out_dir, "validation.csv"), index=False)
+    with atomic_write(os.path.join(out_dir, "validation.csv"), newline="") as f:
+        table.to_csv(f, index=False)
     errors = [abs(r.error_pct) for r in rows]
     summary = {"costmodel": costmodel, "steps": steps, "warmup": warmup,
                "median_abs_error_pct": statistics.median(errors) if errors else float("nan"),
                "kendall_tau": kendall_tau([r.predicted_s for r in rows], [r.measured_s for r in rows]),
                "rows": [asdict(r) for r in rows]}
-    with open(os.path.join(out_dir, "validation.json"), "w") as f:
+    with atomic_write(os.path.join(out_dir, "validation.json")) as f:
         json.dump(summary, f, indent=1)
     return summary
 
