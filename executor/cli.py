@@ -27,8 +27,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line: loss and step time per step")
     p.add_argument("--check", action="store_true",
                    help="also train a single-process reference and print max_abs/max_rel_param_diff")
-    p.add_argument("--save", metavar="DIR", help="checkpoint after the last step (torch.distributed.checkpoint)")
-    p.add_argument("--resume", metavar="DIR", help="start from a checkpoint of the same plan")
+    p.add_argument("--save", metavar="DIR", help="checkpoint after the last step into DIR/step-N "
+                   "(torch.distributed.checkpoint, written atomically)")
+    p.add_argument("--save-every", type=int, default=0, metavar="K", help="with --save: also checkpoint every K steps")
+    p.add_argument("--keep", type=int, default=2, metavar="N", help="with --save: keep the newest N checkpoints (2)")
+    p.add_argument("--resume", metavar="DIR", help="start from the newest complete checkpoint in DIR (same plan)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds without progress before a rank gives up (default 60)")
     p.add_argument("--profile", metavar="DIR", help="save a torch.profiler (Kineto) trace per rank in DIR")
@@ -74,6 +77,8 @@ def torchrun_command(args, plan: Plan) -> list[str]:
         value = getattr(args, flag)
         if value:
             cmd += [f"--{flag}", os.path.abspath(value)]
+    for flag in ("save_every", "keep"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag in ("json", "check", "no_hash_check"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
@@ -81,7 +86,11 @@ def torchrun_command(args, plan: Plan) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
+    from executor import checkpoint
+
     plan = Plan.load(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
+    if args.resume:
+        checkpoint.find(args.resume, plan.content_hash(), plan.world_size)
     rc = subprocess.call(torchrun_command(args, plan))
     if rc:
         raise SystemExit(rc)

@@ -82,12 +82,13 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
             if rank == 0:
                 _say(args, {"plan": path, "step": step, "loss": result.loss, "step_time_s": result.time_s},
                      f"{path}: step {step}: loss {result.loss:.6f}  step time {result.time_s * 1e3:.1f} ms")
+            done = step + 1
+            if args.save and (done == start + args.steps or (args.save_every and done % args.save_every == 0)):
+                checkpoint.save(rt, args.save, done, keep=args.keep)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
         with atomic_path(os.path.join(args.profile, f"rank{rank}.json")) as tmp:
             p.export_chrome_trace(tmp)
-    if args.save:
-        checkpoint.save(rt, args.save, start + args.steps)
     if (args.trace or args.timeline) and result is not None:
         write_trace(result.events, rank, args.trace, args.timeline, f"{path} step {result.step}")
     if args.check:
@@ -124,7 +125,7 @@ def check_same_everywhere(args, plans: list[Plan]) -> None:
     """Collective: every rank (every node) must run the same plans with the same options,
     or the collectives they imply (trace gather, checks, checkpoints) would not match."""
     mine = {"plans": [p.content_hash() for p in plans], "steps": args.steps, "check": args.check,
-            "save": bool(args.save), "resume": bool(args.resume), "trace": bool(args.trace or args.timeline),
+            "save": bool(args.save), "save_every": args.save_every, "keep": args.keep, "resume": bool(args.resume), "trace": bool(args.trace or args.timeline),
             "profile": bool(args.profile), "device": args.device}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         plans = load_plans(args.plans, world, rank, check_hash=not args.no_hash_check)
+        checkpoint.check_kill_spec()
         if len(plans) > 1 and (args.save or args.resume or args.trace or args.timeline or args.profile):
             raise PlanError("--save, --resume, --trace, --timeline and --profile take a single plan")
     except (PlanError, OSError, ValueError) as e:
