@@ -87,8 +87,9 @@ def torchrun_command(args, plan: Plan) -> list[str]:
 
 def cmd_run(args: argparse.Namespace) -> None:
     from executor import checkpoint
+    from piper_sim.validate import load_valid_plan
 
-    plan = Plan.load(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
+    plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
     if args.resume:
         checkpoint.find(args.resume, plan.content_hash(), plan.world_size)
     rc = subprocess.call(torchrun_command(args, plan))

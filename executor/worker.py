@@ -26,6 +26,7 @@ from executor.reference import compare, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
 from piper_sim.files import atomic_path
 from piper_sim.plan import Plan, PlanError
+from piper_sim.validate import load_valid_plan
 
 
 def build_parser(prog: str = "python -m executor") -> argparse.ArgumentParser:
@@ -36,10 +37,11 @@ def build_parser(prog: str = "python -m executor") -> argparse.ArgumentParser:
 
 
 def load_plans(paths: list[str], world_size: int, rank: int, check_hash: bool = True) -> list[Plan]:
-    """Load and check plans; raises PlanError before anything distributed starts."""
+    """Load and validate plans (the compiler's checks); raises PlanError or
+    PlanValidationError before anything distributed starts."""
     plans = []
     for path in paths:
-        plan = Plan.load(path, check_hash=check_hash)
+        plan = load_valid_plan(path, check_hash=check_hash)
         if plan.world_size != world_size:
             raise PlanError(f"{path} was compiled for {plan.world_size} ranks "
                             f"(pp {plan.layout.pp} x dp {plan.layout.dp}) but {world_size} were launched; "

@@ -117,3 +117,110 @@ def test_simulator_outputs_are_written_atomically(tmp_path, monkeypatch):
     assert e.value.filename == str(png)
     assert png.read_bytes() == old
     assert sorted(os.listdir(tmp_path)) == ["t.json", "t.png"]
+
+
+# ------------------------------------------------------------------ plan validation in every back end
+
+
+def _rename_op(d):
+    for i in d["classes"][0]["streams"]["compute"]:
+        if i["id"] == "F.s0.mb1":
+            i["id"] = "F.s0.mbX"
+
+
+def _drop_send(d):
+    d["classes"][0]["streams"]["send.pp1"].pop(1)
+
+
+def _duplicate_op(d):
+    lst = d["classes"][0]["streams"]["compute"]
+    lst.insert(3, dict(lst[2]))
+
+
+def _rename_dep(d):
+    ins = next(i for i in d["classes"][1]["streams"]["compute"] if i.get("deps"))
+    ins["deps"] = [ins["deps"][0] + "x"] + ins["deps"][1:]
+
+
+def _swap_recvs(d):
+    lst = d["classes"][1]["streams"]["recv.pp0"]
+    lst[0], lst[1] = lst[1], lst[0]
+
+
+def _pp3(d):
+    d["layout"]["pp"] = 3
+
+
+def _bad_peer(d):
+    d["classes"][0]["streams"]["send.pp1"][0]["peer"] = 7
+
+
+BAD_PLANS = {"renamed-op": (_rename_op, "depends on F.s0.mb1"),
+             "dropped-send": (_drop_send, "has no matching SEND.F.s0.mb1"),
+             "duplicated-op": (_duplicate_op, "appears twice"),
+             "renamed-dep": (_rename_dep, "which this rank does not run"),
+             "swapped-recvs": (_swap_recvs, "deadlock"),
+             "layout-pp3": (_pp3, "layout.pp=3 but the plan has 2 rank classes"),
+             "peer-out-of-range": (_bad_peer, "has peer 7")}
+
+
+def _bad_plan_files(tmp_path) -> dict[str, str]:
+    """The tiny pp2 plan edited each way and re-hashed (an edit the hash cannot catch)."""
+    from piper_sim.api import compile
+
+    base = compile(tiny()).to_json()
+    paths = {}
+    for name, (edit, _) in BAD_PLANS.items():
+        d = json.loads(json.dumps(base))
+        edit(d)
+        d["hash"] = _rehash(d)
+        paths[name] = str(tmp_path / f"{name}.json")
+        with open(paths[name], "w") as f:
+            json.dump(d, f)
+    return paths
+
+
+def _rehash(d: dict) -> str:
+    from piper_sim.plan import _hash
+
+    return _hash({k: d[k] for k in ("kernels", "layout", "meta", "classes") if k in d})
+
+
+def _one_line_exit_2(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr[-2000:]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_every_back_end_refuses_the_same_bad_plans(tmp_path):
+    """simulate, `piper-sim run` and a torchrun worker (before any process group) refuse
+    each edited plan with exit 2 and one line naming the problem."""
+    import time
+
+    from piper_sim.simulator import simulate
+    from piper_sim.validate import PlanValidationError, load_valid_plan
+
+    worker_env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": "1"}  # nobody listens there: a rendezvous attempt would fail otherwise
+    for name, path in _bad_plan_files(tmp_path).items():
+        needle = BAD_PLANS[name][1]
+        with pytest.raises(PlanValidationError, match=needle.split(" ")[0]):
+            load_valid_plan(path)
+        if name == "layout-pp3":  # the simulator checks the layout itself, too
+            from piper_sim.plan import Plan
+
+            with pytest.raises(PlanValidationError, match="layout.pp=3"):
+                simulate(Plan.load(path), "unit:F=1,BI=1,BW=1,comm=0")
+        sim = subprocess.run([sys.executable, "-m", "piper_sim.cli", "simulate", path], env=ENV,
+                             capture_output=True, text=True, timeout=120)
+        _one_line_exit_2(sim, needle, "invalid plan")
+        run = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", path], env=ENV,
+                             capture_output=True, text=True, timeout=120)
+        _one_line_exit_2(run, needle)
+        t = time.monotonic()
+        worker = subprocess.run([sys.executable, "-m", "executor", path], env=worker_env, capture_output=True,
+                                text=True, timeout=120)
+        _one_line_exit_2(worker, needle, "refused")
+        assert time.monotonic() - t < 30
