@@ -16,12 +16,13 @@ import os
 import subprocess
 import sys
 
+from piper_sim.checks import arg_float, arg_int
 from piper_sim.plan import Plan, PlanError
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """Options shared by the worker and ``piper-sim run``."""
-    p.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
+    p.add_argument("--steps", type=arg_int(1), default=1, help="training steps (default 1)")
     p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the last step, all ranks")
     p.add_argument("--timeline", metavar="OUT.png", help="timeline picture of the last step")
     p.add_argument("--json", action="store_true", help="one JSON object per line: loss and step time per step")
@@ -29,10 +30,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="also train a single-process reference and print max_abs/max_rel_param_diff")
     p.add_argument("--save", metavar="DIR", help="checkpoint after the last step into DIR/step-N "
                    "(torch.distributed.checkpoint, written atomically)")
-    p.add_argument("--save-every", type=int, default=0, metavar="K", help="with --save: also checkpoint every K steps")
-    p.add_argument("--keep", type=int, default=2, metavar="N", help="with --save: keep the newest N checkpoints (2)")
+    p.add_argument("--save-every", type=arg_int(0), default=0, metavar="K",
+                   help="with --save: also checkpoint every K steps")
+    p.add_argument("--keep", type=arg_int(1), default=2, metavar="N",
+                   help="with --save: keep the newest N checkpoints (2)")
     p.add_argument("--resume", metavar="DIR", help="start from the newest complete checkpoint in DIR (same plan)")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--timeout", type=arg_float(0.0), default=60.0,
                    help="seconds without progress before a rank gives up (default 60)")
     p.add_argument("--profile", metavar="DIR", help="save a torch.profiler (Kineto) trace per rank in DIR")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -44,9 +47,9 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="execute a plan with torch.distributed (one process per rank, torchrun)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("plan", metavar="PLAN.json")
-    p.add_argument("--nproc", type=int, help="ranks on this node (default: the plan's world size / nnodes)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (run this command on each)")
-    p.add_argument("--node-rank", type=int, help="this node's rank (optional with the c10d rendezvous)")
+    p.add_argument("--nproc", type=arg_int(1), help="ranks on this node (default: the plan's world size / nnodes)")
+    p.add_argument("--nnodes", type=arg_int(1), default=1, help="number of nodes (run this command on each)")
+    p.add_argument("--node-rank", type=arg_int(0), help="this node's rank (optional with the c10d rendezvous)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="rendezvous endpoint for multi-node runs (c10d backend); default: standalone")
     p.add_argument("--rdzv-id", default="piper-sim", help="rendezvous id shared by the nodes of one run")
@@ -85,13 +88,39 @@ def torchrun_command(args, plan: Plan) -> list[str]:
     return cmd
 
 
-def cmd_run(args: argparse.Namespace) -> None:
+def preflight(args, plans: list[Plan]) -> None:
+    """What a launch needs beyond valid plans, checked by ``piper-sim run`` before torchrun
+    and by every worker before its process group: the checkpoint to resume, and that the
+    test hooks PIPER_FAULT / PIPER_CKPT_KILL name a rank, step and op of this run."""
     from executor import checkpoint
+
+    checkpoint.check_kill_spec()
+    start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size)[1] if args.resume else 0
+    if not os.environ.get("PIPER_FAULT"):
+        return
+    from executor.runtime import Fault  # imports torch: only when a fault is injected
+
+    try:
+        fault = Fault.from_env()
+        if fault.rank < 0 or fault.step < 0:
+            raise ValueError("negative rank or step")
+    except ValueError as e:
+        msg = str(e) if str(e).startswith("PIPER_FAULT") else f"PIPER_FAULT={os.environ['PIPER_FAULT']!r}: {e}"
+        raise PlanError(f"{msg}; expected rank:step:op_id[:raise|kill|hang]" if "expected" not in msg else msg) from None
+    world = plans[0].world_size
+    if fault.rank >= world:
+        raise PlanError(f"PIPER_FAULT names rank {fault.rank}; the plan has ranks 0..{world - 1}")
+    if not start <= fault.step < start + args.steps:
+        raise PlanError(f"PIPER_FAULT names step {fault.step}; this run does steps {start}..{start + args.steps - 1}")
+    if not any(fault.op_id == i.id for p in plans for i in p.class_of(fault.rank).instructions()):
+        raise PlanError(f"PIPER_FAULT names op {fault.op_id}, which rank {fault.rank} does not run")
+
+
+def cmd_run(args: argparse.Namespace) -> None:
     from piper_sim.validate import load_valid_plan
 
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
-    if args.resume:
-        checkpoint.find(args.resume, plan.content_hash(), plan.world_size)
+    preflight(args, [plan])
     rc = subprocess.call(torchrun_command(args, plan))
     if rc:
         raise SystemExit(rc)

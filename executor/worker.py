@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from executor import checkpoint
-from executor.cli import add_run_options
+from executor.cli import add_run_options, preflight
 from executor.collectives import Comms
 from executor.reference import compare, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         plans = load_plans(args.plans, world, rank, check_hash=not args.no_hash_check)
-        checkpoint.check_kill_spec()
+        preflight(args, plans)
         if len(plans) > 1 and (args.save or args.resume or args.trace or args.timeline or args.profile):
             raise PlanError("--save, --resume, --trace, --timeline and --profile take a single plan")
     except (PlanError, OSError, ValueError) as e:

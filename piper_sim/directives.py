@@ -134,10 +134,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
         op = d["op"]
         where = f"directive {op}"
         if op == "place":
-            stage, r = d["stage"], d["pp_rank"]
-            for key in ("stage", "pp_rank"):
-                if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 0:
-                    raise StrategyError(f"{where}: field '{key}' must be an integer >= 0 (got {d[key]!r})")
+            stage, r = d["stage"], d["pp_rank"]  # types checked by strategy.check_directive
             lo, hi = d.get("microbatches", [0, m])
             if "from" not in d and stage not in user_placed:
                 placement[stage] = []  # a user's place replaces the generated one
@@ -169,6 +166,9 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     if missing:
         raise StrategyError(f"place: stage(s) {missing} are not placed on any pipeline rank")
     pp = max(r for copies in placement.values() for r, _, _ in copies) + 1
+    for r in orders:
+        if r >= pp:
+            raise StrategyError(f"directive order: pp_rank {r} is outside the pipeline ranks 0..{pp - 1}")
     for stage, copies in placement.items():
         covered = sorted((lo, hi) for _, lo, hi in copies)
         pos = 0
@@ -181,6 +181,9 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
             raise StrategyError(f"place: stage {stage} copies cover micro-batches up to {pos}, not {m}")
     if recompute_all:
         recompute = set(range(num_stages))
+    if recompute - set(range(num_stages)):
+        raise StrategyError(f"directive recompute: field 'stages' names stage(s) {sorted(recompute)} but the "
+                            f"pipeline has stages 0..{num_stages - 1}")
     if zero and dp == 1 and max(len({r for r, _, _ in c}) for c in placement.values()) == 1:
         warnings.warn(f"replicate: zero={zero} on data-parallel degree 1 has nothing to shard; "
                       "it is ignored", stacklevel=2)

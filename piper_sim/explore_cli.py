@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from piper_sim.checks import arg_int
+
 
 def progress_printer(enabled: bool = True):
     """A one-line progress bar on stderr (``[simulate] 120/400``)."""
@@ -77,17 +79,17 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     d = defaults or {}
     p.add_argument("--model", required="model" not in d, default=d.get("model"))
     p.add_argument("--cluster", required="cluster" not in d, default=d.get("cluster"))
-    p.add_argument("--global-batch", type=int, required="global_batch" not in d, default=d.get("global_batch"))
-    p.add_argument("--seq-len", type=int, required="seq_len" not in d, default=d.get("seq_len"))
+    p.add_argument("--global-batch", type=arg_int(1), required="global_batch" not in d, default=d.get("global_batch"))
+    p.add_argument("--seq-len", type=arg_int(1), required="seq_len" not in d, default=d.get("seq_len"))
     p.add_argument("--costmodel", default="analytic", help="analytic, unit:..., or a calibration JSON")
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--top", type=arg_int(1), default=10)
     p.add_argument("--csv")
     p.add_argument("--plot", help="throughput-vs-memory Pareto PNG")
     p.add_argument("--emit-best", metavar="DIR", help="write the best strategy, plan and timeline here")
     p.add_argument("--schedules", default=d.get("schedules"), help="comma-separated subset of schedules")
     p.add_argument("--zero", default=d.get("zero"), help="comma-separated ZeRO levels (default 0,1,2,3)")
     p.add_argument("--no-recompute", action="store_true", default=d.get("no_recompute", False))
-    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--workers", type=arg_int(1), default=None, help="processes (default: all cores)")
     p.add_argument("--ray", action="store_true", help="run the sweep on Ray when installed")
     p.add_argument("--no-prune", action="store_true", help="simulate every strategy (exhaustive)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

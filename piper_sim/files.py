@@ -36,8 +36,9 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _named(e: OSError, path: str) -> OSError:
-    if e.filename is None:
+def _named(e: OSError, path: str, tmp: str | None = None) -> OSError:
+    """Name the destination, not the temporary file, in the error."""
+    if e.filename is None or e.filename == tmp:
         e.filename = path
     return e
 
@@ -57,8 +58,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
     base = os.path.basename(path)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp" + os.path.splitext(base)[1], dir=folder)
-    except OSError as e:
-        raise _named(e, path) from None
+    except OSError as e:  # the folder is missing or read-only: name the file asked for
+        e.filename = path
+        raise e from None
     os.close(fd)
     try:
         yield tmp
@@ -71,7 +73,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[str]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(e, OSError):
-            raise _named(e, path) from None
+            raise _named(e, path, tmp) from None
         raise
     fsync_dir(folder)
 

@@ -224,3 +224,189 @@ def test_every_back_end_refuses_the_same_bad_plans(tmp_path):
                                 text=True, timeout=120)
         _one_line_exit_2(worker, needle, "refused")
         assert time.monotonic() - t < 30
+
+
+# ------------------------------------------------------------------ bad-input corpus: exit 2, one line
+
+
+def _s(**top) -> str:
+    """The tiny pp2 strategy with top-level fields replaced (None removes one)."""
+    s = {**tiny(), **top}
+    return json.dumps({k: v for k, v in s.items() if v is not None})
+
+
+def _d(*directives, **top) -> str:
+    """A strategy with these directives instead of the tiny one's."""
+    return _s(directives=list(directives), **top)
+
+
+PIPE = {"op": "pipeline", "degree": 2}
+SCHED = {"op": "schedule", "name": "1f1b"}
+GOOD = _s()
+
+# id -> (file contents by name ("s.json" is the input), argv with {tmp}, {s}, {plan}, env, text the line must hold)
+CORPUS: dict[str, tuple[dict, list, dict, str]] = {
+    # strategy: top-level fields
+    "seed-list": ({"s.json": _s(seed=[1])}, ["compile", "{s}"], {}, "'seed'"),
+    "seed-null": ({"s.json": _s(seed=None) .replace('"dtype"', '"seed": null, "dtype"')}, ["compile", "{s}"], {},
+                  "'seed'"),
+    "seed-float": ({"s.json": _s(seed=1.7)}, ["compile", "{s}"], {}, "'seed'"),
+    "seed-bool": ({"s.json": _s(seed=True)}, ["compile", "{s}"], {}, "'seed'"),
+    "seed-negative": ({"s.json": _s(seed=-1)}, ["compile", "{s}"], {}, "'seed'"),
+    "name-number": ({"s.json": _s(name=5)}, ["compile", "{s}"], {}, "'name'"),
+    "global-batch-1e30": ({"s.json": _s(global_batch=10**30)}, ["compile", "{s}"], {}, "'global_batch'"),
+    "global-batch-bool": ({"s.json": _s(global_batch=True)}, ["compile", "{s}"], {}, "'global_batch'"),
+    "global-batch-float": ({"s.json": _s(global_batch=4.0)}, ["compile", "{s}"], {}, "'global_batch'"),
+    "global-batch-nan": ({"s.json": _s(global_batch=float("nan"))}, ["compile", "{s}"], {}, "'global_batch'"),
+    "seq-len-inf": ({"s.json": _s(seq_len=float("inf"))}, ["compile", "{s}"], {}, "'seq_len'"),
+    "microbatches-zero": ({"s.json": _s(microbatches=0)}, ["compile", "{s}"], {}, "'microbatches'"),
+    "dtype-unknown": ({"s.json": _s(dtype="fp8")}, ["compile", "{s}"], {}, "'dtype'"),
+    "model-number": ({"s.json": _s(model=3)}, ["compile", "{s}"], {}, "'model'"),
+    "model-unknown": ({"s.json": _s(model="gpt-nope")}, ["compile", "{s}"], {}, "gpt-nope"),
+    "cluster-unknown": ({"s.json": _s(cluster="tpu:4")}, ["compile", "{s}"], {}, "tpu:4"),
+    "unknown-field": ({"s.json": _s(foo=1)}, ["compile", "{s}"], {}, "foo"),
+    "directives-object": ({"s.json": _s(directives={})}, ["compile", "{s}"], {}, "'directives'"),
+    "top-level-list": ({"s.json": "[1, 2]"}, ["compile", "{s}"], {}, "JSON object"),
+    # strategy: directives
+    "op-list": ({"s.json": _d({"op": ["pipeline"]})}, ["compile", "{s}"], {}, "'op'"),
+    "op-missing": ({"s.json": _d({"degree": 2})}, ["compile", "{s}"], {}, "'op'"),
+    "op-unknown": ({"s.json": _d({"op": "pipelin"})}, ["compile", "{s}"], {}, "pipelin"),
+    "degree-bool": ({"s.json": _d({"op": "pipeline", "degree": True}, SCHED)}, ["compile", "{s}"], {}, "'degree'"),
+    "degree-float": ({"s.json": _d({"op": "pipeline", "degree": 2.0}, SCHED)}, ["compile", "{s}"], {}, "'degree'"),
+    "stages-per-rank-float": ({"s.json": _d({**PIPE, "stages_per_rank": 1.5}, SCHED)}, ["compile", "{s}"], {},
+                              "'stages_per_rank'"),
+    "placement-unknown": ({"s.json": _d({**PIPE, "placement": "x"}, SCHED)}, ["compile", "{s}"], {}, "'placement'"),
+    "layers-per-stage-bool": ({"s.json": _d({**PIPE, "layers_per_stage": [1, True]}, SCHED)}, ["compile", "{s}"], {},
+                              "'layers_per_stage'"),
+    "pipeline-unknown-field": ({"s.json": _d({**PIPE, "degre": 2}, SCHED)}, ["compile", "{s}"], {}, "degre"),
+    "zero-true": ({"s.json": _d({"op": "data_parallel", "degree": 2, "zero": True}, cluster="cpu:2")},
+                  ["compile", "{s}"], {}, "'zero'"),
+    "zero-float": ({"s.json": _d({"op": "data_parallel", "degree": 2, "zero": 1.0}, cluster="cpu:2")},
+                   ["compile", "{s}"], {}, "'zero'"),
+    "zero-4": ({"s.json": _d({"op": "data_parallel", "degree": 2, "zero": 4}, cluster="cpu:2")},
+               ["compile", "{s}"], {}, "'zero'"),
+    "bucket-mb-true": ({"s.json": _d({"op": "data_parallel", "degree": 2, "bucket_mb": True}, cluster="cpu:2")},
+                       ["compile", "{s}"], {}, "'bucket_mb'"),
+    "bucket-mb-nan": ({"s.json": _d({"op": "data_parallel", "degree": 2, "bucket_mb": float("nan")},
+                                    cluster="cpu:2")}, ["compile", "{s}"], {}, "'bucket_mb'"),
+    "bucket-mb-string": ({"s.json": _d({"op": "data_parallel", "degree": 2, "bucket_mb": "1"}, cluster="cpu:2")},
+                         ["compile", "{s}"], {}, "'bucket_mb'"),
+    "schedule-name-number": ({"s.json": _d(PIPE, {"op": "schedule", "name": 3})}, ["compile", "{s}"], {}, "'name'"),
+    "schedule-unknown": ({"s.json": _d(PIPE, {"op": "schedule", "name": "2f2b"})}, ["compile", "{s}"], {}, "2f2b"),
+    "order-slots-ints": ({"s.json": _d(PIPE, SCHED, {"op": "order", "pp_rank": 0, "slots": [1, 2]})},
+                         ["compile", "{s}"], {}, "'slots'"),
+    "order-slots-string": ({"s.json": _d(PIPE, SCHED, {"op": "order", "pp_rank": 0, "slots": "0F0"})},
+                           ["compile", "{s}"], {}, "'slots'"),
+    "order-pp-rank-5-of-2": ({"s.json": _d(PIPE, SCHED, {"op": "order", "pp_rank": 5, "slots": ["0F0", "0B0"]})},
+                             ["compile", "{s}"], {}, "pp_rank 5"),
+    "order-pp-rank-negative": ({"s.json": _d(PIPE, SCHED, {"op": "order", "pp_rank": -1, "slots": ["0F0"]})},
+                               ["compile", "{s}"], {}, "'pp_rank'"),
+    "place-microbatches-one": ({"s.json": _d(PIPE, SCHED, {"op": "place", "stage": 0, "pp_rank": 0,
+                                                           "microbatches": [1]})}, ["compile", "{s}"], {},
+                               "'microbatches'"),
+    "place-stage-string": ({"s.json": _d(PIPE, SCHED, {"op": "place", "stage": "a", "pp_rank": 0})},
+                           ["compile", "{s}"], {}, "'stage'"),
+    "recompute-stages-int": ({"s.json": _d(PIPE, SCHED, {"op": "recompute", "stages": 5})}, ["compile", "{s}"], {},
+                             "'stages'"),
+    "recompute-stages-99": ({"s.json": _d(PIPE, SCHED, {"op": "recompute", "stages": [99]})}, ["compile", "{s}"],
+                            {}, "99"),
+    "recompute-stages-bool": ({"s.json": _d(PIPE, SCHED, {"op": "recompute", "stages": [True]})},
+                              ["compile", "{s}"], {}, "'stages'"),
+    "replicate-stages": ({"s.json": _d(PIPE, SCHED, {"op": "replicate", "degree": 1, "stages": [0]})},
+                         ["compile", "{s}"], {}, "stages"),
+    "stream-kind-unknown": ({"s.json": _d(PIPE, SCHED, {"op": "stream", "kind": "X", "name": "y"})},
+                            ["compile", "{s}"], {}, "'kind'"),
+    "stream-name-number": ({"s.json": _d(PIPE, SCHED, {"op": "stream", "kind": "SEND", "name": 3})},
+                           ["compile", "{s}"], {}, "'name'"),
+    "split-zero": ({"s.json": _d(PIPE, SCHED, {"op": "split", "microbatches": 0})}, ["compile", "{s}"], {},
+                   "'microbatches'"),
+    # files
+    "deeply-nested-json": ({"s.json": "[" * 100000 + "]" * 100000}, ["compile", "{s}"], {}, "nested"),
+    "directory-as-input": ({}, ["compile", "{tmp}"], {}, "directory"),
+    "missing-file": ({}, ["compile", "{tmp}/nope.json"], {}, "not found"),
+    "binary-file": ({"s.json": b"\xff\xfe\x00garbage"}, ["compile", "{s}"], {}, "s.json"),
+    "empty-file": ({"s.json": ""}, ["compile", "{s}"], {}, "malformed JSON"),
+    "expand-directory": ({}, ["expand", "{tmp}"], {}, "directory"),
+    "yaml-cluster-malformed": ({"c.yaml": "gpu: [h100\nnodes: 1\n", "s.json": _s(cluster="{tmp}/c.yaml")},
+                               ["compile", "{s}"], {}, "c.yaml"),
+    "yaml-cluster-list": ({"c.yaml": "- 1\n- 2\n", "s.json": _s(cluster="{tmp}/c.yaml")}, ["compile", "{s}"], {},
+                          "c.yaml"),
+    "yaml-cluster-nodes-float": ({"c.yaml": "gpu: h100\nnodes: 1.5\ngpus_per_node: 2\n",
+                                  "s.json": _s(cluster="{tmp}/c.yaml")}, ["compile", "{s}"], {}, "nodes"),
+    # outputs
+    "compile-o-directory": ({"s.json": GOOD}, ["compile", "{s}", "-o", "{tmp}"], {}, "directory"),
+    "compile-o-dev-full": ({"s.json": GOOD}, ["compile", "{s}", "-o", "/dev/full"], {}, "/dev/full"),
+    "compile-o-missing-folder": ({"s.json": GOOD}, ["compile", "{s}", "-o", "{tmp}/no/plan.json"], {}, "no/plan.json"),
+    "simulate-trace-directory": ({}, ["simulate", "{plan}", "--trace", "{tmp}"], {}, "directory"),
+    "simulate-timeline-directory": ({}, ["simulate", "{plan}", "--timeline", "{tmp}"], {}, "directory"),
+    # simulate / show
+    "costmodel-nan": ({}, ["simulate", "{plan}", "--costmodel", "unit:F=nan"], {}, "F"),
+    "costmodel-inf": ({}, ["simulate", "{plan}", "--costmodel", "unit:F=inf"], {}, "F"),
+    "costmodel-negative": ({}, ["simulate", "{plan}", "--costmodel", "unit:F=-1"], {}, "unit"),
+    "costmodel-missing-file": ({}, ["simulate", "{plan}", "--costmodel", "{tmp}/nope.json"], {}, "nope.json"),
+    "simulate-strategy-not-plan": ({"s.json": GOOD}, ["simulate", "{s}"], {}, "not a piper-sim plan"),
+    "show-rank-99": ({}, ["show", "{plan}", "--rank", "99"], {}, "99"),
+    "show-rank-negative": ({}, ["show", "{plan}", "--rank", "-1"], {}, "-1"),
+    "show-rank-word": ({}, ["show", "{plan}", "--rank", "one"], {}, "'one'"),
+    # run: refused before torchrun starts
+    "run-steps-0": ({}, ["run", "{plan}", "--steps", "0"], {}, "--steps"),
+    "run-steps-negative": ({}, ["run", "{plan}", "--steps", "-3"], {}, "--steps"),
+    "run-nproc-0": ({}, ["run", "{plan}", "--nproc", "0"], {}, "--nproc"),
+    "run-nnodes-0": ({}, ["run", "{plan}", "--nnodes", "0"], {}, "--nnodes"),
+    "run-timeout-nan": ({}, ["run", "{plan}", "--timeout", "nan"], {}, "--timeout"),
+    "run-timeout-0": ({}, ["run", "{plan}", "--timeout", "0"], {}, "--timeout"),
+    "run-save-every-negative": ({}, ["run", "{plan}", "--save-every", "-1"], {}, "--save-every"),
+    "run-keep-0": ({}, ["run", "{plan}", "--keep", "0"], {}, "--keep"),
+    "run-fault-no-such-op": ({}, ["run", "{plan}"], {"PIPER_FAULT": "1:0:F.s9.mb0"}, "F.s9.mb0"),
+    "run-fault-no-such-rank": ({}, ["run", "{plan}"], {"PIPER_FAULT": "5:0:F.s0.mb0"}, "rank 5"),
+    "run-fault-malformed": ({}, ["run", "{plan}"], {"PIPER_FAULT": "x:y"}, "PIPER_FAULT"),
+    "run-fault-bad-mode": ({}, ["run", "{plan}"], {"PIPER_FAULT": "0:0:F.s0.mb0:explode"}, "explode"),
+    "run-fault-step-beyond": ({}, ["run", "{plan}", "--steps", "2"], {"PIPER_FAULT": "0:5:F.s0.mb0"}, "step 5"),
+    "run-ckpt-kill-malformed": ({}, ["run", "{plan}"], {"PIPER_CKPT_KILL": "0:2:nowhere"}, "PIPER_CKPT_KILL"),
+    "run-resume-missing": ({}, ["run", "{plan}", "--resume", "{tmp}/nope"], {}, "does not exist"),
+    "run-directory-as-plan": ({}, ["run", "{tmp}"], {}, "directory"),
+    "explore-global-batch-0": ({}, ["explore", "--model", "gpt-tiny", "--cluster", "cpu:2", "--global-batch", "0",
+                                    "--seq-len", "16"], {}, "--global-batch"),
+    "explore-workers-word": ({}, ["explore", "--model", "gpt-tiny", "--cluster", "cpu:2", "--global-batch", "4",
+                                  "--seq-len", "16", "--workers", "all"], {}, "--workers"),
+}
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory) -> str:
+    from piper_sim.api import compile
+
+    path = str(tmp_path_factory.mktemp("plan") / "plan.json")
+    compile(tiny()).save(path)
+    return path
+
+
+@pytest.mark.parametrize("case", list(CORPUS))
+def test_bad_input_corpus_exit_2_one_line(case, tmp_path, plan_file, capsys, monkeypatch):
+    from piper_sim.cli import main
+
+    files, argv, env, needle = CORPUS[case]
+    fill = {"tmp": str(tmp_path), "s": str(tmp_path / "s.json"), "plan": plan_file}
+    for name, content in files.items():
+        if isinstance(content, bytes):
+            (tmp_path / name).write_bytes(content)
+        else:
+            (tmp_path / name).write_text(content.replace("{tmp}", str(tmp_path)))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr("subprocess.call", _no_launch)  # `run` must refuse before launching torchrun
+    try:
+        rc = main([a.format(**fill) for a in argv])
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("piper-sim"), lines[0]
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+def _no_launch(*a, **k):
+    raise AssertionError("torchrun was launched for a bad input")
