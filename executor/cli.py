@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-from piper_sim.checks import arg_float, arg_int
+from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_float, arg_int
 from piper_sim.plan import Plan, PlanError
 
 
@@ -58,12 +58,40 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def local_gpus() -> int:
+    """GPUs this node shows (without importing torch): CUDA_VISIBLE_DEVICES, else the driver's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def check_local_capacity(nproc: int, plan: Plan, device: str) -> None:
+    """Refuse to start more ranks on this node than it can hold: one per GPU, or
+    MAX_CPU_RANKS_PER_CORE per core for CPU ranks."""
+    gpus = local_gpus()
+    cpu_cluster = str(plan.meta.get("cluster", "cpu")).startswith("cpu")
+    if device == "cuda" or (device == "auto" and not cpu_cluster and gpus):
+        if nproc > gpus:
+            raise PlanError(f"{nproc} ranks per node need {nproc} GPUs but this node has {gpus}; "
+                            "use more nodes (--nnodes) or --device cpu")
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc > MAX_CPU_RANKS_PER_CORE * cores:
+        raise PlanError(f"{nproc:,} CPU ranks on this node exceed the limit of {MAX_CPU_RANKS_PER_CORE} per core "
+                        f"({cores} cores; piper_sim.checks.MAX_CPU_RANKS_PER_CORE); use more nodes (--nnodes)")
+
+
 def torchrun_command(args, plan: Plan) -> list[str]:
     nproc = args.nproc or plan.world_size // args.nnodes
     if nproc * args.nnodes != plan.world_size:
         raise PlanError(f"{args.plan} was compiled for {plan.world_size} ranks but --nnodes {args.nnodes} x "
                         f"--nproc {nproc} = {nproc * args.nnodes} would be launched; change --nproc/--nnodes "
                         f"or recompile for {nproc * args.nnodes} ranks")
+    check_local_capacity(nproc, plan, args.device)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if args.rdzv_endpoint:
         cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",

@@ -56,6 +56,8 @@ def _device(choice: str, plan: Plan) -> torch.device:
     cpu_cluster = str(plan.meta.get("cluster", "cpu")).startswith("cpu")
     if choice == "cuda" or (choice == "auto" and not cpu_cluster and torch.cuda.is_available()):
         local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise PlanError(f"local rank {local} needs GPU {local} but this node has {torch.cuda.device_count()}")
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
@@ -159,11 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         preflight(args, plans)
         if len(plans) > 1 and (args.save or args.resume or args.trace or args.timeline or args.profile):
             raise PlanError("--save, --resume, --trace, --timeline and --profile take a single plan")
+        device = _device(args.device, plans[0])
     except (PlanError, OSError, ValueError) as e:
         if rank == 0:
             print(f"piper-sim executor: refused: {e}", file=sys.stderr, flush=True)
         return 2
-    device = _device(args.device, plans[0])
     try:
         if not dist.is_initialized():
             if "MASTER_ADDR" not in os.environ:  # a single rank without torchrun

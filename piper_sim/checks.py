@@ -15,6 +15,16 @@ from typing import Any
 # Counts (batch, sequence, degrees, micro-batches) above this are typos, not strategies.
 MAX_COUNT = 2**31 - 1
 
+# Resource limits: beyond them a compile takes minutes and gigabytes (or a launch starts
+# more processes than the machine can hold), so the request is refused at once instead.
+# Instructions of a plan (all rank classes) as estimated from the strategy before compiling
+# (`compiler.estimated_instructions`); 200,000 compile in about 15-20 s and 1 GB on 2 cores.
+MAX_PLAN_INSTRUCTIONS = 200_000
+# Gradient buckets of one stage (`replicate.bucket_mb` cuts a stage's parameters into them).
+MAX_BUCKETS_PER_STAGE = 4096
+# Processes `piper-sim run` starts on one node per CPU core (CPU ranks share the cores).
+MAX_CPU_RANKS_PER_CORE = 8
+
 
 def _range(minimum, maximum, value=None) -> str:
     if maximum is not None and (maximum < MAX_COUNT or (isinstance(value, int) and value > maximum)):

@@ -410,3 +410,74 @@ def test_bad_input_corpus_exit_2_one_line(case, tmp_path, plan_file, capsys, mon
 
 def _no_launch(*a, **k):
     raise AssertionError("torchrun was launched for a bad input")
+
+
+# ------------------------------------------------------------------ resource limits
+
+
+def test_plans_beyond_the_size_limits_are_refused_at_once():
+    """100,000 micro-batches (146 s and a MemoryError at 5.5 GB before) and bucket_mb 1e-6 are
+    refused in well under a second, naming the limit."""
+    import time
+
+    from piper_sim.api import compile
+    from piper_sim.strategy import StrategyError
+
+    compile(tiny())  # imports done
+    for sched in ("1f1b", "dualpipev", "zbv"):
+        t = time.perf_counter()
+        with pytest.raises(StrategyError, match="MAX_PLAN_INSTRUCTIONS"):
+            compile(tiny(sched=sched, m=100_000))
+        assert time.perf_counter() - t < 1.0
+    moe = {**tiny(sched="dualpipev", m=8192), "model": "moe-tiny", "cluster": "cpu:4", "global_batch": 2 * 8192}
+    moe["directives"] += [{"op": "data_parallel", "degree": 2}, {"op": "expert_parallel", "degree": 2}]
+    with pytest.raises(StrategyError, match="MAX_PLAN_INSTRUCTIONS"):
+        compile(moe)
+    dp = {**tiny(m=2), "cluster": "cpu:2", "global_batch": 4, "directives": [{"op": "data_parallel", "degree": 2, "bucket_mb": 1e-6}]}
+    t = time.perf_counter()
+    with pytest.raises(StrategyError, match="MAX_BUCKETS_PER_STAGE"):
+        compile(dp)
+    assert time.perf_counter() - t < 2.0
+
+
+def test_size_estimate_is_close_to_the_compiled_plan():
+    """The estimate the limit is checked on stays within a factor 1.5 of the real size."""
+    from piper_sim.api import as_strategy, compile
+    from piper_sim.compiler import estimated_instructions
+    from piper_sim.models import get_config
+
+    moe = {**tiny(sched="dualpipev", m=8), "model": "moe-tiny", "cluster": "cpu:4", "global_batch": 16}
+    moe["directives"] += [{"op": "data_parallel", "degree": 2}, {"op": "expert_parallel", "degree": 2}]
+    for s in (tiny(m=64), tiny(sched="dualpipev", m=64), tiny(sched="zbv", m=64), tiny(sched="dualpipe", m=64),
+              tiny(pp=4, sched="interleaved_1f1b", m=64), moe):
+        plan = compile(s)
+        real = sum(len(lst) for c in plan.classes for lst in c.streams.values())
+        est = estimated_instructions(as_strategy(s), get_config(s["model"]))
+        assert real / 1.5 <= est <= real * 1.5, (s["directives"], est, real)
+
+
+def test_run_refuses_more_ranks_than_this_node_holds(tmp_path, capsys, monkeypatch):
+    from piper_sim.api import compile
+    from piper_sim.checks import MAX_CPU_RANKS_PER_CORE
+    from piper_sim.cli import main
+
+    cores = len(os.sched_getaffinity(0))
+    n = MAX_CPU_RANKS_PER_CORE * cores + 1
+    path = str(tmp_path / "wide.json")
+    compile({**tiny(m=1), "cluster": f"cpu:{n}", "global_batch": n,
+             "directives": [{"op": "data_parallel", "degree": n}]}).save(path)
+    monkeypatch.setattr("subprocess.call", _no_launch)
+    assert main(["run", path]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "MAX_CPU_RANKS_PER_CORE" in err and f"{n:,} CPU ranks" in err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # one GPU: two ranks cannot each have one
+    assert main(["run", plan_path_2ranks(tmp_path), "--device", "cuda"]) == 2
+    assert "need 2 GPUs but this node has 1" in capsys.readouterr().err
+
+
+def plan_path_2ranks(tmp_path) -> str:
+    from piper_sim.api import compile
+
+    path = str(tmp_path / "pp2.json")
+    compile(tiny()).save(path)
+    return path
