@@ -1,9 +1,13 @@
 """``piper-sim run PLAN.json``: start the plan's ranks through torchrun.
 
-The plan is checked here first (format version, content hash, world size against the
-launch), so a bad plan is refused before any process starts; then this is just::
+The plan is checked here first (format version, content hash, the compiler's validation,
+world size against the launch and this node's GPUs/cores, the checkpoint to resume), so a
+bad plan is refused with one line (exit 2) before any process starts; then this is just::
 
     python -m torch.distributed.run --nproc-per-node N [--nnodes ...] -m executor PLAN.json ...
+
+torchrun dies with this process and receives its SIGTERM/SIGINT/SIGHUP; the exit status
+is torchrun's, or 128+N when it was stopped by signal N (`executor.lifetime`).
 
 Register it with ``add_run_parser(subparsers)``; ``python -m executor.cli run ...`` works too.
 This module imports no torch, so registering it keeps ``piper-sim --help`` fast.
@@ -13,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_float, arg_int
@@ -145,11 +148,12 @@ def preflight(args, plans: list[Plan]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
+    from executor import lifetime
     from piper_sim.validate import load_valid_plan
 
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
     preflight(args, [plan])
-    rc = subprocess.call(torchrun_command(args, plan))
+    rc = lifetime.run_launcher(torchrun_command(args, plan))
     if rc:
         raise SystemExit(rc)
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from executor import checkpoint
 from executor.cli import add_run_options, preflight
 from executor.collectives import Comms
+from executor.lifetime import die_with_parent
 from executor.reference import compare, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
 from piper_sim.files import atomic_path
@@ -153,6 +154,8 @@ def _report(e: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # under torchrun: no life after the agent
+        die_with_parent()
     args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))

@@ -394,7 +394,7 @@ def test_bad_input_corpus_exit_2_one_line(case, tmp_path, plan_file, capsys, mon
             (tmp_path / name).write_text(content.replace("{tmp}", str(tmp_path)))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr("subprocess.call", _no_launch)  # `run` must refuse before launching torchrun
+    monkeypatch.setattr("executor.lifetime.run_launcher", _no_launch)  # `run` must refuse before launching torchrun
     try:
         rc = main([a.format(**fill) for a in argv])
     except SystemExit as e:  # argparse
@@ -466,7 +466,7 @@ def test_run_refuses_more_ranks_than_this_node_holds(tmp_path, capsys, monkeypat
     path = str(tmp_path / "wide.json")
     compile({**tiny(m=1), "cluster": f"cpu:{n}", "global_batch": n,
              "directives": [{"op": "data_parallel", "degree": n}]}).save(path)
-    monkeypatch.setattr("subprocess.call", _no_launch)
+    monkeypatch.setattr("executor.lifetime.run_launcher", _no_launch)
     assert main(["run", path]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "MAX_CPU_RANKS_PER_CORE" in err and f"{n:,} CPU ranks" in err
