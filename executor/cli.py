@@ -38,6 +38,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=arg_int(1), default=2, metavar="N",
                    help="with --save: keep the newest N checkpoints (2)")
     p.add_argument("--resume", metavar="DIR", help="start from the newest complete checkpoint in DIR (same plan)")
+    p.add_argument("--end-step", type=arg_int(1), metavar="T",
+                   help="stop after step T-1 (set by `run --max-restarts`: a restarted worker resumes from the "
+                        "newest checkpoint in --save and trains up to the same step)")
     p.add_argument("--timeout", type=arg_float(0.0), default=60.0,
                    help="seconds without progress before a rank gives up (default 60)")
     p.add_argument("--profile", metavar="DIR", help="save a torch.profiler (Kineto) trace per rank in DIR")
@@ -56,6 +59,9 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="rendezvous endpoint for multi-node runs (c10d backend); default: standalone")
     p.add_argument("--rdzv-id", default="piper-sim", help="rendezvous id shared by the nodes of one run")
+    p.add_argument("--max-restarts", type=arg_int(0), default=0, metavar="N",
+                   help="restart the workers up to N times after a rank fails; they resume from the newest "
+                        "checkpoint in --save (use --save-every) and finish the same steps")
     add_run_options(p)
     p.set_defaults(func=cmd_run)
     return p
@@ -95,7 +101,8 @@ def torchrun_command(args, plan: Plan) -> list[str]:
                         f"--nproc {nproc} = {nproc * args.nnodes} would be launched; change --nproc/--nnodes "
                         f"or recompile for {nproc * args.nnodes} ranks")
     check_local_capacity(nproc, plan, args.device)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint:
         cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
                 f"--rdzv-id={args.rdzv_id}"]
@@ -111,6 +118,8 @@ def torchrun_command(args, plan: Plan) -> list[str]:
         value = getattr(args, flag)
         if value:
             cmd += [f"--{flag}", os.path.abspath(value)]
+    if args.end_step:
+        cmd += ["--end-step", str(args.end_step)]
     for flag in ("save_every", "keep"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag in ("json", "check", "no_hash_check"):
@@ -119,16 +128,19 @@ def torchrun_command(args, plan: Plan) -> list[str]:
     return cmd
 
 
-def preflight(args, plans: list[Plan]) -> None:
+def preflight(args, plans: list[Plan]) -> int:
     """What a launch needs beyond valid plans, checked by ``piper-sim run`` before torchrun
     and by every worker before its process group: the checkpoint to resume, and that the
-    test hooks PIPER_FAULT / PIPER_CKPT_KILL name a rank, step and op of this run."""
+    test hooks PIPER_FAULT / PIPER_CKPT_KILL name a rank, step and op of this run.
+    Returns the step the run starts from."""
     from executor import checkpoint
 
     checkpoint.check_kill_spec()
     start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size)[1] if args.resume else 0
+    if args.end_step is not None and args.end_step <= start:
+        raise PlanError(f"--end-step {args.end_step} is not after the resumed step {start}")
     if not os.environ.get("PIPER_FAULT"):
-        return
+        return start
     from executor.runtime import Fault  # imports torch: only when a fault is injected
 
     try:
@@ -137,7 +149,9 @@ def preflight(args, plans: list[Plan]) -> None:
             raise ValueError("negative rank or step")
     except ValueError as e:
         msg = str(e) if str(e).startswith("PIPER_FAULT") else f"PIPER_FAULT={os.environ['PIPER_FAULT']!r}: {e}"
-        raise PlanError(f"{msg}; expected rank:step:op_id[:raise|kill|hang]" if "expected" not in msg else msg) from None
+        if "expected" not in msg:
+            msg += "; expected rank:step:op_id[:raise|kill|hang]"
+        raise PlanError(msg) from None
     world = plans[0].world_size
     if fault.rank >= world:
         raise PlanError(f"PIPER_FAULT names rank {fault.rank}; the plan has ranks 0..{world - 1}")
@@ -145,6 +159,7 @@ def preflight(args, plans: list[Plan]) -> None:
         raise PlanError(f"PIPER_FAULT names step {fault.step}; this run does steps {start}..{start + args.steps - 1}")
     if not any(fault.op_id == i.id for p in plans for i in p.class_of(fault.rank).instructions()):
         raise PlanError(f"PIPER_FAULT names op {fault.op_id}, which rank {fault.rank} does not run")
+    return start
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -152,7 +167,11 @@ def cmd_run(args: argparse.Namespace) -> None:
     from piper_sim.validate import load_valid_plan
 
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
-    preflight(args, [plan])
+    start = preflight(args, [plan])
+    if args.max_restarts:
+        if not args.save:
+            raise PlanError("--max-restarts needs --save DIR: restarted workers resume from its checkpoints")
+        args.end_step = args.end_step or start + args.steps
     rc = lifetime.run_launcher(torchrun_command(args, plan))
     if rc:
         raise SystemExit(rc)

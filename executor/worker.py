@@ -70,8 +70,16 @@ def _say(args, obj: dict, text: str) -> None:
 
 def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> None:
     comms = Comms.create(plan, args.timeout)
-    rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=Fault.from_env())
-    start = checkpoint.load(rt, args.resume) if args.resume else 0
+    # a worker restarted by torchrun (--max-restarts) resumes from the newest checkpoint it saved;
+    # injected faults fire in the first attempt only
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=None if restarted else Fault.from_env())
+    resume = args.save if restarted and args.save and checkpoint.complete_steps(args.save) else args.resume
+    start = checkpoint.load(rt, resume) if resume else 0
+    end = args.end_step or start + args.steps
+    if rank == 0 and restarted:
+        print(f"piper-sim executor: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming at step {start}",
+              file=sys.stderr, flush=True)
     dist.barrier()
     prof = nullcontext()
     if args.profile:
@@ -81,14 +89,14 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
         prof = profile(activities=acts)
     result = None
     with prof as p:
-        for step in range(start, start + args.steps):
+        for step in range(start, end):
             with torch.profiler.record_function(f"piper_step_{step}"):
                 result = rt.run_step(step)
             if rank == 0:
                 _say(args, {"plan": path, "step": step, "loss": result.loss, "step_time_s": result.time_s},
                      f"{path}: step {step}: loss {result.loss:.6f}  step time {result.time_s * 1e3:.1f} ms")
             done = step + 1
-            if args.save and (done == start + args.steps or (args.save_every and done % args.save_every == 0)):
+            if args.save and (done == end or (args.save_every and done % args.save_every == 0)):
                 checkpoint.save(rt, args.save, done, keep=args.keep)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -97,14 +105,14 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
     if (args.trace or args.timeline) and result is not None:
         write_trace(result.events, rank, args.trace, args.timeline, f"{path} step {result.step}")
     if args.check:
-        ref, _ = reference_training(plan, start + args.steps, device)
+        ref, _ = reference_training(plan, end, device)
         diffs = torch.tensor(compare(rt.flats, comms, ref), dtype=torch.float64, device=device)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         if rank == 0:
             a, r = diffs.tolist()
-            _say(args, {"plan": path, "steps": start + args.steps, "max_abs_param_diff": a,
+            _say(args, {"plan": path, "steps": end, "max_abs_param_diff": a,
                         "max_rel_param_diff": r},
-                 f"{path}: check after {start + args.steps} steps vs single-process reference: "
+                 f"{path}: check after {end} steps vs single-process reference: "
                  f"max_abs_param_diff {a:.3e}  max_rel_param_diff {r:.3e}")
     dist.barrier()
     comms.destroy()
@@ -129,8 +137,9 @@ def write_trace(rows: list[dict], rank: int, trace: str | None, timeline: str | 
 def check_same_everywhere(args, plans: list[Plan]) -> None:
     """Collective: every rank (every node) must run the same plans with the same options,
     or the collectives they imply (trace gather, checks, checkpoints) would not match."""
-    mine = {"plans": [p.content_hash() for p in plans], "steps": args.steps, "check": args.check,
-            "save": bool(args.save), "save_every": args.save_every, "keep": args.keep, "resume": bool(args.resume), "trace": bool(args.trace or args.timeline),
+    mine = {"plans": [p.content_hash() for p in plans], "steps": args.steps, "end_step": args.end_step,
+            "check": args.check, "save": bool(args.save), "save_every": args.save_every, "keep": args.keep,
+            "resume": bool(args.resume), "trace": bool(args.trace or args.timeline),
             "profile": bool(args.profile), "device": args.device}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

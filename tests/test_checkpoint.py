@@ -79,3 +79,24 @@ def test_kill_at_every_point_of_a_save_resumes_to_the_uninterrupted_losses(tmp_p
         rows = json_lines(resumed.stdout)
         assert [r["step"] for r in rows] == [expect, expect + 1], point
         assert [r["loss"] for r in rows] == [losses[expect], losses[expect + 1]], point  # bit for bit
+
+
+def test_max_restarts_resumes_after_a_killed_rank_to_the_uninterrupted_losses(tmp_path):
+    """PIPER_FAULT kills rank 1 in step 2; torchrun restarts both workers, which resume from
+    the step-2 checkpoint and finish steps 2 and 3 with the losses of a run without the fault."""
+    plan = save_plan(tmp_path, "pp2", strategy(pp=2, sched="1f1b", m=4))
+    full = torchrun(2, [plan, "--steps", "4", "--json"])
+    assert full.returncode == 0, full.stderr[-3000:]
+    want = {row["step"]: row["loss"] for row in json_lines(full.stdout)}
+    ck = str(tmp_path / "ck")
+    r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", plan, "--steps", "4", "--save", ck,
+                        "--save-every", "1", "--max-restarts", "1", "--json"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore",
+                                                    "PIPER_FAULT": "1:2:F.s1.mb1:kill"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "restart 1: resuming at step 2" in r.stderr
+    got: dict[int, float] = {}
+    for row in json_lines(r.stdout):
+        got[row["step"]] = row["loss"]  # the restarted attempt's value wins
+    assert got == want
+    assert checkpoint.complete_steps(ck) == [3, 4]

@@ -365,6 +365,8 @@ CORPUS: dict[str, tuple[dict, list, dict, str]] = {
     "run-ckpt-kill-malformed": ({}, ["run", "{plan}"], {"PIPER_CKPT_KILL": "0:2:nowhere"}, "PIPER_CKPT_KILL"),
     "run-resume-missing": ({}, ["run", "{plan}", "--resume", "{tmp}/nope"], {}, "does not exist"),
     "run-directory-as-plan": ({}, ["run", "{tmp}"], {}, "directory"),
+    "run-max-restarts-without-save": ({}, ["run", "{plan}", "--max-restarts", "1"], {}, "--save"),
+    "run-max-restarts-negative": ({}, ["run", "{plan}", "--max-restarts", "-1"], {}, "--max-restarts"),
     "explore-global-batch-0": ({}, ["explore", "--model", "gpt-tiny", "--cluster", "cpu:2", "--global-batch", "0",
                                     "--seq-len", "16"], {}, "--global-batch"),
     "explore-workers-word": ({}, ["explore", "--model", "gpt-tiny", "--cluster", "cpu:2", "--global-batch", "4",
@@ -433,7 +435,8 @@ def test_plans_beyond_the_size_limits_are_refused_at_once():
     moe["directives"] += [{"op": "data_parallel", "degree": 2}, {"op": "expert_parallel", "degree": 2}]
     with pytest.raises(StrategyError, match="MAX_PLAN_INSTRUCTIONS"):
         compile(moe)
-    dp = {**tiny(m=2), "cluster": "cpu:2", "global_batch": 4, "directives": [{"op": "data_parallel", "degree": 2, "bucket_mb": 1e-6}]}
+    dp = {**tiny(m=2), "cluster": "cpu:2", "global_batch": 4,
+          "directives": [{"op": "data_parallel", "degree": 2, "bucket_mb": 1e-6}]}
     t = time.perf_counter()
     with pytest.raises(StrategyError, match="MAX_BUCKETS_PER_STAGE"):
         compile(dp)
