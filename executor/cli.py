@@ -4,10 +4,12 @@ The plan is checked here first (format version, content hash, the compiler's val
 world size against the launch and this node's GPUs/cores, the checkpoint to resume), so a
 bad plan is refused with one line (exit 2) before any process starts; then this is just::
 
-    python -m torch.distributed.run --nproc-per-node N [--nnodes ...] -m executor PLAN.json ...
+    python -m executor.launch --nproc-per-node N [--nnodes ...] -m executor PLAN.json ...
 
-torchrun dies with this process and receives its SIGTERM/SIGINT/SIGHUP; the exit status
-is torchrun's, or 128+N when it was stopped by signal N (`executor.lifetime`).
+(`executor.launch` is torchrun without its warnings and traceback unless ``-v``). torchrun
+dies with this process and receives its SIGTERM/SIGINT/SIGHUP (`executor.lifetime`).
+Exit status: 0 done; 2 refused before launching (one line); 1 a rank failed (each failing
+rank's line, then one naming the first); 128+N stopped by signal N.
 
 Register it with ``add_run_parser(subparsers)``; ``python -m executor.cli run ...`` works too.
 This module imports no torch, so registering it keeps ``piper-sim --help`` fast.
@@ -62,6 +64,8 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=arg_int(0), default=0, metavar="N",
                    help="restart the workers up to N times after a rank fails; they resume from the newest "
                         "checkpoint in --save (use --save-every) and finish the same steps")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show torchrun's warnings and failure report (default: one line per failure)")
     add_run_options(p)
     p.set_defaults(func=cmd_run)
     return p
@@ -101,7 +105,7 @@ def torchrun_command(args, plan: Plan) -> list[str]:
                         f"--nproc {nproc} = {nproc * args.nnodes} would be launched; change --nproc/--nnodes "
                         f"or recompile for {nproc * args.nnodes} ranks")
     check_local_capacity(nproc, plan, args.device)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "executor.launch", f"--nproc-per-node={nproc}",
            f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint:
         cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
@@ -172,7 +176,8 @@ def cmd_run(args: argparse.Namespace) -> None:
         if not args.save:
             raise PlanError("--max-restarts needs --save DIR: restarted workers resume from its checkpoints")
         args.end_step = args.end_step or start + args.steps
-    rc = lifetime.run_launcher(torchrun_command(args, plan))
+    env = {**os.environ, "PIPER_VERBOSE": "1"} if args.verbose else None
+    rc = lifetime.run_launcher(torchrun_command(args, plan), env=env)
     if rc:
         raise SystemExit(rc)
 

@@ -38,12 +38,12 @@ def exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
-def run_launcher(cmd: list[str]) -> int:
+def run_launcher(cmd: list[str], env: dict | None = None) -> int:
     """Run ``cmd`` (torchrun) to the end: it gets SIGTERM if this process dies, receives
     the termination signals this process receives, and is waited for. Returns its exit
     status (`exit_code`), or 128+N when this process was stopped by signal N."""
     parent = os.getpid()
-    proc = subprocess.Popen(cmd, preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM, parent))
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM, parent))
     got: list[int] = []
 
     def forward(signum, _frame):

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from executor import checkpoint
+from executor import checkpoint, heartbeat
 from executor.cli import add_run_options, preflight
 from executor.collectives import Comms
 from executor.lifetime import die_with_parent
@@ -74,6 +74,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
     # injected faults fire in the first attempt only
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=None if restarted else Fault.from_env())
+    heartbeat.start(rt)
     resume = args.save if restarted and args.save and checkpoint.complete_steps(args.save) else args.resume
     start = checkpoint.load(rt, resume) if resume else 0
     end = args.end_step or start + args.steps
@@ -150,9 +151,13 @@ def check_same_everywhere(args, plans: list[Plan]) -> None:
                             "pass the same plan and options on every node")
 
 
-def _report(e: BaseException) -> None:
+def _report(e: BaseException, timeout_s: float) -> None:
     rank = os.environ.get("RANK", "?")
     msg = str(e) if str(e).startswith("rank ") else f"rank {rank}: {type(e).__name__}: {e}"
+    if "timeout" in msg.lower() or "timed out" in msg.lower():  # name who stopped, not only who waited
+        culprits = heartbeat.diagnose(stalled_s=timeout_s / 2)
+        if culprits:
+            msg += f"; {culprits}"
     print(f"piper-sim executor: error: {msg}", file=sys.stderr, flush=True)
     try:  # torchrun's failure summary reads this file
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             run_plan(path, plan, args, rank, device)
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - fail fast, never hang in teardown
-        _report(e)
+        _report(e, args.timeout)
         sys.stdout.flush()
         os._exit(1)
     exit_now(0)

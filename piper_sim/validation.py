@@ -47,7 +47,8 @@ def measure(plan_path: str, steps: int, warmup: int, trace: str, timeout_s: floa
            "--trace", trace]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if r.returncode:
-        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        lines = r.stderr.strip().splitlines() or ["no output"]
+        last = next((x for x in reversed(lines) if "error" in x), lines[-1])  # a rank's line, not the summary
         raise MeasurementError(f"{plan_path}: executor exited {r.returncode}: {last}")
     steps_out = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{") and "step_time_s" in x]
     times = [s["step_time_s"] for s in steps_out[warmup:]] or [s["step_time_s"] for s in steps_out]
