@@ -74,7 +74,7 @@ def save_figure(fig, path: str, dpi: int) -> None:
 
     try:
         with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or None)
+            fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or plt.rcParams["savefig.format"])
     finally:
         plt.close(fig)
 
