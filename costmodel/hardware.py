@@ -256,13 +256,14 @@ def parse_cluster(spec: str) -> Cluster:
 def _load_cluster_file(path: str) -> Cluster:
     if not os.path.isfile(path):
         raise ValueError(f"cluster file {path!r} not found; accepted: {SPEC_FORMS}")
-    with open(path) as f:
-        if path.lower().endswith(".json"):
-            data = json.load(f)
-        else:
-            import yaml
+    import yaml
 
-            data = yaml.safe_load(f)
+    try:
+        with open(path) as f:
+            data = json.load(f) if path.lower().endswith(".json") else yaml.safe_load(f)
+    except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"cluster file {path!r} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                         + " ".join(str(e).split())) from None
     if not isinstance(data, dict) or not {"gpu", "nodes", "gpus_per_node"} <= data.keys():
         raise ValueError(f"cluster file {path!r} needs keys gpu, nodes, gpus_per_node")
     unknown = set(data) - {"gpu", "nodes", "gpus_per_node", "moe"} - GPU_FIELDS
@@ -274,7 +275,10 @@ def _load_cluster_file(path: str) -> Cluster:
         moe = MoEOptions.from_dict(data.get("moe") or {})
     except ValueError as e:
         raise ValueError(f"cluster file {path!r}: {e}") from None
-    return Cluster(gpu, int(data["nodes"]), int(data["gpus_per_node"]), moe)
+    for key in ("nodes", "gpus_per_node"):
+        if isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] < 1:
+            raise ValueError(f"cluster file {path!r}: {key} must be an integer >= 1 (got {data[key]!r})")
+    return Cluster(gpu, data["nodes"], data["gpus_per_node"], moe)
 
 
 def _gpu_from(entry, overrides: dict, path: str) -> GPU:

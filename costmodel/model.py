@@ -199,8 +199,10 @@ class UnitCostModel(CostModel):
                 raise ValueError(f"bad unit cost model {spec!r} at {item!r}; expected {cls.UNIT_FORMS}")
             try:
                 kwargs[key] = float(value)
+                if not math.isfinite(kwargs[key]):
+                    raise ValueError
             except ValueError:
-                msg = f"bad unit cost model {spec!r}: {key} must be a number, got {value.strip()!r}"
+                msg = f"bad unit cost model {spec!r}: {key} must be a finite number, got {value.strip()!r}"
                 raise ValueError(msg) from None
         return cls(**kwargs)
 

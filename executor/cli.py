@@ -1,9 +1,15 @@
 """``piper-sim run PLAN.json``: start the plan's ranks through torchrun.
 
-The plan is checked here first (format version, content hash, world size against the
-launch), so a bad plan is refused before any process starts; then this is just::
+The plan is checked here first (format version, content hash, the compiler's validation,
+world size against the launch and this node's GPUs/cores, the checkpoint to resume), so a
+bad plan is refused with one line (exit 2) before any process starts; then this is just::
 
-    python -m torch.distributed.run --nproc-per-node N [--nnodes ...] -m executor PLAN.json ...
+    python -m executor.launch --nproc-per-node N [--nnodes ...] -m executor PLAN.json ...
+
+(`executor.launch` is torchrun without its warnings and traceback unless ``-v``). torchrun
+dies with this process and receives its SIGTERM/SIGINT/SIGHUP (`executor.lifetime`).
+Exit status: 0 done; 2 refused before launching (one line); 1 a rank failed (each failing
+rank's line, then one naming the first); 128+N stopped by signal N.
 
 Register it with ``add_run_parser(subparsers)``; ``python -m executor.cli run ...`` works too.
 This module imports no torch, so registering it keeps ``piper-sim --help`` fast.
@@ -13,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
+from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_float, arg_int
 from piper_sim.plan import Plan, PlanError
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
     """Options shared by the worker and ``piper-sim run``."""
-    p.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
+    p.add_argument("--steps", type=arg_int(1), default=1, help="training steps (default 1)")
     p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the last step, all ranks")
     p.add_argument("--timeline", metavar="OUT.png", help="timeline picture of the last step")
     p.add_argument("--kineto", metavar="DIR",
@@ -29,9 +35,17 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line: loss and step time per step")
     p.add_argument("--check", action="store_true",
                    help="also train a single-process reference and print max_abs/max_rel_param_diff")
-    p.add_argument("--save", metavar="DIR", help="checkpoint after the last step (torch.distributed.checkpoint)")
-    p.add_argument("--resume", metavar="DIR", help="start from a checkpoint of the same plan")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--save", metavar="DIR", help="checkpoint after the last step into DIR/step-N "
+                   "(torch.distributed.checkpoint, written atomically)")
+    p.add_argument("--save-every", type=arg_int(0), default=0, metavar="K",
+                   help="with --save: also checkpoint every K steps")
+    p.add_argument("--keep", type=arg_int(1), default=2, metavar="N",
+                   help="with --save: keep the newest N checkpoints (2)")
+    p.add_argument("--resume", metavar="DIR", help="start from the newest complete checkpoint in DIR (same plan)")
+    p.add_argument("--end-step", type=arg_int(1), metavar="T",
+                   help="stop after step T-1 (set by `run --max-restarts`: a restarted worker resumes from the "
+                        "newest checkpoint in --save and trains up to the same step)")
+    p.add_argument("--timeout", type=arg_float(0.0), default=60.0,
                    help="seconds without progress before a rank gives up (default 60)")
     p.add_argument("--profile", metavar="DIR",
                    help="save a torch.profiler (Kineto) trace per rank in DIR: steps are ProfilerStep#N, "
@@ -45,15 +59,47 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="execute a plan with torch.distributed (one process per rank, torchrun)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("plan", metavar="PLAN.json", help="plan file from `piper-sim compile`")
-    p.add_argument("--nproc", type=int, help="ranks on this node (default: the plan's world size / nnodes)")
-    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (run this command on each)")
-    p.add_argument("--node-rank", type=int, help="this node's rank (optional with the c10d rendezvous)")
+    p.add_argument("--nproc", type=arg_int(1), help="ranks on this node (default: the plan's world size / nnodes)")
+    p.add_argument("--nnodes", type=arg_int(1), default=1, help="number of nodes (run this command on each)")
+    p.add_argument("--node-rank", type=arg_int(0), help="this node's rank (optional with the c10d rendezvous)")
     p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="rendezvous endpoint for multi-node runs (c10d backend); default: standalone")
     p.add_argument("--rdzv-id", default="piper-sim", help="rendezvous id shared by the nodes of one run")
+    p.add_argument("--max-restarts", type=arg_int(0), default=0, metavar="N",
+                   help="restart the workers up to N times after a rank fails; they resume from the newest "
+                        "checkpoint in --save (use --save-every) and finish the same steps")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show torchrun's warnings and failure report (default: one line per failure)")
     add_run_options(p)
     p.set_defaults(func=cmd_run)
     return p
+
+
+def local_gpus() -> int:
+    """GPUs this node shows (without importing torch): CUDA_VISIBLE_DEVICES, else the driver's list."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def check_local_capacity(nproc: int, plan: Plan, device: str) -> None:
+    """Refuse to start more ranks on this node than it can hold: one per GPU, or
+    MAX_CPU_RANKS_PER_CORE per core for CPU ranks."""
+    gpus = local_gpus()
+    cpu_cluster = str(plan.meta.get("cluster", "cpu")).startswith("cpu")
+    if device == "cuda" or (device == "auto" and not cpu_cluster and gpus):
+        if nproc > gpus:
+            raise PlanError(f"{nproc} ranks per node need {nproc} GPUs but this node has {gpus}; "
+                            "use more nodes (--nnodes) or --device cpu")
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc > MAX_CPU_RANKS_PER_CORE * cores:
+        raise PlanError(f"{nproc:,} CPU ranks on this node exceed the limit of {MAX_CPU_RANKS_PER_CORE} per core "
+                        f"({cores} cores; piper_sim.checks.MAX_CPU_RANKS_PER_CORE); use more nodes (--nnodes)")
 
 
 def torchrun_command(args, plan: Plan) -> list[str]:
@@ -62,7 +108,9 @@ def torchrun_command(args, plan: Plan) -> list[str]:
         raise PlanError(f"{args.plan} was compiled for {plan.world_size} ranks but --nnodes {args.nnodes} x "
                         f"--nproc {nproc} = {nproc * args.nnodes} would be launched; change --nproc/--nnodes "
                         f"or recompile for {nproc * args.nnodes} ranks")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    check_local_capacity(nproc, plan, args.device)
+    cmd = [sys.executable, "-m", "executor.launch", f"--nproc-per-node={nproc}",
+           f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint:
         cmd += [f"--nnodes={args.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
                 f"--rdzv-id={args.rdzv_id}"]
@@ -78,15 +126,62 @@ def torchrun_command(args, plan: Plan) -> list[str]:
         value = getattr(args, flag)
         if value:
             cmd += [f"--{flag}", os.path.abspath(value)]
+    if args.end_step:
+        cmd += ["--end-step", str(args.end_step)]
+    for flag in ("save_every", "keep"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag in ("json", "check", "no_hash_check"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd
 
 
+def preflight(args, plans: list[Plan]) -> int:
+    """What a launch needs beyond valid plans, checked by ``piper-sim run`` before torchrun
+    and by every worker before its process group: the checkpoint to resume, and that the
+    test hooks PIPER_FAULT / PIPER_CKPT_KILL name a rank, step and op of this run.
+    Returns the step the run starts from."""
+    from executor import checkpoint
+
+    checkpoint.check_kill_spec()
+    start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size)[1] if args.resume else 0
+    if args.end_step is not None and args.end_step <= start:
+        raise PlanError(f"--end-step {args.end_step} is not after the resumed step {start}")
+    if not os.environ.get("PIPER_FAULT"):
+        return start
+    from executor.runtime import Fault  # imports torch: only when a fault is injected
+
+    try:
+        fault = Fault.from_env()
+        if fault.rank < 0 or fault.step < 0:
+            raise ValueError("negative rank or step")
+    except ValueError as e:
+        msg = str(e) if str(e).startswith("PIPER_FAULT") else f"PIPER_FAULT={os.environ['PIPER_FAULT']!r}: {e}"
+        if "expected" not in msg:
+            msg += "; expected rank:step:op_id[:raise|kill|hang]"
+        raise PlanError(msg) from None
+    world = plans[0].world_size
+    if fault.rank >= world:
+        raise PlanError(f"PIPER_FAULT names rank {fault.rank}; the plan has ranks 0..{world - 1}")
+    if not start <= fault.step < start + args.steps:
+        raise PlanError(f"PIPER_FAULT names step {fault.step}; this run does steps {start}..{start + args.steps - 1}")
+    if not any(fault.op_id == i.id for p in plans for i in p.class_of(fault.rank).instructions()):
+        raise PlanError(f"PIPER_FAULT names op {fault.op_id}, which rank {fault.rank} does not run")
+    return start
+
+
 def cmd_run(args: argparse.Namespace) -> None:
-    plan = Plan.load(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
-    rc = subprocess.call(torchrun_command(args, plan))
+    from executor import lifetime
+    from piper_sim.validate import load_valid_plan
+
+    plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
+    start = preflight(args, [plan])
+    if args.max_restarts:
+        if not args.save:
+            raise PlanError("--max-restarts needs --save DIR: restarted workers resume from its checkpoints")
+        args.end_step = args.end_step or start + args.steps
+    env = {**os.environ, "PIPER_VERBOSE": "1"} if args.verbose else None
+    rc = lifetime.run_launcher(torchrun_command(args, plan), env=env)
     if rc:
         raise SystemExit(rc)
 

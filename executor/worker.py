@@ -19,12 +19,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from executor import checkpoint
-from executor.cli import add_run_options
+from executor import checkpoint, heartbeat
+from executor.cli import add_run_options, preflight
 from executor.collectives import Comms
+from executor.lifetime import die_with_parent
 from executor.reference import compare, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
+from piper_sim.files import atomic_path
 from piper_sim.plan import Plan, PlanError
+from piper_sim.validate import load_valid_plan
 
 
 def build_parser(prog: str = "python -m executor") -> argparse.ArgumentParser:
@@ -35,10 +38,11 @@ def build_parser(prog: str = "python -m executor") -> argparse.ArgumentParser:
 
 
 def load_plans(paths: list[str], world_size: int, rank: int, check_hash: bool = True) -> list[Plan]:
-    """Load and check plans; raises PlanError before anything distributed starts."""
+    """Load and validate plans (the compiler's checks); raises PlanError or
+    PlanValidationError before anything distributed starts."""
     plans = []
     for path in paths:
-        plan = Plan.load(path, check_hash=check_hash)
+        plan = load_valid_plan(path, check_hash=check_hash)
         if plan.world_size != world_size:
             raise PlanError(f"{path} was compiled for {plan.world_size} ranks "
                             f"(pp {plan.layout.pp} x dp {plan.layout.dp}) but {world_size} were launched; "
@@ -53,6 +57,8 @@ def _device(choice: str, plan: Plan) -> torch.device:
     cpu_cluster = str(plan.meta.get("cluster", "cpu")).startswith("cpu")
     if choice == "cuda" or (choice == "auto" and not cpu_cluster and torch.cuda.is_available()):
         local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise PlanError(f"local rank {local} needs GPU {local} but this node has {torch.cuda.device_count()}")
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
@@ -64,9 +70,18 @@ def _say(args, obj: dict, text: str) -> None:
 
 def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> None:
     comms = Comms.create(plan, args.timeout)
-    rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=Fault.from_env())
+    # a worker restarted by torchrun (--max-restarts) resumes from the newest checkpoint it saved;
+    # injected faults fire in the first attempt only
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=None if restarted else Fault.from_env())
     rt.record_ops = bool(args.profile)  # record_function(op_id) around every plan op
-    start = checkpoint.load(rt, args.resume) if args.resume else 0
+    heartbeat.start(rt)
+    resume = args.save if restarted and args.save and checkpoint.complete_steps(args.save) else args.resume
+    start = checkpoint.load(rt, resume) if resume else 0
+    end = args.end_step or start + args.steps
+    if rank == 0 and restarted:
+        print(f"piper-sim executor: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming at step {start}",
+              file=sys.stderr, flush=True)
     dist.barrier()
     prof = nullcontext()
     if args.profile:
@@ -76,29 +91,31 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
         prof = profile(activities=acts)
     result = None
     with prof as p:
-        for step in range(start, start + args.steps):
+        for step in range(start, end):
             with torch.profiler.record_function(f"ProfilerStep#{step}"):  # the name prof.step() gives
                 result = rt.run_step(step)
             if rank == 0:
                 _say(args, {"plan": path, "step": step, "loss": result.loss, "step_time_s": result.time_s},
                      f"{path}: step {step}: loss {result.loss:.6f}  step time {result.time_s * 1e3:.1f} ms")
+            done = step + 1
+            if args.save and (done == end or (args.save_every and done % args.save_every == 0)):
+                checkpoint.save(rt, args.save, done, keep=args.keep)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-        p.export_chrome_trace(os.path.join(args.profile, f"rank{rank}.json"))
-    if args.save:
-        checkpoint.save(rt, args.save, start + args.steps)
+        with atomic_path(os.path.join(args.profile, f"rank{rank}.json")) as tmp:
+            p.export_chrome_trace(tmp)
     if (args.trace or args.timeline or args.kineto) and result is not None:
         write_trace(result.events, rank, args.trace, args.timeline, f"{path} step {result.step}",
                     kineto=args.kineto, step=result.step, dtype=plan.meta.get("dtype", "fp32"))
     if args.check:
-        ref, _ = reference_training(plan, start + args.steps, device)
+        ref, _ = reference_training(plan, end, device)
         diffs = torch.tensor(compare(rt.flats, comms, ref), dtype=torch.float64, device=device)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         if rank == 0:
             a, r = diffs.tolist()
-            _say(args, {"plan": path, "steps": start + args.steps, "max_abs_param_diff": a,
+            _say(args, {"plan": path, "steps": end, "max_abs_param_diff": a,
                         "max_rel_param_diff": r},
-                 f"{path}: check after {start + args.steps} steps vs single-process reference: "
+                 f"{path}: check after {end} steps vs single-process reference: "
                  f"max_abs_param_diff {a:.3e}  max_rel_param_diff {r:.3e}")
     dist.barrier()
     comms.destroy()
@@ -129,9 +146,9 @@ def write_trace(rows: list[dict], rank: int, trace: str | None, timeline: str | 
 def check_same_everywhere(args, plans: list[Plan]) -> None:
     """Collective: every rank (every node) must run the same plans with the same options,
     or the collectives they imply (trace gather, checks, checkpoints) would not match."""
-    mine = {"plans": [p.content_hash() for p in plans], "steps": args.steps, "check": args.check,
-            "save": bool(args.save), "resume": bool(args.resume),
-            "trace": bool(args.trace or args.timeline or args.kineto),
+    mine = {"plans": [p.content_hash() for p in plans], "steps": args.steps, "end_step": args.end_step,
+            "check": args.check, "save": bool(args.save), "save_every": args.save_every, "keep": args.keep,
+            "resume": bool(args.resume), "trace": bool(args.trace or args.timeline or args.kineto),
             "profile": bool(args.profile), "device": args.device}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -142,9 +159,13 @@ def check_same_everywhere(args, plans: list[Plan]) -> None:
                             "pass the same plan and options on every node")
 
 
-def _report(e: BaseException) -> None:
+def _report(e: BaseException, timeout_s: float) -> None:
     rank = os.environ.get("RANK", "?")
     msg = str(e) if str(e).startswith("rank ") else f"rank {rank}: {type(e).__name__}: {e}"
+    if "timeout" in msg.lower() or "timed out" in msg.lower():  # name who stopped, not only who waited
+        culprits = heartbeat.diagnose(stalled_s=timeout_s / 2)
+        if culprits:
+            msg += f"; {culprits}"
     print(f"piper-sim executor: error: {msg}", file=sys.stderr, flush=True)
     try:  # torchrun's failure summary reads this file
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
@@ -155,19 +176,22 @@ def _report(e: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:  # under torchrun: no life after the agent
+        die_with_parent()
     args = build_parser().parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:
         plans = load_plans(args.plans, world, rank, check_hash=not args.no_hash_check)
+        preflight(args, plans)
         if len(plans) > 1 and (args.save or args.resume or args.trace or args.timeline or args.kineto
                                or args.profile):
             raise PlanError("--save, --resume, --trace, --timeline, --kineto and --profile take a single plan")
+        device = _device(args.device, plans[0])
     except (PlanError, OSError, ValueError) as e:
         if rank == 0:
             print(f"piper-sim executor: refused: {e}", file=sys.stderr, flush=True)
         return 2
-    device = _device(args.device, plans[0])
     try:
         if not dist.is_initialized():
             if "MASTER_ADDR" not in os.environ:  # a single rank without torchrun
@@ -180,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             run_plan(path, plan, args, rank, device)
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - fail fast, never hang in teardown
-        _report(e)
+        _report(e, args.timeout)
         sys.stdout.flush()
         os._exit(1)
     exit_now(0)

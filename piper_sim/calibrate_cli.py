@@ -111,12 +111,17 @@ def calibrate_machine(quick: bool = False, nproc: int | None = None, threads: in
 
 def write_calibration(calib: dict, out: str) -> None:
     """Save atomically and check the simulator can load it."""
-    from costmodel.calibration import save_calibration
+    import json
+
+    from costmodel.calibration import check_calibration
     from costmodel.hardware import parse_cluster
     from costmodel.model import get_costmodel
+    from piper_sim.files import atomic_write
 
+    check_calibration(calib, out)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    save_calibration(calib, out)
+    with atomic_write(out) as f:
+        json.dump(calib, f, indent=2)
     get_costmodel(out, parse_cluster(f"cpu:{calib.get('meta', {}).get('nproc', 2)}"))
 
 

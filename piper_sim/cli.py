@@ -9,6 +9,7 @@ import os
 import sys
 import warnings
 
+from piper_sim.checks import arg_int
 from piper_sim.plan import Plan, PlanError
 
 log = logging.getLogger("piper_sim.cli")
@@ -59,7 +60,12 @@ def cmd_expand(args: argparse.Namespace) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> None:
+    from piper_sim.validate import check_layout
+
     plan = Plan.load(args.plan, check_hash=not args.no_hash_check)
+    check_layout(plan)
+    if args.rank is not None and args.rank >= plan.world_size:
+        raise ValueError(f"--rank {args.rank}: the plan has ranks 0..{plan.world_size - 1}")
     ranks = range(len(plan.classes)) if args.rank is None else [plan.layout.coords(args.rank)[0]]
     if args.csv:
         from piper_sim.pipelining import write_schedule_csv
@@ -109,10 +115,17 @@ def cmd_validate(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}/validation.csv, validation.json, overlay.png and the plans and measured traces")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is one ``-h`` away); sub-commands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from piper_sim import __version__
 
-    p = argparse.ArgumentParser(prog="piper-sim", description=__doc__)
+    p = Parser(prog="piper-sim", description=__doc__)
     p.add_argument("--version", action="version", version=f"piper-sim {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="more log output on stderr (-v: debug); before the subcommand")
@@ -137,15 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--comms", action="store_true",
                    help="with --csv: add the plan's SEND/RECV and REDUCE_GRAD actions "
                         "(torch's compute_comms format)")
-    s.add_argument("--rank", type=int, help="only this global rank's class")
+    s.add_argument("--rank", type=arg_int(0), help="only this global rank's class")
     s.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
     s.set_defaults(func=cmd_show)
     v = sub.add_parser("validate", help="simulate and execute strategies; report predicted vs measured")
     v.add_argument("strategies", nargs="*", metavar="STRATEGY.json", help="strategy files to validate")
     v.add_argument("--suite", action="store_true", help="add the built-in suite (10 strategies on cpu:2/cpu:4)")
     v.add_argument("--costmodel", help="default: traces/calibration/cpu-2core.json when present")
-    v.add_argument("--steps", type=int, default=6, help="measured training steps per strategy (default 6)")
-    v.add_argument("--warmup", type=int, default=2, help="steps left out of the measured median")
+    v.add_argument("--steps", type=arg_int(1), default=6, help="measured training steps per strategy (default 6)")
+    v.add_argument("--warmup", type=arg_int(0), default=2, help="steps left out of the measured median")
     v.add_argument("--out", default="validation", metavar="DIR",
                    help="folder for the report, plans and measured traces (default: validation)")
     v.set_defaults(func=cmd_validate)
@@ -202,10 +215,18 @@ def main(argv: list[str] | None = None) -> int:
             if args.log_quiet >= 2:
                 warnings.simplefilter("ignore")
             args.func(args)
-    except (ValueError, PlanError, FileNotFoundError) as e:  # StrategyError & co are ValueErrors
-        print(f"piper-sim: error: {e}", file=sys.stderr)  # always, whatever -q says
+    except (ValueError, PlanError) as e:  # StrategyError, PlanValidationError & co are ValueErrors
+        print(f"piper-sim: error: {_one_line(str(e))}", file=sys.stderr)  # always, whatever -q says
+        return 2
+    except OSError as e:  # unreadable input, a directory, a full disk: name the file
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"piper-sim: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()) if "\n" in text else text
 
 
 if __name__ == "__main__":

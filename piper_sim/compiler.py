@@ -18,6 +18,8 @@ from piper_sim.memory import model_memory
 from piper_sim.models import ModelConfig, get_config
 from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
+from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
+from piper_sim.schedules import stages_per_rank
 from piper_sim.strategy import Strategy, StrategyError, parse_strategy
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -121,11 +123,37 @@ def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
     return stages
 
 
+def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
+    """Instructions of the folded plan, read off the high-level directives without expanding
+    them: per pipeline rank, (stage, micro-batch) pairs x (F, B or BI+BW, a send, a receive,
+    and under expert parallelism per MoE layer a dispatch and a combine each way and two more
+    compute pieces)."""
+    by_op = {d["op"]: d for d in strategy.directives}
+    m = by_op.get("split", {}).get("microbatches", strategy.microbatches)
+    pipe = by_op.get("pipeline", {})
+    pp = pipe.get("degree", 1)
+    name = by_op.get("schedule", {}).get("name", "interleaved_1f1b" if pipe.get("stages_per_rank", 1) > 1 else "1f1b")
+    try:
+        v = stages_per_rank(name, pp, m, pipe.get("stages_per_rank"))
+    except ValueError:
+        return 0  # an impossible schedule: expanding it says why, at once
+    pairs = m * v // (2 if name == "dualpipe" else 1)  # dualpipe: two copies, half the micro-batches each
+    per_pair = 5
+    if "expert_parallel" in by_op and cfg.is_moe:
+        per_pair += 6 * -(-(cfg.n_layers - cfg.first_dense) // (pp * v))
+    return pp * pairs * per_pair
+
+
 def _setup_and_layout(strategy: Strategy) -> tuple[ModelConfig, Setup, Layout, int]:
     try:
         cfg = get_config(strategy.model)
     except ValueError as e:
         raise StrategyError(f"model: {e}") from None
+    size = estimated_instructions(strategy, cfg)
+    if size > MAX_PLAN_INSTRUCTIONS:
+        raise StrategyError(f"plan too large: about {size:,} instructions ({strategy.microbatches:,} micro-batches) "
+                            f"exceed the limit of {MAX_PLAN_INSTRUCTIONS:,} (piper_sim.checks.MAX_PLAN_INSTRUCTIONS); "
+                            "use fewer micro-batches or stages per rank")
     try:
         cluster = parse_cluster(strategy.cluster)
     except ValueError as e:

@@ -17,6 +17,7 @@ import argparse
 import os
 import subprocess
 
+from piper_sim.checks import arg_int
 from piper_sim.explore_cli import emit_best, progress_printer
 
 DEFAULT = {"model": "qwen3-moe-9b", "cluster": "h100:4x8", "global_batch": 256, "seq_len": 4096}
@@ -113,7 +114,7 @@ def _busy_note() -> str:
 def add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="explore a built-in default, then run a small plan of its kind for real")
     p.add_argument("--out", default="piper-sim-demo", help="folder for the table, pictures and plans")
-    p.add_argument("--workers", type=int, default=None, help="processes for the exploration (default: all cores)")
+    p.add_argument("--workers", type=arg_int(1), default=None, help="processes for the exploration (default: all cores)")
     p.add_argument("--no-run", action="store_true", help="skip the measured run on this machine")
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not calibrate this machine: simulate the small plan uncalibrated (and say so)")

@@ -147,10 +147,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
         op = d["op"]
         where = f"directive {op}"
         if op == "place":
-            stage, r = d["stage"], d["pp_rank"]
-            for key in ("stage", "pp_rank"):
-                if isinstance(d[key], bool) or not isinstance(d[key], int) or d[key] < 0:
-                    raise StrategyError(f"{where}: field '{key}' must be an integer >= 0 (got {d[key]!r})")
+            stage, r = d["stage"], d["pp_rank"]  # types checked by strategy.check_directive
             lo, hi = d.get("microbatches", [0, m])
             if "from" not in d and stage not in user_placed:
                 placement[stage] = []  # a user's place replaces the generated one
@@ -183,6 +180,9 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     if missing:
         raise StrategyError(f"place: stage(s) {missing} are not placed on any pipeline rank")
     pp = max(r for copies in placement.values() for r, _, _ in copies) + 1
+    for r in orders:
+        if r >= pp:
+            raise StrategyError(f"directive order: pp_rank {r} is outside the pipeline ranks 0..{pp - 1}")
     for stage, copies in placement.items():
         covered = sorted((lo, hi) for _, lo, hi in copies)
         pos = 0

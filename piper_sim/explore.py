@@ -28,6 +28,7 @@ from costmodel.memory import fits
 from costmodel.model import get_costmodel
 from piper_sim.models import get_config
 from piper_sim.strategy import StrategyError
+from piper_sim.trace import save_figure
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -364,7 +365,9 @@ def format_table(result: ExploreResult, top: int = 10) -> str:
 def write_csv(result: ExploreResult, path: str) -> None:
     fields = ["strategy", "status", "tokens_per_s", "step_time_s", "mfu", "bubble_fraction",
               "peak_memory_bytes", "lower_bound_s", "reason"]
-    with open(path, "w", newline="") as f:
+    from piper_sim.files import atomic_write
+
+    with atomic_write(path, newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields + list(asdict(result.rows[0].candidate)) if result.rows else fields)
         w.writeheader()
         for r in sorted(result.rows, key=lambda r: (r.status != "ok", r.step_time_s)):
@@ -402,7 +405,7 @@ def plot_pareto(result: ExploreResult, path: str | None = None, *, ax: Any = Non
     if own:
         fig.tight_layout()
     if path:
-        fig.savefig(path, dpi=120)
+        save_figure(fig, path, dpi=120)
     return fig
 
 

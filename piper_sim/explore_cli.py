@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from piper_sim.checks import arg_int
+
 
 def progress_printer(enabled: bool = True):
     """A one-line progress bar on stderr (``[simulate] 120/400``)."""
@@ -35,7 +37,9 @@ def emit_best(result, out_dir: str, costmodel: str = "analytic") -> dict[str, st
     paths = {k: os.path.join(out_dir, f) for k, f in
              (("strategy", "best_strategy.json"), ("plan", "best_plan.json"), ("trace", "best_trace.json"),
               ("timeline", "best_timeline.png"), ("memory", "best_memory.png"))}
-    with open(paths["strategy"], "w") as f:
+    from piper_sim.files import atomic_write
+
+    with atomic_write(paths["strategy"]) as f:
         json.dump(strategy, f, indent=1)
     plan = compile(strategy)
     plan.save(paths["plan"])
@@ -77,12 +81,12 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
                    help="a model of the zoo (`piper-sim models`)")
     p.add_argument("--cluster", required="cluster" not in d, default=d.get("cluster"),
                    help="cpu:N, a100|h100|h200|h800|b200|mi300x:NODESxGPUS, or a YAML/JSON cluster file")
-    p.add_argument("--global-batch", type=int, required="global_batch" not in d, default=d.get("global_batch"),
+    p.add_argument("--global-batch", type=arg_int(1), required="global_batch" not in d, default=d.get("global_batch"),
                    help="sequences per training step")
-    p.add_argument("--seq-len", type=int, required="seq_len" not in d, default=d.get("seq_len"),
+    p.add_argument("--seq-len", type=arg_int(1), required="seq_len" not in d, default=d.get("seq_len"),
                    help="tokens per sequence")
     p.add_argument("--costmodel", default="analytic", help="analytic, unit:..., or a calibration JSON")
-    p.add_argument("--top", type=int, default=10, help="rows of the printed table (default 10)")
+    p.add_argument("--top", type=arg_int(1), default=10, help="rows of the printed table (default 10)")
     p.add_argument("--csv", metavar="OUT.csv", help="write every candidate with its status and numbers")
     p.add_argument("--plot", help="throughput-vs-memory Pareto PNG")
     p.add_argument("--emit-best", metavar="DIR", help="write the best strategy, plan and timeline here")
@@ -90,7 +94,7 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     p.add_argument("--zero", default=d.get("zero"), help="comma-separated ZeRO levels (default 0,1,2,3)")
     p.add_argument("--no-recompute", action="store_true", default=d.get("no_recompute", False),
                    help="leave activation recomputation out of the search")
-    p.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    p.add_argument("--workers", type=arg_int(1), default=None, help="processes (default: all cores)")
     p.add_argument("--ray", action="store_true", help="run the sweep on Ray when installed")
     p.add_argument("--no-prune", action="store_true", help="simulate every strategy (exhaustive)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from piper_sim import kernels
+from piper_sim.checks import MAX_BUCKETS_PER_STAGE
 from piper_sim.directives import Setup
 from piper_sim.memory import PieceMemory, SegmentMemory, piece_memory
 from piper_sim.plan import Instruction, Layout
@@ -595,6 +596,10 @@ def _group_size(ctx: Context, ins: Instruction) -> int:
 def _buckets(param_bytes: float, bucket_mb: float | None, n_units: int) -> list[float]:
     """Equal gradient buckets: one per layer by default, else of ``bucket_mb`` MB."""
     n = max(1, n_units) if bucket_mb is None else max(1, math.ceil(param_bytes / (bucket_mb * 2**20)))
+    if n > MAX_BUCKETS_PER_STAGE:
+        raise StrategyError(f"replicate: bucket_mb {bucket_mb:g} cuts a stage's {param_bytes / 2**20:.3g} MB into "
+                            f"{n:,} gradient buckets; the limit is {MAX_BUCKETS_PER_STAGE:,} per stage "
+                            "(piper_sim.checks.MAX_BUCKETS_PER_STAGE): use a larger bucket_mb")
     return [param_bytes / n] * n
 
 

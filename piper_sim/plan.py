@@ -273,12 +273,14 @@ class Plan:
         return json.dumps(self.to_json(), separators=(",", ":"))
 
     def save(self, path: str) -> None:
-        with open(path, "w") as f:
-            f.write(self.dumps())
+        """Write atomically: a killed save leaves the previous file, never a partial one."""
+        from piper_sim.files import write_text
+
+        write_text(path, self.dumps())
 
     @classmethod
     def from_json(cls, d: dict[str, Any], check_hash: bool = True) -> "Plan":
-        if d.get("format") != PLAN_FORMAT:
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
             raise PlanError("not a piper-sim plan file (missing format 'piper-sim-plan'); "
                             "compile one with `piper-sim compile STRATEGY.json -o PLAN.json`")
         if d.get("version") != PLAN_VERSION:
@@ -288,6 +290,15 @@ class Plan:
         if check_hash and _hash(body) != d.get("hash"):
             raise PlanError("plan content hash mismatch: the file was edited after compiling; "
                             "recompile it, or pass check_hash=False / --no-hash-check to accept edits")
+        try:
+            return cls._from_body(d)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            raise PlanError(f"malformed plan file ({type(e).__name__}: {e}); recompile the strategy") from None
+
+    @classmethod
+    def _from_body(cls, d: dict[str, Any]) -> "Plan":
+        if not isinstance(d["meta"], dict):
+            raise TypeError("meta must be an object")
         layout = Layout.from_json(d["layout"])
         classes = [
             RankClass(pp_rank=c["pp_rank"], ranks=_expand_ranks(c["ranks"]), stages=c["stages"],
@@ -305,8 +316,12 @@ class Plan:
         try:
             with open(path) as f:
                 d = json.load(f)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if isinstance(e, UnicodeDecodeError):
+                raise PlanError(f"{path}: not a text (JSON) file") from None
             raise PlanError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        except RecursionError:
+            raise PlanError(f"{path}: JSON nested too deeply") from None
         return cls.from_json(d, check_hash=check_hash)
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "build_schedule",
     "canonical_schedule",
     "format_slot",
+    "stages_per_rank",
     "validate_orders",
 ]
 
@@ -382,6 +383,11 @@ def _check(name: str, pp: int, m: int, spr: int | None) -> int:
         raise _fail(name, f"needs microbatches >= number of stages 2*pp like torch's "
                           f"ScheduleDualPipeV (got m={m}, pp={pp}); use {2 * pp}")
     return 2
+
+
+def stages_per_rank(name: str, pp: int, microbatches: int, requested: int | None = None) -> int:
+    """The stages each pipeline rank holds under schedule ``name`` (ScheduleError if impossible)."""
+    return _check(name, pp, microbatches, requested)
 
 
 def build_schedule(name: str, pp: int, microbatches: int, stages_per_rank: int | None = None,

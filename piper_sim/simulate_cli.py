@@ -11,7 +11,6 @@ import argparse
 import json
 import sys
 
-from piper_sim.plan import Plan
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -35,8 +34,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     from piper_sim.simulator import simulate
+    from piper_sim.validate import load_valid_plan
 
-    plan = Plan.load(args.plan, check_hash=not args.no_hash_check)
+    plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)
     result = simulate(plan, costmodel=args.costmodel, fold=not args.no_fold)
     m = plan.meta
     title = (f"{m.get('model', '?')} on {m.get('cluster', '?')}: pp={plan.layout.pp} dp={plan.layout.dp} "

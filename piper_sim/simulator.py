@@ -37,6 +37,7 @@ from costmodel.model import CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
 from piper_sim import trace
 from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan
+from piper_sim.validate import check_layout
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -768,6 +769,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     t0 = time.perf_counter()
     if isinstance(plan, str):
         plan = Plan.load(plan)
+    check_layout(plan)
     cluster = None
     if not isinstance(costmodel, CostModel):
         spec = str(costmodel)

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from piper_sim import checks
+
 
 class StrategyError(ValueError):
     """Bad strategy input; the message is one line naming the directive/field and the fix."""
@@ -88,10 +90,33 @@ class Strategy:
         return " ".join(parts) or "single device"
 
 
-def _check_int(value: Any, where: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise StrategyError(f"{where} must be an integer >= {minimum} (got {value!r})")
-    return value
+def _check_int(value: Any, where: str, minimum: int = 1, maximum: int | None = checks.MAX_COUNT) -> int:
+    return checks.integer(value, where, minimum, maximum, StrategyError)
+
+
+def _check_values(d: dict[str, Any], where: str) -> None:
+    """Exact types and ranges of the fields that more than one op shares or that hold lists."""
+    for key in ("stage", "pp_rank"):
+        if key in d:
+            _check_int(d[key], f"{where} field '{key}'", minimum=0)
+    for key in ("name", "from"):
+        if key in d and not isinstance(d[key], str):
+            raise StrategyError(f"{where} field '{key}' must be a string (got {d[key]!r})")
+    if d["op"] == "place" and "microbatches" in d:
+        mbs = d["microbatches"]
+        if not isinstance(mbs, list) or len(mbs) != 2:
+            raise StrategyError(f"{where} field 'microbatches' must be [first, end] (got {mbs!r})")
+        first = _check_int(mbs[0], f"{where} field 'microbatches' first", minimum=0)
+        _check_int(mbs[1], f"{where} field 'microbatches' end", minimum=first + 1)
+    if "stages" in d and d["stages"] != "all":
+        if not isinstance(d["stages"], list):
+            raise StrategyError(f"{where} field 'stages' must be \"all\" or a list of stage numbers "
+                                f"(got {d['stages']!r})")
+        for s in d["stages"]:
+            _check_int(s, f"{where} field 'stages' entry", minimum=0)
+    if "slots" in d and (not isinstance(d["slots"], list) or not all(isinstance(s, str) for s in d["slots"])):
+        raise StrategyError(f"{where} field 'slots' must be a list of action strings like '0F1' or '(0F3;1B2)' "
+                            f"(got {d['slots']!r})")
 
 
 def check_directive(d: Any, index: int) -> dict[str, Any]:
@@ -99,8 +124,8 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
     if not isinstance(d, dict) or "op" not in d:
         raise StrategyError(f"directive #{index} must be an object with an 'op' field (got {d!r})")
     op = d["op"]
-    if op not in DIRECTIVE_FIELDS:
-        raise StrategyError(f"directive #{index}: unknown op {op!r}; known ops: "
+    if not isinstance(op, str) or op not in DIRECTIVE_FIELDS:
+        raise StrategyError(f"directive #{index}: unknown op {op!r} in field 'op'; known ops: "
                             + ", ".join(DIRECTIVE_FIELDS))
     required, optional = DIRECTIVE_FIELDS[op]
     unknown = d.keys() - required - optional - {"op"}
@@ -115,10 +140,11 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
     for key in ("degree", "stages_per_rank", "microbatches"):
         if key in d and not (op == "place" and key == "microbatches"):
             _check_int(d[key], f"{where} field '{key}'")
-    if "zero" in d and d["zero"] not in (0, 1, 2, 3):
-        raise StrategyError(f"{where} field 'zero' must be 0, 1, 2 or 3 (got {d['zero']!r})")
-    if "bucket_mb" in d and (not isinstance(d["bucket_mb"], (int, float)) or d["bucket_mb"] <= 0):
-        raise StrategyError(f"{where} field 'bucket_mb' must be a positive number of MB (got {d['bucket_mb']!r})")
+    if "zero" in d:
+        _check_int(d["zero"], f"{where} field 'zero'", minimum=0, maximum=3)
+    if "bucket_mb" in d:
+        checks.number(d["bucket_mb"], f"{where} field 'bucket_mb' (MB)", error=StrategyError)
+    _check_values(d, where)
     if "reduce" in d:
         if d["reduce"] not in REDUCE_MODES:
             raise StrategyError(f"{where} field 'reduce' must be 'per_microbatch' or 'per_step' (got {d['reduce']!r})")
@@ -136,13 +162,6 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
                             f"layer counts, one per stage (got {d['layers_per_stage']!r})")
     if "mode" in d and d["mode"] not in RECOMPUTE_MODES:
         raise StrategyError(f"{where} field 'mode' must be 'full' or 'selective' (got {d['mode']!r})")
-    if op == "recompute" and "stages" in d and d["stages"] != "all" and (
-            not isinstance(d["stages"], list)
-            or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in d["stages"])):
-        raise StrategyError(f"{where} field 'stages' must be \"all\" or a list of stage indices >= 0 "
-                            f"(got {d['stages']!r})")
-    if op == "order" and not isinstance(d["slots"], list):
-        raise StrategyError(f"{where} field 'slots' must be a list of action strings like '0F1' or '(0F3;1B2)'")
     return d
 
 
@@ -169,6 +188,9 @@ def parse_strategy(data: Any) -> Strategy:
     directives = data.get("directives", [])
     if not isinstance(directives, list):
         raise StrategyError("strategy field 'directives' must be a list of {\"op\": ...} objects")
+    seed = _check_int(data.get("seed", 0), "strategy field 'seed'", minimum=0, maximum=2**63 - 1)
+    if not isinstance(data.get("name", ""), str):
+        raise StrategyError(f"strategy field 'name' must be a string (got {data['name']!r})")
     directives = [check_directive(d, i) for i, d in enumerate(directives)]
     seen: set[str] = set()
     for i, d in enumerate(directives):
@@ -178,7 +200,7 @@ def parse_strategy(data: Any) -> Strategy:
             seen.add(d["op"])
     return Strategy(model=data["model"], cluster=data["cluster"], global_batch=global_batch,
                     seq_len=seq_len, microbatches=microbatches, directives=directives, dtype=dtype,
-                    name=str(data.get("name", "")), seed=int(data.get("seed", 0)))
+                    name=data.get("name", ""), seed=seed)
 
 
 def load_strategy(path: str) -> Strategy:
@@ -189,4 +211,8 @@ def load_strategy(path: str) -> Strategy:
         raise StrategyError(f"strategy file {path} not found") from None
     except json.JSONDecodeError as e:
         raise StrategyError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise StrategyError(f"{path}: not a text (JSON) file") from None
+    except RecursionError:
+        raise StrategyError(f"{path}: JSON nested too deeply") from None
     return parse_strategy(data)

@@ -20,6 +20,7 @@ backend. pandas and matplotlib are imported inside the functions.
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
@@ -66,6 +67,17 @@ def memory_to_dataframe(samples: Iterable[tuple[int, float, float]]) -> "pd.Data
     import pandas as pd
 
     return pd.DataFrame(list(samples), columns=list(MEMORY_COLUMNS))
+
+
+def save_figure(fig, path: str | None, dpi: int):
+    """Save a matplotlib figure atomically (format from the extension) when ``path`` is
+    given; returns the figure (never touches pyplot or the backend)."""
+    if path:
+        from piper_sim.files import atomic_path
+
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
+    return fig
 
 
 # --------------------------------------------------------------------- chrome trace
@@ -185,7 +197,9 @@ def memory_counters(memory: "pd.DataFrame", static_bytes: dict[int, float] | Non
 def write_chrome_trace(df: "pd.DataFrame", path: str, flows: bool = True, name: str = "piper-sim",
                        memory: "pd.DataFrame | None" = None, static_bytes: dict[int, float] | None = None) -> None:
     """Write a Chrome trace JSON file that Perfetto (ui.perfetto.dev) and chrome://tracing open."""
-    with open(path, "w") as f:
+    from piper_sim.files import atomic_write
+
+    with atomic_write(path) as f:
         json.dump(chrome_trace(df, flows=flows, name=name, memory=memory, static_bytes=static_bytes), f,
                   separators=(",", ":"))
 
@@ -281,9 +295,7 @@ def _png_bytes(fig: Any) -> bytes:
 
 
 def _save(fig: Any, path: str | None, dpi: int) -> Any:
-    if path:
-        fig.savefig(path, dpi=dpi)
-    return fig
+    return save_figure(fig, path, dpi)
 
 
 def _pick_ranks(df: "pd.DataFrame", ranks: Sequence[int] | None, max_ranks: int) -> list[int]:

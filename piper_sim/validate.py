@@ -1,5 +1,8 @@
-"""Checks on a Plan: the same checks run after compiling and on hand-edited plan files.
+"""Checks on a Plan: the same checks run after compiling, before simulating a plan file
+and before the executor starts any process group (`load_valid_plan`).
 
+- the layout matches the plan's content (one class per pipeline rank, its ranks, the
+  stages it holds, peers and kinds in range: `check_layout`);
 - every dependency names an op of the same rank;
 - every SEND has its RECV on the peer (and back);
 - every collective exists on all members of its group with the same kind and size;
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from piper_sim.plan import COLLECTIVE_KINDS, Plan
+from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, Plan, PlanError
 
 
 class PlanValidationError(ValueError):
@@ -26,12 +29,73 @@ def _members(plan: Plan, group: str, pp_rank: int, cache: dict) -> list[int]:
     """Pipeline-rank classes taking part in a (symbolic) group, seen from ``pp_rank``."""
     if (group, pp_rank) not in cache:
         rep = plan.layout.rank(pp_rank, 0)
-        cache[(group, pp_rank)] = sorted({plan.layout.coords(r)[0] for r in plan.layout.group_ranks(group, rep)})
+        try:
+            ranks = plan.layout.group_ranks(group, rep)
+        except (PlanError, KeyError, ValueError, IndexError):
+            raise PlanValidationError(f"rank class {pp_rank}: collective group {group!r} names no group of "
+                                      "this layout") from None
+        if any(not 0 <= r < plan.world_size for r in ranks):
+            raise PlanValidationError(f"rank class {pp_rank}: collective group {group!r} names ranks outside "
+                                      f"0..{plan.world_size - 1}")
+        cache[(group, pp_rank)] = sorted({plan.layout.coords(r)[0] for r in ranks})
     return cache[(group, pp_rank)]
+
+
+def _int(x, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def check_layout(plan: Plan) -> None:
+    """The layout against the plan's content: cheap (one pass over the folded plan); the
+    simulator runs it on every plan, `validate_plan` starts with it."""
+    lay = plan.layout
+    if not (_int(lay.pp, 1) and _int(lay.dp, 1) and _int(lay.ep, 1)) or lay.dp % lay.ep:
+        raise PlanValidationError(f"layout pp={lay.pp!r} dp={lay.dp!r} ep={lay.ep!r}: expected integers >= 1 "
+                                  "with ep dividing dp")
+    if len(plan.classes) != lay.pp:
+        raise PlanValidationError(f"layout.pp={lay.pp} but the plan has {len(plan.classes)} rank classes "
+                                  "(one per pipeline rank)")
+    for s, prs in lay.stage_ranks.items():
+        if not prs or any(not _int(r) or r >= lay.pp for r in prs):
+            raise PlanValidationError(f"layout.stage_ranks[{s}] = {prs!r}: pipeline ranks must be in 0..{lay.pp - 1}")
+    for i, c in enumerate(plan.classes):
+        if c.pp_rank != i or c.ranks != [lay.rank(i, d) for d in range(lay.dp)]:
+            raise PlanValidationError(f"rank class #{i} (pp_rank {c.pp_rank}, ranks {c.ranks[:4]}...) does not "
+                                      f"match layout pp={lay.pp} dp={lay.dp}")
+        for s in c.stages:
+            if i not in lay.stage_ranks.get(s, []):
+                raise PlanValidationError(f"rank class {i} holds stage {s}, which layout.stage_ranks does not "
+                                          f"place on pipeline rank {i}")
+        for stream, lst in c.streams.items():
+            for ins in lst:
+                bad = (not isinstance(ins.id, str) or ins.kind not in ALL_KINDS or not _int(ins.stage, -1)
+                       or not _int(ins.mb, -1) or not isinstance(ins.deps, list)
+                       or not all(isinstance(d, str) for d in ins.deps))
+                if bad:
+                    raise PlanValidationError(f"rank class {i} stream {stream}: malformed instruction {ins.id!r} "
+                                              f"(kind {ins.kind!r}, stage {ins.stage!r}, mb {ins.mb!r}, "
+                                              f"deps {ins.deps!r})")
+                if ins.kind in P2P_KINDS and not (_int(ins.peer) and ins.peer < lay.pp and ins.peer != i):
+                    raise PlanValidationError(f"rank class {i}: {ins.id} has peer {ins.peer!r}; expected another "
+                                              f"pipeline rank in 0..{lay.pp - 1}")
+                if ins.stage >= 0 and ins.stage not in c.stages and ins.kind not in P2P_KINDS:
+                    raise PlanValidationError(f"rank class {i}: {ins.id} runs stage {ins.stage}, which this "
+                                              f"class does not hold (stages {c.stages})")
+
+
+def load_valid_plan(path: str, check_hash: bool = True) -> Plan:
+    """`Plan.load` and `validate_plan`: what every back end does with a plan file."""
+    plan = Plan.load(path, check_hash=check_hash)
+    try:
+        validate_plan(plan)
+    except PlanValidationError as e:
+        raise PlanValidationError(f"{path}: invalid plan: {e}") from None
+    return plan
 
 
 def validate_plan(plan: Plan) -> None:
     """Raise `PlanValidationError` if the plan cannot run; return quietly otherwise."""
+    check_layout(plan)
     ops: dict[tuple[int, str], object] = {}
     for c in plan.classes:
         for stream, lst in c.streams.items():

@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from piper_sim.api import as_strategy, compile
+from piper_sim.files import atomic_write
 from piper_sim.strategy import Strategy
+from piper_sim.trace import save_figure
 
 
 @dataclass
@@ -45,7 +47,8 @@ def measure(plan_path: str, steps: int, warmup: int, trace: str, timeout_s: floa
            "--trace", trace]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if r.returncode:
-        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        lines = r.stderr.strip().splitlines() or ["no output"]
+        last = next((x for x in reversed(lines) if "error" in x), lines[-1])  # a rank's line, not the summary
         raise MeasurementError(f"{plan_path}: executor exited {r.returncode}: {last}")
     steps_out = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{") and "step_time_s" in x]
     times = [s["step_time_s"] for s in steps_out[warmup:]] or [s["step_time_s"] for s in steps_out]
@@ -120,7 +123,7 @@ def overlay_timeline(sim, meas, path: str | None = None, title: str = "", *, ax:
     if own:
         fig.tight_layout()
     if path:
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, dpi=110)
     return fig
 
 
@@ -165,13 +168,14 @@ def validate(strategies: list, costmodel: str, steps: int = 6, warmup: int = 2, 
         if progress:
             progress(row)
     table = pd.DataFrame([asdict(r) for r in rows])
-    table.to_csv(os.path.join(out_dir, "validation.csv"), index=False)
+    with atomic_write(os.path.join(out_dir, "validation.csv"), newline="") as f:
+        table.to_csv(f, index=False)
     errors = [abs(r.error_pct) for r in rows]
     summary = {"costmodel": costmodel, "steps": steps, "warmup": warmup,
                "median_abs_error_pct": statistics.median(errors) if errors else float("nan"),
                "kendall_tau": kendall_tau([r.predicted_s for r in rows], [r.measured_s for r in rows]),
                "rows": [asdict(r) for r in rows]}
-    with open(os.path.join(out_dir, "validation.json"), "w") as f:
+    with atomic_write(os.path.join(out_dir, "validation.json")) as f:
         json.dump(summary, f, indent=1)
     summary["table"] = table  # the rows as a DataFrame (not in the JSON file)
     return summary

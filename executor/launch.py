@@ -1,0 +1,57 @@
+"""``python -m executor.launch [torchrun options] -m executor PLAN.json ...``: torchrun, quiet.
+
+What ``piper-sim run`` starts. The same as ``python -m torch.distributed.run`` with the same
+options, except that unless ``PIPER_VERBOSE=1`` (``piper-sim run -v``) torchrun's own
+warnings and its failure report (a ~45-line ``ChildFailedError`` traceback) are left out:
+each failing rank has printed its one line already, and this adds one line naming the
+first rank that failed. Exit status (documented for ``piper-sim run``):
+
+- 0: every rank finished;
+- 1: a rank failed (its message and this summary line are on stderr);
+- 128+N: stopped by signal N (SIGTERM, SIGINT, SIGHUP), after stopping the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+RANK_FAILED = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    verbose = os.environ.get("PIPER_VERBOSE") == "1"
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not verbose:  # torchrun's loggers (banner, warnings, its own failure lines)
+        for name, logger in list(logging.root.manager.loggerDict.items()):
+            if name.startswith("torch.distributed") and isinstance(logger, logging.Logger):
+                logger.setLevel(logging.CRITICAL)
+
+    try:
+        run.main(argv if argv is not None else sys.argv[1:])
+    except ChildFailedError as e:
+        if verbose:
+            raise
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else \
+            f"failed first (exit code {code}; its message is above)"
+        print(f"piper-sim run: rank {rank} {how}; piper-sim run -v shows torchrun's report",
+              file=sys.stderr, flush=True)
+        return RANK_FAILED
+    except SignalException as e:
+        if verbose:
+            raise
+        print(f"piper-sim run: stopped by {signal.Signals(e.sigval).name}; the workers were stopped",
+              file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""No orphans: SIGKILL of torchrun or of `piper-sim run`, or SIGTERM of `piper-sim run`,
+leaves no worker running (checked with ps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_executor import ROOT, save_plan, strategy
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _procs_with(needle: str) -> dict[int, tuple[int, str]]:
+    """pid -> (ppid, command line) of the live processes whose command line holds ``needle``."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,stat=,args="], capture_output=True, text=True).stdout
+    procs = {}
+    for line in out.splitlines():
+        pid, ppid, stat, args = line.split(None, 3)
+        if needle in args and not stat.startswith("Z") and int(pid) != os.getpid():
+            procs[int(pid)] = (int(ppid), args)
+    return procs
+
+
+def _start(plan: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "piper_sim.cli", "run", plan, "--steps", "100000", "--json"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    line = proc.stdout.readline()  # the first step: every rank is training
+    assert line.startswith("{") and json.loads(line)["step"] == 0, (line, proc.stderr.read()[-2000:])
+    return proc
+
+
+def _gone_within(needle: str, seconds: float) -> dict:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = _procs_with(needle)
+        if not left:
+            return {}
+        time.sleep(0.25)
+    return _procs_with(needle)
+
+
+@pytest.mark.parametrize("victim,sig", [("torchrun", signal.SIGKILL), ("piper-sim run", signal.SIGKILL),
+                                        ("piper-sim run", signal.SIGTERM)])
+def test_no_worker_outlives_its_launcher(tmp_path, victim, sig):
+    plan = save_plan(tmp_path, "pp2", strategy(pp=2, sched="1f1b", m=4))
+    proc = _start(plan)
+    try:
+        procs = _procs_with(plan)
+        launcher = [p for p, (pp, a) in procs.items() if "executor.launch" in a and pp == proc.pid]
+        workers = [p for p, (pp, a) in procs.items() if launcher and pp == launcher[0]]
+        assert len(workers) == 2 and len(launcher) == 1, procs
+        os.kill(proc.pid if victim == "piper-sim run" else launcher[0], sig)
+        left = _gone_within(plan, 15)
+        assert not left, f"alive 15 s after {sig.name} of {victim}: {left}"
+        rc = proc.wait(timeout=30)
+        if victim == "piper-sim run" and sig == signal.SIGTERM:
+            assert rc == 128 + signal.SIGTERM, (rc, proc.stderr.read()[-2000:])
+        elif victim == "torchrun":
+            assert rc == 128 + signal.SIGKILL, rc  # torchrun's fate, as a shell would report it
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _run(plan: str, fault: str, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    t = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", plan, "--steps", "3", *extra], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONWARNINGS": "ignore", "PIPER_FAULT": fault})
+    return r, time.monotonic() - t
+
+
+def test_a_hung_rank_is_named_with_its_op_and_one_line_per_failure(tmp_path):
+    """The rank left waiting names the hung rank and the op it hangs at (heartbeats) once
+    --timeout has passed; no torchrun traceback; exit status 1."""
+    plan = save_plan(tmp_path, "pp2", strategy(pp=2, sched="1f1b", m=4))
+    r, elapsed = _run(plan, "1:1:F.s1.mb2:hang", "--timeout", "10")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "rank 1 is stuck at step 1, F.s1.mb2" in r.stderr and "(hung)" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 3, lines  # the injection notice, the waiting rank's error, the summary
+    assert lines[-1].startswith("piper-sim run: rank 0 failed first")
+    assert elapsed < 10 + 5 + 30, elapsed  # timeout + 5 s, plus start-up on two busy cores
+
+
+def test_a_killed_rank_is_named_and_verbose_shows_torchruns_report(tmp_path):
+    plan = save_plan(tmp_path, "pp2", strategy(pp=2, sched="1f1b", m=4))
+    r, _ = _run(plan, "0:1:F.s0.mb3:kill", "--timeout", "30")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1].startswith("piper-sim run: rank 0 was killed by SIGKILL")
+    assert "Traceback" not in r.stderr
+    r, _ = _run(plan, "0:1:F.s0.mb3:kill", "--timeout", "30", "-v")
+    assert r.returncode == 1 and "ChildFailedError" in r.stderr
