@@ -37,7 +37,7 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # low level
     "split": ({"microbatches"}, set()),
     "place": ({"stage", "pp_rank"}, {"microbatches", "from"}),
-    "replicate": ({"degree"}, {"zero", "bucket_mb", "stages", "reduce"}),
+    "replicate": ({"degree"}, {"zero", "bucket_mb", "reduce"}),
     "shard": ({"degree"}, set()),
     "order": ({"pp_rank", "slots"}, {"from"}),
     "recompute": (set(), {"stages", "mode"}),

@@ -140,7 +140,7 @@ def test_llama3_70b_fsdp_with_microbatches_reduces_each_one():
         r = simulate(compile_strategy({"model": "llama3-70b", "cluster": "h100:8x8", "global_batch": 64 * m,
                                        "seq_len": 4096, "microbatches": m,
                                        "directives": [d, {"op": "recompute", "mode": "full"}]}).plan)
-        peaks[(m, reduce)] = max(st.peak_memory_bytes for st in r.per_rank)
+        peaks[(m, reduce)] = max(st.peak_memory_bytes for st in r.rank_stats)
         fit[(m, reduce)] = r.fits
     p1, p4, step = peaks[(1, None)], peaks[(4, None)], peaks[(4, "per_step")]
     assert p4 < 80 * GB and fit[(4, None)] is True
@@ -221,8 +221,9 @@ def test_fits_is_none_without_a_cluster():
     from piper_sim.plan import Instruction, Layout, Plan, RankClass
 
     layout = Layout(pp=1, dp=1, stage_ranks={0: [0]})
-    cls = RankClass(pp_rank=0, ranks=[0], streams={"compute": [Instruction("F.s0.mb0", "F", "compute", stage=0,
-                                                                           mb=0, flops=1.0, alloc=5.0)]})
+    cls = RankClass(pp_rank=0, ranks=[0], stages=[0],
+                    streams={"compute": [Instruction("F.s0.mb0", "F", "compute", stage=0, mb=0, flops=1.0,
+                                                     alloc=5.0)]})
     r = simulate(Plan(layout=layout, classes=[cls], meta={}), "unit:F=1,BI=1,BW=1,comm=0")
     assert r.fits is None and r.rank_stats[0].fits is None
 

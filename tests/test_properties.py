@@ -87,7 +87,7 @@ def test_random_valid_strategies_compile_validate_simulate(case):
         for (_, _, end_a, a), (_, start_b, _, b) in zip(ops, ops[1:]):
             assert start_b >= end_a - 1e-12, (key, a, b)
     assert 0.0 <= full.bubble_fraction < 1.0
-    assert full.step_time_s >= max(s.compute_s for s in full.per_rank) * (1 - 1e-9)
+    assert full.step_time_s >= max(s.compute_s for s in full.rank_stats) * (1 - 1e-9)
     folded = simulate(plan, costmodel, fold=True)
     if folded.folded:
         assert folded.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
