@@ -80,8 +80,16 @@ def torchrun_command(args, plan: Plan) -> list[str]:
     return cmd
 
 
+def refuse_tensor_parallel(plan: Plan, path: str) -> None:
+    """The executor runs no tensor parallelism yet: refuse such a plan before any process group starts."""
+    if plan.layout.tp > 1:
+        raise PlanError(f"{path}: tensor parallel plans are simulate-only in this version (tp {plan.layout.tp}); "
+                        "use `piper-sim simulate`")
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     plan = Plan.load(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
+    refuse_tensor_parallel(plan, args.plan)
     rc = subprocess.call(torchrun_command(args, plan))
     if rc:
         raise SystemExit(rc)

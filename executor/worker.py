@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from executor import checkpoint
-from executor.cli import add_run_options
+from executor.cli import add_run_options, refuse_tensor_parallel
 from executor.collectives import Comms
 from executor.reference import compare, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
@@ -39,6 +39,7 @@ def load_plans(paths: list[str], world_size: int, rank: int, check_hash: bool = 
     plans = []
     for path in paths:
         plan = Plan.load(path, check_hash=check_hash)
+        refuse_tensor_parallel(plan, path)
         if plan.world_size != world_size:
             raise PlanError(f"{path} was compiled for {plan.world_size} ranks "
                             f"(pp {plan.layout.pp} x dp {plan.layout.dp}) but {world_size} were launched; "
