@@ -136,6 +136,13 @@ def torchrun_command(args, plan: Plan) -> list[str]:
     return cmd
 
 
+def refuse_tensor_parallel(plan: Plan, path: str) -> None:
+    """The executor runs no tensor parallelism yet: refuse such a plan before any process group starts."""
+    if plan.layout.tp > 1:
+        raise PlanError(f"{path}: tensor parallel plans are simulate-only in this version (tp {plan.layout.tp}); "
+                        "use `piper-sim simulate`")
+
+
 def preflight(args, plans: list[Plan]) -> int:
     """What a launch needs beyond valid plans, checked by ``piper-sim run`` before torchrun
     and by every worker before its process group: the checkpoint to resume, and that the
@@ -175,6 +182,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     from piper_sim.validate import load_valid_plan
 
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
+    refuse_tensor_parallel(plan, args.plan)
     start = preflight(args, [plan])
     if args.max_restarts:
         if not args.save:

@@ -82,13 +82,18 @@ def cmd_show(args: argparse.Namespace) -> None:
         return
     m = plan.meta
     print(f"plan {plan.content_hash()}: {m.get('model')} on {m.get('cluster')}, "
-          f"pp={plan.layout.pp} dp={plan.layout.dp} ep={plan.layout.ep}, schedule {m.get('schedule')}, "
+          f"pp={plan.layout.pp} dp={plan.layout.dp} ep={plan.layout.ep}{_tp(plan)}, schedule {m.get('schedule')}, "
           f"{m.get('microbatches')} micro-batches of {m.get('micro_batch_size')}")
     for r in ranks:
         c = plan.classes[r]
         print(f"\npipeline rank {r} (global ranks {_span(c.ranks)}), stages {c.stages}")
         for stream, lst in c.streams.items():
             print(f"  {stream:<8} " + " ".join(i.id for i in lst))
+
+
+def _tp(plan) -> str:
+    tp = plan.meta.get("tensor_parallel")
+    return f" tp={tp['degree']}" + (" (sequence parallel)" if tp["sequence_parallel"] else "") if tp else ""
 
 
 def _span(ranks: list[int]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from dataclasses import dataclass
 
 import networkx as nx
@@ -13,9 +14,10 @@ from costmodel.hardware import GPU, H100, parse_cluster
 from costmodel.memory import model_state_bytes
 from piper_sim.directives import Setup, expand, resolve
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memory_pass, grad_bucket_memory, \
-    optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, unit_buckets
+    is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
+    tensor_pass, unit_buckets
 from piper_sim.memory import model_memory
-from piper_sim.models import ModelConfig, get_config
+from piper_sim.models import ModelConfig, get_config, tp_divisibility_error, tp_shard
 from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
@@ -172,9 +174,20 @@ def _setup_and_layout(strategy: Strategy) -> tuple[ModelConfig, Setup, Layout, i
         if setup.dp % setup.ep:
             raise StrategyError(f"expert_parallel: degree {setup.ep} must divide the data-parallel degree "
                                 f"{setup.dp} (EP ranks are DP ranks for the dense parts)")
-    world = setup.pp * setup.dp
+    if setup.tp > 1:
+        err = tp_divisibility_error(cfg, setup.tp)
+        if err:
+            raise StrategyError(f"tensor_parallel: {err}")
+        if setup.sp and strategy.seq_len % setup.tp:
+            raise StrategyError(f"tensor_parallel: sequence_parallel splits seq_len {strategy.seq_len} over degree "
+                                f"{setup.tp}; make seq_len a multiple of {setup.tp} or set sequence_parallel false")
+        if setup.tp > cluster.gpus_per_node:
+            warnings.warn(f"tensor_parallel: degree {setup.tp} spans nodes (cluster {strategy.cluster} has "
+                          f"{cluster.gpus_per_node} GPUs per node): its collectives leave NVLink", stacklevel=2)
+    world = setup.pp * setup.dp * setup.tp
     if world != cluster.world_size:
-        raise StrategyError(f"strategy needs PP×DP = {setup.pp}×{setup.dp} = {world} ranks but cluster "
+        what = f"PP×DP×TP = {setup.pp}×{setup.dp}×{setup.tp}" if setup.tp > 1 else f"PP×DP = {setup.pp}×{setup.dp}"
+        raise StrategyError(f"strategy needs {what} = {world} ranks but cluster "
                             f"{strategy.cluster} has {cluster.world_size}; change a degree or the cluster")
     per_replica = strategy.global_batch / setup.dp
     mbs = per_replica / setup.microbatches
@@ -182,7 +195,7 @@ def _setup_and_layout(strategy: Strategy) -> tuple[ModelConfig, Setup, Layout, i
         raise StrategyError(f"global_batch {strategy.global_batch} does not split into DP {setup.dp} × "
                             f"{setup.microbatches} micro-batches of a whole number of sequences; "
                             "make global_batch a multiple of DP×microbatches")
-    layout = Layout(pp=setup.pp, dp=setup.dp, ep=setup.ep, stage_ranks=setup.stage_ranks())
+    layout = Layout(pp=setup.pp, dp=setup.dp, ep=setup.ep, stage_ranks=setup.stage_ranks(), tp=setup.tp)
     return cfg, setup, layout, int(mbs)
 
 
@@ -192,15 +205,18 @@ def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Con
 
     cfg, setup, layout, mbs = _setup_and_layout(strategy)
     dtype = getattr(torch, _TORCH_DTYPE[strategy.dtype])
-    segments = profile_model(cfg, mbs, strategy.seq_len, dtype)
+    shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
+    segments = profile_model(shard, mbs, strategy.seq_len, dtype)
     gpu = parse_cluster(strategy.cluster).gpu
     ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage, gpu),
                   layout=layout, dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded,
-                  memory=model_memory(cfg, segments, mbs, strategy.seq_len, dtype))
+                  memory=model_memory(shard, segments, mbs, strategy.seq_len, dtype),
+                  micro_batch=mbs, seq_len=strategy.seq_len, hidden=cfg.hidden)
     dag = TrainingDAG()
     kinds = split_pass(ctx)
     place_pass(ctx, dag, kinds)
     piece_pass(ctx, dag)
+    tensor_pass(ctx, dag)
     recompute_pass(ctx, dag)
     activation_memory_pass(ctx, dag)
     replicate_pass(ctx, dag)
@@ -222,7 +238,7 @@ def _prefetch_edges(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> None:
     for seq in sequences.values():
         for i, n in enumerate(seq):
             for p in list(dag.g.predecessors(n)):
-                if dag.ins(p).kind == "ALL_GATHER" and i >= 2:
+                if dag.ins(p).kind == "ALL_GATHER" and i >= 2 and not is_tp(dag.ins(p)):
                     dag.edge(seq[i - 2], p, "temporal")
 
 
@@ -233,6 +249,8 @@ def _issued_before(dag: TrainingDAG, n: Node, previous: dict[Node, Node]) -> Nod
     compute op that precedes their consumer (``previous``), so the gather of unit i+1 is
     on its stream ahead of unit i's reduce-scatter and runs while unit i computes."""
     ins = dag.ins(n)
+    if is_tp(ins):
+        return None  # after the compute piece it follows (the default)
     local = [q for q in dag.g.successors(n) if q[0] == n[0]]
     if ins.kind == "ALL_GATHER" and ins.mb >= 0:
         consumer = next((q for q in local if dag.ins(q).kind in ("F", "B", "BI")), None)
@@ -283,7 +301,9 @@ def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node
                     else:
                         # gradient buckets go out as the backward reaches them (last first)
                         early = (1.0 - dag.ins(n).dep_progress) * 0.5
-                        key[n] = max(forced.get(n, 0.0), max(preds, default=-1.0) + 0.1 - early)
+                        # a layer's TP collectives (tens per compute piece) stay between it and the next
+                        step = 0.001 if is_tp(dag.ins(n)) else 0.1
+                        key[n] = max(forced.get(n, 0.0), max(preds, default=-1.0) + step - early)
                 return key[n]
 
             for n in topo:
@@ -340,7 +360,7 @@ def _natural(op_id: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", op_id))
 
 
-_STREAM_ORDER = {"compute": 0, "recv": 1, "send": 2, "ep": 3, "dp": 4}
+_STREAM_ORDER = {"compute": 0, "recv": 1, "send": 2, "ep": 3, "dp": 4, "tp": 5}
 
 
 def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
@@ -368,9 +388,10 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
     lists = lower(dag, ctx.sequences)
     layout = ctx.layout
     classes = []
+    n = layout.class_size
     for pp_rank in range(layout.pp):
         classes.append(RankClass(
-            pp_rank=pp_rank, ranks=[layout.rank(pp_rank, d) for d in range(layout.dp)],
+            pp_rank=pp_rank, ranks=list(range(pp_rank * n, (pp_rank + 1) * n)),
             streams=lists[pp_rank], static_memory=static_memory(ctx, pp_rank, ctx.setup.zero),
             stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
     meta = {
@@ -384,9 +405,11 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
         "stage_units": [sorted({x.unit for x in sc.segments}, key=_unit_order) for sc in ctx.stages],
         # the pieces F/B/BI ops are cut into (``.p{i}`` op ids): around expert blocks, per unit under ZeRO-3
         "stage_parts": [[[x.name for x in part] for part in ctx.parts(sc.stage)] for sc in ctx.stages],
-        "model_flops_per_step": _model_flops(ctx, strategy),
+        "model_flops_per_step": _model_flops(ctx, strategy, cfg),
         "tokens_per_step": strategy.global_batch * strategy.seq_len,
     }
+    if layout.tp > 1:
+        meta["tensor_parallel"] = {"degree": layout.tp, "sequence_parallel": ctx.setup.sp}
     if cfg.is_moe:  # what the cost model's expert all-to-all traffic depends on (costmodel.moe)
         meta["moe"] = {"top_k": cfg.top_k, "n_experts": cfg.n_experts}
     if ctx.setup.zero == 3:  # the segments of each gathered bucket, per stage and sync group
@@ -410,7 +433,8 @@ def compile_unfolded(strategy: Strategy | dict) -> list[RankProgram]:
         pp_rank, dp_rank = layout.coords(rank)
         out.append(RankProgram(rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, streams=lists[rank],
                                static_memory=static_memory(ctx, pp_rank, ctx.setup.zero),
-                               stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
+                               stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs],
+                               tp_rank=layout.tp_rank(rank)))
     return out
 
 
@@ -422,7 +446,14 @@ def _unit_order(unit: str) -> tuple[int, int]:
     return (1, int(unit.split(".")[1]))
 
 
-def _model_flops(ctx: Context, strategy: Strategy) -> float:
-    """Useful training flops of one step (forward + backward, no recompute), all replicas."""
-    per_mb = sum(x.fwd_flops + x.bwd_input_flops + x.bwd_weight_flops for sc in ctx.stages for x in sc.segments)
+def _model_flops(ctx: Context, strategy: Strategy, cfg: ModelConfig) -> float:
+    """Useful training flops of one step (forward + backward, no recompute), all replicas
+    (under tensor parallelism those of the whole model, not of a rank's shard)."""
+    if ctx.layout.tp > 1:
+        import torch
+
+        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, getattr(torch, _TORCH_DTYPE[strategy.dtype]))
+    else:
+        segments = [x for sc in ctx.stages for x in sc.segments]
+    per_mb = sum(x.fwd_flops + x.bwd_input_flops + x.bwd_weight_flops for x in segments)
     return per_mb * ctx.setup.microbatches * ctx.layout.dp

@@ -1,8 +1,8 @@
 """Expansion of high-level directives into the low-level set, and the resolved setup.
 
 ``expand(strategy)`` turns ``pipeline`` / ``data_parallel`` / ``expert_parallel`` /
-``schedule`` into ``split``, ``place``, ``replicate``, ``shard`` and ``order``
-directives. Low-level directives written by the user are kept and win over what a
+``tensor_parallel`` / ``schedule`` into ``split``, ``place``, ``replicate``, ``shard``,
+``shard_tensor`` and ``order`` directives. Low-level directives written by the user are kept and win over what a
 helper generated (a user ``order`` for pipeline rank 2 replaces the schedule's row).
 ``resolve(directives)`` then reads the low-level list into a `Setup` the IR passes use.
 """
@@ -44,6 +44,8 @@ class Setup:
     # DeepSpeed's default) or the accumulated ones once per step ("per_step", no_sync-style)
     reduce: str = "per_microbatch"
     layers_per_stage: list[int] | str | None = None  # None: equal layer counts; "balanced": equal time
+    tp: int = 1  # tensor-parallel degree (shard_tensor)
+    sp: bool = False  # sequence parallelism inside the tensor-parallel group
 
     def rank_of(self, stage: int, mb: int) -> int:
         for pp_rank, lo, hi in self.placement[stage]:
@@ -120,13 +122,17 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
         d = by_op["data_parallel"]
         out.append({"op": "replicate", "degree": d["degree"], "zero": d.get("zero", 0),
                     **{k: d[k] for k in ("bucket_mb", "reduce") if k in d}})
+    if "tensor_parallel" in by_op:
+        d = by_op["tensor_parallel"]
+        out.append({"op": "shard_tensor", "degree": d["degree"],
+                    "sequence_parallel": bool(d.get("sequence_parallel", False))})
     if "expert_parallel" in by_op:
         out.append({"op": "shard", "degree": by_op["expert_parallel"]["degree"]})
         if "data_parallel" not in by_op and not any(d["op"] == "replicate" for d in strategy.directives):
             # EP ranks are data parallel for the non-expert parts: no DP given means DP = EP.
             out.append({"op": "replicate", "degree": by_op["expert_parallel"]["degree"], "zero": 0})
     for d in strategy.directives:
-        if d["op"] not in ("pipeline", "data_parallel", "expert_parallel", "schedule"):
+        if d["op"] not in ("pipeline", "data_parallel", "expert_parallel", "tensor_parallel", "schedule"):
             out.append(dict(d))
     return out
 
@@ -136,7 +142,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     m = next(d["microbatches"] for d in directives if d["op"] == "split")
     placement: dict[int, list[tuple[int, int, int]]] = {}
     orders: dict[int, list[Slot]] = {}
-    dp, zero, bucket_mb, ep, reduce = 1, 0, None, 1, "per_microbatch"
+    dp, zero, bucket_mb, ep, reduce, tp, sp = 1, 0, None, 1, "per_microbatch", 1, False
     recompute: dict[int, str] = {}
     recompute_all: str | None = None
     streams = dict(DEFAULT_STREAMS)
@@ -162,6 +168,8 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
             reduce = d.get("reduce", "per_microbatch")
         elif op == "shard":
             ep = d["degree"]
+        elif op == "shard_tensor":
+            tp, sp = d["degree"], bool(d.get("sequence_parallel", False))
         elif op == "recompute":  # a later directive wins for the stages it names
             stages, mode = d.get("stages", "all"), d.get("mode", "full")
             if stages == "all":
@@ -204,4 +212,5 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
                       "it is ignored", stacklevel=2)
     return Setup(pp=pp, dp=dp, ep=ep, zero=zero, bucket_mb=bucket_mb, microbatches=m,
                  num_stages=num_stages, placement=placement, orders=orders, recompute=recompute,
-                 streams=streams, schedule=schedule, reduce=reduce, layers_per_stage=layers_per_stage)
+                 streams=streams, schedule=schedule, reduce=reduce, layers_per_stage=layers_per_stage, tp=tp,
+                 sp=sp and tp > 1)

@@ -1,5 +1,9 @@
 """Strategy explorer: enumerate valid strategies, simulate each, rank them.
 
+The search: pipeline degree, schedule, micro-batches, DP and ZeRO level, EP degree, full
+recompute, and tensor parallelism T over the divisors of the GPUs per node that shard the
+model (with sequence parallelism when T > 1). World size = PP × DP × TP.
+
 Two prunes, both exact (they never drop a strategy that would have won):
 - memory: a plan whose static memory (params + grads + optimizer state) plus what one
   micro-batch of its largest stage keeps for backward (``piper_sim.memory``, by recompute
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
-from piper_sim.models import get_config
+from piper_sim.models import get_config, tp_divisibility_error, tp_shard
 from piper_sim.strategy import StrategyError
 from piper_sim.trace import save_figure
 
@@ -46,6 +50,8 @@ class Candidate:
     zero: int
     ep: int = 1
     recompute: bool = False
+    tp: int = 1
+    sp: bool = False
 
     @property
     def v(self) -> int:
@@ -61,6 +67,8 @@ class Candidate:
             d.append({"op": "data_parallel", "degree": self.dp, "zero": self.zero})
         if self.ep > 1:
             d.append({"op": "expert_parallel", "degree": self.ep})
+        if self.tp > 1:
+            d.append({"op": "tensor_parallel", "degree": self.tp, "sequence_parallel": self.sp})
         if self.recompute:
             d.append({"op": "recompute"})
         return {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
@@ -70,6 +78,8 @@ class Candidate:
         s = f"pp{self.pp} {self.schedule} m{self.microbatches} dp{self.dp} z{self.zero}"
         if self.ep > 1:
             s += f" ep{self.ep}"
+        if self.tp > 1:
+            s += f" tp{self.tp}" + (" sp" if self.sp else "")
         return s + (" rc" if self.recompute else "")
 
 
@@ -133,11 +143,31 @@ def _divisors(n: int) -> list[int]:
 def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: int,
                          schedules: Iterable[str] | None = None, zero_levels: Iterable[int] = (0, 1, 2, 3),
                          recompute: Iterable[bool] = (False, True), max_microbatches: int = 64,
-                         microbatch_factors: Iterable[int] = (2, 4)) -> list[Candidate]:
-    """Every strategy the compiler accepts for this model, cluster and batch."""
+                         microbatch_factors: Iterable[int] = (2, 4), microbatch_counts: Iterable[int] = (),
+                         tp_degrees: Iterable[int] | None = None) -> list[Candidate]:
+    """Every strategy the compiler accepts for this model, cluster and batch.
+
+    Micro-batch counts: 1, 2, 4 without a pipeline, else ``microbatch_factors`` × PP, plus
+    any of ``microbatch_counts``. Tensor parallel: ``tp_degrees`` (default: the divisors of
+    the GPUs per node), those that divide the model's heads, KV heads and MLP widths (and
+    the sequence: sequence parallelism is on whenever T > 1)."""
     cfg = get_config(model)
-    world = parse_cluster(cluster).world_size
+    cl = parse_cluster(cluster)
     schedules = list(schedules or SCHEDULE_V)
+    tps = _divisors(cl.gpus_per_node) if tp_degrees is None else sorted(set(tp_degrees))
+    tps = [t for t in tps if t == 1 or (cl.world_size % t == 0 and not tp_divisibility_error(cfg, t)
+                                        and seq_len % t == 0)]
+    out = []
+    for tp in tps:
+        out += _enumerate(cfg, cl.world_size // tp, tp, global_batch, schedules, zero_levels, recompute,
+                          max_microbatches, microbatch_factors, microbatch_counts)
+    return out
+
+
+def _enumerate(cfg, world: int, tp: int, global_batch: int, schedules: list[str], zero_levels: Iterable[int],
+               recompute: Iterable[bool], max_microbatches: int, microbatch_factors: Iterable[int],
+               microbatch_counts: Iterable[int]) -> list[Candidate]:
+    """Candidates with tensor-parallel degree ``tp`` on ``world`` = PP × DP ranks."""
     out = []
     for pp in _divisors(world):
         dp = world // pp
@@ -148,7 +178,7 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
             if pp * v > cfg.n_layers:
                 continue
             per_replica = global_batch // dp
-            options = [1, 2, 4] if pp == 1 else [k * pp for k in microbatch_factors]
+            options = [1, 2, 4] if pp == 1 else sorted({k * pp for k in microbatch_factors} | set(microbatch_counts))
             for m in options:
                 if m > max_microbatches or per_replica % m:
                     continue
@@ -165,7 +195,7 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
                 for ep in eps:
                     for zero in (zero_levels if dp * copies > 1 else [0]):
                         for rc in recompute:
-                            out.append(Candidate(pp, sched, m, dp, zero, ep, rc))
+                            out.append(Candidate(pp, sched, m, dp, zero, ep, rc, tp, tp > 1))
     return out
 
 
@@ -182,7 +212,9 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     Memory: model states + what one micro-batch of the largest stage keeps for its
     backward under the candidate's recompute mode (`memory.SegmentMemory.kept`), on the
     fullest rank. Time: the busiest rank's forward+backward flops as one op at the cost
-    model's best efficiency (every real op is smaller, so no faster)."""
+    model's best efficiency (every real op is smaller, so no faster). Under tensor
+    parallelism both are a rank's share: the segments are profiled on its shard
+    (`models.tp_shard`), as the compiler does."""
     import torch
 
     from piper_sim.compiler import DTYPE_BYTES, _TORCH_DTYPE, static_memory, stage_costs
@@ -198,14 +230,15 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     tdtype = getattr(torch, _TORCH_DTYPE[dtype])
     try:
         spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
-        segments = profile_model(cfg, mbs, settings["seq_len"], tdtype)
+        shard = tp_shard(cfg, cand.tp, cand.sp)
+        segments = profile_model(shard, mbs, settings["seq_len"], tdtype)
         stages = stage_costs(cfg, segments, spec.num_stages, "balanced" if cand.pp > 1 else None,
                              parse_cluster(settings["cluster"]).gpu)
-    except (ScheduleError, StrategyError) as e:
+    except (ScheduleError, StrategyError, ValueError) as e:
         return 0.0, 0.0, str(e)
-    layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks)
+    layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp)
     ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[dtype])  # type: ignore[arg-type]
-    mems = model_memory(cfg, segments, mbs, settings["seq_len"], tdtype)
+    mems = model_memory(shard, segments, mbs, settings["seq_len"], tdtype)
     mode = "full" if cand.recompute else "none"
     mem = time_lb = 0.0
     for r in range(cand.pp):

@@ -8,7 +8,8 @@ Edges carry ``kind``: ``data``, ``temporal`` or ``p2p`` (a SEND to its RECV).
 Passes run in a fixed order, whatever the order of the directives:
 ``split`` -> ``backward split`` (from ``order``) -> ``place`` (+ SEND/RECV) ->
 ``pieces`` (F/B/BI cut around expert blocks with all-to-alls under EP, per unit under
-ZeRO-3) -> ``recompute`` + activation memory -> ``replicate`` (DP/ZeRO collectives) ->
+ZeRO-3 or tensor parallelism) -> ``tensor`` (TP/SP collectives between the pieces) ->
+``recompute`` + activation memory -> ``replicate`` (DP/ZeRO collectives) ->
 ``order`` (temporal edges, overlapped pairs) -> gradient-bucket memory.
 
 Memory (``alloc`` at an op's start, ``free`` at its end) is set by `activation_memory_pass`
@@ -29,7 +30,7 @@ from piper_sim.checks import MAX_BUCKETS_PER_STAGE
 from piper_sim.directives import Setup
 from piper_sim.memory import PieceMemory, SegmentMemory, piece_memory
 from piper_sim.plan import Instruction, Layout
-from piper_sim.profiling import SegmentCost
+from piper_sim.profiling import SegmentCost, segment_kind
 from piper_sim.strategy import StrategyError
 
 Node = tuple[int, str]
@@ -82,6 +83,9 @@ class Context:
     kernels: dict[str, tuple] = field(default_factory=dict)  # operator-level tables by key (Plan.kernels)
     _kernel_keys: dict[tuple, str] = field(default_factory=dict, repr=False)
     memory: dict[str, SegmentMemory] = field(default_factory=dict)  # per segment name (piper_sim.memory)
+    micro_batch: int = 1  # sequences per micro-batch
+    seq_len: int = 0
+    hidden: int = 0
 
     def kernel_table(self, kind: str, segs: list[SegmentCost], recompute: bool) -> str:
         """Key of the operator-level table of one compute op over ``segs`` (shared by
@@ -116,14 +120,17 @@ class Context:
         return self.setup.zero == 3 and len(self.layout.stage_ranks[stage]) * self.layout.dp > 1
 
     def parts(self, stage: int) -> list[list[SegmentCost]]:
-        """The pieces F/B/BI of a stage are cut into (``.p{i}`` op ids when more than one)."""
-        return self.stages[stage].parts(self.layout.ep, self.per_unit(stage))
+        """The pieces F/B/BI of a stage are cut into (``.p{i}`` op ids when more than one):
+        one per unit under ZeRO-3 and under tensor parallelism (its collectives go between)."""
+        return self.stages[stage].parts(self.layout.ep, self.per_unit(stage) or self.layout.tp > 1)
 
     def replicas(self) -> list[int]:
-        return [0] if self.folded else list(range(self.layout.dp))
+        """The ranks of one class compiled explicitly: every DP replica and TP peer when
+        unfolded (index ``dp_rank * tp + tp_rank``), one representative when folded."""
+        return [0] if self.folded else list(range(self.layout.class_size))
 
-    def where(self, pp_rank: int, dp_rank: int) -> int:
-        return pp_rank if self.folded else self.layout.rank(pp_rank, dp_rank)
+    def where(self, pp_rank: int, replica: int) -> int:
+        return pp_rank if self.folded else pp_rank * self.layout.class_size + replica
 
     def group(self, symbolic: str, where: int) -> str:
         if self.folded:
@@ -339,6 +346,142 @@ def _a2a(ctx: Context, dag: TrainingDAG, where: int, old: Instruction, e: int, n
     return dag.add(where, Instruction(id=f"A2A.{pas}.s{old.stage}.mb{old.mb}.e{e}.{name}", kind="ALL_TO_ALL",
                                       stream=ctx.setup.streams["ALL_TO_ALL"], stage=old.stage, mb=old.mb,
                                       bytes=nbytes, group=ctx.group("ep", where), a2a=direction))
+
+
+TP_STREAM = "tp"
+
+
+def is_tp(ins: Instruction) -> bool:
+    """A tensor-parallel collective (inside a layer, on the ``tp`` stream)."""
+    return ins.stream == TP_STREAM
+
+
+def _tp_label(seg: SegmentCost) -> str:
+    return "l" + seg.unit.split(".")[1] if seg.unit.startswith("layers.") else seg.unit
+
+
+def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float) -> list[tuple[str, str, float]]:
+    """The tensor-parallel collectives of one segment in one pass, in execution order, as
+    (name, kind, bytes); ``act`` is the ``B·s·h`` activation in bytes, ``loss`` one fp32 value
+    per token. ``pas``: ``F``; ``B`` (input gradients; ``.regather`` ops feed the weight
+    gradients). Megatron-LM's tensor parallelism (Shoeybi et al. 2019) and sequence
+    parallelism (Korthikanti et al. 2022):
+
+    - without SP, a block (attention, MLP or MoE) all-reduces its row-parallel output in
+      forward (``g``) and the gradient of its column-parallel input in backward (``f``);
+    - with SP, an all-gather before and a reduce-scatter after each block in forward, their
+      mirror images in backward, and the all-gather of the saved input shard again for the
+      weight gradients (``.regather``: Megatron keeps the shard, not the gathered input);
+    - vocabulary-parallel embedding: an all-reduce (SP: reduce-scatter) of its output, in
+      backward nothing (SP: all-gather of the output gradient); head: its input's backward
+      all-reduce (SP: gather in forward, reduce-scatter and re-gather in backward) and the
+      vocabulary-parallel cross entropy's three all-reduces of one fp32 per token (max,
+      target logit, sum of exponentials).
+    """
+    kind = segment_kind(None, seg.name)  # type: ignore[arg-type]
+    AR, AG, RS = "ALLREDUCE", "ALL_GATHER", "REDUCE_SCATTER"
+    if kind == "embed":
+        return ([("embed.rs", RS, act)] if sp else [("embed.ar", AR, act)]) if pas == "F" else \
+            ([("embed.ag", AG, act)] if sp else [])
+    if kind == "head":
+        if pas == "F":
+            head = [("head.ag", AG, act)] if sp else []
+            return head + [(f"head.loss.{x}", AR, loss) for x in ("max", "target", "sumexp")]
+        return [("head.regather", AG, act), ("head.rs", RS, act)] if sp else [("head.ar", AR, act)]
+    l = _tp_label(seg)
+    blocks = {"dense": ["attn", "mlp"], "moe_pre": ["attn", "moe"], "moe_experts": []}[kind]
+    if pas == "F":
+        if kind == "moe_pre":  # the MoE block's output is reduced after the experts (see moe_experts)
+            return [(f"{l}.attn.ag", AG, act), (f"{l}.attn.rs", RS, act), (f"{l}.moe.ag", AG, act)] if sp else \
+                [(f"{l}.attn.ar", AR, act)]
+        if kind == "moe_experts":
+            return [(f"{l}.moe.rs", RS, act)] if sp else [(f"{l}.moe.ar", AR, act)]
+        return [x for b in blocks for x in ([(f"{l}.{b}.ag", AG, act), (f"{l}.{b}.rs", RS, act)] if sp else
+                                            [(f"{l}.{b}.ar", AR, act)])]
+    if kind == "moe_experts":  # the gradient of the MoE block's output, gathered before the experts' backward
+        return [(f"{l}.moe.ag", AG, act)] if sp else []
+    out = []
+    for b in reversed(blocks):
+        if sp:
+            grad_in = [] if b == "moe" else [(f"{l}.{b}.ag", AG, act)]
+            out += grad_in + [(f"{l}.{b}.regather", AG, act), (f"{l}.{b}.rs", RS, act)]
+        else:
+            out.append((f"{l}.{b}.ar", AR, act))
+    return out
+
+
+def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
+    """Tensor (and sequence) parallelism: the collectives inside each layer (`tp_collectives`)
+    on the ``tp`` stream, over the ``tp`` group.
+
+    F/B/BI are cut per unit (`Context.parts`) and a unit's collectives run, in order, between
+    its compute piece and the next: ``piece(l) -> its collectives -> piece(l+1)``. Without
+    async tensor parallelism the next GEMM waits for each of them, so a layer takes its
+    compute plus its collectives either way; only where inside the layer they run moves
+    (after its attention half, in truth). A full-recompute backward re-runs the forward's
+    collectives first (``TP.R.`` ops). With a BI/BW split the weight pass waits for the
+    ``.regather`` all-gathers, issued after the stage's input-gradient pass. With sequence
+    parallelism the norms' weight gradients (computed on a sequence shard) are all-reduced
+    over the TP group before the optimizer step (``TP.s{S}.norms``)."""
+    if ctx.layout.tp == 1:
+        return
+    sp = ctx.setup.sp
+    act = float(ctx.micro_batch * ctx.seq_len * ctx.hidden * ctx.dtype_bytes)
+    loss = float(ctx.micro_batch * ctx.seq_len * 4)
+    by_stage: dict[tuple[int, int], list[Node]] = {}
+    for n in list(dag.g.nodes):
+        ins = dag.ins(n)
+        if ins.kind in ("F", "B", "BI", "BW", "OPT"):
+            by_stage.setdefault((n[0], ins.stage), []).append(n)
+    for (where, s), nodes in by_stage.items():
+        group = ctx.group("tp", where)
+        full = ctx.setup.recompute.get(s) == "full"
+        parts = ctx.parts(s)
+        regathers: dict[int, list[Node]] = {}  # mb -> BI-split re-gathers its BW waits for
+        last_bi: dict[int, Node] = {}
+        for n in nodes:
+            ins = dag.ins(n)
+            if ins.kind not in ("F", "B", "BI"):
+                continue
+            segs = parts[ins.part] if ins.kind == "F" else list(reversed(parts[ins.part]))
+            chain: list[Node] = []
+
+            def add(pas: str, name: str, kind: str, nbytes: float) -> Node:
+                return dag.add(where, Instruction(id=f"TP.{pas}.s{s}.mb{ins.mb}.{name}", kind=kind,
+                                                  stream=TP_STREAM, stage=s, mb=ins.mb, bytes=nbytes, group=group))
+
+            for seg in segs:
+                if ins.kind != "F" and full and ctx.memory[seg.name].recomputed:
+                    chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss)]
+                for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss):
+                    if ins.kind == "BI" and x[0].endswith(".regather"):
+                        regathers.setdefault(ins.mb, []).append(add("B", *x))
+                    else:
+                        chain.append(add("F" if ins.kind == "F" else "B", *x))
+            if ins.kind == "BI" and ins.part == 0:
+                last_bi[ins.mb] = n
+            if not chain:
+                continue
+            succs = list(dag.g.out_edges(n, data="kind"))
+            dag.g.remove_edges_from([(a, b) for a, b, _ in succs])
+            for a, b in zip([n] + chain, chain):
+                dag.edge(a, b)
+            for _, q, kind in succs:
+                dag.edge(chain[-1], q, kind)
+        for mb, ops in regathers.items():
+            bw = (where, f"BW.s{s}.mb{mb}")
+            src = last_bi[mb]
+            for a, b in zip([src] + ops, ops):
+                dag.edge(a, b)
+            dag.edge(ops[-1], bw)
+        norms = sum(x.sp_params for x in ctx.stages[s].segments) * ctx.dtype_bytes
+        if sp and norms:
+            ar = dag.add(where, Instruction(id=f"TP.s{s}.norms", kind="ALLREDUCE", stream=TP_STREAM, stage=s,
+                                            bytes=float(norms), group=group))
+            for n in nodes:
+                if dag.ins(n).kind in ("B", "BW"):
+                    dag.edge(n, ar)
+            dag.edge(ar, (where, f"OPT.s{s}"))
 
 
 def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
@@ -578,7 +721,7 @@ def grad_bucket_memory(ctx: Context, dag: TrainingDAG) -> None:
         if ins.kind != "REDUCE_SCATTER":
             continue
         producers = [p for p in dag.g.predecessors(n) if p[0] == n[0] and dag.ins(p).kind in ("B", "BW")]
-        if not producers:
+        if not producers or is_tp(ins):
             continue
         size = _group_size(ctx, ins)
         transient = ins.bytes * (size - 1) / size
@@ -589,6 +732,8 @@ def grad_bucket_memory(ctx: Context, dag: TrainingDAG) -> None:
 def _group_size(ctx: Context, ins: Instruction) -> int:
     if ins.group.startswith("ranks:"):
         return ins.group.count(",") + 1
+    if ins.group == "tp":
+        return ctx.layout.tp
     copies = len(ctx.layout.stage_ranks[ins.stage]) * ctx.layout.dp
     return copies // ctx.layout.ep if ins.group.endswith(":edp") else copies
 
@@ -632,14 +777,26 @@ def order_pass(ctx: Context, dag: TrainingDAG) -> dict[int, list[Node]]:
                     seq.extend(lst[j] for lst in lists if j < len(lst))
                 if len(slot) == 2:  # as DualPipe: a pair's outputs leave when the pair ends
                     for n in seq[start:-1]:
-                        for q in list(dag.g.successors(n)):
-                            if dag.ins(q).kind == "SEND":
-                                dag.edge(seq[-1], q, "temporal")
+                        for q in _sends_after(dag, n):
+                            dag.edge(seq[-1], q, "temporal")
             for a, b in zip(seq, seq[1:]):
                 if not dag.g.has_edge(a, b):
                     dag.edge(a, b, "temporal")
             sequences[w] = seq
     return sequences
+
+
+def _sends_after(dag: TrainingDAG, n: Node) -> list[Node]:
+    """SENDs fed by compute op ``n``, directly or through its tensor-parallel collectives."""
+    out, todo = [], list(dag.g.successors(n))
+    while todo:
+        q = todo.pop()
+        ins = dag.ins(q)
+        if ins.kind == "SEND":
+            out.append(q)
+        elif is_tp(ins):
+            todo.extend(dag.g.successors(q))
+    return out
 
 
 ADAM_BYTES_PER_PARAM = 28  # read+write of bf16 param and grad, fp32 master, m and v (as costmodel)

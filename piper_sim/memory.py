@@ -12,7 +12,8 @@ What a segment keeps from its forward to its backward, per micro-batch:
                output) and costs one attention-core forward per layer in backward.
 ``full``       every layer (and, cut by expert parallelism, every ``pre``/``experts`` piece)
                and the head is a checkpoint: it keeps its input only (``B·s·h`` in the model
-               dtype; the dispatched tokens for an expert block), and its backward recomputes
+               dtype, ``B·s·h/t`` under sequence parallelism; the dispatched tokens for an
+               expert block), and its backward recomputes
                it, so one unit's saved activations (its *working set*) are alive during that
                unit's backward. The embedding (no flops; it keeps the token ids) is not.
 
@@ -20,6 +21,13 @@ Temporary buffers (alive only while an op runs): the head's logits, ``B·s·V`` 
 dtype plus the fp32 copy the loss reads (`models.logits_bytes`), in the head's forward and
 backward. All-to-all receive buffers, ZeRO gathered parameters and unsharded gradient
 buckets are counted by the IR on the ops that hold them (see ``piper_sim.ir.memory_pass``).
+
+Tensor parallelism: segments are profiled on a shard's config (`piper_sim.models.tp_shard`), so
+every number here is one rank's. For the GPT-3 architecture this gives Korthikanti et al. 2022's
+Table 2 per layer exactly, in its flash-attention form (no ``5as/h`` term): ``sbh(10 + 24/t)``
+without and ``34·sbh/t`` with sequence parallelism, plus what that count leaves out: the norms'
+fp32 statistics (``16·sb``, ``/t`` with SP) and flash attention's log-sum-exp (``4·as·b/t``,
+which selective recompute frees) (tests/test_tensor_parallel.py).
 
 The fits verdict against a GPU's memory is `costmodel.memory.fits` (simulator and explorer).
 """
@@ -76,7 +84,7 @@ def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
     layer = 0 if kind == "dense" else cfg.first_dense
     block = build_units(cfg, [f"layers.{layer}"], device="meta", dtype=dtype)[f"layers.{layer}"]
     block.attn.recompute_core = True
-    x = torch.empty(micro_batch, seq, cfg.hidden, device="meta", dtype=dtype, requires_grad=True)
+    x = torch.empty(micro_batch, cfg.local_seq(seq), cfg.hidden, device="meta", dtype=dtype, requires_grad=True)
     if kind == "dense":
         fn, params = block, list(block.parameters())
     else:
@@ -93,14 +101,16 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     nbytes = dtype.itemsize
     selective, core_flops, checkpoint, temp = float(seg.saved_act_bytes), 0.0, 0.0, 0.0
     core_kernels: tuple = ()
+    # a checkpoint keeps the unit's input: the rank's sequence shard under sequence parallelism
+    unit_input = float(micro_batch * cfg.local_seq(seq) * cfg.hidden * nbytes)
     if kind in ("dense", "moe_pre"):
         sel, core_flops, core_kernels = _layer_measure(cfg, kind, micro_batch, seq, dtype)
         selective = float(sel)
-        checkpoint = float(seg.tokens * cfg.hidden * nbytes)
+        checkpoint = unit_input
     elif kind == "moe_experts":
         checkpoint = float(seg.a2a_bytes)
     elif kind == "head":
-        checkpoint = float(seg.tokens * cfg.hidden * nbytes)
+        checkpoint = unit_input
         temp = float(logits_bytes(cfg, seg.tokens, nbytes))
     return SegmentMemory(kind=kind, saved=float(seg.saved_act_bytes), selective=selective,
                          checkpoint=checkpoint, temp=temp, core_flops=float(core_flops),

@@ -15,13 +15,25 @@ building more than ~2B parameters on a real device is refused.
 The zoo (:data:`ZOO`): ``gpt-tiny`` and ``moe-tiny`` (CPU tests in milliseconds), Llama 3
 8B/70B/405B, the Piper paper's MoE evaluation configs ``qwen3-moe-1b``/``qwen3-moe-9b``, and
 ``deepseek-v3`` (MLA, 1 shared + 256 routed experts, top-8; ~671B total and ~37B active
-parameters; the multi-token-prediction (MTP) module is not included). ``max_seq`` is
+parameters; the multi-token-prediction (MTP) module is not included), and ``gpt3-175b`` (the
+GPT-3 architecture of Korthikanti et al. 2022: LayerNorm, GELU MLP, dropout). ``max_seq`` is
 informational: rotary tables are computed for whatever sequence length is run.
+
+Tensor parallelism (profiling only, on ``meta``): :func:`tp_shard` gives the config of one of
+``tp`` ranks' share of the model, Megatron-style: column-parallel q/k/v and first MLP linears,
+row-parallel output linears (``n_heads / tp`` heads, ``n_kv_heads / tp`` KV heads, ``ffn / tp``,
+``expert_ffn / tp``), vocabulary-parallel embedding and head (``ceil(vocab / tp)`` rows). With
+``sequence_parallel`` a layer takes and returns its ``s / tp`` shard of the sequence: norms,
+dropout and residual adds run on the shard, and the shard is gathered before the linears and
+scattered after them (:class:`_SPGather`, :class:`_SPScatter`: no kernels; the IR prices the
+all-gathers and reduce-scatters). Built on a real device only with ``tp == 1``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +58,12 @@ class ModelConfig:
     one SwiGLU of width ``n_shared * expert_ffn``). The first ``first_dense`` layers are
     dense (SwiGLU of width ``ffn``). ``attention`` is ``"gqa"`` or ``"mla"`` (DeepSeek
     multi-head latent attention, with the MLA dims below).
+
+    Architecture variants (defaults: Llama): ``mlp`` ``"swiglu"`` or ``"gelu"`` (``h -> ffn ->
+    h``), ``norm`` ``"rms"`` or ``"layer"`` (LayerNorm with bias), ``dropout`` after the attention
+    and the MLP (before each residual add), ``rope`` (False: no position encoding in the
+    layers). ``tp``/``sequence_parallel``: this config is one tensor-parallel rank's shard
+    (see :func:`tp_shard`); every count here (``param_count``...) is of the whole model.
     """
 
     name: str
@@ -71,6 +89,14 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # architecture variants
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    norm: Literal["rms", "layer"] = "rms"
+    dropout: float = 0.0
+    rope: bool = True
+    # one tensor-parallel rank's shard (profiling on meta; see tp_shard)
+    tp: int = 1
+    sequence_parallel: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -79,6 +105,31 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.n_heads
+
+    @property
+    def local_heads(self) -> int:
+        return self.n_heads // self.tp
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.n_kv_heads // self.tp
+
+    @property
+    def local_ffn(self) -> int:
+        return self.ffn // self.tp
+
+    @property
+    def local_expert_ffn(self) -> int:
+        return self.expert_ffn // self.tp
+
+    @property
+    def local_vocab(self) -> int:
+        """Rows of the vocabulary-parallel embedding and head on one rank (padded up, as Megatron)."""
+        return math.ceil(self.vocab / self.tp)
+
+    def local_seq(self, seq: int) -> int:
+        """Tokens of a sequence a layer holds on one rank: ``seq / tp`` under sequence parallelism."""
+        return seq // self.tp if self.sequence_parallel else seq
 
     def is_moe_layer(self, i: int) -> bool:
         return self.is_moe and i >= self.first_dense
@@ -98,6 +149,14 @@ def _swiglu_params(h: int, f: int) -> int:
     return 3 * h * f
 
 
+def _mlp_params(c: "ModelConfig", f: int) -> int:
+    return 2 * c.hidden * f if c.mlp == "gelu" else _swiglu_params(c.hidden, f)
+
+
+def _norm_params(c: "ModelConfig") -> int:
+    return 2 * c.hidden if c.norm == "layer" else c.hidden
+
+
 def _attn_params(c: ModelConfig) -> int:
     h, H = c.hidden, c.n_heads
     if c.attention == "gqa":
@@ -115,14 +174,14 @@ def unit_param_count(cfg: ModelConfig, name: str) -> int:
     if name == "embed":
         return cfg.vocab * h
     if name == "head":
-        return h + h * cfg.vocab
+        return _norm_params(cfg) + h * cfg.vocab
     i = _layer_index(cfg, name)
-    n = 2 * h + _attn_params(cfg)
+    n = 2 * _norm_params(cfg) + _attn_params(cfg)
     if cfg.is_moe_layer(i):
-        n += h * cfg.n_experts + cfg.n_experts * _swiglu_params(h, cfg.expert_ffn)
-        n += _swiglu_params(h, cfg.n_shared * cfg.expert_ffn) if cfg.n_shared else 0
+        n += h * cfg.n_experts + cfg.n_experts * _mlp_params(cfg, cfg.expert_ffn)
+        n += _mlp_params(cfg, cfg.n_shared * cfg.expert_ffn) if cfg.n_shared else 0
     else:
-        n += _swiglu_params(h, cfg.ffn)
+        n += _mlp_params(cfg, cfg.ffn)
     return n
 
 
@@ -151,8 +210,41 @@ ZOO: dict[str, ModelConfig] = {
                     n_experts=256, top_k=8, n_shared=1, expert_ffn=2048, first_dense=3, attention="mla",
                     q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
                     norm_eps=1e-6),
+        # GPT-3 175B (Brown et al. 2020, Table 2.1) as Korthikanti et al. 2022 train it (Megatron):
+        # LayerNorm, GELU MLP of 4h, dropout 0.1, vocabulary padded to 51200; bias-free linears
+        # and no learned position embedding here (neither changes activation memory per layer).
+        ModelConfig("gpt3-175b", n_layers=96, hidden=12288, n_heads=96, n_kv_heads=96, ffn=49152, vocab=51200,
+                    max_seq=2048, mlp="gelu", norm="layer", dropout=0.1, rope=False),
     ]
 }
+
+
+TP_FIELDS = ("n_heads", "n_kv_heads", "ffn", "expert_ffn")
+
+
+def tp_divisibility_error(cfg: ModelConfig, tp: int) -> str:
+    """Why ``tp`` cannot shard ``cfg`` (one line naming the model field), or ``""``."""
+    checks = [("n_heads", cfg.n_heads, "attention heads"),
+              ("n_kv_heads", cfg.n_kv_heads if cfg.attention == "gqa" else cfg.n_heads, "KV heads")]
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+        checks.append(("ffn", cfg.ffn, "MLP width"))
+    if cfg.is_moe:
+        checks.append(("expert_ffn", cfg.expert_ffn, "experts' MLP width"))
+    for fld, value, what in checks:
+        if value % tp:
+            return (f"degree {tp} does not divide the {value} {what} ({fld}) of {cfg.name}; "
+                    f"use a divisor of {value}")
+    return ""
+
+
+def tp_shard(cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> ModelConfig:
+    """The config of one tensor-parallel rank's shard of ``cfg`` (``cfg`` itself when tp is 1)."""
+    if tp == 1:
+        return cfg
+    err = tp_divisibility_error(cfg, tp)
+    if err:
+        raise ValueError(f"tensor_parallel: {err}")
+    return dataclasses.replace(cfg, tp=tp, sequence_parallel=sequence_parallel)
 
 
 def get_config(name: str) -> ModelConfig:
@@ -210,12 +302,17 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    def __init__(self, vocab: int, dim: int):
+    """Token embedding; under tensor parallelism the rank's vocabulary rows (the all-reduce,
+    or with sequence parallelism the reduce-scatter to the rank's ``s / sp`` shard, is the IR's)."""
+
+    def __init__(self, vocab: int, dim: int, sp: int = 1):
         super().__init__()
         self.weight = _empty(vocab, dim)
+        self.sp = sp
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weight)
+        out = F.embedding(tokens, self.weight)
+        return _SPScatter.apply(out, self.sp) if self.sp > 1 else out
 
 
 class RMSNorm(nn.Module):
@@ -247,6 +344,98 @@ class _MetaFusedRMSNorm(torch.autograd.Function):
         # read grad and x, write grad_x; the weight gradient is a row-wise reduction of the same reads
         note_kernel("rms_norm_backward", 3 * x.numel() * x.element_size(), x.dtype)
         return torch.empty_like(x), torch.empty_like(weight)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (GPT-3); ``F.layer_norm`` saves its input, mean and rstd."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty(dim)
+        self.bias = _empty(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def make_norm(cfg: "ModelConfig", dim: int) -> nn.Module:
+    return LayerNorm(dim, cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(dim, cfg.norm_eps)
+
+
+class Dropout(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "meta":
+            return _MetaDropout.apply(x)
+        return F.dropout(x, self.p, self.training)
+
+
+class _MetaDropout(torch.autograd.Function):
+    """Meta stand-in for the fused GPU dropout kernel: keeps a one-byte mask per element for
+    backward (CUDA's ``native_dropout``; torch's meta decomposition would keep a full-width one)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        mask = x.new_empty(x.shape, dtype=torch.bool)
+        ctx.save_for_backward(mask)
+        note_kernel("dropout", 2 * x.numel() * x.element_size() + mask.numel(), x.dtype)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (mask,) = ctx.saved_tensors
+        note_kernel("dropout_backward", 2 * grad.numel() * grad.element_size() + mask.numel(), grad.dtype)
+        return torch.empty_like(grad)
+
+
+# Sequence parallelism (meta only). A gathered tensor that autograd keeps for backward is
+# counted as its shard by profiling (`sp_saved_bytes`): Megatron keeps the shard and gathers it
+# again in backward (the IR's re-gather). Filled by _SPGather, cleared by profiling.measure.
+SP_GATHERED: dict[int, int] = {}
+
+
+def sp_saved_bytes(t: torch.Tensor) -> int | None:
+    """Bytes autograd really keeps for ``t`` when it is a sequence-parallel gather's output."""
+    return SP_GATHERED.get(t.untyped_storage()._cdata)
+
+
+class _SPGather(torch.autograd.Function):
+    """All-gather of the sequence shards ``[B, s/sp, h] -> [B, s, h]`` before a block's
+    column-parallel linears (backward: reduce-scatter). Launches no kernel here: the IR puts
+    the collective on the ``tp`` stream."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: int) -> torch.Tensor:
+        if x.device.type != "meta":
+            raise RuntimeError("sequence-parallel modules run on meta only (profiling)")
+        ctx.shape = x.shape
+        out = x.new_empty(x.shape[0], x.shape[1] * sp, *x.shape[2:])
+        SP_GATHERED[out.untyped_storage()._cdata] = x.numel() * x.element_size()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.new_empty(ctx.shape), None
+
+
+class _SPScatter(torch.autograd.Function):
+    """Reduce-scatter of a row-parallel output ``[B, s, h] -> [B, s/sp, h]`` (backward:
+    all-gather); no kernel here, as `_SPGather`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sp: int) -> torch.Tensor:
+        if x.device.type != "meta":
+            raise RuntimeError("sequence-parallel modules run on meta only (profiling)")
+        ctx.shape = x.shape
+        return x.new_empty(x.shape[0], x.shape[1] // sp, *x.shape[2:])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.new_empty(ctx.shape), None
 
 
 def rope_cos_sin(seq: int, dim: int, theta: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,21 +484,22 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute:
 def attention_core_inputs(cfg: "ModelConfig", batch: int, seq: int, device="meta",
                           dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tensors of the shapes one layer's attention core receives (q, k, v ``[B, heads, s, d]``)."""
-    B, s, H = batch, seq, cfg.n_heads
+    B, s, H = batch, seq, cfg.local_heads
     if cfg.attention == "mla":
         qk = cfg.qk_nope_dim + cfg.qk_rope_dim
         shapes = [(B, H, s, qk), (B, H, s, qk), (B, H, s, cfg.v_head_dim)]
     else:
         hd = cfg.head_dim
-        shapes = [(B, H, s, hd), (B, cfg.n_kv_heads, s, hd), (B, cfg.n_kv_heads, s, hd)]
+        shapes = [(B, H, s, hd), (B, cfg.local_kv_heads, s, hd), (B, cfg.local_kv_heads, s, hd)]
     q, k, v = (torch.empty(*shape, device=device, dtype=dtype, requires_grad=True) for shape in shapes)
     return q, k, v
 
 
 def logits_bytes(cfg: "ModelConfig", tokens: int, dtype_bytes: int) -> int:
-    """Transient bytes of the head's logits: ``tokens x vocab`` in the model dtype plus the
-    fp32 copy the loss is computed on (none when the model is fp32)."""
-    return tokens * cfg.vocab * (dtype_bytes + (4 if dtype_bytes != 4 else 0))
+    """Transient bytes of the head's logits: ``tokens x vocab`` (the rank's vocabulary shard
+    under tensor parallelism) in the model dtype plus the fp32 copy the loss is computed on
+    (none when the model is fp32)."""
+    return tokens * cfg.local_vocab * (dtype_bytes + (4 if dtype_bytes != 4 else 0))
 
 
 class GQAttention(nn.Module):
@@ -317,19 +507,22 @@ class GQAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, hd = cfg.hidden, cfg.head_dim
-        self.wq = Linear(h, cfg.n_heads * hd)
-        self.wk = Linear(h, cfg.n_kv_heads * hd)
-        self.wv = Linear(h, cfg.n_kv_heads * hd)
-        self.wo = Linear(cfg.n_heads * hd, h)
+        # under tensor parallelism the rank's heads: q/k/v column-parallel, wo row-parallel
+        self.wq = Linear(h, cfg.local_heads * hd)
+        self.wk = Linear(h, cfg.local_kv_heads * hd)
+        self.wv = Linear(h, cfg.local_kv_heads * hd)
+        self.wo = Linear(cfg.local_heads * hd, h)
         self.recompute_core = False  # selective recomputation (see attention_core)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, (B, s, _) = self.cfg, x.shape
-        q = self.wq(x).view(B, s, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, s, c.n_kv_heads, c.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(s, c.head_dim, c.rope_theta, x.device, x.dtype)
-        o = attention_core(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, self.recompute_core)
+        q = self.wq(x).view(B, s, c.local_heads, c.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, s, c.local_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, s, c.local_kv_heads, c.head_dim).transpose(1, 2)
+        if c.rope:
+            cos, sin = rope_cos_sin(s, c.head_dim, c.rope_theta, x.device, x.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attention_core(q, k, v, self.recompute_core)
         return self.wo(o.transpose(1, 2).reshape(B, s, -1))
 
 
@@ -342,7 +535,7 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        h, H = cfg.hidden, cfg.n_heads
+        h, H = cfg.hidden, cfg.local_heads  # down-projections replicated, up-projections per head
         qk = cfg.qk_nope_dim + cfg.qk_rope_dim
         if cfg.q_lora_rank:
             self.wq_a = Linear(h, cfg.q_lora_rank)
@@ -358,7 +551,7 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, (B, s, _) = self.cfg, x.shape
-        H, nope, rope = c.n_heads, c.qk_nope_dim, c.qk_rope_dim
+        H, nope, rope = c.local_heads, c.qk_nope_dim, c.qk_rope_dim
         q = self.wq_b(self.q_norm(self.wq_a(x))) if c.q_lora_rank else self.wq(x)
         q_nope, q_pe = q.view(B, s, H, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
         kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, rope], dim=-1)
@@ -382,6 +575,22 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GeluMLP(nn.Module):
+    """``h -> ffn -> h`` with GELU (GPT-3)."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1 = Linear(hidden, ffn)
+        self.fc2 = Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def make_mlp(cfg: "ModelConfig", ffn: int) -> nn.Module:
+    return GeluMLP(cfg.hidden, ffn) if cfg.mlp == "gelu" else SwiGLU(cfg.hidden, ffn)
+
+
 class MoE(nn.Module):
     """Router + routed experts + optional shared experts.
 
@@ -396,8 +605,8 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.router = Linear(cfg.hidden, cfg.n_experts)
-        self.experts = nn.ModuleList(SwiGLU(cfg.hidden, cfg.expert_ffn) for _ in range(cfg.n_experts))
-        self.shared = SwiGLU(cfg.hidden, cfg.n_shared * cfg.expert_ffn) if cfg.n_shared else None
+        self.experts = nn.ModuleList(make_mlp(cfg, cfg.local_expert_ffn) for _ in range(cfg.n_experts))
+        self.shared = make_mlp(cfg, cfg.n_shared * cfg.local_expert_ffn) if cfg.n_shared else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, h]`` -> renormalised top-k weights ``[T, k]`` (x's dtype) and expert ids ``[T, k]``."""
@@ -430,25 +639,37 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp_or_moe(norm(x))``."""
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp_or_moe(norm(x))``
+    (with dropout before each residual add when ``cfg.dropout``). Under sequence parallelism
+    ``x`` is the rank's sequence shard: gathered after each norm, scattered before each add."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn_norm = make_norm(cfg, cfg.hidden)
         self.attn = MLAttention(cfg) if cfg.attention == "mla" else GQAttention(cfg)
-        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp_norm = make_norm(cfg, cfg.hidden)
         self.is_moe = cfg.is_moe_layer(layer)
         if self.is_moe:
             self.moe = MoE(cfg)
         else:
-            self.mlp = SwiGLU(cfg.hidden, cfg.ffn)
+            self.mlp = make_mlp(cfg, cfg.local_ffn)
+        self.drop = Dropout(cfg.dropout) if cfg.dropout else None
+        self.sp = cfg.tp if cfg.sequence_parallel else 1
+
+    def _in(self, x: torch.Tensor) -> torch.Tensor:
+        return _SPGather.apply(x, self.sp) if self.sp > 1 else x
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp > 1:
+            x = _SPScatter.apply(x, self.sp)
+        return self.drop(x) if self.drop is not None else x
 
     def forward_pre(self, x: torch.Tensor):
         """MoE segment ``pre``: returns ``(x, h, weights, ids, shared)`` with ``x`` after the
         attention residual, ``h = norm(x)`` flattened to ``[T, hidden]`` (what gets
         dispatched), routing ``weights/ids [T, k]`` and the shared-expert output (or None)."""
-        x = x + self.attn(self.attn_norm(x))
-        h = self.mlp_norm(x).reshape(-1, x.shape[-1])
+        x = x + self._out(self.attn(self._in(self.attn_norm(x))))
+        h = self._in(self.mlp_norm(x)).reshape(-1, x.shape[-1])
         weights, ids = self.moe.route(h)
         shared = self.moe.shared(h) if self.moe.shared is not None else None
         return x, h, weights, ids, shared
@@ -461,22 +682,25 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_moe:
-            x = x + self.attn(self.attn_norm(x))
-            return x + self.mlp(self.mlp_norm(x))
+            x = x + self._out(self.attn(self._in(self.attn_norm(x))))
+            return x + self._out(self.mlp(self._in(self.mlp_norm(x))))
         x, h, weights, ids, shared = self.forward_pre(x)
         return self.forward_post(x, self.moe.routed(h, weights, ids), shared)
 
 
 class Head(nn.Module):
-    """Final norm + output projection -> logits."""
+    """Final norm + output projection -> logits (the rank's vocabulary shard under tensor
+    parallelism: a vocabulary-parallel loss, whose small all-reduces are the IR's)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.out = Linear(cfg.hidden, cfg.vocab)
+        self.norm = make_norm(cfg, cfg.hidden)
+        self.out = Linear(cfg.hidden, cfg.local_vocab)
+        self.sp = cfg.tp if cfg.sequence_parallel else 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(x))
+        x = self.norm(x)
+        return self.out(_SPGather.apply(x, self.sp) if self.sp > 1 else x)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -488,7 +712,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg.vocab, cfg.hidden)
+        self.embed = Embedding(cfg.local_vocab, cfg.hidden, cfg.tp if cfg.sequence_parallel else 1)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.head = Head(cfg)
 
@@ -514,7 +738,7 @@ class Transformer(nn.Module):
 
 def _make_unit(cfg: ModelConfig, name: str) -> nn.Module:
     if name == "embed":
-        return Embedding(cfg.vocab, cfg.hidden)
+        return Embedding(cfg.local_vocab, cfg.hidden, cfg.tp if cfg.sequence_parallel else 1)
     if name == "head":
         return Head(cfg)
     return Block(cfg, _layer_index(cfg, name))
@@ -530,19 +754,26 @@ def unit_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_unit(module: nn.Module, seed: int, name: str) -> None:
-    """Normal(0, 0.02) for matrices (linears, embeddings), ones for norm weights.
+    """Normal(0, 0.02) for matrices (linears, embeddings), ones for norm weights, zeros for
+    norm biases.
 
     Values are drawn in fp32 on the CPU in parameter order, then copied, so they are the
     same on every device and dtype."""
     g = torch.Generator().manual_seed(unit_seed(seed, name))
-    for p in module.parameters():
+    for name, p in module.named_parameters():
         if p.device.type == "meta":
             continue
-        v = torch.empty(p.shape).normal_(0.0, 0.02, generator=g) if p.ndim >= 2 else torch.ones(p.shape)
+        if p.ndim >= 2:
+            v = torch.empty(p.shape).normal_(0.0, 0.02, generator=g)
+        else:
+            v = torch.zeros(p.shape) if name.endswith("bias") else torch.ones(p.shape)
         p.copy_(v)
 
 
 def _check_size(cfg: ModelConfig, n_params: int, device) -> None:
+    if torch.device(device).type != "meta" and cfg.tp > 1:
+        raise ValueError(f"refusing to build a tensor-parallel shard of {cfg.name} on {device!r}: "
+                         "tensor parallelism is simulate-only (build it on device='meta')")
     if torch.device(device).type != "meta" and n_params > MAX_MATERIALISED_PARAMS:
         raise ValueError(
             f"refusing to materialise {n_params / 1e9:.1f}B parameters of {cfg.name} on {device!r} "

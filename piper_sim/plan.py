@@ -1,12 +1,22 @@
 """The Plan: the contract between compiler, simulator and executor.
 
 A Plan holds, for each *class* of equivalent ranks, one ordered instruction list per
-stream. All data-parallel replicas (and expert-parallel peers) of one pipeline rank run
-the same list; only their peers differ. `Plan.expand()` resolves the symbolic peers and
-groups into explicit global ranks, giving one `RankProgram` per rank.
+stream. All data-parallel replicas, expert-parallel peers and tensor-parallel peers of one
+pipeline rank run the same list; only their peers and groups differ. `Plan.expand()`
+resolves the symbolic peers and groups into explicit global ranks, giving one `RankProgram`
+per rank.
 
-Rank layout: ``rank = pp_rank * dp + dp_rank`` (data parallel innermost, so DP and EP
-groups stay inside a node where possible, as in Megatron's ordering).
+The device mesh has named axes ``pp, dp, tp`` (outermost first; ``ep`` splits ``dp``) and
+one rank formula (`Layout.rank`)::
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+Tensor parallel is innermost, so a TP group is ``tp`` consecutive ranks and stays inside a
+node when ``tp`` divides the GPUs per node; then data parallel (an EP group is ``ep``
+consecutive DP ranks with the same pp and tp rank), then pipeline (Megatron's order). A rank
+class (one pipeline rank) is the ``dp * tp`` consecutive ranks from ``pp_rank * dp * tp``.
+With ``tp == 1`` this is ``rank = pp_rank * dp + dp_rank``. Groups of every axis:
+`Layout.group_ranks`.
 
 Instruction kinds
   compute: F, B, BI, BW, OPT
@@ -59,7 +69,7 @@ class Instruction:
     bytes:   payload bytes per rank (comm ops: the tensor each member contributes;
              for ALL_GATHER the full gathered size; compute: HBM traffic estimate).
     alloc/free: memory taken at start / released at end, bytes.
-    peer:    p2p only. Folded plan: the peer's pipeline rank (same dp_rank).
+    peer:    p2p only. Folded plan: the peer's pipeline rank (same dp_rank and tp_rank).
              Expanded: the peer's global rank.
     match:   p2p only: the key that pairs a SEND with its RECV.
     group:   collectives only. Folded: a symbolic group (see ``Layout.group_ranks``).
@@ -126,7 +136,7 @@ _INSTRUCTION_DEFAULTS = asdict(Instruction(id="", kind="", stream=""))
 
 @dataclass
 class RankClass:
-    """Ranks that run the same instruction lists (one pipeline rank, all its DP/EP peers)."""
+    """Ranks that run the same instruction lists (one pipeline rank, all its DP/EP/TP peers)."""
 
     pp_rank: int
     ranks: list[int]
@@ -148,58 +158,91 @@ class RankProgram:
     streams: dict[str, list[Instruction]]
     static_memory: dict[str, float]
     stages: list[int]
+    tp_rank: int = 0
+
+
+MESH_AXES = ("pp", "dp", "ep", "tp")
 
 
 @dataclass
 class Layout:
-    """Where every rank sits: the mesh (pp, dp) and expert-parallel grouping."""
+    """Where every rank sits: the named-axis mesh (pp, dp with ep inside it, tp), see the
+    module docstring for the rank formula."""
 
     pp: int
     dp: int
     ep: int = 1
     # stage -> list of pipeline ranks holding a copy (two copies under dualpipe)
     stage_ranks: dict[int, list[int]] = field(default_factory=dict)
+    tp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.tp
 
-    def rank(self, pp_rank: int, dp_rank: int) -> int:
-        return pp_rank * self.dp + dp_rank
+    @property
+    def class_size(self) -> int:
+        """Ranks per rank class (one pipeline rank): its DP replicas times its TP peers."""
+        return self.dp * self.tp
+
+    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
     def coords(self, rank: int) -> tuple[int, int]:
-        return divmod(rank, self.dp)
+        """(pp_rank, dp_rank) of a rank (its tp_rank: `tp_rank`, all axes: `mesh_coords`)."""
+        return divmod(rank // self.tp, self.dp)
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def mesh_coords(self, rank: int) -> dict[str, int]:
+        """The rank's coordinate on every axis (``ep``: its expert shard, dp_rank mod ep)."""
+        pp_rank, dp_rank = self.coords(rank)
+        return {"pp": pp_rank, "dp": dp_rank, "ep": dp_rank % self.ep, "tp": self.tp_rank(rank)}
 
     def group_ranks(self, group: str, rank: int) -> list[int]:
         """Resolve a symbolic group as seen from ``rank`` to sorted global ranks.
 
-        ``stage:S``     all ranks holding a copy of stage S (data-parallel gradient sync).
+        ``tp``          the tensor-parallel peers of ``rank`` (same pp and dp rank).
+        ``ep``          the expert-parallel peers of ``rank`` (same pp and tp rank).
+        ``dp``          all data-parallel replicas of ``rank`` (same pp and tp rank).
+        ``pp``          the pipeline of ``rank`` (same dp and tp rank).
+        ``stage:S``     all ranks holding a copy of stage S with ``rank``'s tp rank
+                        (data-parallel gradient sync of that tensor-parallel shard).
         ``stage:S:edp`` those of them that hold the same expert shard as ``rank``.
-        ``ep``          the expert-parallel peers of ``rank`` (same pp rank).
         ``ranks:a,b``   already explicit.
         """
         if group.startswith("ranks:"):
             return [int(x) for x in group[6:].split(",")]
         pp_rank, dp_rank = self.coords(rank)
+        t = self.tp_rank(rank)
+        if group == "tp":
+            base = rank - t
+            return list(range(base, base + self.tp))
         if group == "ep":
             base = (dp_rank // self.ep) * self.ep
-            return [self.rank(pp_rank, d) for d in range(base, base + self.ep)]
+            return [self.rank(pp_rank, d, t) for d in range(base, base + self.ep)]
+        if group == "dp":
+            return [self.rank(pp_rank, d, t) for d in range(self.dp)]
+        if group == "pp":
+            return [self.rank(p, dp_rank, t) for p in range(self.pp)]
         parts = group.split(":")
         if parts[0] == "stage":
             stage = int(parts[1])
             dps = range(self.dp)
             if len(parts) > 2 and parts[2] == "edp":
                 dps = [d for d in dps if d % self.ep == dp_rank % self.ep]
-            return sorted(self.rank(p, d) for p in self.stage_ranks[stage] for d in dps)
+            return sorted(self.rank(p, d, t) for p in self.stage_ranks[stage] for d in dps)
         raise PlanError(f"unknown collective group {group!r} on rank {rank}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"pp": self.pp, "dp": self.dp, "ep": self.ep,
+        extra = {"tp": self.tp} if self.tp > 1 else {}  # plans without TP stay as they were
+        return {"pp": self.pp, "dp": self.dp, "ep": self.ep, **extra,
                 "stage_ranks": {str(k): v for k, v in self.stage_ranks.items()}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Layout":
-        return cls(pp=d["pp"], dp=d["dp"], ep=d.get("ep", 1),
+        return cls(pp=d["pp"], dp=d["dp"], ep=d.get("ep", 1), tp=d.get("tp", 1),
                    stage_ranks={int(k): v for k, v in d["stage_ranks"].items()})
 
 
@@ -227,6 +270,7 @@ class Plan:
         if not 0 <= rank < self.world_size:
             raise PlanError(f"rank {rank} is outside the plan's world size {self.world_size}")
         pp_rank, dp_rank = self.layout.coords(rank)
+        tp_rank = self.layout.tp_rank(rank)
         cls = self.classes[pp_rank]
         streams: dict[str, list[Instruction]] = {}
         for name, lst in cls.streams.items():
@@ -234,14 +278,14 @@ class Plan:
             for ins in lst:
                 new = Instruction(**asdict(ins))
                 if ins.kind in P2P_KINDS:
-                    new.peer = self.layout.rank(ins.peer, dp_rank)
+                    new.peer = self.layout.rank(ins.peer, dp_rank, tp_rank)
                 elif ins.kind in COLLECTIVE_KINDS:
                     ranks = self.layout.group_ranks(ins.group, rank)
                     new.group = "ranks:" + ",".join(map(str, ranks))
                 out.append(new)
             streams[name] = out
         return RankProgram(rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, streams=streams,
-                           static_memory=dict(cls.static_memory), stages=list(cls.stages))
+                           static_memory=dict(cls.static_memory), stages=list(cls.stages), tp_rank=tp_rank)
 
     def expand(self) -> list[RankProgram]:
         return [self.program(r) for r in range(self.world_size)]

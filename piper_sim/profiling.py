@@ -22,6 +22,11 @@ Routed experts cannot run data-dependent routing on meta: we assume uniform rout
 one expert on ``tokens * top_k / n_experts`` tokens and multiply by ``n_experts``.
 
 Identical layers are profiled once (cache keyed by config, kind, micro-batch, seq, dtype).
+
+Tensor parallelism: profile a shard's config (`piper_sim.models.tp_shard`): every kernel has the
+rank's shapes (its heads, ffn / tp, vocabulary rows; with sequence parallelism norms, dropout and
+residual adds on ``s / tp`` tokens), parameters and saved bytes are the rank's (a gathered input
+that a linear keeps is counted as the shard Megatron keeps, `models.sp_saved_bytes`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 
 from piper_sim import kernels
 from piper_sim.kernels import KernelRecorder
+from piper_sim import models
 from piper_sim.models import ModelConfig, build_units, lm_loss, unit_names, unit_segments
 
 
@@ -47,6 +53,10 @@ class SegmentCost:
     MoE ``pre`` segment the normalised tokens handed to dispatch, for the head the loss.
     ``a2a_bytes`` (expert segments only) is what a rank dispatches per micro-batch,
     ``tokens * top_k * hidden * dtype_bytes``; the combine sends the same amount back.
+    Under tensor parallelism every count is one rank's share; ``out_bytes`` is what the rank
+    sends (its sequence shard under sequence parallelism), ``sp_params`` the parameters of the
+    norms that see only the rank's sequence shard (their gradients are all-reduced over the
+    tensor-parallel group; 0 without sequence parallelism).
     """
 
     name: str
@@ -67,6 +77,7 @@ class SegmentCost:
     kernels_f: tuple = ()  # operator-level profile of the forward (piper_sim.kernels rows)
     kernels_bi: tuple = ()  # of the backward-input pass
     kernels_bw: tuple = ()  # of the backward-weight pass
+    sp_params: int = 0
 
     @property
     def bwd_flops(self) -> int:
@@ -116,11 +127,13 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
     Flops come from torch's flop formulas (``torch.utils.flop_counter``) per recorded op."""
     param_keys = {_storage_key(p) for p in params}
     saved: dict[int, int] = {}
+    models.SP_GATHERED.clear()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
         if key not in param_keys:
-            saved[key] = t.untyped_storage().nbytes()
+            shard = models.sp_saved_bytes(t)
+            saved[key] = t.untyped_storage().nbytes() if shard is None else shard
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -146,10 +159,11 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
     B, s, h, nbytes = micro_batch, seq_len, cfg.hidden, dtype.itemsize
     T = B * s
     meta: dict = dict(device="meta", dtype=dtype)
-    hidden_in = torch.empty(B, s, h, requires_grad=True, **meta)
+    hidden_in = torch.empty(B, cfg.local_seq(s), h, requires_grad=True, **meta)  # the rank's shard under SP
     tokens = torch.zeros(B, s, dtype=torch.long, device="meta")
     scale, a2a, is_expert = 1.0, 0, False
-    out_bytes = T * h * nbytes
+    out_bytes = B * cfg.local_seq(s) * h * nbytes
+    sp_norms: list = []
 
     def build(unit: str):
         return build_units(cfg, [unit], device="meta", dtype=dtype)[unit]
@@ -162,11 +176,13 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
         mod = build("layers.0")  # leading layers are dense whenever a model has dense layers
         params = list(mod.parameters())
         m = measure(mod, [hidden_in], params)
+        sp_norms = [mod.attn_norm, mod.mlp_norm]
     elif kind == "moe_pre":
         mod = build(f"layers.{cfg.first_dense}")
         expert_ids = {id(p) for p in mod.moe.experts.parameters()}
         params = [p for p in mod.parameters() if id(p) not in expert_ids]
         m = measure(mod.forward_pre, [hidden_in], params)
+        sp_norms = [mod.attn_norm, mod.mlp_norm]
     elif kind == "moe_experts":
         routed = T * cfg.top_k
         per_expert = math.ceil(routed / cfg.n_experts)  # uniform routing
@@ -180,6 +196,7 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
         params = list(mod.parameters())
         m = measure(lambda x: lm_loss(mod(x), tokens), [hidden_in], params)
         out_bytes = 4  # the fp32 scalar loss
+        sp_norms = [mod.norm]
     else:
         raise ValueError(f"unknown segment kind {kind!r}")
 
@@ -203,6 +220,7 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
         kernels_f=kernels.scale(m.kernels_f, scale) if is_expert else m.kernels_f,
         kernels_bi=kernels.scale(m.kernels_bi, scale) if is_expert else m.kernels_bi,
         kernels_bw=kernels.scale(m.kernels_bw, scale) if is_expert else m.kernels_bw,
+        sp_params=sum(p.numel() for n in sp_norms for p in n.parameters()) if cfg.sequence_parallel else 0,
     )
 
 

@@ -11,10 +11,11 @@ or ends). Compute runs `comm_compute_slowdown` times slower while a transfer is 
 its rank. Memory per rank: the class's static model states, plus ``alloc`` when an op
 starts, minus ``free`` when it ends.
 
-Folding: the data-parallel replicas of a pipeline rank run the same program, so when
-the cluster is symmetric over replicas (every collective and p2p transfer of replica d
-costs what replica 0's does), one representative per class (dp_rank 0) is simulated and
-a collective completes when the representatives of all member classes reached it. The
+Folding: the data-parallel replicas and tensor-parallel peers of a pipeline rank run the
+same program, so when the cluster is symmetric over them (every collective and p2p
+transfer of replica d, tp rank t costs what replica 0's does), one representative per
+class (dp_rank 0, tp_rank 0) is simulated and a collective completes when the
+representatives of all member classes reached it. The
 result equals the unfolded simulation; `simulate(..., fold=False)` runs every rank.
 
 If the run cannot finish, `SimulationDeadlock` names the op each blocked stream waits on.
@@ -207,7 +208,7 @@ def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
     same way. Returns (exact, reason when not).
     """
     layout = plan.layout
-    if layout.dp == 1:
+    if layout.class_size == 1:
         return True, ""
     groups: set[tuple[int, str]] = set()
     peers: set[tuple[int, int]] = set()
@@ -215,29 +216,33 @@ def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
         for ins in c.instructions():
             if ins.kind in COLLECTIVE_KINDS:
                 if ins.group.startswith("ranks:"):
-                    return False, f"explicit group {ins.group} of {ins.id} on a class with {layout.dp} replicas"
+                    return False, f"explicit group {ins.group} of {ins.id} on a class of {layout.class_size} ranks"
                 groups.add((c.pp_rank, ins.group))
             elif ins.kind in ("SEND", "RECV"):
                 peers.add((c.pp_rank, ins.peer))
     if cluster is None or cluster.nodes == 1:
         return True, ""
-    g = cluster.gpus_per_node
-    if layout.dp % g == 0 and (layout.ep % g == 0 or g % layout.ep == 0):
-        return True, ""  # every class fills whole nodes, EP blocks align with nodes
+    g, tp = cluster.gpus_per_node, layout.tp
+    # nodes per DP index: a TP group inside a node (tp | g) leaves g / tp DP ranks per node;
+    # one spanning nodes (g | tp) puts every DP rank on nodes of its own
+    per_node = g // tp if g % tp == 0 else (1 if tp % g == 0 else 0)
+    if per_node and layout.dp % per_node == 0 and (layout.ep % per_node == 0 or per_node % layout.ep == 0):
+        return True, ""  # every class fills whole nodes, TP and EP blocks align with nodes
 
     def signature(ranks: list[int]) -> tuple:
         return (frozenset(layout.coords(r)[0] for r in ranks),
                 tuple(sorted(Counter(cluster.node_of(r) for r in ranks).values())))
 
+    others = [(d, t) for d in range(layout.dp) for t in range(tp)][1:]
     for pp, group in sorted(groups):
         ref = signature(layout.group_ranks(group, layout.rank(pp, 0)))
-        for d in range(1, layout.dp):
-            if signature(layout.group_ranks(group, layout.rank(pp, d))) != ref:
-                return False, f"group {group} of pipeline rank {pp} differs between dp_rank 0 and {d}"
+        for d, t in others:
+            if signature(layout.group_ranks(group, layout.rank(pp, d, t))) != ref:
+                return False, f"group {group} of pipeline rank {pp} differs between dp_rank 0 and {d} (tp_rank {t})"
     for pp, peer in sorted(peers):
         ref = cluster.same_node((layout.rank(pp, 0), layout.rank(peer, 0)))
-        for d in range(1, layout.dp):
-            if cluster.same_node((layout.rank(pp, d), layout.rank(peer, d))) != ref:
+        for d, t in others:
+            if cluster.same_node((layout.rank(pp, d, t), layout.rank(peer, d, t))) != ref:
                 return False, f"p2p between pipeline ranks {pp} and {peer} crosses nodes only for some replicas"
     return True, ""
 
@@ -295,11 +300,11 @@ class _Engine:
         self.cores = getattr(cm, "compute_slots", None)
         self.cpu_jobs: dict[_Job, int] = {}
         self.unit = isinstance(cm, UnitCostModel)
-        dp = self.layout.dp
+        replicas = self.layout.class_size  # DP replicas x TP peers of a pipeline rank
         self.ranks = [self.layout.rank(c.pp_rank, 0) for c in plan.classes] if folded else \
             list(range(self.layout.world_size))
         self.class_of = {r: plan.classes[self.layout.coords(r)[0]] for r in self.ranks}
-        self.represents = {r: (dp if folded else 1) for r in self.ranks}
+        self.represents = {r: (replicas if folded else 1) for r in self.ranks}
         self.streams: dict[int, list[tuple[str, list[_Op]]]] = {}
         self.pos: dict[tuple[int, str], int] = {}
         self.rows: list[tuple] = []
@@ -401,7 +406,7 @@ class _Engine:
                         if not 0 <= ins.peer < layout.pp:
                             raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
                                                   f"outside 0..{layout.pp - 1}")
-                        op.peer = layout.rank(ins.peer, d)
+                        op.peer = layout.rank(ins.peer, d, layout.tp_rank(r))
                         if ins.kind == "SEND":
                             op.cost = self._p2p_cost(ins.bytes, r, op.peer)
                     elif ins.kind in COLLECTIVE_KINDS:

@@ -9,8 +9,9 @@ A strategy is JSON::
         {"op": "schedule", "name": "1f1b"}]}
 
 High-level directives (``pipeline``, ``data_parallel``, ``expert_parallel``,
-``schedule``) expand to the low-level set of the Piper paper (``split``, ``place``,
-``replicate``, ``shard``, ``order``, ``recompute``, ``stream``); see ``expand``.
+``tensor_parallel``, ``schedule``) expand to the low-level set of the Piper paper (``split``,
+``place``, ``replicate``, ``shard``, ``shard_tensor``, ``order``, ``recompute``, ``stream``);
+see ``expand``.
 Every error is a `StrategyError` with one line that names the directive and field.
 """
 
@@ -33,18 +34,20 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "pipeline": ({"degree"}, {"stages_per_rank", "placement", "layers_per_stage"}),
     "data_parallel": ({"degree"}, {"zero", "bucket_mb", "reduce"}),
     "expert_parallel": ({"degree"}, set()),
+    "tensor_parallel": ({"degree"}, {"sequence_parallel"}),
     "schedule": ({"name"}, set()),
     # low level
     "split": ({"microbatches"}, set()),
     "place": ({"stage", "pp_rank"}, {"microbatches", "from"}),
     "replicate": ({"degree"}, {"zero", "bucket_mb", "reduce"}),
     "shard": ({"degree"}, set()),
+    "shard_tensor": ({"degree"}, {"sequence_parallel"}),
     "order": ({"pp_rank", "slots"}, {"from"}),
     "recompute": (set(), {"stages", "mode"}),
     "stream": ({"kind", "name"}, set()),
     "segment": ({"layers_per_stage"}, set()),
 }
-HIGH_LEVEL = ("pipeline", "data_parallel", "expert_parallel", "schedule")
+HIGH_LEVEL = ("pipeline", "data_parallel", "expert_parallel", "tensor_parallel", "schedule")
 TOP_LEVEL_FIELDS = {"model", "cluster", "global_batch", "seq_len", "microbatches", "directives",
                     "dtype", "name", "seed"}
 STREAM_KINDS = ("SEND", "RECV", "ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
@@ -85,6 +88,8 @@ class Strategy:
                 parts.append(f"dp{d['degree']} z{d.get('zero', 0)}")
             elif op == "expert_parallel":
                 parts.append(f"ep{d['degree']}")
+            elif op == "tensor_parallel":
+                parts.append(f"tp{d['degree']}" + (" sp" if d.get("sequence_parallel") else ""))
             elif op == "recompute":
                 parts.append("recompute" + ("(selective)" if d.get("mode") == "selective" else ""))
         return " ".join(parts) or "single device"
@@ -160,6 +165,8 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
                               or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in lps)):
         raise StrategyError(f"{where} field 'layers_per_stage' must be \"balanced\" or a list of positive "
                             f"layer counts, one per stage (got {d['layers_per_stage']!r})")
+    if "sequence_parallel" in d and not isinstance(d["sequence_parallel"], bool):
+        raise StrategyError(f"{where} field 'sequence_parallel' must be true or false (got {d['sequence_parallel']!r})")
     if "mode" in d and d["mode"] not in RECOMPUTE_MODES:
         raise StrategyError(f"{where} field 'mode' must be 'full' or 'selective' (got {d['mode']!r})")
     return d

@@ -49,9 +49,9 @@ def check_layout(plan: Plan) -> None:
     """The layout against the plan's content: cheap (one pass over the folded plan); the
     simulator runs it on every plan, `validate_plan` starts with it."""
     lay = plan.layout
-    if not (_int(lay.pp, 1) and _int(lay.dp, 1) and _int(lay.ep, 1)) or lay.dp % lay.ep:
-        raise PlanValidationError(f"layout pp={lay.pp!r} dp={lay.dp!r} ep={lay.ep!r}: expected integers >= 1 "
-                                  "with ep dividing dp")
+    if not (_int(lay.pp, 1) and _int(lay.dp, 1) and _int(lay.ep, 1) and _int(lay.tp, 1)) or lay.dp % lay.ep:
+        raise PlanValidationError(f"layout pp={lay.pp!r} dp={lay.dp!r} ep={lay.ep!r} tp={lay.tp!r}: expected "
+                                  "integers >= 1 with ep dividing dp")
     if len(plan.classes) != lay.pp:
         raise PlanValidationError(f"layout.pp={lay.pp} but the plan has {len(plan.classes)} rank classes "
                                   "(one per pipeline rank)")
@@ -59,9 +59,9 @@ def check_layout(plan: Plan) -> None:
         if not prs or any(not _int(r) or r >= lay.pp for r in prs):
             raise PlanValidationError(f"layout.stage_ranks[{s}] = {prs!r}: pipeline ranks must be in 0..{lay.pp - 1}")
     for i, c in enumerate(plan.classes):
-        if c.pp_rank != i or c.ranks != [lay.rank(i, d) for d in range(lay.dp)]:
+        if c.pp_rank != i or c.ranks != [lay.rank(i, d, t) for d in range(lay.dp) for t in range(lay.tp)]:
             raise PlanValidationError(f"rank class #{i} (pp_rank {c.pp_rank}, ranks {c.ranks[:4]}...) does not "
-                                      f"match layout pp={lay.pp} dp={lay.dp}")
+                                      f"match layout pp={lay.pp} dp={lay.dp} tp={lay.tp}")
         for s in c.stages:
             if i not in lay.stage_ranks.get(s, []):
                 raise PlanValidationError(f"rank class {i} holds stage {s}, which layout.stage_ranks does not "

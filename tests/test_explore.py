@@ -15,7 +15,7 @@ SMALL = [("llama3-8b", "h100:1x4", 16, 2048), ("qwen3-moe-1b", "h100:1x4", 16, 1
 
 @pytest.mark.parametrize("model,cluster,batch,seq", SMALL)
 def test_pruned_search_finds_the_exhaustive_best(model, cluster, batch, seq):
-    kw = dict(zero_levels=(0, 1, 3), microbatch_factors=(2,))
+    kw = dict(zero_levels=(0, 1, 3), microbatch_factors=(2,), tp_degrees=(1, 2))
     full = explore(model, cluster, batch, seq, workers=1, prune=False, **kw)
     fast = explore(model, cluster, batch, seq, workers=1, prune=True, **kw)
     assert full.best is not None and fast.best is not None
@@ -34,17 +34,18 @@ def test_pruned_search_finds_the_exhaustive_best(model, cluster, batch, seq):
 def test_enumeration_respects_schedule_constraints():
     cands = enumerate_candidates("gpt-tiny", "h100:1x8", 64, 128)
     for c in cands:
-        assert 8 % c.pp == 0 and c.pp * c.dp == 8
+        assert 8 % c.pp == 0 and c.pp * c.dp * c.tp == 8 and c.sp == (c.tp > 1)
         if c.schedule == "dualpipe":
             assert c.pp % 2 == 0 and c.microbatches >= 2 * c.pp
         if c.schedule == "interleaved_1f1b":
             assert c.microbatches % c.pp == 0
     assert {c.schedule for c in cands} >= {"1f1b", "zbv", "dualpipev", "dualpipe"}
+    assert {c.tp for c in cands} == {1, 2, 4}  # divisors of 8 GPUs per node that divide gpt-tiny's 4 heads
 
 
 def test_outputs_table_csv_pareto(tmp_path):
     r = explore("llama3-8b", "h100:1x4", 16, 2048, workers=1, zero_levels=(1,), microbatch_factors=(2,),
-                recompute=(False,))
+                recompute=(False,), tp_degrees=(1,))
     table = format_table(r, top=3)
     assert "tokens/s" in table and "strategies:" in table
     write_csv(r, str(tmp_path / "t.csv"))
@@ -66,3 +67,19 @@ def test_demo_writes_table_pictures_and_best_plan(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     plan = Plan.load(str(tmp_path / "best_plan.json"))
     assert plan.meta["model"] == "qwen3-moe-9b" and plan.world_size == 32
+
+
+def test_tensor_parallel_wins_for_405b_on_1024_h100():
+    """llama3-405b on 1,024 H100 at seq 8192 with Llama 3's batch per GPU (16M tokens on 8,192
+    GPUs = 2,048 tokens per GPU: 256 sequences here): TP8 (with sequence parallelism) ranks first.
+    No TP1 strategy can run this batch (fewer sequences than GPUs: 1F1B needs at least PP
+    micro-batches per DP replica), TP4 can, with a bubble of one micro-batch per stage.
+    The search is kept small (1F1B, ZeRO-1, full recompute: 405B does not fit without it)."""
+    r = explore("llama3-405b", "h100:128x8", 256, 8192, workers=1, schedules=["1f1b"], zero_levels=(1,),
+                recompute=(True,), microbatch_factors=(1, 2), max_microbatches=16)
+    assert r.best is not None and r.best.candidate.tp == 8 and r.best.candidate.sp
+    tp1 = [x for x in enumerate_candidates("llama3-405b", "h100:128x8", 256, 8192, tp_degrees=(1,),
+                                           microbatch_factors=(1, 2, 4))]
+    assert tp1 == [] and not any(x.candidate.tp == 1 and x.status == "ok" for x in r.rows)
+    tp4 = [x for x in r.ok if x.candidate.tp == 4]
+    assert tp4 and r.best.step_time_s < min(x.step_time_s for x in tp4)
