@@ -34,6 +34,7 @@ checkpoints the attention cores only.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
@@ -41,6 +42,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -117,6 +119,7 @@ class StepResult:
     loss: float
     time_s: float
     events: list[dict[str, Any]]
+    grad_norm: float | None = None  # global gradient norm before clipping (--clip-grad-norm)
 
 
 class Runtime:
@@ -127,8 +130,9 @@ class Runtime:
     record_ops = False
 
     def __init__(self, plan: Plan, rank: int, comms: Comms, device: torch.device,
-                 timeout_s: float = 60.0, fault: Fault | None = None):
+                 timeout_s: float = 60.0, fault: Fault | None = None, clip_grad_norm: float | None = None):
         self.plan, self.rank, self.comms, self.device = plan, rank, comms, device
+        self.clip_grad_norm = clip_grad_norm
         self.timeout_s, self.fault = timeout_s, fault
         self.cuda = device.type == "cuda"
         self.prog = plan.program(rank)
@@ -146,6 +150,8 @@ class Runtime:
         self.stages = {s: Stage(self.cfg, s, meta["num_stages"], meta["stage_units"][s], meta["stage_parts"][s],
                                 ep, self.ep_index, device, self.dtype, meta["seed"])
                        for s in self.prog.stages}
+        if clip_grad_norm is not None:
+            self._setup_clipping()
         self.instructions = [i for lst in self.prog.streams.values() for i in lst]
         self.flats = self._build_flats(meta.get("zero", 0))
         # stage -> "full" | "selective" (plans without the meta field knew only full)
@@ -165,6 +171,27 @@ class Runtime:
         self.captured_grads: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
+    def _setup_clipping(self) -> None:
+        """Clipping by the global norm needs every gradient of the step before any update:
+        each OPT also waits for all of this rank's backward and gradient-sync ops, and the
+        first OPT of the step all-reduces the squared norm over every rank (its own group,
+        made here on every rank alike)."""
+        compute = self.prog.streams.get("compute", [])
+        backward = [i.id for i in compute if i.kind in ("B", "BI", "BW")]
+        syncs = [i.id for lst in self.prog.streams.values() for i in lst if i.kind in ("ALLREDUCE", "REDUCE_SCATTER")]
+        opts = [k for k, i in enumerate(compute) if i.kind == "OPT"]
+        last_backward = max((k for k, i in enumerate(compute) if i.kind in ("B", "BI", "BW")), default=-1)
+        if opts and min(opts) < last_backward:
+            raise PlanError("--clip-grad-norm needs every backward before the first OPT in the compute order")
+        self.prog.streams["compute"] = [
+            dataclasses.replace(i, deps=list(dict.fromkeys([*i.deps, *backward, *syncs]))) if i.kind == "OPT" else i
+            for i in compute]
+        world = tuple(range(self.plan.world_size))
+        key = ("clip", world)
+        if key not in self.comms.groups:
+            self.comms.groups[key] = dist.new_group(list(world), timeout=timedelta(seconds=self.timeout_s))
+        self.clip_group = self.comms.groups[key]
+
     def _build_flats(self, zero: int) -> dict[tuple[int, str], FlatParams]:
         syncs: dict[tuple[int, str], list[Instruction]] = {}
         for lst in self.prog.streams.values():
@@ -221,6 +248,8 @@ class Runtime:
         self.busy: dict[str, str] = {}
         self.times: dict[str, list[float]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.clip_coef: float | None = None
+        self.grad_norm: float | None = None
         for fp in self.flats.values():
             fp.zero_grad()
         if self.cuda:
@@ -268,7 +297,7 @@ class Runtime:
         leftovers = [k for k in (self.envs, self.received, self.input_grads, self.inflight, self.releases) if k]
         if leftovers:
             raise InstructionError(self.rank, step, None, f"state left over after the step: {leftovers}")
-        return StepResult(step, float(loss), elapsed, self._events())
+        return StepResult(step, float(loss), elapsed, self._events(), self.grad_norm)
 
     def _wait_any(self, streams, ptr) -> tuple[Any, float, BaseException | None]:
         import queue
@@ -441,8 +470,31 @@ class Runtime:
         for rec in env.records.values():
             backward_weight(rec)
 
-    def _optimizer(self, ins: Instruction) -> None:
+    def _optimizer(self, ins: Instruction):
+        if self.clip_grad_norm is not None and self.clip_coef is None:
+            return self._clip_then_step(ins)
+        self._step_stage(ins)
+        return None
+
+    def _clip_then_step(self, ins: Instruction):
+        """The step's first OPT: global gradient norm (sum of squares over every shard and
+        stage, all ranks), the clip coefficient as ``torch.nn.utils.clip_grad_norm_``
+        computes it, then this OPT's update."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for fp in self.flats.values():
+            if fp.counts_in_norm():
+                g = fp.stepped_grad()
+                sq += torch.dot(g.float(), g.float()).double() if g.numel() else 0.0
+        yield dist.all_reduce(sq, group=self.clip_group, async_op=True)
+        norm = float(sq.sqrt())
+        self.grad_norm = norm
+        self.clip_coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
+        self._step_stage(ins)
+
+    def _step_stage(self, ins: Instruction) -> None:
         for fp in self.stage_flats(ins.stage):
+            if self.clip_coef is not None and self.clip_coef < 1.0:
+                fp.stepped_grad().mul_(self.clip_coef)
             if self.capture and fp.sync != "shard":
                 self.captured_grads.update({n: p.grad.detach().clone() for n, p in zip(fp.names, fp.params)})
             fp.step()
@@ -486,17 +538,17 @@ class Runtime:
         send = self._take_grads_in_compute_order(ins, fp, b)
         out = torch.empty_like(fp.shard_grad_piece(b))
         work = reduce_scatter(out, send, group=pg, async_op=True)
-        return Posted(work, lambda: fp.shard_grad_piece(b).add_(out))
+        return Posted(work, lambda: fp.add_shard_grad(b, out))
 
     def _take_grads_in_compute_order(self, ins: Instruction, fp: FlatParams, b: int) -> torch.Tensor:
         """CUDA: the take runs on the compute stream, after every backward issued so far
         (a later micro-batch's may already add to the bucket: that goes too), and the
         reduce-scatter's stream waits for it."""
         if not self.cuda:
-            return fp.take_grad_bucket(b)
+            return fp.take_grad_bucket(b, last=ins.mb < 0)
         compute, mine = self.cuda_streams["compute"], self.cuda_streams[ins.stream]
         with torch.cuda.stream(compute):
-            send = fp.take_grad_bucket(b)
+            send = fp.take_grad_bucket(b, last=ins.mb < 0)
         mine.wait_stream(compute)
         send.record_stream(mine)
         return send

@@ -138,6 +138,30 @@ def test_check_four_ranks_pp4_schedules_pp_dp_dualpipev_ep(tmp_path):
         assert row["max_abs_param_diff"] <= 1e-4, (name, row)
 
 
+def test_clip_grad_norm_global_over_shards_and_stages(tmp_path):
+    """--clip-grad-norm: one global norm over every shard (ZeRO), replica (counted once) and
+    pipeline stage; the reference clips with torch.nn.utils.clip_grad_norm_."""
+    configs = {f"dp2-zero{z}": strategy(dp=2, zero=z, m=2, mbs=2) for z in range(4)}
+    configs["pp2-interleaved"] = strategy(pp=2, sched="interleaved_1f1b", m=4, mbs=2)
+    configs["pp2-zb1p"] = strategy(pp=2, sched="zb1p", m=4, mbs=2)
+    configs["moe-ep2"] = strategy("moe-tiny", dp=2, ep=2, m=2, mbs=2)
+    paths = {save_plan(tmp_path, k, s): k for k, s in configs.items()}
+    r = torchrun(2, [*paths, "--steps", "3", "--check", "--json", "--clip-grad-norm", "0.05"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json_lines(r.stdout)
+    norms = {}
+    for row in rows:
+        name = paths[row["plan"]]
+        if "grad_norm" in row:
+            norms.setdefault(name, []).append(row["grad_norm"])
+            assert row["grad_norm"] > 0.05  # the clip is active
+        if "max_rel_param_diff" in row:
+            assert row["max_rel_param_diff"] <= TOL and row["max_abs_param_diff"] <= 1e-4, (name, row)
+    assert set(norms) == set(configs) and all(len(v) == 3 for v in norms.values())
+    gpt = [v[0] for k, v in norms.items() if k != "moe-ep2"]  # one model, one first-step gradient
+    assert max(gpt) - min(gpt) < 1e-4 * max(gpt)
+
+
 # ------------------------------------------------------------------ peer: torch.distributed.pipelining
 
 
