@@ -160,6 +160,10 @@ class Runtime:
         for s, stage in self.stages.items():
             stage.set_selective_recompute(self.recompute.get(s) == "selective")
         self.bucket_parts = self._bucket_parts()
+        # gradient buckets reduce during the backward that completes them (DDP-style); on
+        # CUDA the backward's hooks run on autograd's device thread: off until tested there
+        self.overlap_grads = os.environ.get("PIPER_OVERLAP_GRADS", "0" if self.cuda else "1") == "1"
+        self._setup_grad_overlap()
         self._handlers: dict[str, Callable[[Instruction], Any]] = {
             "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
             "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv, "ALLREDUCE": self._sync,
@@ -171,6 +175,57 @@ class Runtime:
         self.captured_grads: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
+    def _setup_grad_overlap(self) -> None:
+        """Bucket -> the parameters it covers (equal slices of the flat buffer; ZeRO-3's
+        per-unit buckets already reduce right after their unit's backward), and a
+        post-accumulate hook on each that tells the runtime a gradient is final."""
+        self.bucket_members: dict[tuple[int, str, int], set[int]] = {}
+        self.param_buckets: dict[int, list[tuple[tuple[int, str, int], FlatParams]]] = {}
+        self.running: tuple[str, set[int]] | None = None  # (backward op id, params it writes)
+        self.running_done: set[int] = set()
+        self.early_streams = sorted({i.stream for i in self.instructions
+                                     if i.kind in ("ALLREDUCE", "REDUCE_SCATTER") and i.dep_progress < 1.0})
+        if not self.overlap_grads or not self.early_streams:
+            return
+        for (s, tag), fp in self.flats.items():
+            if fp.sync == "none" or fp.per_bucket:
+                continue
+            for b in range(fp.n_buckets):
+                lo, hi = fp.offsets[b], fp.offsets[b] + fp.lens[b]
+                members = {id(p) for p, off in zip(fp.params, fp.param_offsets) if off < hi and off + p.numel() > lo}
+                self.bucket_members[(s, tag, b)] = members
+                for p in fp.params:
+                    if id(p) in members:
+                        self.param_buckets.setdefault(id(p), []).append(((s, tag, b), fp))
+        for fp in self.flats.values():
+            for p in fp.params:
+                if id(p) in self.param_buckets:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, p) -> None:
+        """A parameter's gradient is final for the running backward op: issue the head of
+        each gradient-sync stream whose bucket is complete now, in plan order."""
+        if self.running is None or id(p) not in self.running[1]:
+            return
+        self.running_done.add(id(p))
+        running_id, writes = self.running
+        for name in self.early_streams:
+            lst = self.prog.streams[name]
+            while self.ptr[name] < len(lst) and name not in self.busy:
+                ins = lst[self.ptr[name]]
+                if ins.kind not in ("ALLREDUCE", "REDUCE_SCATTER") or ins.dep_progress >= 1.0 \
+                        or running_id not in ins.deps or any(d not in self.done for d in ins.deps if d != running_id):
+                    break
+                kind, s, tag, b = self._parse_sync(ins)
+                members = self.bucket_members.get((s, tag, b))
+                if members is None or not (members & writes) <= self.running_done:
+                    break
+                self.ptr[name] += 1
+                self._issue(ins)
+
+    def _writing(self, op_id: str, params) -> "_Running":
+        return _Running(self, op_id, {id(p) for p in params} if self.bucket_members else set())
+
     def _setup_clipping(self) -> None:
         """Clipping by the global norm needs every gradient of the step before any update:
         each OPT also waits for all of this rank's backward and gradient-sync ops, and the
@@ -260,7 +315,7 @@ class Runtime:
         self.t0 = time.perf_counter()
         streams = self.prog.streams
         order = sorted(streams, key=lambda n: n == "compute")  # communication first
-        ptr = dict.fromkeys(streams, 0)
+        ptr = self.ptr = dict.fromkeys(streams, 0)
         total = sum(len(lst) for lst in streams.values())
         current: Instruction | None = None
         try:
@@ -456,7 +511,10 @@ class Runtime:
             env.records[f"p{part}"] = rec
         if not split:
             self._grads_for(s, [part])
-        env.grads.update((backward_input if split else backward_full)(rec, self._take_grads(env, rec)))
+            with self._writing(ins.id, rec.params):
+                env.grads.update(backward_full(rec, self._take_grads(env, rec)))
+        else:
+            env.grads.update(backward_input(rec, self._take_grads(env, rec)))
         self._release("B", s, m, part)  # BW needs no weights: a BI drops its units too
         if part == 0:
             if s > 0:
@@ -467,8 +525,9 @@ class Runtime:
     def _backward_weight(self, ins: Instruction) -> None:
         env = self.envs.pop((ins.stage, ins.mb))
         self._grads_for(ins.stage, range(len(self.plan.meta["stage_parts"][ins.stage])))
-        for rec in env.records.values():
-            backward_weight(rec)
+        with self._writing(ins.id, [p for rec in env.records.values() for p in rec.params]):
+            for rec in env.records.values():
+                backward_weight(rec, self._grad_ready if self.bucket_members else None)
 
     def _optimizer(self, ins: Instruction):
         if self.clip_grad_norm is not None and self.clip_coef is None:
@@ -665,6 +724,22 @@ def _by_bucket(named: list[tuple[str, Any]], buckets: list[list[str]]) -> tuple[
     for name, p in ordered:
         numels[bucket_of(name)] += p.numel()
     return ordered, numels
+
+
+class _Running:
+    """While a backward op runs: the parameters it writes, for `Runtime._grad_ready`."""
+
+    def __init__(self, rt: Runtime, op_id: str, params: set[int]):
+        self.rt, self.op_id, self.params = rt, op_id, params
+
+    def __enter__(self):
+        if self.params:
+            self.rt.running, self.rt.running_done = (self.op_id, self.params), set()
+        return self
+
+    def __exit__(self, *exc):
+        self.rt.running = None
+        return False
 
 
 class _Null:

@@ -610,14 +610,15 @@ def backward_input(rec: Record, grads: dict[str, torch.Tensor | None]) -> dict[s
     return _input_grads(rec, list(got))
 
 
-def backward_weight(rec: Record) -> None:
-    """BW: the parameter gradients of a piece whose input gradients BI computed."""
+def backward_weight(rec: Record, on_grad=None) -> None:
+    """BW: the parameter gradients of a piece whose input gradients BI computed;
+    ``on_grad(p)`` after each parameter's gradient is added (as a post-accumulate hook)."""
     ws: _WeightState | None = rec.weight_state
     if ws is None:
         return
     if ws.orphans:
         dws = torch.autograd.grad(ws.outs, ws.orphans, ws.gouts, retain_graph=True, allow_unused=True)
-        _accumulate(ws.orphans, dws)
+        _accumulate(ws.orphans, dws, on_grad)
     for g in ws.groups:
         edges, gs = [], []
         for node, grad_tuple in zip(g["nodes"], g["grads"]):
@@ -638,12 +639,14 @@ def backward_weight(rec: Record) -> None:
         finally:
             for h in handles:
                 h.remove()
-        _accumulate([g["params"][a] for a in accs], dws)
+        _accumulate([g["params"][a] for a in accs], dws, on_grad)
     rec.weight_state = None
 
 
-def _accumulate(params: list[nn.Parameter], grads) -> None:
+def _accumulate(params: list[nn.Parameter], grads, on_grad=None) -> None:
     with torch.no_grad():
         for p, g in zip(params, grads):
             if g is not None:
                 p.grad.add_(g)
+                if on_grad is not None:
+                    on_grad(p)

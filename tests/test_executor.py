@@ -162,6 +162,25 @@ def test_clip_grad_norm_global_over_shards_and_stages(tmp_path):
     assert max(gpt) - min(gpt) < 1e-4 * max(gpt)
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_gradient_buckets_reduce_during_the_last_backward(tmp_path, zero):
+    """DDP-style overlap: the plan lets bucket b start once the last backward reached it
+    (``dep_progress``); the executor posts it from the gradient hooks, in plan order."""
+    plan = save_plan(tmp_path, "dp2", strategy(dp=2, zero=zero, m=2, mbs=2))
+    trace = tmp_path / "trace.json"
+    r = torchrun(2, [plan, "--steps", "2", "--trace", str(trace), "--check", "--json"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row for row in json_lines(r.stdout) if "max_rel_param_diff" in row][0]["max_rel_param_diff"] <= 1e-5
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["pid"] == 0]
+    last_b = next(e for e in events if e["name"] == "B.s0.mb1")
+    syncs = sorted((e for e in events if e["name"].startswith(("AR.s0.b", "RS.s0.b"))),
+                   key=lambda e: -int(e["name"].rsplit("b", 1)[1]))
+    assert len(syncs) > 2
+    # the first buckets (last layers) start before that backward ends, in plan order
+    assert syncs[0]["ts"] < last_b["ts"] + last_b["dur"]
+    assert syncs[1]["ts"] < last_b["ts"] + last_b["dur"]
+
+
 # ------------------------------------------------------------------ peer: torch.distributed.pipelining
 
 
