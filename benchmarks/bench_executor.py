@@ -1,12 +1,16 @@
 """Executor speed against PyTorch on the same model, data and machine, in one run:
 
-* DP2 (ZeRO-0, bucketed all-reduce)  vs  torch DDP
-* PP2 1F1B                            vs  torch.distributed.pipelining Schedule1F1B
+* DP2 (ZeRO-0, bucketed all-reduce)       vs  torch DDP
+* DP2 ZeRO-1 (reduce-scatter, all-gather) vs  torch DDP
+* PP2 GPipe / 1F1B / interleaved 1F1B     vs  torch.distributed.pipelining's class of each
+* DP2 ZeRO-3 (per-unit gathers)           vs  FSDP2 ``fully_shard`` (one unit per layer)
 
-    python benchmarks/bench_executor.py [--model gpt-tiny] [--seq 128] [--batch 16] [--mb 4] [--steps 10]
+    python benchmarks/bench_executor.py [--model gpt-small] [--seq 128] [--batch 16] [--mb 4] [--steps 10]
+                                        [--cases dp2,zero1,pp2-1f1b,...]
 
 It launches itself under torchrun (2 ranks, gloo on CPU) and prints the median step time
-of each and the ratio executor / torch (target <= 1.05).
+of each, executor and torch steps taking turns, and the median of the paired ratios
+executor / torch (target <= 1.00).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from executor.baselines import TorchDDP, TorchPipeline  # noqa: E402
+from executor.baselines import TorchDDP, TorchFSDP2, TorchPipeline  # noqa: E402
 from executor.collectives import Comms  # noqa: E402
 from executor.runtime import Runtime  # noqa: E402
 from piper_sim.api import compile  # noqa: E402
@@ -35,9 +39,10 @@ def strategy(args, directives: list[dict]) -> dict:
             "microbatches": args.mb, "dtype": "fp32", "directives": directives}
 
 
-def timed(fns, steps: int, warmup: int = 2) -> list[float]:
-    """Median wall time of one step of each function. Steps alternate between the functions
-    (all ranks aligned by barriers), so background load hits both alike."""
+def timed(fns, steps: int, warmup: int = 2) -> tuple[list[float], float]:
+    """Median wall time of one step of each function, and the median of the per-step
+    ratios first / second. Steps alternate between the functions (all ranks aligned by
+    barriers), so background load hits both alike."""
     times: list[list[float]] = [[] for _ in fns]
     for k in range(warmup + steps):
         for i, fn in enumerate(fns):
@@ -47,7 +52,8 @@ def timed(fns, steps: int, warmup: int = 2) -> list[float]:
             dist.barrier()
             if k >= warmup:
                 times[i].append(time.perf_counter() - t)
-    return [statistics.median(t) for t in times]
+    ratio = statistics.median(a / b for a, b in zip(times[0], times[1]))
+    return [statistics.median(t) for t in times], ratio
 
 
 def worker(args) -> None:
@@ -55,35 +61,45 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = {}
+    pp = lambda name: [{"op": "pipeline", "degree": 2, **({"stages_per_rank": 2} if "interleaved" in name else {})},
+                       {"op": "schedule", "name": name}]
+    dp = lambda zero: [{"op": "data_parallel", "degree": 2, "zero": zero}]
     cases = {
-        "dp2": ([{"op": "data_parallel", "degree": 2}], lambda plan: TorchDDP(plan, rank), "DDP"),
-        "pp2-1f1b": ([{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"}],
-                     lambda plan: TorchPipeline(plan, rank), "pipelining Schedule1F1B"),
+        "dp2": (dp(0), lambda plan: TorchDDP(plan, rank), "DDP"),
+        "zero1": (dp(1), lambda plan: TorchDDP(plan, rank), "DDP"),
+        "pp2-gpipe": (pp("gpipe"), lambda plan: TorchPipeline(plan, rank), "pipelining ScheduleGPipe"),
+        "pp2-1f1b": (pp("1f1b"), lambda plan: TorchPipeline(plan, rank), "pipelining Schedule1F1B"),
+        "pp2-interleaved": (pp("interleaved_1f1b"), lambda plan: TorchPipeline(plan, rank),
+                            "pipelining Interleaved1F1B"),
+        "zero3": (dp(3), lambda plan: TorchFSDP2(plan, rank), "FSDP2 fully_shard"),
     }
-    for name, (directives, make_torch, torch_name) in cases.items():
+    wanted = args.cases.split(",") if args.cases else list(cases)
+    for name in wanted:
+        directives, make_torch, torch_name = cases[name]
         plan = compile(strategy(args, directives))
         comms = Comms.create(plan, timeout_s=120)
         rt = Runtime(plan, rank, comms, torch.device("cpu"), timeout_s=120)
         peer = make_torch(plan)
-        ours, theirs = timed([rt.run_step, peer.step], args.steps)
+        (ours, theirs), ratio = timed([rt.run_step, peer.step], args.steps)
         comms.destroy()
-        results[name] = (ours, theirs, torch_name)
+        results[name] = (ours, theirs, torch_name, ratio)
     if rank == 0:
         print(f"model {args.model}, global batch {args.batch} x seq {args.seq}, {args.mb} micro-batches, "
               f"2 ranks (gloo, {torch.get_num_threads()} thread(s) each), median of {args.steps} steps")
-        for name, (ours, theirs, torch_name) in results.items():
-            print(f"{name:>9}: executor {ours * 1e3:8.1f} ms   torch {torch_name:<24} {theirs * 1e3:8.1f} ms   "
-                  f"ratio {ours / theirs:5.2f}")
+        for name, (ours, theirs, torch_name, ratio) in results.items():
+            print(f"{name:>15}: executor {ours * 1e3:8.1f} ms   torch {torch_name:<27} {theirs * 1e3:8.1f} ms   "
+                  f"ratio {ratio:5.2f}")
     dist.destroy_process_group()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--model", default="gpt-small")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--mb", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--cases", help="comma-separated subset of: dp2, zero1, pp2-gpipe, pp2-1f1b, pp2-interleaved, zero3")
     args = p.parse_args()
     if "RANK" in os.environ:
         worker(args)

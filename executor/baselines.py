@@ -97,6 +97,34 @@ class TorchDDP:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+class TorchFSDP2(TorchDDP):
+    """The whole model under FSDP2 ``fully_shard``: each layer, the embedding and the head
+    one unit (the root holds the rest), gradients reduce-scattered every micro-batch."""
+
+    def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu"):
+        from torch.distributed.fsdp import fully_shard
+
+        meta = plan.meta
+        cfg = get_config(meta["model"])
+        model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model.embed)
+        fully_shard(model.head)
+        self.model = fully_shard(model)
+        self.optimizer = make_optimizer(list(model.parameters()))
+        self.meta, self.dp_rank, self.dp = meta, rank, dist.get_world_size()
+        self.data = SyntheticData(cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
+
+    def step(self, step: int) -> None:
+        m = self.meta["microbatches"]
+        for mb in range(m):
+            tokens, targets = self.data.microbatch(step, self.dp_rank, self.dp, m, mb)
+            (lm_loss(self.model(tokens), targets) / m).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
 class _Null:
     def __enter__(self):
         return self

@@ -52,6 +52,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "every plan op a record_function(op_id) range")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA for GPU clusters when available, else CPU")
+    p.add_argument("--clip-grad-norm", type=float, metavar="X",
+                   help="clip gradients to global L2 norm X over all shards and stages (as clip_grad_norm_)")
     p.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
 
 
@@ -122,6 +124,8 @@ def torchrun_command(args, plan: Plan) -> list[str]:
         cmd.append("--standalone")
     cmd += ["-m", "executor", os.path.abspath(args.plan), "--steps", str(args.steps),
             "--timeout", str(args.timeout), "--device", args.device]
+    if getattr(args, "clip_grad_norm", None) is not None:
+        cmd += ["--clip-grad-norm", str(args.clip_grad_norm)]
     for flag in ("trace", "timeline", "kineto", "save", "resume", "profile"):
         value = getattr(args, flag)
         if value:

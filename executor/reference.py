@@ -16,9 +16,10 @@ from piper_sim.plan import Plan
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu"
-                       ) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Train the plan's model for ``steps`` steps on the full global batch in one process;
+def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu",
+                       clip_grad_norm: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train the plan's model for ``steps`` steps on the full global batch in one process
+    (gradients clipped to ``clip_grad_norm`` by global norm, as the executor does);
     returns its parameters by name and the loss of every step."""
     meta = plan.meta
     cfg = get_config(meta["model"])
@@ -30,6 +31,8 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
         tokens, targets = data.batch(step)
         loss = lm_loss(model(tokens.to(device)), targets.to(device))
         loss.backward()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

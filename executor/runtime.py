@@ -34,6 +34,7 @@ checkpoints the attention cores only.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
@@ -41,6 +42,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -117,6 +119,7 @@ class StepResult:
     loss: float
     time_s: float
     events: list[dict[str, Any]]
+    grad_norm: float | None = None  # global gradient norm before clipping (--clip-grad-norm)
 
 
 class Runtime:
@@ -127,8 +130,9 @@ class Runtime:
     record_ops = False
 
     def __init__(self, plan: Plan, rank: int, comms: Comms, device: torch.device,
-                 timeout_s: float = 60.0, fault: Fault | None = None):
+                 timeout_s: float = 60.0, fault: Fault | None = None, clip_grad_norm: float | None = None):
         self.plan, self.rank, self.comms, self.device = plan, rank, comms, device
+        self.clip_grad_norm = clip_grad_norm
         self.timeout_s, self.fault = timeout_s, fault
         self.cuda = device.type == "cuda"
         self.prog = plan.program(rank)
@@ -146,6 +150,8 @@ class Runtime:
         self.stages = {s: Stage(self.cfg, s, meta["num_stages"], meta["stage_units"][s], meta["stage_parts"][s],
                                 ep, self.ep_index, device, self.dtype, meta["seed"])
                        for s in self.prog.stages}
+        if clip_grad_norm is not None:
+            self._setup_clipping()
         self.instructions = [i for lst in self.prog.streams.values() for i in lst]
         self.flats = self._build_flats(meta.get("zero", 0))
         # stage -> "full" | "selective" (plans without the meta field knew only full)
@@ -154,6 +160,10 @@ class Runtime:
         for s, stage in self.stages.items():
             stage.set_selective_recompute(self.recompute.get(s) == "selective")
         self.bucket_parts = self._bucket_parts()
+        # gradient buckets reduce during the backward that completes them (DDP-style); on
+        # CUDA the backward's hooks run on autograd's device thread: off until tested there
+        self.overlap_grads = os.environ.get("PIPER_OVERLAP_GRADS", "0" if self.cuda else "1") == "1"
+        self._setup_grad_overlap()
         self._handlers: dict[str, Callable[[Instruction], Any]] = {
             "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
             "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv, "ALLREDUCE": self._sync,
@@ -165,6 +175,78 @@ class Runtime:
         self.captured_grads: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ set-up
+    def _setup_grad_overlap(self) -> None:
+        """Bucket -> the parameters it covers (equal slices of the flat buffer; ZeRO-3's
+        per-unit buckets already reduce right after their unit's backward), and a
+        post-accumulate hook on each that tells the runtime a gradient is final."""
+        self.bucket_members: dict[tuple[int, str, int], set[int]] = {}
+        self.param_buckets: dict[int, list[tuple[tuple[int, str, int], FlatParams]]] = {}
+        self.running: tuple[str, set[int]] | None = None  # (backward op id, params it writes)
+        self.running_done: set[int] = set()
+        self.early_streams = sorted({i.stream for i in self.instructions
+                                     if i.kind in ("ALLREDUCE", "REDUCE_SCATTER") and i.dep_progress < 1.0})
+        if not self.overlap_grads or not self.early_streams:
+            return
+        for (s, tag), fp in self.flats.items():
+            if fp.sync == "none" or fp.per_bucket:
+                continue
+            for b in range(fp.n_buckets):
+                lo, hi = fp.offsets[b], fp.offsets[b] + fp.lens[b]
+                members = {id(p) for p, off in zip(fp.params, fp.param_offsets) if off < hi and off + p.numel() > lo}
+                self.bucket_members[(s, tag, b)] = members
+                for p in fp.params:
+                    if id(p) in members:
+                        self.param_buckets.setdefault(id(p), []).append(((s, tag, b), fp))
+        for fp in self.flats.values():
+            for p in fp.params:
+                if id(p) in self.param_buckets:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _grad_ready(self, p) -> None:
+        """A parameter's gradient is final for the running backward op: issue the head of
+        each gradient-sync stream whose bucket is complete now, in plan order."""
+        if self.running is None or id(p) not in self.running[1]:
+            return
+        self.running_done.add(id(p))
+        running_id, writes = self.running
+        for name in self.early_streams:
+            lst = self.prog.streams[name]
+            while self.ptr[name] < len(lst) and name not in self.busy:
+                ins = lst[self.ptr[name]]
+                if ins.kind not in ("ALLREDUCE", "REDUCE_SCATTER") or ins.dep_progress >= 1.0 \
+                        or running_id not in ins.deps or any(d not in self.done for d in ins.deps if d != running_id):
+                    break
+                kind, s, tag, b = self._parse_sync(ins)
+                members = self.bucket_members.get((s, tag, b))
+                if members is None or not (members & writes) <= self.running_done:
+                    break
+                self.ptr[name] += 1
+                self._issue(ins)
+
+    def _writing(self, op_id: str, params) -> "_Running":
+        return _Running(self, op_id, {id(p) for p in params} if self.bucket_members else set())
+
+    def _setup_clipping(self) -> None:
+        """Clipping by the global norm needs every gradient of the step before any update:
+        each OPT also waits for all of this rank's backward and gradient-sync ops, and the
+        first OPT of the step all-reduces the squared norm over every rank (its own group,
+        made here on every rank alike)."""
+        compute = self.prog.streams.get("compute", [])
+        backward = [i.id for i in compute if i.kind in ("B", "BI", "BW")]
+        syncs = [i.id for lst in self.prog.streams.values() for i in lst if i.kind in ("ALLREDUCE", "REDUCE_SCATTER")]
+        opts = [k for k, i in enumerate(compute) if i.kind == "OPT"]
+        last_backward = max((k for k, i in enumerate(compute) if i.kind in ("B", "BI", "BW")), default=-1)
+        if opts and min(opts) < last_backward:
+            raise PlanError("--clip-grad-norm needs every backward before the first OPT in the compute order")
+        self.prog.streams["compute"] = [
+            dataclasses.replace(i, deps=list(dict.fromkeys([*i.deps, *backward, *syncs]))) if i.kind == "OPT" else i
+            for i in compute]
+        world = tuple(range(self.plan.world_size))
+        key = ("clip", world)
+        if key not in self.comms.groups:
+            self.comms.groups[key] = dist.new_group(list(world), timeout=timedelta(seconds=self.timeout_s))
+        self.clip_group = self.comms.groups[key]
+
     def _build_flats(self, zero: int) -> dict[tuple[int, str], FlatParams]:
         syncs: dict[tuple[int, str], list[Instruction]] = {}
         for lst in self.prog.streams.values():
@@ -221,6 +303,8 @@ class Runtime:
         self.busy: dict[str, str] = {}
         self.times: dict[str, list[float]] = {}
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.clip_coef: float | None = None
+        self.grad_norm: float | None = None
         for fp in self.flats.values():
             fp.zero_grad()
         if self.cuda:
@@ -231,7 +315,7 @@ class Runtime:
         self.t0 = time.perf_counter()
         streams = self.prog.streams
         order = sorted(streams, key=lambda n: n == "compute")  # communication first
-        ptr = dict.fromkeys(streams, 0)
+        ptr = self.ptr = dict.fromkeys(streams, 0)
         total = sum(len(lst) for lst in streams.values())
         current: Instruction | None = None
         try:
@@ -268,7 +352,7 @@ class Runtime:
         leftovers = [k for k in (self.envs, self.received, self.input_grads, self.inflight, self.releases) if k]
         if leftovers:
             raise InstructionError(self.rank, step, None, f"state left over after the step: {leftovers}")
-        return StepResult(step, float(loss), elapsed, self._events())
+        return StepResult(step, float(loss), elapsed, self._events(), self.grad_norm)
 
     def _wait_any(self, streams, ptr) -> tuple[Any, float, BaseException | None]:
         import queue
@@ -427,7 +511,10 @@ class Runtime:
             env.records[f"p{part}"] = rec
         if not split:
             self._grads_for(s, [part])
-        env.grads.update((backward_input if split else backward_full)(rec, self._take_grads(env, rec)))
+            with self._writing(ins.id, rec.params):
+                env.grads.update(backward_full(rec, self._take_grads(env, rec)))
+        else:
+            env.grads.update(backward_input(rec, self._take_grads(env, rec)))
         self._release("B", s, m, part)  # BW needs no weights: a BI drops its units too
         if part == 0:
             if s > 0:
@@ -438,11 +525,35 @@ class Runtime:
     def _backward_weight(self, ins: Instruction) -> None:
         env = self.envs.pop((ins.stage, ins.mb))
         self._grads_for(ins.stage, range(len(self.plan.meta["stage_parts"][ins.stage])))
-        for rec in env.records.values():
-            backward_weight(rec)
+        with self._writing(ins.id, [p for rec in env.records.values() for p in rec.params]):
+            for rec in env.records.values():
+                backward_weight(rec, self._grad_ready if self.bucket_members else None)
 
-    def _optimizer(self, ins: Instruction) -> None:
+    def _optimizer(self, ins: Instruction):
+        if self.clip_grad_norm is not None and self.clip_coef is None:
+            return self._clip_then_step(ins)
+        self._step_stage(ins)
+        return None
+
+    def _clip_then_step(self, ins: Instruction):
+        """The step's first OPT: global gradient norm (sum of squares over every shard and
+        stage, all ranks), the clip coefficient as ``torch.nn.utils.clip_grad_norm_``
+        computes it, then this OPT's update."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for fp in self.flats.values():
+            if fp.counts_in_norm():
+                g = fp.stepped_grad()
+                sq += torch.dot(g.float(), g.float()).double() if g.numel() else 0.0
+        yield dist.all_reduce(sq, group=self.clip_group, async_op=True)
+        norm = float(sq.sqrt())
+        self.grad_norm = norm
+        self.clip_coef = min(1.0, self.clip_grad_norm / (norm + 1e-6))
+        self._step_stage(ins)
+
+    def _step_stage(self, ins: Instruction) -> None:
         for fp in self.stage_flats(ins.stage):
+            if self.clip_coef is not None and self.clip_coef < 1.0:
+                fp.stepped_grad().mul_(self.clip_coef)
             if self.capture and fp.sync != "shard":
                 self.captured_grads.update({n: p.grad.detach().clone() for n, p in zip(fp.names, fp.params)})
             fp.step()
@@ -486,17 +597,17 @@ class Runtime:
         send = self._take_grads_in_compute_order(ins, fp, b)
         out = torch.empty_like(fp.shard_grad_piece(b))
         work = reduce_scatter(out, send, group=pg, async_op=True)
-        return Posted(work, lambda: fp.shard_grad_piece(b).add_(out))
+        return Posted(work, lambda: fp.add_shard_grad(b, out))
 
     def _take_grads_in_compute_order(self, ins: Instruction, fp: FlatParams, b: int) -> torch.Tensor:
         """CUDA: the take runs on the compute stream, after every backward issued so far
         (a later micro-batch's may already add to the bucket: that goes too), and the
         reduce-scatter's stream waits for it."""
         if not self.cuda:
-            return fp.take_grad_bucket(b)
+            return fp.take_grad_bucket(b, last=ins.mb < 0)
         compute, mine = self.cuda_streams["compute"], self.cuda_streams[ins.stream]
         with torch.cuda.stream(compute):
-            send = fp.take_grad_bucket(b)
+            send = fp.take_grad_bucket(b, last=ins.mb < 0)
         mine.wait_stream(compute)
         send.record_stream(mine)
         return send
@@ -613,6 +724,22 @@ def _by_bucket(named: list[tuple[str, Any]], buckets: list[list[str]]) -> tuple[
     for name, p in ordered:
         numels[bucket_of(name)] += p.numel()
     return ordered, numels
+
+
+class _Running:
+    """While a backward op runs: the parameters it writes, for `Runtime._grad_ready`."""
+
+    def __init__(self, rt: Runtime, op_id: str, params: set[int]):
+        self.rt, self.op_id, self.params = rt, op_id, params
+
+    def __enter__(self):
+        if self.params:
+            self.rt.running, self.rt.running_done = (self.op_id, self.params), set()
+        return self
+
+    def __exit__(self, *exc):
+        self.rt.running = None
+        return False
 
 
 class _Null:

@@ -74,7 +74,8 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
     # a worker restarted by torchrun (--max-restarts) resumes from the newest checkpoint it saved;
     # injected faults fire in the first attempt only
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=None if restarted else Fault.from_env())
+    rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=None if restarted else Fault.from_env(),
+                 clip_grad_norm=args.clip_grad_norm)
     rt.record_ops = bool(args.profile)  # record_function(op_id) around every plan op
     heartbeat.start(rt)
     resume = args.save if restarted and args.save and checkpoint.complete_steps(args.save) else args.resume
@@ -96,7 +97,8 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
             with torch.profiler.record_function(f"ProfilerStep#{step}"):  # the name prof.step() gives
                 result = rt.run_step(step)
             if rank == 0:
-                _say(args, {"plan": path, "step": step, "loss": result.loss, "step_time_s": result.time_s},
+                _say(args, {"plan": path, "step": step, "loss": result.loss, "step_time_s": result.time_s,
+                            **({"grad_norm": result.grad_norm} if result.grad_norm is not None else {})},
                      f"{path}: step {step}: loss {result.loss:.6f}  step time {result.time_s * 1e3:.1f} ms")
             done = step + 1
             if args.save and (done == end or (args.save_every and done % args.save_every == 0)):
@@ -109,7 +111,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
         write_trace(result.events, rank, args.trace, args.timeline, f"{path} step {result.step}",
                     kineto=args.kineto, step=result.step, dtype=plan.meta.get("dtype", "fp32"))
     if args.check:
-        ref, _ = reference_training(plan, end, device)
+        ref, _ = reference_training(plan, end, device, clip_grad_norm=args.clip_grad_norm)
         diffs = torch.tensor(compare(rt.flats, comms, ref), dtype=torch.float64, device=device)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         if rank == 0:
@@ -150,7 +152,8 @@ def check_same_everywhere(args, plans: list[Plan]) -> None:
     mine = {"plans": [p.content_hash() for p in plans], "steps": args.steps, "end_step": args.end_step,
             "check": args.check, "save": bool(args.save), "save_every": args.save_every, "keep": args.keep,
             "resume": bool(args.resume), "trace": bool(args.trace or args.timeline or args.kineto),
-            "profile": bool(args.profile), "device": args.device}
+            "profile": bool(args.profile), "device": args.device,
+            "clip": args.clip_grad_norm}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for r, theirs in enumerate(everyone):

@@ -138,6 +138,49 @@ def test_check_four_ranks_pp4_schedules_pp_dp_dualpipev_ep(tmp_path):
         assert row["max_abs_param_diff"] <= 1e-4, (name, row)
 
 
+def test_clip_grad_norm_global_over_shards_and_stages(tmp_path):
+    """--clip-grad-norm: one global norm over every shard (ZeRO), replica (counted once) and
+    pipeline stage; the reference clips with torch.nn.utils.clip_grad_norm_."""
+    configs = {f"dp2-zero{z}": strategy(dp=2, zero=z, m=2, mbs=2) for z in range(4)}
+    configs["pp2-interleaved"] = strategy(pp=2, sched="interleaved_1f1b", m=4, mbs=2)
+    configs["pp2-zb1p"] = strategy(pp=2, sched="zb1p", m=4, mbs=2)
+    configs["moe-ep2"] = strategy("moe-tiny", dp=2, ep=2, m=2, mbs=2)
+    paths = {save_plan(tmp_path, k, s): k for k, s in configs.items()}
+    r = torchrun(2, [*paths, "--steps", "3", "--check", "--json", "--clip-grad-norm", "0.05"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json_lines(r.stdout)
+    norms = {}
+    for row in rows:
+        name = paths[row["plan"]]
+        if "grad_norm" in row:
+            norms.setdefault(name, []).append(row["grad_norm"])
+            assert row["grad_norm"] > 0.05  # the clip is active
+        if "max_rel_param_diff" in row:
+            assert row["max_rel_param_diff"] <= TOL and row["max_abs_param_diff"] <= 1e-4, (name, row)
+    assert set(norms) == set(configs) and all(len(v) == 3 for v in norms.values())
+    gpt = [v[0] for k, v in norms.items() if k != "moe-ep2"]  # one model, one first-step gradient
+    assert max(gpt) - min(gpt) < 1e-4 * max(gpt)
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_gradient_buckets_reduce_during_the_last_backward(tmp_path, zero):
+    """DDP-style overlap: the plan lets bucket b start once the last backward reached it
+    (``dep_progress``); the executor posts it from the gradient hooks, in plan order."""
+    plan = save_plan(tmp_path, "dp2", strategy(dp=2, zero=zero, m=2, mbs=2))
+    trace = tmp_path / "trace.json"
+    r = torchrun(2, [plan, "--steps", "2", "--trace", str(trace), "--check", "--json"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row for row in json_lines(r.stdout) if "max_rel_param_diff" in row][0]["max_rel_param_diff"] <= 1e-5
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X" and e["pid"] == 0]
+    last_b = next(e for e in events if e["name"] == "B.s0.mb1")
+    syncs = sorted((e for e in events if e["name"].startswith(("AR.s0.b", "RS.s0.b"))),
+                   key=lambda e: -int(e["name"].rsplit("b", 1)[1]))
+    assert len(syncs) > 2
+    # the first buckets (last layers) start before that backward ends, in plan order
+    assert syncs[0]["ts"] < last_b["ts"] + last_b["dur"]
+    assert syncs[1]["ts"] < last_b["ts"] + last_b["dur"]
+
+
 # ------------------------------------------------------------------ peer: torch.distributed.pipelining
 
 
