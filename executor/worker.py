@@ -114,14 +114,27 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
         ref, _ = reference_training(plan, end, device, clip_grad_norm=args.clip_grad_norm)
         diffs = torch.tensor(compare(rt.flats, comms, ref), dtype=torch.float64, device=device)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+        a, r = diffs.tolist()
+        dtype = plan.meta.get("dtype", "fp32")
+        tol = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE["fp32"])
         if rank == 0:
-            a, r = diffs.tolist()
-            _say(args, {"plan": path, "steps": end, "max_abs_param_diff": a,
-                        "max_rel_param_diff": r},
+            _say(args, {"plan": path, "steps": end, "max_abs_param_diff": a, "max_rel_param_diff": r,
+                        "dtype": dtype, "tolerance": tol, "within_tolerance": r <= tol},
                  f"{path}: check after {end} steps vs single-process reference: "
-                 f"max_abs_param_diff {a:.3e}  max_rel_param_diff {r:.3e}")
+                 f"max_abs_param_diff {a:.3e}  max_rel_param_diff {r:.3e} ({dtype} tolerance {tol:g}: "
+                 f"{'ok' if r <= tol else 'FAILED'})")
     dist.barrier()
     comms.destroy()
+    if args.check and rank == 0 and r > tol:
+        raise RuntimeError(f"--check: max_rel_param_diff {r:.3e} exceeds the {dtype} tolerance {tol:g}")
+
+
+# --check: the largest per-tensor relative L2 difference of the parameters from the
+# single-process reference accepted after a few AdamW steps, per plan dtype. fp32: round-off
+# of near-cancelling gradients amplified by Adam (the test matrix stays below 1e-5; 6.9e-5 seen
+# once over 58 random runs, issue 13); bf16/fp16: the reduced precision itself (3e-3 to 1.3e-2
+# seen over 3 steps in bf16, issue 13).
+CHECK_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 2e-2}
 
 
 def write_trace(rows: list[dict], rank: int, trace: str | None, timeline: str | None, title: str,
@@ -201,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             if "MASTER_ADDR" not in os.environ:  # a single rank without torchrun
                 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"),
                                   RANK="0", WORLD_SIZE="1")
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    timeout=timedelta(seconds=args.timeout))
+            _init_process_group("nccl" if device.type == "cuda" else "gloo", timedelta(seconds=args.timeout))
         check_same_everywhere(args, plans)
         for path, plan in zip(args.plans, plans):
             run_plan(path, plan, args, rank, device)
@@ -213,6 +225,22 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     exit_now(0)
     return 0
+
+
+def _init_process_group(backend: str, timeout: timedelta) -> None:
+    """The default process group, its store keys prefixed with torchrun's restart count: a
+    worker restarted by the elastic agent (``--max-restarts``) may otherwise read a peer
+    address the previous attempt left in a reused store and fail to connect."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    from torch.distributed.rendezvous import _create_c10d_store  # what env:// uses, less its prefixing
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world, timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"piper-sim/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def exit_now(code: int) -> None:
