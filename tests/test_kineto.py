@@ -114,7 +114,7 @@ def test_hta_reads_a_simulated_trace(sim):
     for s in result.per_rank.itertuples():  # HTA's compute time is ours, to its rounding (< 2 µs per kernel)
         row = temporal[temporal["rank"] == s.rank].iloc[0]
         n = ((ev["rank"] == s.rank) & ev["kind"].isin(["F", "B", "BI", "BW", "OPT"])).sum()
-        assert row["compute_time(us)"] == pytest.approx(s.compute_s * 1e6, abs=2 * n + 1)
+        assert row["compute_time(us)"] == pytest.approx(s.compute_s * 1e6, abs=float(2 * n + 1))
 
 
 def test_hta_reads_a_measured_trace_and_profile_names_ops(tmp_path):
