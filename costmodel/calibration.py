@@ -10,6 +10,7 @@ Schema (JSON; every key but "kind" optional; seconds, bytes, bytes/s)::
       "efficiency_table": [[m, n, k, eff], ...]  or  [[flops, eff], ...],
       "launch_s": 1e-5,                    # fixed per-op overhead
       "hbm_bw": 2e10,                      # memory bandwidth (bytes moved / s) of memory-bound ops
+      "memory_bw_table": [[bytes, bw], ...], # that bandwidth by bytes moved per op (caches), optional
       "collectives": {                     # t = alpha_s + S / bw_Bps, S as in costmodel.collectives
         "ALLREDUCE": {"2": {"alpha_s": 5e-5, "bw_Bps": 1.5e9}, "4": {...}},
         "ALL_TO_ALL": {...}
@@ -38,6 +39,7 @@ import tempfile
 from costmodel.collectives import KINDS
 
 CALIBRATION_KEYS = {"kind", "device", "dtype", "peak_flops", "efficiency_table", "launch_s", "hbm_bw",
+                    "memory_bw_table",
                     "collectives", "p2p", "overlap_slowdown", "meta"}
 
 

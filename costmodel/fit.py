@@ -175,6 +175,13 @@ def cost_model(calibration: dict, ranks: int = 2) -> AnalyticCostModel:
     return AnalyticCostModel(Cluster(CPU, 1, ranks), overrides, name="calibration")
 
 
+def memory_bw_table(memory: list[dict]) -> list[list[float]]:
+    """[bytes moved per op, bytes/s] at each measured size (mean of copy and add): small
+    tensors stay in cache and move faster than `hbm_bw`, the largest size's bandwidth."""
+    sizes = sorted({r["bytes_moved"] for r in memory})
+    return [[float(b), statistics.fmean(r["bw_Bps"] for r in memory if r["bytes_moved"] == b)] for b in sizes]
+
+
 def build_calibration(raw: dict) -> dict:
     """The calibration dict (with meta: contention, residuals, raw) from raw measurements."""
     cfg = raw["config"]
@@ -182,6 +189,7 @@ def build_calibration(raw: dict) -> dict:
     peak, gemm_rows = gemm_efficiency(raw["matmul"], dtype)
     largest = max(r["mib"] for r in raw["memory"])
     hbm_bw = statistics.fmean(r["bw_Bps"] for r in raw["memory"] if r["mib"] == largest)
+    mem_table = memory_bw_table(raw["memory"])
     launch_s = raw["launch_s"]
     table, overhead = segment_table(raw["segments"], peak, launch_s, hbm_bw, gemm_rows)
     coll, p2p, comm_resid = fit_comm(raw["comm"])
@@ -196,6 +204,7 @@ def build_calibration(raw: dict) -> dict:
         "efficiency_table": table,
         "launch_s": launch_s,
         "hbm_bw": hbm_bw,
+        "memory_bw_table": mem_table,
         "collectives": coll,
         **({"p2p": p2p} if p2p else {}),
         **({"overlap_slowdown": max(1.0, factors[smallest]["overlap_slowdown"])} if smallest else {}),

@@ -76,7 +76,7 @@ class AnalyticCostModel(CostModel):
     """
 
     KEYS = GPU_FIELDS | {"dtype", "gemm_dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives",
-                         "p2p", "compute_slots", "moe"}
+                         "p2p", "compute_slots", "moe", "memory_bw_table"}
 
     def __init__(self, cluster: Cluster, overrides: dict | None = None, name: str = "analytic"):
         ov = dict(overrides or {})
@@ -93,6 +93,7 @@ class AnalyticCostModel(CostModel):
         self.compute_slots = ov.pop("compute_slots", default_slots)
         self.algorithm = ov.pop("algorithm", "auto")
         self.table = None
+        self.mem_bw = operators.BandwidthTable(ov.pop("memory_bw_table")) if "memory_bw_table" in ov else None
         if "efficiency_table" in ov:
             self.table = compute.EfficiencyTable.from_rows(ov.pop("efficiency_table"))
             ov.setdefault("mamf_eff", max(e for _, e in self.table.points))
@@ -128,7 +129,8 @@ class AnalyticCostModel(CostModel):
         return compute.compute_time(self.gpu, flops, mem_bytes, gemm, self.dtype, self.table)
 
     def kernels_time(self, rows):
-        return operators.table_time(self.gpu, rows, gemm_dtype=self.gemm_dtype, gemm_table=self.table)
+        return operators.table_time(self.gpu, rows, gemm_dtype=self.gemm_dtype, gemm_table=self.table,
+                                    mem_bw=self.mem_bw)
 
     def collective_time(self, kind, nbytes, ranks):
         group = sorted(set(ranks))

@@ -190,13 +190,37 @@ def memory_time(gpu: GPU, nbytes: float, bw_eff: float = MEM_BW_EFF) -> float:
 # --- a whole table -----------------------------------------------------------------------
 
 
+class BandwidthTable:
+    """Measured bandwidth by bytes moved per op, interpolated in log(bytes), clamped at the
+    ends (a calibration's ``memory_bw_table``: caches make small ops faster)."""
+
+    def __init__(self, rows):
+        pts = sorted((float(b), float(bw)) for b, bw in rows)
+        if not pts or any(b <= 0 or bw <= 0 for b, bw in pts):
+            raise ValueError("memory_bw_table needs rows [bytes > 0, bytes/s > 0]")
+        self.xs = [math.log(b) for b, _ in pts]
+        self.ys = [bw for _, bw in pts]
+
+    def __call__(self, nbytes: float) -> float:
+        x = math.log(max(nbytes, 1.0))
+        if x <= self.xs[0]:
+            return self.ys[0]
+        if x >= self.xs[-1]:
+            return self.ys[-1]
+        i = bisect.bisect_right(self.xs, x)
+        w = (x - self.xs[i - 1]) / (self.xs[i] - self.xs[i - 1])
+        return self.ys[i - 1] + w * (self.ys[i] - self.ys[i - 1])
+
+
 def table_time(gpu: GPU, rows: Iterable, gemm_dtype: str | None = None, gemm_table=None,
-               bw_eff: float = MEM_BW_EFF) -> float:
+               bw_eff: float = MEM_BW_EFF, mem_bw: BandwidthTable | None = None) -> float:
     """Seconds to run every kernel of a profile table once, back to back.
 
     ``gemm_dtype`` overrides the dtype GEMMs run in (e.g. "fp8"); ``gemm_table`` (a
     ``costmodel.compute.EfficiencyTable``, from a calibration) replaces the shape surface
-    and prices attention as GEMM work of the same size (CPU: no flash kernels).
+    and prices attention as GEMM work of the same size (CPU: no flash kernels);
+    ``mem_bw`` (measured bandwidth by bytes per op) replaces ``hbm_bw · bw_eff`` for
+    memory-bound kernels.
     """
     total = 0.0
     for cls, _name, shape, dtype, count, flops, nbytes in rows:
@@ -215,6 +239,8 @@ def table_time(gpu: GPU, rows: Iterable, gemm_dtype: str | None = None, gemm_tab
                 total += count * per_call / (gpu.peak(_peak_dtype(gpu, dtype)) * gemm_table(per_call))
             else:
                 total += count * attention_time(gpu, tuple(shape), cls == "attn_bwd")
+        elif mem_bw is not None:
+            total += nbytes / mem_bw(nbytes / count)
         else:
             total += memory_time(gpu, nbytes, bw_eff)
     return total

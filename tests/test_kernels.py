@@ -161,3 +161,17 @@ def test_balanced_pipeline_is_faster_and_interleaved_beats_1f1b():
     assert len(units_b[-1]) < len(units[-1]) and balanced < even
     _, inter = run("interleaved_1f1b", 2, "balanced")
     assert inter < balanced  # as in every published comparison (Narayanan et al. 2021, Fig. 12)
+
+
+def test_calibrated_memory_bandwidth_by_size_prices_small_ops_faster():
+    from costmodel.fit import memory_bw_table
+    from costmodel.hardware import CPU
+
+    raw = [{"op": "copy", "mib": 4, "bytes_moved": 8e6, "seconds": 2e-4, "bw_Bps": 40e9},
+           {"op": "copy", "mib": 256, "bytes_moved": 5e8, "seconds": 4e-2, "bw_Bps": 12.5e9}]
+    table = operators.BandwidthTable(memory_bw_table(raw))
+    assert table(1e3) == 40e9 and table(1e10) == 12.5e9 and 12.5e9 < table(6e7) < 40e9
+    small = [("mem", "add", (1e6,), "fp32", 1, 0.0, 1e6)]
+    assert operators.table_time(CPU, small, mem_bw=table) == pytest.approx(CPU.launch_s + 1e6 / 40e9)
+    with pytest.raises(ValueError, match="memory_bw_table"):
+        operators.BandwidthTable([[0, 1e9]])
