@@ -76,15 +76,19 @@ class TorchDDP:
     """The whole model under DistributedDataParallel; gradients synced on the last micro-batch."""
 
     def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu"):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         meta = plan.meta
         cfg = get_config(meta["model"])
         model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
-        self.model = DDP(model)
+        self.model = self.wrap(model)
         self.optimizer = make_optimizer(list(model.parameters()))
         self.meta, self.dp_rank, self.dp = meta, rank, dist.get_world_size()
         self.data = SyntheticData(cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
+
+    @staticmethod
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model)
 
     def step(self, step: int) -> None:
         m = self.meta["microbatches"]
@@ -101,20 +105,15 @@ class TorchFSDP2(TorchDDP):
     """The whole model under FSDP2 ``fully_shard``: each layer, the embedding and the head
     one unit (the root holds the rest), gradients reduce-scattered every micro-batch."""
 
-    def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu"):
+    @staticmethod
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
 
-        meta = plan.meta
-        cfg = get_config(meta["model"])
-        model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model.embed)
         fully_shard(model.head)
-        self.model = fully_shard(model)
-        self.optimizer = make_optimizer(list(model.parameters()))
-        self.meta, self.dp_rank, self.dp = meta, rank, dist.get_world_size()
-        self.data = SyntheticData(cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
+        return fully_shard(model)
 
     def step(self, step: int) -> None:
         m = self.meta["microbatches"]

@@ -22,6 +22,7 @@ report themselves through :func:`note_kernel` (see ``piper_sim.models``).
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from typing import Iterable
 
@@ -180,8 +181,6 @@ def totals(rows: Iterable[KernelRow]) -> tuple[float, float, int]:
 
 def table_key(rows: Iterable[KernelRow]) -> str:
     """A short content key for a table (identical tables share one entry in a plan)."""
-    import hashlib
-
     return "k" + hashlib.sha1(repr(tuple(rows)).encode()).hexdigest()[:10]
 
 

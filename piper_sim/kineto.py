@@ -39,7 +39,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from piper_sim.trace import COMPUTE_KINDS, events_to_dataframe, lane_name, lanes, memory_counters, stream_order
+from piper_sim.trace import (COMPUTE_KINDS, event_args, events_to_dataframe, lane_name, lanes, memory_counters,
+                             stream_order)
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -145,17 +146,7 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
                                         sub[cols].itertuples(index=False))):
         stream, op, kind, stage, mb, start, end, nbytes, flops, peer, lane = row
         ts, te, tp = _us(start), _us(end), launch[i]
-        plan_args: dict[str, Any] = {"op_id": op, "kind": kind}
-        if stage >= 0:
-            plan_args["stage"] = int(stage)
-        if mb >= 0:
-            plan_args["mb"] = int(mb)
-        if nbytes:
-            plan_args["bytes"] = float(nbytes)
-        if flops:
-            plan_args["flops"] = float(flops)
-        if peer >= 0:
-            plan_args["peer"] = int(peer)
+        plan_args: dict[str, Any] = {"op_id": op, **event_args(kind, stage, mb, nbytes, flops, peer)}
         tid, sid = host_tids[stream], sids[(stream, int(lane))]
         idle = te <= ts  # took no time: no kernel; the annotation keeps where it sat on the device
         ev.append({"ph": "X", "cat": "user_annotation", "name": op, "pid": host, "tid": tid, "ts": tp,

@@ -147,17 +147,7 @@ def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim"
     for rank, stream, op, kind, stage, mb, start, end, nbytes, flops, peer, k in df[cols].itertuples(index=False):
         ts, te = _us(start), _us(end)
         tid = tids[(rank, stream, k)]
-        args: dict[str, Any] = {"kind": kind}
-        if stage >= 0:
-            args["stage"] = int(stage)
-        if mb >= 0:
-            args["mb"] = int(mb)
-        if nbytes:
-            args["bytes"] = float(nbytes)
-        if flops:
-            args["flops"] = float(flops)
-        if peer >= 0:
-            args["peer"] = int(peer)
+        args = event_args(kind, stage, mb, nbytes, flops, peer)
         cat = "compute" if kind in COMPUTE_KINDS else "comm"
         events.append({"ph": "X", "name": op, "cat": cat, "pid": int(rank), "tid": tid,
                        "ts": ts, "dur": round(te - ts, 3), "args": args})
@@ -176,6 +166,22 @@ def chrome_trace(df: "pd.DataFrame", flows: bool = True, name: str = "piper-sim"
     if memory is not None:
         events += memory_counters(memory, static_bytes)
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"generator": name}}
+
+
+def event_args(kind: str, stage: int, mb: int, nbytes: float, flops: float, peer: int) -> dict[str, Any]:
+    """A trace event's plan fields, the ones that apply (shared by the Chrome and Kineto writers)."""
+    args: dict[str, Any] = {"kind": kind}
+    if stage >= 0:
+        args["stage"] = int(stage)
+    if mb >= 0:
+        args["mb"] = int(mb)
+    if nbytes:
+        args["bytes"] = float(nbytes)
+    if flops:
+        args["flops"] = float(flops)
+    if peer >= 0:
+        args["peer"] = int(peer)
+    return args
 
 
 def memory_counters(memory: "pd.DataFrame", static_bytes: dict[int, float] | None = None,
