@@ -90,7 +90,7 @@ class UserStage:
         goes to the loss (``loss``), any other to ``x``. ``checkpoint``: every unit keeps
         only its input and runs again in backward."""
         piece = self.pieces[i]
-        inputs = {n: _leaf(vals[n]) for n in piece.inputs}
+        inputs = {n: vals[n].detach() if n == "tokens" else _leaf(vals[n]) for n in piece.inputs}  # no input grad
         outputs: dict[str, torch.Tensor] = {}
 
         def run(fn, *args):

@@ -274,8 +274,10 @@ def _call_factory(factory: Callable[..., Any], kwargs: dict[str, Any], what: str
     try:
         with torch.device("meta"):
             got = factory(**kwargs)
-    except (AnnotationError, TypeError) as e:
+    except AnnotationError as e:
         raise AnnotationError(f"model: {what}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the user's factory; one line saying where
+        raise AnnotationError(f"model: {what} failed ({type(e).__name__}: {e})") from None
     if not isinstance(got, UserModel):
         raise AnnotationError(f"model: {what} returned {type(got).__name__}; return piper_sim.annotate.annotate(...)")
     return got

@@ -31,10 +31,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _profile_unit(model: UserModel, name: str, x: torch.Tensor, targets: torch.Tensor | None,
-                  dtype: torch.dtype, tokens: int) -> tuple[SegmentCost, torch.Tensor]:
+                  dtype: torch.dtype, tokens: int, first: bool) -> tuple[SegmentCost, torch.Tensor]:
     mod = model.meta_unit(name, dtype)
     params = list(mod.parameters())
-    x_in = torch.empty(x.shape, dtype=x.dtype, device="meta", requires_grad=x.is_floating_point())
+    # the model's inputs (first unit) need no gradient; a boundary tensor does
+    x_in = torch.empty(x.shape, dtype=x.dtype, device="meta", requires_grad=x.is_floating_point() and not first)
     if targets is None:
         m = measure(mod, [x_in], params)
     else:
@@ -62,9 +63,9 @@ def profile_user_model(model: UserModel, micro_batch: int, seq_len: int,
     out = []
     for i, name in enumerate(model.units):
         last = i == len(model.units) - 1
-        key = (_structure(model.unit(name)), tuple(x.shape), x.dtype, last)
+        key = (_structure(model.unit(name)), tuple(x.shape), x.dtype, last, i == 0)
         if key not in cache:
-            cache[key] = _profile_unit(model, name, x, targets if last else None, dtype, micro_batch * seq_len)
+            cache[key] = _profile_unit(model, name, x, targets if last else None, dtype, micro_batch * seq_len, i == 0)
         cost, x = cache[key]
         out.append(replace(cost, name=name, unit=name))
     return out
