@@ -159,8 +159,12 @@ def test_profile_propagates_shapes_and_counts_flops():
     assert shapes["stem"] == shapes["blocks.1"] == (2, 8, 16, 16)
     assert shapes["down"] == (2, 16, 8, 8)  # stride 2 doubles channels, halves the image
     assert segs[1].out_bytes == 2 * 8 * 16 * 16 * 4 and segs[-1].out_bytes == 4
-    # a 3x3 conv of 8 -> 8 channels on 16x16: 2 * 9 * 8 * 8 * 256 flops per image (+ bias)
-    assert segs[1].fwd_flops >= 2 * 2 * 9 * 8 * 8 * 256
+    # a 3x3 conv of 8 -> 8 channels on 16x16, 2 images, priced as its implicit GEMM; its
+    # backward is one GEMM of the same size per gradient (input, weight)
+    conv = 2 * (2 * 256) * 8 * (8 * 9)
+    assert segs[1].fwd_flops == segs[1].bwd_input_flops == segs[1].bwd_weight_flops == conv
+    assert ("gemm", "conv", (512, 8, 72, 1)) in {r[:3] for r in segs[1].kernels_f}
+    assert {r[1] for r in segs[1].kernels_bw if r[0] == "gemm"} == {"conv_bwd_weight"}
     assert segs[0].bwd_input_flops == 0 and segs[1].bwd_input_flops > 0  # nothing before the stem
     assert segs[1].param_count == m.unit_param_count("blocks.1")
 
@@ -281,3 +285,27 @@ def test_run_pp2_dp2_zero1_matches_reference(tmp_path):
     path = str(tmp_path / "z1.json")
     piper_sim.compile(strategy(src("residual_mlp"), pp=2, dp=2, zero=1, m=2)).save(path)
     _check_rows(_torchrun(4, [path, "--steps", "2", "--check", "--json"]), 1)
+
+
+def test_example_compiles_and_simulates_from_the_repository_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the example's source path is relative to where piper-sim runs
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_user_model", os.path.join(ROOT, "examples", "user_model.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a, b = piper_sim.compile(mod.STRATEGY), piper_sim.compile(mod.STRATEGY)
+    assert a.content_hash() == b.content_hash()  # profiling and the split are deterministic
+    assert [len(u) for u in a.meta["stage_units"]] == [4, 4]  # balanced: the head is cheap
+    assert piper_sim.simulate(a).step_time_s > 0
+
+
+def test_run_refuses_a_plan_of_an_object_before_launching(tmp_path):
+    def local():
+        return annotate(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), ["0", "1"], F.cross_entropy, _batch)
+
+    path = tmp_path / "p.json"
+    piper_sim.compile(strategy("mine", pp=2), model=local).save(str(path))
+    r = subprocess.run([sys.executable, "-m", "piper_sim", "run", str(path), "--steps", "1"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "not an importable factory" in r.stderr and r.stderr.count("\n") == 1
