@@ -14,6 +14,11 @@ the previous unit's output tensor to the next, the last one's output goes to the
 micro-batches add up to the whole batch). `annotate` runs the model once on ``meta`` and
 refuses, in one line naming the unit, a model whose forward is not its units in order.
 
+Weights (`UserModel.build_units`) depend on the seed only, never on the pipeline split: with
+``init_unit`` (e.g. `reset_parameters`, for units made of torch.nn layers) each rank
+allocates and initialises just its own units; without it each rank calls the factory on the
+CPU under the seed (the model's own init, whole model in CPU memory once) and keeps its units.
+
 Strategies name a factory returning an annotated model: ``"model": "py:pkg.mod:fn"`` or
 ``"py:path/to/file.py:fn"``, or ``{"source": "py:...", "kwargs": {...}}``; the plan carries
 the source and kwargs (``meta["user_model"]``) so every rank of ``piper-sim run`` rebuilds it.
@@ -52,6 +57,7 @@ class UserModel:
     source: str | None = None                       # "py:module:function" that rebuilds it
     kwargs: dict[str, Any] = field(default_factory=dict)
     factory: Callable[[], "UserModel"] | None = field(default=None, repr=False)
+    init_unit: Callable[[nn.Module, str], None] | None = field(default=None, repr=False)
     # what the compiler's transformer helpers read, so they need no special case
     is_moe: ClassVar[bool] = False
     hidden: ClassVar[int] = 0
@@ -79,23 +85,32 @@ class UserModel:
     def build_units(self, names: list[str], device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, nn.Module]:
         """The named units on ``device`` in ``dtype`` with weights that depend only on
-        ``seed`` and the unit's name, never on which other units are built (any pipeline
-        split gets the same weights). Units whose parameterised modules all have
-        ``reset_parameters`` are initialised one by one (seed per unit); otherwise the whole
-        model is rebuilt on the CPU under ``seed`` (the factory's own init) and the units taken."""
+        ``seed`` (and the unit's name), never on which other units are built: any pipeline
+        split gets the same weights. With an ``init_unit`` (see `annotate`) each unit is
+        allocated and initialised on its own in fp32 under a seed per unit (any model size);
+        without, the factory builds the whole model on the CPU under ``seed`` (the model's
+        own initialisation) and the units are taken from it."""
         unknown = [n for n in names if n not in self.units]
         if unknown:
             raise AnnotationError(f"unit(s) {unknown} are not units of {self.name} ({', '.join(self.units)})")
-        if all(_resettable(self.unit(n)) for n in names):
-            return {n: _reset_copy(self.unit(n), device, dtype, _unit_seed(seed, n)) for n in names}
+        if self.init_unit is not None:
+            return {n: self._init_copy(n, device, dtype, _unit_seed(seed, n)) for n in names}
         whole = self._seeded_module(seed)
         return {n: copy.deepcopy(whole.get_submodule(n)).to(device=device, dtype=dtype) for n in names}
+
+    def _init_copy(self, name: str, device, dtype: torch.dtype, seed: int) -> nn.Module:
+        mod = copy.deepcopy(self.unit(name))._apply(
+            lambda t: torch.empty(t.shape, dtype=torch.float32 if t.is_floating_point() else t.dtype, device="cpu"))
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            self.init_unit(mod, name)  # type: ignore[misc]
+        return mod.to(device=device, dtype=dtype)
 
     def _seeded_module(self, seed: int) -> nn.Module:
         if self.factory is None:
             if _on_meta(self.module):
-                raise AnnotationError(f"{self.name}: a module without reset_parameters() on every parameterised "
-                                      "submodule needs a factory to build real weights; pass a factory function")
+                raise AnnotationError(f"{self.name}: a model built on meta needs a factory or an init_unit to get "
+                                      "real weights; pass a factory function or annotate(..., init_unit=...)")
             return self.module
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(seed)
@@ -116,26 +131,20 @@ def _unit_seed(seed: int, unit: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(unit.encode())) % 2**63
 
 
-def _own_state(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
-
-
-def _resettable(unit: nn.Module) -> bool:
-    return all(hasattr(m, "reset_parameters") for m in unit.modules() if _own_state(m))
-
-
-def _reset_copy(unit: nn.Module, device, dtype: torch.dtype, seed: int) -> nn.Module:
-    """A copy of ``unit`` allocated on ``device``, initialised in fp32 by each module's
-    ``reset_parameters`` under ``seed``, then cast."""
-    mod = copy.deepcopy(unit)._apply(lambda t: torch.empty(t.shape, dtype=torch.float32 if t.is_floating_point()
-                                                           else t.dtype, device="cpu"))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for m in mod.modules():
-                if _own_state(m):
-                    m.reset_parameters()
-    return mod.to(device=device, dtype=dtype)
+def reset_parameters(unit: nn.Module, name: str) -> None:
+    """An ``init_unit`` for units built from torch.nn layers: every submodule that holds
+    parameters or buffers runs its ``reset_parameters()`` (refused, naming it, where one
+    has none or keeps buffers that method does not set)."""
+    for path, m in unit.named_modules():
+        own = any(True for _ in m.parameters(recurse=False))
+        buffers = any(True for _ in m.buffers(recurse=False))
+        if not own and not buffers:
+            continue
+        if not hasattr(m, "reset_parameters") or (buffers and not isinstance(m, nn.modules.batchnorm._NormBase)):
+            where = f"{name}.{path}" if path else name
+            raise AnnotationError(f"init_unit reset_parameters: module {where} ({type(m).__name__}) has state that "
+                                  "reset_parameters() does not set; give annotate an init_unit of your own or none")
+        m.reset_parameters()
 
 
 # --------------------------------------------------------------------------- annotate
@@ -223,16 +232,22 @@ def check_chain(model: UserModel, micro_batch: int = 2, seq_len: int = 16) -> No
 
 
 def annotate(module: nn.Module, units: list[str], loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-             example_batch: Callable[..., Batch], name: str | None = None) -> UserModel:
-    """Mark ``module``'s units (module paths, ``*`` one component) and check them on meta."""
+             example_batch: Callable[..., Batch], name: str | None = None,
+             init_unit: Callable[[nn.Module, str], None] | None = None) -> UserModel:
+    """Mark ``module``'s units (module paths, ``*`` one component) and check them on meta.
+    ``init_unit(unit_module, unit_name)`` initialises one unit's freshly allocated weights
+    in place (e.g. `reset_parameters`), so ranks build their units alone; without it every
+    rank builds the whole model with the factory and keeps its units."""
     if not isinstance(module, nn.Module):
         raise AnnotationError(f"annotate: expected an nn.Module, got {type(module).__name__}")
     if not callable(loss) or not callable(example_batch):
         raise AnnotationError("annotate: loss and example_batch must be callables")
     names = expand_units(module, units)
     _check_params(module, names)
+    if init_unit is not None and not callable(init_unit):
+        raise AnnotationError("annotate: init_unit must be a callable (unit_module, unit_name) or None")
     model = UserModel(module=module, units=names, loss=loss, example_batch=example_batch,
-                      name=name or type(module).__name__)
+                      name=name or type(module).__name__, init_unit=init_unit)
     check_chain(model)
     return model
 

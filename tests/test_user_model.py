@@ -149,6 +149,30 @@ def test_weights_do_not_depend_on_the_split(fn):
         assert not torch.equal(whole["blocks.0"].fc1.weight, whole["blocks.1"].fc1.weight)
 
 
+def test_factory_init_is_kept_and_reset_parameters_refuses_unknown_state():
+    from piper_sim.annotate import reset_parameters
+
+    m = load_user_model(src("small_cnn"))  # no init_unit: the factory's own init, under the seed
+    head = m.build_units(["head"], seed=5)["head"][2]
+    assert torch.equal(head.bias, torch.zeros_like(head.bias)) and float(head.weight.detach().std()) < 0.05
+    torch.manual_seed(5)
+    assert torch.equal(m.factory().module.head[2].weight, head.weight)
+
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.register_buffer("table", torch.arange(4.0))
+
+        def forward(self, x):
+            return self.fc(x) + self.table
+
+    net = nn.Sequential(Table(), nn.Linear(4, 2))
+    um = annotate(net, ["0", "1"], F.cross_entropy, _batch, init_unit=reset_parameters)
+    with pytest.raises(AnnotationError, match=r"module 0 \(Table\) has state that reset_parameters\(\) does not"):
+        um.build_units(["0"])
+
+
 # --------------------------------------------------------------------------- profiling
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from piper_sim.annotate import UserModel, annotate
+from piper_sim.annotate import UserModel, annotate, reset_parameters
 
 
 def _randn(shape, device, dtype, g):
@@ -61,8 +61,9 @@ def residual_mlp(d_in: int = 8, width: int = 16, depth: int = 4, n_classes: int 
     def loss(out, targets):
         return F.cross_entropy(out.float().flatten(0, 1), targets.flatten())
 
+    # each rank allocates and initialises only its own units (torch.nn layers' reset_parameters)
     return annotate(ResidualMLP(d_in, width, depth, n_classes), ["stem", "blocks.*", "head"], loss, batch,
-                    name=f"residual-mlp-{depth}x{width}")
+                    name=f"residual-mlp-{depth}x{width}", init_unit=reset_parameters)
 
 
 # --------------------------------------------------------------------------- small CNN
@@ -85,6 +86,8 @@ class SmallCNN(nn.Module):
         self.blocks = nn.Sequential(*[ConvBlock(channels) for _ in range(depth)])
         self.down = nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * channels, n_classes))
+        nn.init.zeros_(self.head[2].bias)  # the model's own init (kept: no init_unit, built by the factory)
+        nn.init.normal_(self.head[2].weight, std=0.02)
 
     def forward(self, x):
         return self.head(self.down(self.blocks(self.stem(x))))
