@@ -297,18 +297,21 @@ def _check_rows(r: subprocess.CompletedProcess, n: int) -> list[dict]:
 
 
 def test_run_pp2_matches_reference(tmp_path):
+    """1F1B, zero bubble, and interleaved stages under full recompute (token-id inputs)."""
     paths = []
-    for fn, sched in (("residual_mlp", "1f1b"), ("small_cnn", "zb1p")):
-        plan = piper_sim.compile(strategy(src(fn), pp=2, sched=sched))
+    for fn, sched, extra in (("residual_mlp", "1f1b", []), ("small_cnn", "zb1p", []),
+                             ("bag_of_tokens", "zb1p", [{"op": "recompute", "mode": "full"}])):
+        plan = piper_sim.compile(strategy(src(fn), pp=2, sched=sched, extra=extra))
         paths.append(str(tmp_path / f"{fn}.json"))
         plan.save(paths[-1])
-    _check_rows(_torchrun(2, [*paths, "--steps", "2", "--check", "--json"]), 2)
+    _check_rows(_torchrun(2, [*paths, "--steps", "2", "--check", "--json"]), 3)
 
 
-def test_run_pp2_dp2_zero1_matches_reference(tmp_path):
-    path = str(tmp_path / "z1.json")
-    piper_sim.compile(strategy(src("residual_mlp"), pp=2, dp=2, zero=1, m=2)).save(path)
-    _check_rows(_torchrun(4, [path, "--steps", "2", "--check", "--json"]), 1)
+def test_run_pp2_dp2_zero1_and_zero3_match_reference(tmp_path):
+    paths = [str(tmp_path / "z1.json"), str(tmp_path / "z3.json")]
+    piper_sim.compile(strategy(src("residual_mlp"), pp=2, dp=2, zero=1, m=2)).save(paths[0])
+    piper_sim.compile(strategy(src("small_cnn"), pp=2, dp=2, zero=3, m=2)).save(paths[1])
+    _check_rows(_torchrun(4, [*paths, "--steps", "2", "--check", "--json"]), 2)
 
 
 def test_example_compiles_and_simulates_from_the_repository_root(monkeypatch):

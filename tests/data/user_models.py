@@ -154,3 +154,35 @@ def flattening() -> UserModel:
         x = _randn((micro_batch, 4, 4), device, dtype, torch.Generator().manual_seed(seed))
         return x, torch.zeros(micro_batch, dtype=torch.long, device=device)
     return annotate(Flattening(), ["a", "b"], F.cross_entropy, batch)
+
+
+# --------------------------------------------------------------------------- integer inputs
+
+
+class BagOfTokens(nn.Module):
+    """Token ids in (no gradient reaches the inputs), a next-token guess out."""
+
+    def __init__(self, vocab: int, width: int, depth: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.Tanh())
+                                 for _ in range(depth))
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for m in self.mix:
+            x = m(x)
+        return self.out(x)
+
+
+def bag_of_tokens(vocab: int = 32, width: int = 16, depth: int = 3) -> UserModel:
+    def batch(micro_batch, seq_len, device, dtype, seed):
+        if torch.device(device).type == "meta":
+            t = torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta")
+            return t, t
+        t = torch.randint(vocab, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+        return t[:, :-1].to(device), t[:, 1:].to(device)
+
+    return annotate(BagOfTokens(vocab, width, depth), ["embed", "mix.*", "out"],
+                    lambda out, t: F.cross_entropy(out.float().flatten(0, 1), t.flatten()), batch)
