@@ -8,6 +8,10 @@ A strategy is JSON::
         {"op": "data_parallel", "degree": 2, "zero": 1},
         {"op": "schedule", "name": "1f1b"}]}
 
+``model`` is a zoo name, or a user's annotated nn.Module: ``"py:module:function"``,
+``"py:path/to/file.py:function"`` or ``{"source": "py:...", "kwargs": {...}}`` naming a factory
+that returns `piper_sim.annotate.annotate(...)` (see that module).
+
 High-level directives (``pipeline``, ``data_parallel``, ``expert_parallel``,
 ``tensor_parallel``, ``schedule``) expand to the low-level set of the Piper paper (``split``,
 ``place``, ``replicate``, ``shard``, ``shard_tensor``, ``order``, ``recompute``, ``stream``);
