@@ -27,10 +27,12 @@ the source and kwargs (``meta["user_model"]``) so every rank of ``piper-sim run`
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
 import os
 import re
+import sys
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -260,6 +262,9 @@ def is_user_source(model: Any) -> bool:
     return isinstance(model, dict) or (isinstance(model, str) and model.startswith("py:"))
 
 
+_FILE_MODULES: dict[str, str] = {}  # module name -> the file a "py:path.py:fn" source loaded it from
+
+
 def _import_factory(source: str) -> Callable[..., Any]:
     body = source[3:]
     where, _, fn = body.rpartition(":")
@@ -272,6 +277,7 @@ def _import_factory(source: str) -> Callable[..., Any]:
             key = "piper_user_model_" + re.sub(r"\W", "_", os.path.abspath(where))
             spec = importlib.util.spec_from_file_location(key, where)
             mod = importlib.util.module_from_spec(spec)
+            sys.modules[key], _FILE_MODULES[key] = mod, where  # dataclasses & co look their module up
             spec.loader.exec_module(mod)  # type: ignore[union-attr]
         else:
             mod = importlib.import_module(where)
@@ -304,12 +310,8 @@ def load_user_model(source: str, kwargs: dict[str, Any] | None = None) -> UserMo
     factory = _import_factory(source)
     model = _call_factory(factory, kwargs, source)
     model.source, model.kwargs = source, kwargs
-    model.factory = lambda: _call_unmeta(factory, kwargs)
+    model.factory = functools.partial(factory, **kwargs)
     return model
-
-
-def _call_unmeta(factory: Callable[..., Any], kwargs: dict[str, Any]) -> UserModel:
-    return factory(**kwargs)
 
 
 def source_of(obj: Any) -> str | None:
@@ -318,6 +320,8 @@ def source_of(obj: Any) -> str | None:
     mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
     if not mod or mod == "__main__" or "<" in qual or "." in qual:
         return None
+    if mod in _FILE_MODULES:
+        return f"py:{_FILE_MODULES[mod]}:{qual}"
     try:
         return f"py:{mod}:{qual}" if getattr(importlib.import_module(mod), qual, None) is obj else None
     except ImportError:
@@ -336,7 +340,7 @@ def resolve_user_model(model: Any, obj: Any = None) -> UserModel | None:
             if src is not None:
                 return load_user_model(src)
             got = _call_factory(obj, {}, getattr(obj, "__name__", "model factory"))
-            got.factory = obj
+            got.factory = got.factory or obj
             return got
         raise AnnotationError(f"model: expected an annotated model or a factory, got {type(obj).__name__}")
     if not is_user_source(model):

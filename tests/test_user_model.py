@@ -267,6 +267,11 @@ def test_python_api_objects(tmp_path, monkeypatch):
     def local():  # not importable: compile and simulate work, run says why not
         return my_models_xyz.um.small_cnn(depth=1)
 
+    from piper_sim.annotate import _import_factory
+
+    file_factory = _import_factory(src("small_cnn"))  # a module-level function of a py:file.py source
+    assert piper_sim.compile(strategy("mine"), model=file_factory).meta["user_model"]["source"] == src("small_cnn")
+
     for obj in (local, local()):
         plan = piper_sim.compile(strategy("mine", pp=2), model=obj)
         assert plan.meta["user_model"]["source"] is None and plan.meta["model"] == "small-cnn-1x8"
