@@ -147,6 +147,20 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
                         "use `piper-sim simulate`")
 
 
+def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:
+    """A user model's plan must name a source every rank can rebuild it from (piper_sim.annotate)."""
+    um = plan.meta.get("user_model")
+    if um is None:
+        return
+    source = um.get("source")
+    if not source:
+        raise PlanError(f"{path}: user model {um.get('name')} was compiled from an object, not an importable "
+                        "factory; compile with a module-level factory or a \"py:module:function\" model to run it")
+    where = source[3:].rpartition(":")[0]
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise PlanError(f"{path}: user model file {where} (source {source}) not found from {os.getcwd()}")
+
+
 def preflight(args, plans: list[Plan]) -> int:
     """What a launch needs beyond valid plans, checked by ``piper-sim run`` before torchrun
     and by every worker before its process group: the checkpoint to resume, and that the
@@ -187,6 +201,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
     refuse_tensor_parallel(plan, args.plan)
+    refuse_unbuildable_user_model(plan, args.plan)
     start = preflight(args, [plan])
     if args.max_restarts:
         if not args.save:

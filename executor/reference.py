@@ -22,6 +22,10 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
     (gradients clipped to ``clip_grad_norm`` by global norm, as the executor does);
     returns its parameters by name and the loss of every step."""
     meta = plan.meta
+    if "user_model" in meta:
+        from executor.user_stage import user_reference_training
+
+        return user_reference_training(plan, steps, device, DTYPES[meta["dtype"]], clip_grad_norm)
     cfg = get_config(meta["model"])
     model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
     opt = make_optimizer(list(model.parameters()))

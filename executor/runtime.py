@@ -51,6 +51,7 @@ import torch.distributed as dist
 from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
+from executor.user_stage import UserData, UserStage, user_model_of
 from piper_sim.models import get_config
 from piper_sim.plan import Instruction, Plan, PlanError
 
@@ -137,19 +138,26 @@ class Runtime:
         self.cuda = device.type == "cuda"
         self.prog = plan.program(rank)
         meta = plan.meta
-        self.cfg = get_config(meta["model"])
+        self.user_model = "user_model" in meta  # a user's annotated nn.Module (executor.user_stage)
+        self.cfg = user_model_of(meta) if self.user_model else get_config(meta["model"])
         self.dtype = DTYPES[meta["dtype"]]
         self.layout = plan.layout
         self.dp_rank = self.prog.dp_rank
         self.microbatches = meta["microbatches"]
         self.mbs, self.seq = meta["micro_batch_size"], meta["seq_len"]
         self.loss_scale = 1.0 / (self.microbatches * self.layout.dp)
-        self.data = SyntheticData(self.cfg.vocab, self.seq, meta["global_batch"], meta["seed"])
         ep = self.layout.ep
         self.ep_index = self.dp_rank % ep if ep > 1 else 0
-        self.stages = {s: Stage(self.cfg, s, meta["num_stages"], meta["stage_units"][s], meta["stage_parts"][s],
-                                ep, self.ep_index, device, self.dtype, meta["seed"])
-                       for s in self.prog.stages}
+        if self.user_model:
+            self.data = UserData(self.cfg, self.seq, meta["global_batch"], meta["seed"], self.dtype)
+            self.stages = {s: UserStage(self.cfg, s, meta["num_stages"], meta["stage_units"][s],
+                                        meta["stage_parts"][s], device, self.dtype, meta["seed"])
+                           for s in self.prog.stages}
+        else:
+            self.data = SyntheticData(self.cfg.vocab, self.seq, meta["global_batch"], meta["seed"])
+            self.stages = {s: Stage(self.cfg, s, meta["num_stages"], meta["stage_units"][s], meta["stage_parts"][s],
+                                    ep, self.ep_index, device, self.dtype, meta["seed"])
+                           for s in self.prog.stages}
         if clip_grad_norm is not None:
             self._setup_clipping()
         self.instructions = [i for lst in self.prog.streams.values() for i in lst]
@@ -580,9 +588,12 @@ class Runtime:
         return Posted(dist.isend(t.contiguous(), ins.peer, tag=self.comms.tags[ins.match]))
 
     def _recv(self, ins: Instruction) -> Posted:
-        buf = self._for_compute(torch.empty(self.mbs, self.seq, self.cfg.hidden, dtype=self.dtype,
-                                            device=self.device))
         key = (ins.match[0], ins.stage, ins.mb)  # ("F" | "B", sender's stage, mb)
+        shape, dtype = (self.mbs, self.seq, self.cfg.hidden), self.dtype
+        if self.user_model:  # the boundary tensor after the sending stage (F) or before it (B)
+            b = self.plan.meta["user_model"]["boundaries"][ins.stage - (key[0] == "B")]
+            shape, dtype = tuple(b["shape"]), getattr(torch, b["dtype"])
+        buf = self._for_compute(torch.empty(shape, dtype=dtype, device=self.device))
         work = dist.irecv(buf, ins.peer, tag=self.comms.tags[ins.match])
         return Posted(work, lambda: self.received.__setitem__(key, buf))
 
@@ -717,7 +728,10 @@ def _by_bucket(named: list[tuple[str, Any]], buckets: list[list[str]]) -> tuple[
 
     def bucket_of(name: str) -> int:
         parts = name.split(".")
-        return unit_bucket[".".join(parts[:2]) if parts[0] == "layers" else parts[0]]
+        key = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+        if key not in unit_bucket:  # a user model's unit: the unit path the name starts with
+            key = max((u for u in unit_bucket if name.startswith(u + ".")), key=len)
+        return unit_bucket[key]
 
     ordered = sorted(named, key=lambda kv: bucket_of(kv[0]))  # stable: model order inside a bucket
     numels = [0] * len(buckets)

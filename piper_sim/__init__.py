@@ -4,6 +4,7 @@ The notebook API, imported lazily (``import piper_sim`` loads nothing heavy)::
 
     import piper_sim
     plan = piper_sim.compile(strategy)          # dict, Strategy or JSON path -> validated Plan
+    plan = piper_sim.compile(strategy, model=my_factory)   # your own nn.Module (piper_sim.annotate)
     res = piper_sim.simulate(plan)              # SimResult: .per_rank, .events, .memory DataFrames
     fig = res.plot_timeline()                   # a matplotlib Figure
     best = piper_sim.explore("llama3-8b", "h100:1x8", 64, 4096).table   # ranked DataFrame

@@ -21,12 +21,14 @@ def as_strategy(strategy: Strategy | dict[str, Any] | str) -> Strategy:
     return load_strategy(strategy)
 
 
-def compile(strategy: Strategy | dict[str, Any] | str, validate: bool = True) -> Plan:
-    """Compile a strategy into a validated Plan."""
+def compile(strategy: Strategy | dict[str, Any] | str, validate: bool = True, model: Any = None) -> Plan:
+    """Compile a strategy into a validated Plan. ``model``: a user model
+    (`piper_sim.annotate.annotate`) or a factory returning one, in place of the strategy's
+    model; ``piper-sim run`` of the plan needs a module-level (importable) factory."""
     from piper_sim.compiler import compile_strategy
     from piper_sim.validate import validate_plan
 
-    plan = compile_strategy(as_strategy(strategy)).plan
+    plan = compile_strategy(as_strategy(strategy), model=model).plan
     if validate:
         validate_plan(plan)
     if log.isEnabledFor(logging.DEBUG):  # the hash serialises the plan

@@ -12,6 +12,7 @@ import networkx as nx
 from costmodel import operators
 from costmodel.hardware import GPU, H100, parse_cluster
 from costmodel.memory import model_state_bytes
+from piper_sim.annotate import AnnotationError, UserModel, check_user_setup, resolve_user_model
 from piper_sim.directives import Setup, expand, resolve
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memory_pass, grad_bucket_memory, \
     is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
@@ -35,7 +36,7 @@ class Compiled:
     plan: Plan
     dag: TrainingDAG
     setup: Setup
-    config: ModelConfig
+    config: ModelConfig | UserModel
     compile_s: float
 
 
@@ -99,6 +100,8 @@ def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
     """The segments of each stage: contiguous layers (equal counts, as the ``segment``
     directive says, or ``"balanced"``: equal forward+backward time with the embedding and
     the head counted, priced on ``gpu``); the embedding joins the first stage, the head the last."""
+    if isinstance(cfg, UserModel):
+        return _user_stage_costs(cfg, segments, n_stages, layers_per_stage, gpu)
     if n_stages > cfg.n_layers:
         raise StrategyError(f"pipeline: {n_stages} stages but model {cfg.name} has only {cfg.n_layers} layers; "
                             "lower the pipeline degree or stages_per_rank")
@@ -125,6 +128,26 @@ def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
     return stages
 
 
+def _user_stage_costs(model: UserModel, segments: list[SegmentCost], n_stages: int,
+                      units_per_stage: list[int] | str | None, gpu: GPU | None) -> list[StageCost]:
+    """A user model's stages: contiguous units, equal counts, the ``segment`` directive's
+    counts, or ``"balanced"`` (equal profiled forward+backward time on ``gpu``)."""
+    n = len(model.units)
+    if n_stages > n:
+        raise StrategyError(f"pipeline: {n_stages} stages but model {model.name} has only {n} units; "
+                            "lower the pipeline degree or stages_per_rank, or annotate more units")
+    if units_per_stage == "balanced":
+        times = unit_times(segments, gpu or H100)
+        units_per_stage = cost_balanced_layers([times[u] for u in model.units], 0.0, 0.0, n_stages)
+    if units_per_stage is None:
+        units_per_stage = [len(r) for r in partition_layers(n, n_stages)]
+    if len(units_per_stage) != n_stages or sum(units_per_stage) != n:
+        raise StrategyError(f"segment: layers_per_stage {units_per_stage} must have {n_stages} entries "
+                            f"summing to the {n} units of {model.name}")
+    starts = [sum(units_per_stage[:i]) for i in range(n_stages)]
+    return [StageCost(stage=s, segments=segments[a:a + k]) for s, (a, k) in enumerate(zip(starts, units_per_stage))]
+
+
 def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
     """Instructions of the folded plan, read off the high-level directives without expanding
     them: per pipeline rank, (stage, micro-batch) pairs x (F, B or BI+BW, a send, a receive,
@@ -146,9 +169,11 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
     return pp * pairs * per_pair
 
 
-def _setup_and_layout(strategy: Strategy) -> tuple[ModelConfig, Setup, Layout, int]:
+def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelConfig | UserModel, Setup, Layout, int]:
     try:
-        cfg = get_config(strategy.model)
+        cfg = resolve_user_model(strategy.model, model) or get_config(strategy.model)
+    except AnnotationError as e:
+        raise StrategyError(str(e)) from None
     except ValueError as e:
         raise StrategyError(f"model: {e}") from None
     size = estimated_instructions(strategy, cfg)
@@ -163,6 +188,10 @@ def _setup_and_layout(strategy: Strategy) -> tuple[ModelConfig, Setup, Layout, i
     setup = resolve(expand(strategy))
     held = {r for copies in setup.placement.values() for r, _, _ in copies}
     empty = sorted(set(range(setup.pp)) - held)
+    if isinstance(cfg, UserModel):
+        err = check_user_setup(cfg, setup.ep, setup.tp, setup.recompute)
+        if err:
+            raise StrategyError(err)
     if empty:
         raise StrategyError(f"place: pp_rank(s) {empty} hold no stage; place a stage on every pipeline rank")
     if setup.ep > 1:
@@ -199,18 +228,27 @@ def _setup_and_layout(strategy: Strategy) -> tuple[ModelConfig, Setup, Layout, i
     return cfg, setup, layout, int(mbs)
 
 
-def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Context, ModelConfig]:
-    """Run every pass; the result is the global training DAG (folded or per rank)."""
+def build_dag(strategy: Strategy, folded: bool = True,
+              model: object = None) -> tuple[TrainingDAG, Context, ModelConfig | UserModel]:
+    """Run every pass; the result is the global training DAG (folded or per rank).
+    ``model``: a user model (`piper_sim.annotate`) or its factory, in place of ``strategy.model``."""
     import torch
 
-    cfg, setup, layout, mbs = _setup_and_layout(strategy)
+    cfg, setup, layout, mbs = _setup_and_layout(strategy, model)
     dtype = getattr(torch, _TORCH_DTYPE[strategy.dtype])
-    shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
-    segments = profile_model(shard, mbs, strategy.seq_len, dtype)
+    if isinstance(cfg, UserModel):
+        from piper_sim.user_profiling import profile_user_model, user_model_memory
+
+        segments = profile_user_model(cfg, mbs, strategy.seq_len, dtype)
+        memory = user_model_memory(cfg, segments, mbs, strategy.seq_len, dtype)
+    else:
+        shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
+        segments = profile_model(shard, mbs, strategy.seq_len, dtype)
+        memory = model_memory(shard, segments, mbs, strategy.seq_len, dtype)
     gpu = parse_cluster(strategy.cluster).gpu
     ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage, gpu),
                   layout=layout, dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded,
-                  memory=model_memory(shard, segments, mbs, strategy.seq_len, dtype),
+                  memory=memory,
                   micro_batch=mbs, seq_len=strategy.seq_len, hidden=cfg.hidden)
     dag = TrainingDAG()
     kinds = split_pass(ctx)
@@ -379,12 +417,13 @@ def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
     return total
 
 
-def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled:
-    """Compile a strategy into a Plan (one instruction list per pipeline rank class)."""
+def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: object = None) -> Compiled:
+    """Compile a strategy into a Plan (one instruction list per pipeline rank class);
+    ``model`` as in `build_dag`."""
     t0 = time.perf_counter()
     if isinstance(strategy, dict):
         strategy = parse_strategy(strategy)
-    dag, ctx, cfg = build_dag(strategy, folded=True)
+    dag, ctx, cfg = build_dag(strategy, folded=True, model=model)
     lists = lower(dag, ctx.sequences)
     layout = ctx.layout
     classes = []
@@ -402,12 +441,17 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
         "micro_batch_size": strategy.global_batch // (layout.dp * ctx.setup.microbatches),
         "dtype": strategy.dtype, "zero": ctx.setup.zero, "seed": strategy.seed,
         "num_stages": ctx.setup.num_stages,
-        "stage_units": [sorted({x.unit for x in sc.segments}, key=_unit_order) for sc in ctx.stages],
+        "stage_units": [list(dict.fromkeys(x.unit for x in sc.segments)) if isinstance(cfg, UserModel)
+                        else sorted({x.unit for x in sc.segments}, key=_unit_order) for sc in ctx.stages],
         # the pieces F/B/BI ops are cut into (``.p{i}`` op ids): around expert blocks, per unit under ZeRO-3
         "stage_parts": [[[x.name for x in part] for part in ctx.parts(sc.stage)] for sc in ctx.stages],
         "model_flops_per_step": _model_flops(ctx, strategy, cfg),
         "tokens_per_step": strategy.global_batch * strategy.seq_len,
     }
+    if isinstance(cfg, UserModel):  # what every rank rebuilds it from, and its stages' boundary tensors
+        from piper_sim.user_profiling import boundaries
+
+        meta["user_model"] = {**cfg.to_json(), "boundaries": boundaries([sc.segments for sc in ctx.stages])}
     if layout.tp > 1:
         meta["tensor_parallel"] = {"degree": layout.tp, "sequence_parallel": ctx.setup.sp}
     if cfg.is_moe:  # what the cost model's expert all-to-all traffic depends on (costmodel.moe)
@@ -421,11 +465,11 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
     return Compiled(plan=plan, dag=dag, setup=ctx.setup, config=cfg, compile_s=time.perf_counter() - t0)
 
 
-def compile_unfolded(strategy: Strategy | dict) -> list[RankProgram]:
+def compile_unfolded(strategy: Strategy | dict, model: object = None) -> list[RankProgram]:
     """Compile every rank explicitly (no folding). For tests and small worlds."""
     if isinstance(strategy, dict):
         strategy = parse_strategy(strategy)
-    dag, ctx, _ = build_dag(strategy, folded=False)
+    dag, ctx, _ = build_dag(strategy, folded=False, model=model)
     lists = lower(dag, ctx.sequences)
     layout = ctx.layout
     out = []

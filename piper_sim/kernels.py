@@ -3,7 +3,10 @@
 A :class:`KernelRecorder` is a ``TorchDispatchMode`` that sees each aten op of a forward or
 backward on the ``meta`` device and files it under one operator class:
 
-``gemm``      mm / addmm / bmm / baddbmm; shape ``(m, n, k, batch)``
+``gemm``      mm / addmm / bmm / baddbmm; shape ``(m, n, k, batch)``; convolutions as their
+              implicit GEMM (``conv``, and per computed gradient ``conv_bwd_input`` /
+              ``conv_bwd_weight``): ``m`` output pixels x batch, ``n`` output channels per
+              group, ``k`` input channels per group x kernel size, ``batch`` the groups
 ``attn_fwd``  flash attention forward; shape ``(batch, q_heads, seq_q, seq_kv, head_dim, causal)``
 ``attn_bwd``  flash attention backward; same shape
 ``mem``       everything else that launches a kernel (elementwise, norms, softmax, rotary,
@@ -23,6 +26,7 @@ report themselves through :func:`note_kernel` (see ``piper_sim.models``).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
 from typing import Iterable
 
@@ -36,6 +40,7 @@ KERNEL_CLASSES = ("gemm", "attn_fwd", "attn_bwd", "mem")
 _aten = torch.ops.aten
 _GEMM = {_aten.mm.default: "mm", _aten.addmm.default: "addmm", _aten.bmm.default: "bmm",
          _aten.baddbmm.default: "baddbmm"}
+_CONV = {_aten.convolution.default, _aten.convolution_backward.default}
 _ATTN_FWD = {_aten._scaled_dot_product_flash_attention.default}
 _ATTN_BWD = {_aten._scaled_dot_product_flash_attention_backward.default}
 # ops that allocate without touching memory, or only read metadata
@@ -120,6 +125,9 @@ class KernelRecorder(TorchDispatchMode):
             nbytes = (_nbytes(a) + _nbytes(b) + sum(map(_nbytes, outs)))
             self.add("gemm", _GEMM[func], (m, n, k, batch), dtype, self._flops(func, args, kwargs, out), nbytes)
             return
+        if func in _CONV:
+            self._conv(func, args, dtype)
+            return
         if func in _ATTN_FWD or func in _ATTN_BWD:
             bwd = func in _ATTN_BWD
             q, k = (args[1], args[2]) if bwd else (args[0], args[1])
@@ -137,9 +145,46 @@ class KernelRecorder(TorchDispatchMode):
             nbytes += _nbytes(ins[0]) if ins else 0
         self.add("mem", name, (int(nbytes),), dtype, self._flops(func, args, kwargs, out), nbytes)
 
+    def _conv(self, func, args, dtype: str) -> None:
+        """A convolution (or its backward, one row per gradient it computes) as the implicit
+        GEMM of its forward; ``2 m n k batch`` flops each (torch's count, bias left out)."""
+        bwd = func is _aten.convolution_backward.default
+        grad_out, x, w = (args[0], args[1], args[2]) if bwd else (None, args[0], args[1])
+        transposed, groups = (args[7], args[9]) if bwd else (args[6], args[8])
+        if transposed:
+            spatial = math.prod(x.shape[2:])
+        elif bwd:
+            spatial = math.prod(grad_out.shape[2:])
+        else:  # output pixels, from the conv arithmetic
+            spatial = _conv_pixels(x.shape[2:], w.shape[2:], *args[3:6])
+        ksize = math.prod(w.shape[2:])
+        if transposed:  # the forward of a transposed conv is the input-gradient GEMM of a conv
+            m, n, k = x.shape[0] * spatial, w.shape[1] * ksize, w.shape[0] // groups
+        else:
+            m, n, k = x.shape[0] * spatial, w.shape[0] // groups, w.shape[1] * ksize
+        shape, flops = (int(m), int(n), int(k), int(groups)), 2.0 * m * n * k * groups
+        if not bwd:
+            self.add("gemm", "conv", shape, dtype, flops, _nbytes(x) + _nbytes(w) + m * n * groups * x.element_size())
+            return
+        mask = args[10]
+        if mask[0]:
+            self.add("gemm", "conv_bwd_input", shape, dtype, flops, _nbytes(grad_out) + _nbytes(w) + _nbytes(x))
+        if mask[1]:
+            self.add("gemm", "conv_bwd_weight", shape, dtype, flops, _nbytes(grad_out) + _nbytes(x) + _nbytes(w))
+        if mask[2]:
+            self.add("mem", "conv_bwd_bias", (_nbytes(grad_out),), dtype, 0.0, _nbytes(grad_out))
+
     def table(self) -> tuple[KernelRow, ...]:
         return tuple((cls, name, shape, dtype, int(c), f, b)
                      for (cls, name, shape, dtype), (c, f, b) in sorted(self.rows.items()))
+
+
+def _conv_pixels(size, kernel, stride, padding, dilation) -> int:
+    out = 1
+    for i, (n, kk) in enumerate(zip(size, kernel)):
+        s, p, d = (v[i] if len(v) > 1 else v[0] for v in (stride, padding, dilation))
+        out *= (n + 2 * p - d * (kk - 1) - 1) // s + 1
+    return out
 
 
 def subtract(full: Iterable[KernelRow], part: Iterable[KernelRow]) -> tuple[KernelRow, ...]:

@@ -43,14 +43,14 @@ from piper_sim.models import ModelConfig, attention, attention_core_inputs, buil
 from piper_sim.profiling import SegmentCost, measure, segment_kind
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-_RECOMPUTED_KINDS = ("dense", "moe_pre", "moe_experts", "head")
+_RECOMPUTED_KINDS = ("dense", "moe_pre", "moe_experts", "head", "user")
 
 
 @dataclass(frozen=True)
 class SegmentMemory:
     """Memory facts of one segment for one micro-batch (bytes; flops for the core)."""
 
-    kind: str            # embed | dense | moe_pre | moe_experts | head
+    kind: str            # embed | dense | moe_pre | moe_experts | head | user (a user model's unit)
     saved: float         # kept F -> B without recompute (the profile's saved_act_bytes)
     selective: float     # kept F -> B with the attention core recomputed
     checkpoint: float    # kept F -> B under full recompute (its input), if recomputed

@@ -78,6 +78,8 @@ class SegmentCost:
     kernels_bi: tuple = ()  # of the backward-input pass
     kernels_bw: tuple = ()  # of the backward-weight pass
     sp_params: int = 0
+    out_shape: tuple = ()  # a user model's unit: shape and dtype of the tensor it hands on
+    out_dtype: str = ""
 
     @property
     def bwd_flops(self) -> int:

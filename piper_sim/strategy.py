@@ -8,6 +8,10 @@ A strategy is JSON::
         {"op": "data_parallel", "degree": 2, "zero": 1},
         {"op": "schedule", "name": "1f1b"}]}
 
+``model`` is a zoo name, or a user's annotated nn.Module: ``"py:module:function"``,
+``"py:path/to/file.py:function"`` or ``{"source": "py:...", "kwargs": {...}}`` naming a factory
+that returns `piper_sim.annotate.annotate(...)` (see that module).
+
 High-level directives (``pipeline``, ``data_parallel``, ``expert_parallel``,
 ``tensor_parallel``, ``schedule``) expand to the low-level set of the Piper paper (``split``,
 ``place``, ``replicate``, ``shard``, ``shard_tensor``, ``order``, ``recompute``, ``stream``);
@@ -58,7 +62,7 @@ REDUCE_MODES = ("per_microbatch", "per_step")  # when ZeRO-2/3 reduce-scatter gr
 
 @dataclass
 class Strategy:
-    model: str
+    model: str | dict[str, Any]  # a zoo name, a "py:..." factory, or {"source": "py:...", "kwargs": {...}}
     cluster: str
     global_batch: int
     seq_len: int
@@ -172,6 +176,19 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
     return d
 
 
+def _check_model_source(model: dict[str, Any]) -> None:
+    """A user model given as ``{"source": "py:...", "kwargs": {...}}`` (piper_sim.annotate)."""
+    unknown = model.keys() - {"source", "kwargs"}
+    if unknown:
+        raise StrategyError(f"strategy field 'model' has unknown key(s) {', '.join(sorted(unknown))}; "
+                            "allowed: source, kwargs")
+    if not isinstance(model.get("source"), str) or not model["source"].startswith("py:"):
+        raise StrategyError("strategy field 'model.source' must be a string py:module:function or "
+                            f"py:path/file.py:function (got {model.get('source')!r})")
+    if not isinstance(model.get("kwargs", {}), dict):
+        raise StrategyError(f"strategy field 'model.kwargs' must be an object (got {model['kwargs']!r})")
+
+
 def parse_strategy(data: Any) -> Strategy:
     """Validate a strategy dict (as loaded from JSON) and return a `Strategy`."""
     if not isinstance(data, dict):
@@ -183,7 +200,9 @@ def parse_strategy(data: Any) -> Strategy:
     for key in ("model", "cluster", "global_batch", "seq_len"):
         if key not in data:
             raise StrategyError(f"strategy is missing the field '{key}'")
-    for key in ("model", "cluster"):
+    if isinstance(data["model"], dict):
+        _check_model_source(data["model"])
+    for key in ("model", "cluster") if not isinstance(data["model"], dict) else ("cluster",):
         if not isinstance(data[key], str):
             raise StrategyError(f"strategy field '{key}' must be a string (got {data[key]!r})")
     global_batch = _check_int(data["global_batch"], "strategy field 'global_batch'")

@@ -1,0 +1,136 @@
+"""A user model's stages, data and single-process reference (`piper_sim.annotate.UserModel`).
+
+`UserStage` has the interface of `executor.stage.Stage` for the runtime: its pieces call the
+user's units in order; the first stage's first piece takes ``tokens`` (the inputs of the
+model's ``example_batch``), a piece hands ``x`` on, and the last unit's output goes to the
+model's loss. Parameters are named ``{unit}.{name inside the unit}``, in the reference too.
+`UserData` splits a step's global batch (``example_batch(global_batch, ...)`` under a seed
+per step) into replicas and micro-batches by rows, as `executor.data.SyntheticData` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from executor.stage import Piece, Record, _leaf, make_optimizer
+from piper_sim.annotate import AnnotationError, UserModel, load_user_model
+from piper_sim.plan import Plan, PlanError
+
+
+def user_model_of(meta: dict[str, Any]) -> UserModel:
+    """Rebuild a plan's user model from its source (``meta["user_model"]``)."""
+    um = meta["user_model"]
+    if not um.get("source"):
+        raise PlanError(f"plan's user model {um.get('name')} was given as an object, not an importable factory; "
+                        "compile with a module-level factory function or a \"py:module:function\" model to run it")
+    try:
+        model = load_user_model(um["source"], um.get("kwargs"))
+    except AnnotationError as e:
+        raise PlanError(str(e)) from None
+    if model.units != um["units"]:
+        raise PlanError(f"user model {um['source']} now has units {model.units}, the plan {um['units']}; recompile")
+    return model
+
+
+@dataclass
+class UserData:
+    """Seeded batches of a user model, split by rows like `SyntheticData`."""
+
+    model: UserModel
+    seq_len: int
+    global_batch: int
+    seed: int
+    dtype: torch.dtype
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.example_batch(self.global_batch, self.seq_len, "cpu", self.dtype,
+                                        self.seed * 1_000_003 + 7919 * (step + 1))
+
+    def microbatch(self, step: int, dp_rank: int, dp: int, microbatches: int, mb: int,
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = self.batch(step)
+        mbs = self.global_batch // dp // microbatches
+        lo = dp_rank * (self.global_batch // dp) + mb * mbs
+        return inputs[lo:lo + mbs].to(device), targets[lo:lo + mbs].to(device)
+
+
+class UserStage:
+    """The units of one stage of a user model on this rank, cut into pieces (unit lists)."""
+
+    expert_split = False
+
+    def __init__(self, model: UserModel, index: int, num_stages: int, units: list[str],
+                 parts: list[list[str]], device: torch.device, dtype: torch.dtype, seed: int):
+        self.model, self.index = model, index
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.units = model.build_units(units, device=device, dtype=dtype, seed=seed)
+        self.last_unit = model.units[-1]
+        self.pieces = []
+        for i, names in enumerate(parts):
+            piece = Piece([(n, -1) for n in names], ["tokens" if self.is_first and i == 0 else "x"])
+            piece.params = [p for n in names for p in self.units[n].parameters()]
+            self.pieces.append(piece)
+
+    def named_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+        """(parameters named as in the whole model, no expert parameters)."""
+        return [(f"{u}.{n}", p) for u, mod in self.units.items() for n, p in mod.named_parameters()], []
+
+    def set_selective_recompute(self, on: bool) -> None:
+        if on:
+            raise PlanError("selective recompute does not apply to a user model; use mode full")
+
+    def forward_piece(self, i: int, vals: dict[str, torch.Tensor], meta: dict[str, Any],
+                      targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = False) -> Record:
+        """Run piece ``i``'s units on ``vals`` (``tokens`` or ``x``); the last unit's output
+        goes to the loss (``loss``), any other to ``x``. ``checkpoint``: every unit keeps
+        only its input and runs again in backward."""
+        piece = self.pieces[i]
+        inputs = {n: vals[n].detach() if n == "tokens" else _leaf(vals[n]) for n in piece.inputs}  # no input grad
+        outputs: dict[str, torch.Tensor] = {}
+
+        def run(fn, *args):
+            return _checkpoint(fn, *args, use_reentrant=False) if checkpoint else fn(*args)
+
+        with torch.enable_grad():
+            x = inputs[piece.inputs[0]]
+            for name, _ in piece.steps:
+                if name == self.last_unit:
+                    outputs["loss"] = run(self._unit_loss, x, targets) * loss_scale
+                else:
+                    x = run(self.units[name], x)
+            if "loss" not in outputs:
+                outputs["x"] = x
+        vals.update(outputs)
+        return Record(inputs, outputs, piece.params)
+
+    def _unit_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(self.units[self.last_unit](x), targets)
+
+
+def user_reference_training(plan: Plan, steps: int, device: torch.device | str, dtype: torch.dtype,
+                            clip_grad_norm: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """`executor.reference.reference_training` for a user model: all its units in one
+    process, on the whole global batch."""
+    meta = plan.meta
+    model = user_model_of(meta)
+    units = model.build_units(model.units, device=device, dtype=dtype, seed=meta["seed"])
+    named = [(f"{u}.{n}", p) for u, mod in units.items() for n, p in mod.named_parameters()]
+    params = [p for _, p in named]
+    opt = make_optimizer(params)
+    data = UserData(model, meta["seq_len"], meta["global_batch"], meta["seed"], dtype)
+    losses = []
+    for step in range(steps):
+        inputs, targets = data.batch(step)
+        loss = model.loss(model.run(units, inputs.to(device)), targets.to(device))
+        loss.backward()
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {n: p.detach() for n, p in named}, losses

@@ -1,0 +1,95 @@
+"""Profiling and activation memory of a user model's units (`piper_sim.annotate.UserModel`).
+
+Each unit runs on ``meta`` (`piper_sim.profiling.measure`: flops, operator-level kernels,
+saved bytes) on the tensor the previous unit hands it: shapes come from running the chain
+(the first unit gets ``example_batch``'s inputs), never from a hidden size. The last unit's
+profile includes the loss. Identical units (same type, structure, parameter shapes, input
+shape and dtype) are measured once, so a deep stack of equal blocks profiles fast.
+A unit's ``out_bytes``/``out_shape`` is the boundary tensor a pipeline SEND carries.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+
+from piper_sim.annotate import UserModel
+from piper_sim.memory import SegmentMemory
+from piper_sim.profiling import SegmentCost, measure
+
+
+def _structure(mod: torch.nn.Module) -> tuple:
+    return (type(mod).__qualname__, repr(mod),
+            tuple((n, tuple(p.shape)) for n, p in mod.named_parameters()),
+            tuple((n, tuple(b.shape)) for n, b in mod.named_buffers()))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _profile_unit(model: UserModel, name: str, x: torch.Tensor, targets: torch.Tensor | None,
+                  dtype: torch.dtype, tokens: int, first: bool) -> tuple[SegmentCost, torch.Tensor]:
+    mod = model.meta_unit(name, dtype)
+    params = list(mod.parameters())
+    # the model's inputs (first unit) need no gradient; a boundary tensor does
+    x_in = torch.empty(x.shape, dtype=x.dtype, device="meta", requires_grad=x.is_floating_point() and not first)
+    if targets is None:
+        m = measure(mod, [x_in], params)
+    else:
+        m = measure(lambda t: model.loss(mod(t), targets), [x_in], params)
+    with torch.no_grad():
+        y = mod(x_in)
+    n = sum(p.numel() for p in params)
+    cost = SegmentCost(
+        name=name, unit=name, is_expert=False, fwd_flops=m.fwd_flops, bwd_input_flops=m.bwd_input_flops,
+        bwd_weight_flops=m.bwd_weight_flops, param_count=n, param_bytes=n * dtype.itemsize,
+        saved_act_bytes=m.saved_act_bytes, out_bytes=4 if targets is not None else y.numel() * y.element_size(),
+        tokens=tokens, gemm_m=m.gemm[0], gemm_n=m.gemm[1], gemm_k=m.gemm[2],
+        kernels_f=m.kernels_f, kernels_bi=m.kernels_bi, kernels_bw=m.kernels_bw,
+        out_shape=tuple(y.shape), out_dtype=_dtype_name(y.dtype))
+    return cost, y
+
+
+def profile_user_model(model: UserModel, micro_batch: int, seq_len: int,
+                       dtype: torch.dtype = torch.bfloat16) -> list[SegmentCost]:
+    """One segment per unit, in order, for one micro-batch."""
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError(f"micro_batch and seq_len must be >= 1 (got {micro_batch}, {seq_len})")
+    x, targets = model.example_batch(micro_batch, seq_len, "meta", dtype, 0)
+    cache: dict[tuple, tuple[SegmentCost, torch.Tensor]] = {}
+    out = []
+    for i, name in enumerate(model.units):
+        last = i == len(model.units) - 1
+        key = (_structure(model.unit(name)), tuple(x.shape), x.dtype, last, i == 0)
+        if key not in cache:
+            cache[key] = _profile_unit(model, name, x, targets if last else None, dtype, micro_batch * seq_len, i == 0)
+        cost, x = cache[key]
+        out.append(replace(cost, name=name, unit=name))
+    return out
+
+
+def input_bytes(model: UserModel, micro_batch: int, seq_len: int, dtype: torch.dtype) -> int:
+    """Bytes of one micro-batch of the model's inputs."""
+    x, _ = model.example_batch(micro_batch, seq_len, "meta", dtype, 0)
+    return x.numel() * x.element_size()
+
+
+def user_model_memory(model: UserModel, segments: list[SegmentCost], micro_batch: int, seq_len: int,
+                      dtype: torch.dtype) -> dict[str, SegmentMemory]:
+    """`SegmentMemory` per unit: no attention core (selective recompute does not apply);
+    under full recompute a unit keeps its input, the previous unit's output."""
+    prev = float(input_bytes(model, micro_batch, seq_len, dtype))
+    out = {}
+    for seg in segments:
+        out[seg.name] = SegmentMemory(kind="user", saved=float(seg.saved_act_bytes), selective=float(seg.saved_act_bytes),
+                                      checkpoint=prev, temp=0.0, core_flops=0.0)
+        prev = float(seg.out_bytes)
+    return out
+
+
+def boundaries(segments_by_stage: list[list[SegmentCost]]) -> list[dict]:
+    """Shape and dtype of the tensor each stage sends on (its last unit's output)."""
+    return [{"shape": list(segs[-1].out_shape), "dtype": segs[-1].out_dtype} for segs in segments_by_stage]
