@@ -33,8 +33,9 @@ def layer(module: str) -> int:
     return {"costmodel": 0, "piper_sim": 1, "executor": 2}[top]
 
 
-def modules(root: str = ROOT) -> dict[str, str]:
-    """module name -> file, for every .py file of the packages."""
+def modules(root: str | None = None) -> dict[str, str]:
+    """module name -> file, for every .py file of the packages (of this checkout by default)."""
+    root = root or ROOT
     out = {}
     for pkg in PACKAGES:
         for folder, _, files in os.walk(os.path.join(root, pkg)):
@@ -73,7 +74,7 @@ def imports(module: str, path: str, known: set[str]) -> set[str]:
     return out
 
 
-def import_graph(root: str = ROOT) -> nx.DiGraph:
+def import_graph(root: str | None = None) -> nx.DiGraph:
     mods = modules(root)
     g = nx.DiGraph()
     g.add_nodes_from(mods)
