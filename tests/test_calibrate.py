@@ -160,6 +160,7 @@ COMMITTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 def fake_measure(monkeypatch, tmp_path):
     """A temporary cache dir, and a calibration run that returns the committed file (counted)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("PIPER_SIM_CACHE_DIR", raising=False)  # set for the session by conftest.py
     calls = []
 
     def measure(**kwargs):
