@@ -39,11 +39,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from piper_sim.profile_cache import on_disk
 from piper_sim import kernels
 from piper_sim.kernels import KernelRecorder
 from piper_sim import models
 from piper_sim.models import ModelConfig, build_units, lm_loss, unit_names, unit_segments
-from piper_sim.profile_cache import on_disk
 
 
 @dataclass(frozen=True)
