@@ -109,3 +109,17 @@ def test_the_costmodel_imports_nothing_of_ours():
     g = import_graph()
     out = sorted(f"{a} -> {b}" for a, b in g.edges if a.startswith("costmodel") and not b.startswith("costmodel"))
     assert not out, "\n".join(out)
+
+
+def test_the_command_line_parser_and_facade_import_nothing_heavy():
+    """`piper-sim --help` (every subcommand registered) and `import piper_sim` stay fast: the heavy
+    libraries load only inside the commands that use them."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "numpy", "pandas", "simpy", "matplotlib", "networkx", "tqdm", "yaml")
+    code = (f"import sys, piper_sim, piper_sim.cli; piper_sim.cli.build_parser(); "
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout.strip()
+    assert out == "[]"
