@@ -3,7 +3,7 @@
     python benchmarks/replay_validation.py [--costmodel traces/calibration/cpu-2core.json]
 
 `traces/validation/` holds the executor's measured Chrome traces of the validation suite
-(`piper_sim.validation.suite`, measured on the machine `cpu-2core.json` was calibrated on).
+(`piper_sim.cli.validation.suite`, measured on the machine `cpu-2core.json` was calibrated on).
 This compiles each strategy with the current code, simulates it with the calibration, and
 prints the step-time error against the measured median and the per-op error of the compute
 ops matched by op id — so a cost-model change can be judged on the same measurements,
@@ -20,7 +20,7 @@ import statistics
 from piper_sim.api import compile
 from piper_sim.simulator import simulate
 from piper_sim.trace import read_chrome_trace
-from piper_sim.validation import kendall_tau, op_errors, suite
+from piper_sim.cli.validation import kendall_tau, op_errors, suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALIDATION = os.path.join(ROOT, "traces", "validation")

@@ -10,5 +10,7 @@ Modules: `worker` (what a torchrun worker does: checks, steps, trace, check, che
 flat parameter buffers / ZeRO shards, BI/BW backward split), `collectives` (process groups,
 p2p tags, completion notices), `data` (seeded synthetic batches), `reference` (the
 single-process reference for ``--check``), `checkpoint` (torch.distributed.checkpoint),
-`baselines` (DDP and torch.distributed.pipelining peers), `cli` (``piper-sim run``).
+`baselines` (DDP and torch.distributed.pipelining peers), `options` (the run options and
+pre-launch checks that ``piper-sim run`` (`piper_sim.cli.run`) and the workers share),
+`microbench` (the calibration microbenchmarks behind ``piper-sim calibrate``).
 """

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from executor import checkpoint, heartbeat
-from executor.cli import add_run_options, preflight, refuse_tensor_parallel
+from executor.options import add_run_options, preflight, refuse_tensor_parallel
 from executor.collectives import Comms
 from executor.lifetime import die_with_parent
 from executor.reference import compare, reference_training

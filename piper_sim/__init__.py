@@ -10,6 +10,10 @@ The notebook API, imported lazily (``import piper_sim`` loads nothing heavy)::
     best = piper_sim.explore("llama3-8b", "h100:1x8", 64, 4096).table   # ranked DataFrame
 
 ``piper_sim.explore`` is the explorer module, callable as `piper_sim.explore.explore`.
+
+Layers (tests/test_layers.py): ``costmodel`` < this library < ``executor`` < the app
+``piper_sim.cli``. This facade is the one exception to the rule that nothing imports upward: its
+lazy attributes may reach any layer (they are looked up by name on first use, never at import).
 """
 
 from __future__ import annotations

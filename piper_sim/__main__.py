@@ -2,6 +2,6 @@
 
 import sys
 
-from piper_sim.cli import main
+from piper_sim.cli.commands import main
 
 sys.exit(main())

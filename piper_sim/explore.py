@@ -345,6 +345,9 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
                 if prune and bound >= best:
                     rows.append(Row(cand, "pruned", lower_bound_s=bound,
                                     reason=f"compute alone takes >= {bound:.4g} s, best is {best:.4g} s"))
+                    done += 1  # decided without simulating: the progress still reaches len(queue)
+                    if progress:
+                        progress("simulate", done, len(queue))
                     continue
                 batch.append((cand, settings))
             for cand, res, err in pool.imap(_compile_and_simulate, batch):

@@ -93,3 +93,15 @@ def atomic_write(path: str | os.PathLike, mode: str = "w", **open_kwargs) -> Ite
 def write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_write(path) as f:
         f.write(text)
+
+
+CACHE_ENV = "PIPER_SIM_CACHE_DIR"
+
+
+def cache_dir() -> str:
+    """Where piper-sim keeps what it can recompute (this machine's calibrations, segment profiles):
+    $PIPER_SIM_CACHE_DIR, else $XDG_CACHE_HOME/piper-sim, else ~/.cache/piper-sim."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "piper-sim")

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from piper_sim.models import ModelConfig, attention, attention_core_inputs, build_units, logits_bytes
+from piper_sim.profile_cache import on_disk
 from piper_sim.profiling import SegmentCost, measure, segment_kind
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -77,6 +78,7 @@ class SegmentMemory:
 
 
 @functools.lru_cache(maxsize=64)
+@on_disk
 def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
                    dtype: torch.dtype) -> tuple[int, int, tuple]:
     """(saved bytes with the attention core recomputed, attention-core forward flops and

@@ -8,8 +8,8 @@ as ``(0F3;3B1)OVERLAP_F_B``, and, in the compute+comms form, ``{stage}SEND_F{mb}
 ``{stage}RECV_F{mb}``, ``{stage}SEND_B{mb}``, ``{stage}RECV_B{mb}`` (a RECV names the
 receiving stage, a SEND the sending one) and ``{stage}REDUCE_GRAD``.
 
-- `compute_actions(plan, pp_rank)`: the rank's compute slots; the lines of
-  ``piper-sim show --compute-order`` (they equal torch's ``pipeline_order`` for interleaved
+- `compute_actions(plan, pp_rank)`: the rank's compute slots; `compute_order` joins them into
+  the lines of ``piper-sim show --compute-order`` (they equal torch's ``pipeline_order`` for interleaved
   1F1B, interleaved zero-bubble, ZB-V and DualPipeV).
 - `actions_with_comms(plan, pp_rank)`: the same with the plan's point-to-point transfers and
   gradient reductions placed in one list: each RECV right before the first compute that
@@ -141,3 +141,9 @@ def write_schedule_csv(plan: "Plan", path: str, comms: bool = False) -> None:
         writer = csv.writer(f)
         for row in schedule_csv_rows(plan, comms):
             writer.writerow(row)
+
+
+def compute_order(plan: "Plan", pp_rank: int) -> str:
+    """A rank's compute actions in torch.distributed.pipelining notation, overlapped pairs as
+    ``(0F3;3B1)OVERLAP_F_B`` (every action parses with torch's ``_Action.from_str``)."""
+    return " ".join(compute_actions(plan, pp_rank))

@@ -21,7 +21,8 @@ lookups count no flops. The head segment includes the loss.
 Routed experts cannot run data-dependent routing on meta: we assume uniform routing, profile
 one expert on ``tokens * top_k / n_experts`` tokens and multiply by ``n_experts``.
 
-Identical layers are profiled once (cache keyed by config, kind, micro-batch, seq, dtype).
+Identical layers are profiled once (cache keyed by config, kind, micro-batch, seq, dtype), in
+memory and on disk across processes (`piper_sim.profile_cache`).
 
 Tensor parallelism: profile a shard's config (`piper_sim.models.tp_shard`): every kernel has the
 rank's shapes (its heads, ffn / tp, vocabulary rows; with sequence parallelism norms, dropout and
@@ -38,6 +39,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from piper_sim.profile_cache import on_disk
 from piper_sim import kernels
 from piper_sim.kernels import KernelRecorder
 from piper_sim import models
@@ -155,6 +157,7 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
 
 
 @functools.lru_cache(maxsize=256)
+@on_disk
 def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: torch.dtype) -> SegmentCost:
     """Cost of one segment kind: ``embed``, ``dense`` (layer), ``moe_pre``, ``moe_experts``,
     ``head``. Cached; ``name``/``unit`` are set to the kind."""

@@ -62,7 +62,7 @@ def test_results_are_dataframes_and_json_still_works(tmp_path, monkeypatch):
     assert {"pp", "schedule", "microbatches", "dp", "zero", "tokens_per_s", "reason"} <= set(table)
 
     # validation: the measured side stubbed with the simulated trace (a real run is in test_executor)
-    from piper_sim import validation
+    from piper_sim.cli import validation
 
     def fake_measure(plan_path, steps, warmup, trace, timeout_s=900):
         sim = piper_sim.simulate(plan_path, "unit:F=1,BI=1,BW=1,comm=0")

@@ -11,7 +11,8 @@ import pytest
 from costmodel.fit import fit_alpha_bw, relative_errors, segment_residuals, segment_table
 from costmodel.hardware import parse_cluster
 from costmodel.model import get_costmodel
-from piper_sim import calibrate_cli
+from piper_sim.cli import calibrate as calibrate_cli
+from piper_sim.cli import main as cli_main
 
 SIZES = [4096 * 4 ** i for i in range(8)]  # 4 KiB .. 64 MiB
 
@@ -69,7 +70,7 @@ def test_segment_table_reproduces_segment_times():
 @pytest.fixture(scope="module")
 def quick_calibration(tmp_path_factory):
     path = tmp_path_factory.mktemp("calib") / "quick.json"
-    assert calibrate_cli.main(["calibrate", "-o", str(path), "--quick", "--nproc", "2", "--no-progress"]) == 0
+    assert cli_main(["calibrate", "-o", str(path), "--quick", "--nproc", "2", "--no-progress"]) == 0
     return path
 
 
@@ -96,7 +97,7 @@ def test_quick_run_loads_and_predicts_allreduce(quick_calibration):
 
 def test_refit_reproduces_the_parameters(quick_calibration, tmp_path):
     out = tmp_path / "refit.json"
-    assert calibrate_cli.main(["calibrate", "--refit", str(quick_calibration), "-o", str(out)]) == 0
+    assert cli_main(["calibrate", "--refit", str(quick_calibration), "-o", str(out)]) == 0
     a, b = json.loads(quick_calibration.read_text()), json.loads(out.read_text())
     for key in ("peak_flops", "efficiency_table", "hbm_bw", "collectives", "p2p", "overlap_slowdown"):
         assert a[key] == b[key]
@@ -138,18 +139,13 @@ def test_merge_keeps_each_points_fastest_time(quick_calibration):
 def test_bad_arguments_give_one_line(argv, message, tmp_path, capsys):
     (tmp_path / "dir.json").mkdir()
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    assert calibrate_cli.main(["calibrate", *argv]) == 2
+    assert cli_main(["calibrate", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("piper-sim: error:") and message in err[0], err
 
 
 def test_registered_in_main_cli(tmp_path, capsys):
-    from piper_sim import cli
-
-    try:
-        rc = cli.main(["calibrate", "-o", str(tmp_path / "x.txt")])
-    except SystemExit:  # argparse: invalid choice 'calibrate'
-        pytest.skip("calibrate is not registered in piper_sim.cli yet")
+    rc = cli_main(["calibrate", "-o", str(tmp_path / "x.txt")])
     assert rc == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
@@ -164,6 +160,7 @@ COMMITTED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 def fake_measure(monkeypatch, tmp_path):
     """A temporary cache dir, and a calibration run that returns the committed file (counted)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("PIPER_SIM_CACHE_DIR", raising=False)  # set for the session by conftest.py
     calls = []
 
     def measure(**kwargs):
@@ -208,7 +205,7 @@ def test_a_damaged_cache_file_is_measured_again(fake_measure):
 
 
 def test_demo_says_plainly_when_uncalibrated(fake_measure):
-    from piper_sim.demo import machine_costmodel
+    from piper_sim.cli.demo import machine_costmodel
 
     costmodel, line = machine_costmodel(no_calibrate=True)
     assert costmodel == "analytic" and "uncalibrated" in line and fake_measure == []

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from piper_sim.api import compile
-from piper_sim.cli import compute_order
+from piper_sim.pipelining import compute_order
 from piper_sim.compiler import compile_strategy, compile_unfolded
 from piper_sim.plan import Plan, PlanError
 from piper_sim.schedules import SCHEDULES

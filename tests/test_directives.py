@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from piper_sim.api import compile
-from piper_sim.cli import compute_order
+from piper_sim.pipelining import compute_order
 from piper_sim.directives import expand
 from piper_sim.strategy import StrategyError, parse_strategy
 

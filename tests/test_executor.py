@@ -246,7 +246,7 @@ def test_two_nodes_on_loopback_with_trace(tmp_path):
     trace, png = tmp_path / "trace.json", tmp_path / "timeline.png"
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "executor.cli", "run", plan, "--nnodes", "2", "--nproc", "1",
+        cmd = [sys.executable, "-m", "piper_sim.cli", "run", plan, "--nnodes", "2", "--nproc", "1",
                "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--steps", "2", "--json", "--check",
                "--trace", str(trace), "--timeline", str(png)]  # the same options on every node
         # torchrun sets OMP_NUM_THREADS=1 only for several local ranks; two "nodes" share this machine
@@ -295,14 +295,14 @@ def test_refuses_wrong_world_size_and_edited_plans_before_starting(tmp_path):
                        env=env, timeout=120)
     assert r.returncode == 2 and "compiled for 2 ranks" in r.stderr and "4 were launched" in r.stderr
     # piper-sim run: refused before torchrun starts
-    r = subprocess.run([sys.executable, "-m", "executor.cli", "run", plan, "--nproc", "4"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", plan, "--nproc", "4"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "compiled for 2 ranks" in r.stderr
     d = json.loads(open(plan).read())
     d["meta"]["seed"] = 7
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(d))
-    r = subprocess.run([sys.executable, "-m", "executor.cli", "run", str(edited)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", str(edited)], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "hash mismatch" in r.stderr
     r = subprocess.run([sys.executable, "-m", "executor", str(edited)], cwd=ROOT, capture_output=True, text=True,

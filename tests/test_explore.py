@@ -83,3 +83,21 @@ def test_tensor_parallel_wins_for_405b_on_1024_h100():
     assert tp1 == [] and not any(x.candidate.tp == 1 and x.status == "ok" for x in r.rows)
     tp4 = [x for x in r.ok if x.candidate.tp == 4]
     assert tp4 and r.best.step_time_s < min(x.step_time_s for x in tp4)
+
+
+def test_progress_reaches_its_total_with_pruned_candidates(capsys):
+    from piper_sim.cli.explore import progress_printer
+
+    calls = []
+    result = explore("gpt-tiny", "cpu:4", 8, 32, workers=1, schedules=["1f1b", "gpipe", "zb1p"],
+                     progress=lambda *a: calls.append(a))
+    assert result.counts.get("pruned", 0) > 0  # the case that used to stop short of the total
+    for stage in ("screen", "simulate"):
+        seen = [(i, n) for s, i, n in calls if s == stage]
+        assert [i for i, _ in seen] == list(range(1, seen[-1][1] + 1)) and seen[-1][0] == seen[-1][1], stage
+    show = progress_printer()
+    for call in calls:
+        show(*call)
+    err = capsys.readouterr().err
+    total = [n for s, _, n in calls if s == "simulate"][-1]
+    assert f"{total}/{total}" in err and "simulate" in err

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from piper_sim.api import compile
-from piper_sim.cli import compute_order
+from piper_sim.pipelining import compute_order
 from piper_sim.pipelining import actions_with_comms, compute_actions, write_schedule_csv
 from piper_sim.schedules import SCHEDULES, TORCH_NAMES, canonical_schedule
 

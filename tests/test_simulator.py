@@ -338,7 +338,7 @@ def test_result_fields_and_json():
 
 
 def test_cli_simulate(tmp_path, capsys):
-    from piper_sim.simulate_cli import main
+    from piper_sim.cli import main
 
     path = tmp_path / "plan.json"
     tiny("zb1p", 4, 8).save(str(path))

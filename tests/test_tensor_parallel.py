@@ -330,6 +330,6 @@ def test_executor_refuses_tp_plans_before_any_process_group(tmp_path):
     r = subprocess.run([sys.executable, "-m", "executor", path], cwd=ROOT, capture_output=True, text=True,
                        env=env, timeout=120)
     assert r.returncode == 2 and line in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = subprocess.run([sys.executable, "-m", "executor.cli", "run", path], cwd=ROOT, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", path], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and line in r.stderr and "torch.distributed" not in r.stderr

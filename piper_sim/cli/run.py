@@ -11,8 +11,9 @@ dies with this process and receives its SIGTERM/SIGINT/SIGHUP (`executor.lifetim
 Exit status: 0 done; 2 refused before launching (one line); 1 a rank failed (each failing
 rank's line, then one naming the first); 128+N stopped by signal N.
 
-Register it with ``add_run_parser(subparsers)``; ``python -m executor.cli run ...`` works too.
-This module imports no torch, so registering it keeps ``piper-sim --help`` fast.
+Register it with ``add_run_parser(subparsers)``. The options the workers share and the checks
+before any process starts are `executor.options`. This module imports no torch, so registering
+it keeps ``piper-sim --help`` fast.
 """
 
 from __future__ import annotations
@@ -21,40 +22,9 @@ import argparse
 import os
 import sys
 
-from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_float, arg_int
+from executor.options import add_run_options, preflight, refuse_tensor_parallel, refuse_unbuildable_user_model
+from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_int
 from piper_sim.plan import Plan, PlanError
-
-
-def add_run_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by the worker and ``piper-sim run``."""
-    p.add_argument("--steps", type=arg_int(1), default=1, help="training steps (default 1)")
-    p.add_argument("--trace", metavar="OUT.json", help="Chrome trace of the last step, all ranks")
-    p.add_argument("--timeline", metavar="OUT.png", help="timeline picture of the last step")
-    p.add_argument("--kineto", metavar="DIR",
-                   help="Kineto-shaped trace per rank of the last step in DIR (HolisticTraceAnalysis, Perfetto)")
-    p.add_argument("--json", action="store_true", help="one JSON object per line: loss and step time per step")
-    p.add_argument("--check", action="store_true",
-                   help="also train a single-process reference and print max_abs/max_rel_param_diff")
-    p.add_argument("--save", metavar="DIR", help="checkpoint after the last step into DIR/step-N "
-                   "(torch.distributed.checkpoint, written atomically)")
-    p.add_argument("--save-every", type=arg_int(0), default=0, metavar="K",
-                   help="with --save: also checkpoint every K steps")
-    p.add_argument("--keep", type=arg_int(1), default=2, metavar="N",
-                   help="with --save: keep the newest N checkpoints (2)")
-    p.add_argument("--resume", metavar="DIR", help="start from the newest complete checkpoint in DIR (same plan)")
-    p.add_argument("--end-step", type=arg_int(1), metavar="T",
-                   help="stop after step T-1 (set by `run --max-restarts`: a restarted worker resumes from the "
-                        "newest checkpoint in --save and trains up to the same step)")
-    p.add_argument("--timeout", type=arg_float(0.0), default=60.0,
-                   help="seconds without progress before a rank gives up (default 60)")
-    p.add_argument("--profile", metavar="DIR",
-                   help="save a torch.profiler (Kineto) trace per rank in DIR: steps are ProfilerStep#N, "
-                        "every plan op a record_function(op_id) range")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA for GPU clusters when available, else CPU")
-    p.add_argument("--clip-grad-norm", type=float, metavar="X",
-                   help="clip gradients to global L2 norm X over all shards and stages (as clip_grad_norm_)")
-    p.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
 
 
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
@@ -140,61 +110,6 @@ def torchrun_command(args, plan: Plan) -> list[str]:
     return cmd
 
 
-def refuse_tensor_parallel(plan: Plan, path: str) -> None:
-    """The executor runs no tensor parallelism yet: refuse such a plan before any process group starts."""
-    if plan.layout.tp > 1:
-        raise PlanError(f"{path}: tensor parallel plans are simulate-only in this version (tp {plan.layout.tp}); "
-                        "use `piper-sim simulate`")
-
-
-def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:
-    """A user model's plan must name a source every rank can rebuild it from (piper_sim.annotate)."""
-    um = plan.meta.get("user_model")
-    if um is None:
-        return
-    source = um.get("source")
-    if not source:
-        raise PlanError(f"{path}: user model {um.get('name')} was compiled from an object, not an importable "
-                        "factory; compile with a module-level factory or a \"py:module:function\" model to run it")
-    where = source[3:].rpartition(":")[0]
-    if where.endswith(".py") and not os.path.isfile(where):
-        raise PlanError(f"{path}: user model file {where} (source {source}) not found from {os.getcwd()}")
-
-
-def preflight(args, plans: list[Plan]) -> int:
-    """What a launch needs beyond valid plans, checked by ``piper-sim run`` before torchrun
-    and by every worker before its process group: the checkpoint to resume, and that the
-    test hooks PIPER_FAULT / PIPER_CKPT_KILL name a rank, step and op of this run.
-    Returns the step the run starts from."""
-    from executor import checkpoint
-
-    checkpoint.check_kill_spec()
-    start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size)[1] if args.resume else 0
-    if args.end_step is not None and args.end_step <= start:
-        raise PlanError(f"--end-step {args.end_step} is not after the resumed step {start}")
-    if not os.environ.get("PIPER_FAULT"):
-        return start
-    from executor.runtime import Fault  # imports torch: only when a fault is injected
-
-    try:
-        fault = Fault.from_env()
-        if fault.rank < 0 or fault.step < 0:
-            raise ValueError("negative rank or step")
-    except ValueError as e:
-        msg = str(e) if str(e).startswith("PIPER_FAULT") else f"PIPER_FAULT={os.environ['PIPER_FAULT']!r}: {e}"
-        if "expected" not in msg:
-            msg += "; expected rank:step:op_id[:raise|kill|hang]"
-        raise PlanError(msg) from None
-    world = plans[0].world_size
-    if fault.rank >= world:
-        raise PlanError(f"PIPER_FAULT names rank {fault.rank}; the plan has ranks 0..{world - 1}")
-    if not start <= fault.step < start + args.steps:
-        raise PlanError(f"PIPER_FAULT names step {fault.step}; this run does steps {start}..{start + args.steps - 1}")
-    if not any(fault.op_id == i.id for p in plans for i in p.class_of(fault.rank).instructions()):
-        raise PlanError(f"PIPER_FAULT names op {fault.op_id}, which rank {fault.rank} does not run")
-    return start
-
-
 def cmd_run(args: argparse.Namespace) -> None:
     from executor import lifetime
     from piper_sim.validate import load_valid_plan
@@ -212,13 +127,3 @@ def cmd_run(args: argparse.Namespace) -> None:
     if rc:
         raise SystemExit(rc)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point: the same as `piper-sim` (one error handler for all commands)."""
-    from piper_sim.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

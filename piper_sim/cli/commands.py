@@ -15,14 +15,6 @@ from piper_sim.plan import Plan, PlanError
 log = logging.getLogger("piper_sim.cli")
 
 
-def compute_order(plan: Plan, pp_rank: int) -> str:
-    """A rank's compute actions in torch.distributed.pipelining notation, overlapped pairs as
-    ``(0F3;3B1)OVERLAP_F_B`` (every action parses with torch's ``_Action.from_str``)."""
-    from piper_sim.pipelining import compute_actions
-
-    return " ".join(compute_actions(plan, pp_rank))
-
-
 def cmd_models(args: argparse.Namespace) -> None:
     from piper_sim.models import ZOO
 
@@ -77,6 +69,8 @@ def cmd_show(args: argparse.Namespace) -> None:
         if not args.compute_order:
             return
     if args.compute_order:
+        from piper_sim.pipelining import compute_order
+
         for r in ranks:
             print(f"rank {r}: {compute_order(plan, r)}")
         return
@@ -103,8 +97,8 @@ def _span(ranks: list[int]) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
-    from piper_sim.demo import CALIBRATION
-    from piper_sim.validation import format_report, suite, validate
+    from piper_sim.cli.demo import CALIBRATION
+    from piper_sim.cli.validation import format_report, suite, validate
 
     strategies = list(args.strategies) + (suite() if args.suite else [])
     if not strategies:
@@ -167,19 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", default="validation", metavar="DIR",
                    help="folder for the report, plans and measured traces (default: validation)")
     v.set_defaults(func=cmd_validate)
-    from piper_sim.explore_cli import add_explore_parser
-    from piper_sim.simulate_cli import add_simulate_parser
+    from piper_sim.cli.calibrate import add_calibrate_parser
+    from piper_sim.cli.demo import add_demo_parser
+    from piper_sim.cli.explore import add_explore_parser
+    from piper_sim.cli.run import add_run_parser
+    from piper_sim.cli.simulate import add_simulate_parser
 
     add_simulate_parser(sub)
     add_explore_parser(sub)
-    from executor.cli import add_run_parser
-
     add_run_parser(sub)
-    from piper_sim.calibrate_cli import add_calibrate_parser
-
     add_calibrate_parser(sub)
-    from piper_sim.demo import add_demo_parser
-
     add_demo_parser(sub)
     return p
 
@@ -233,6 +224,3 @@ def main(argv: list[str] | None = None) -> int:
 def _one_line(text: str) -> str:
     return " ".join(text.split()) if "\n" in text else text
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,7 @@
 """`piper-sim simulate PLAN.json`: run the simulator on a plan file and report.
 
 `add_simulate_parser(subparsers)` registers the subcommand on the main CLI; errors are
-ValueErrors that the CLI prints as one line (exit 2). `python -m piper_sim.simulate_cli`
-runs it standalone.
+ValueErrors that the CLI prints as one line (exit 2).
 """
 
 from __future__ import annotations
@@ -85,13 +84,3 @@ def _warn_if_over_memory(result) -> None:
           f"{result.memory_capacity_bytes / 2**30:.0f} GiB per GPU (rank {worst.rank} peaks at "
           f"{worst.peak_memory_bytes / 2**30:.1f} GiB)", file=sys.stderr)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point: the same as `piper-sim` (one error handler for all commands)."""
-    from piper_sim.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main(["simulate", *sys.argv[1:]]))

@@ -18,11 +18,11 @@ import os
 import subprocess
 
 from piper_sim.checks import arg_int
-from piper_sim.explore_cli import emit_best, progress_printer
+from piper_sim.cli.explore import emit_best, progress_printer
 
 DEFAULT = {"model": "qwen3-moe-9b", "cluster": "h100:4x8", "global_batch": 256, "seq_len": 4096}
 # the project's 2-core dev VM, committed (traces/calibration/README.md): `validate`'s default
-CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                            "traces", "calibration", "cpu-2core.json")
 UNCALIBRATED = ("this machine is uncalibrated (--no-calibrate): simulating with the analytic CPU placeholders "
                 "of costmodel/hardware.py, not measurements, so expect a large error; run without "
@@ -45,7 +45,7 @@ def small_strategy(best_schedule: str) -> dict:
 def machine_costmodel(no_calibrate: bool, progress: bool = True) -> tuple[str, str]:
     """(cost model for `simulate`, a line saying what it is): this machine's cached
     calibration (measured now on first use), or the analytic placeholders."""
-    from piper_sim.calibrate_cli import cached_calibration
+    from piper_sim.cli.calibrate import cached_calibration
 
     if no_calibrate:
         return "analytic", UNCALIBRATED
@@ -60,7 +60,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     from piper_sim.api import compile
     from piper_sim.explore import explore, format_table, plot_pareto, write_csv
     from piper_sim.simulator import simulate
-    from piper_sim.validation import MeasurementError, measure
+    from piper_sim.cli.validation import MeasurementError, measure
 
     quiet = args.quiet or getattr(args, "log_quiet", 0)
     os.makedirs(args.out, exist_ok=True)

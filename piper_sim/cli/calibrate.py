@@ -11,7 +11,7 @@ in earlier calibration files instead of measuring (several runs of one machine: 
 point's fastest time). Use the result with
 `--costmodel path.json` wherever the simulator takes a cost model.
 
-`add_calibrate_parser(subparsers)` registers the command on piper_sim.cli's parser; bad
+`add_calibrate_parser(subparsers)` registers the command on `piper_sim.cli.commands`'s parser; bad
 input raises `CalibrationError` (a ValueError), which the CLI prints as one line.
 """
 
@@ -128,13 +128,6 @@ def write_calibration(calib: dict, out: str) -> None:
 # --------------------------------------------------------------------------- per-machine cache
 
 
-def cache_dir() -> str:
-    """Where calibrations of this machine are kept: $XDG_CACHE_HOME/piper-sim, else
-    ~/.cache/piper-sim."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "piper-sim")
-
-
 def cached_calibration(quick: bool = True, device: str = "cpu", progress: bool = True,
                        announce=None) -> tuple[str, bool]:
     """This machine's calibration file, measured (`calibrate --quick`, ~15 s on 2 cores) on
@@ -146,6 +139,7 @@ def cached_calibration(quick: bool = True, device: str = "cpu", progress: bool =
 
     from costmodel.calibration import load_calibration
     from executor.microbench import fingerprint
+    from piper_sim.files import cache_dir
 
     fp = fingerprint(device)
     key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
@@ -209,13 +203,3 @@ def summary_lines(calib: dict) -> list[str]:
             f"{k} median {v['median']:.0%} max {v['max']:.0%}" for k, v in summary.items()))
     return lines
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point: the same as `piper-sim` (one error handler for all commands)."""
-    from piper_sim.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

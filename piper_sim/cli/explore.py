@@ -11,18 +11,22 @@ from piper_sim.checks import arg_int
 
 
 def progress_printer(enabled: bool = True):
-    """A one-line progress bar on stderr (``[simulate] 120/400``)."""
-    tty = sys.stderr.isatty()
+    """A `progress(stage, done, total)` callback drawing one tqdm bar per stage on stderr
+    (``screen``, then ``simulate``); each bar closes when it reaches its total."""
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
 
     def show(stage: str, i: int, n: int) -> None:
-        if not enabled or (not tty and i != n and i % max(1, n // 10)):
+        if not enabled:
             return
-        width = 30
-        filled = int(width * i / max(n, 1))
-        sys.stderr.write(f"{chr(13) if tty else ''}[{stage:<8}] |{'#' * filled}{'.' * (width - filled)}| {i}/{n}")
-        if i == n or not tty:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(total=n, desc=f"{stage:<8}", unit="strategy", file=sys.stderr,
+                                     dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 5.0)
+        bar.update(i - bar.n)
+        if i >= n:
+            bar.close()
     return show
 
 

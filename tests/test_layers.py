@@ -1,0 +1,125 @@
+"""The package's layers (DESIGN.md "Layers"): no module imports a higher layer, no import cycle.
+
+Every module of costmodel/, piper_sim/ and executor/ is parsed with `ast` (imports inside
+functions count too) and mapped to its layer:
+
+    app        piper_sim.cli (command line, demo, validation reports), piper_sim.__main__
+    back ends  executor (replays a Plan; executor.microbench: the calibration microbenchmarks)
+    library    piper_sim (model specs, profiling, strategy, IR, compiler, plan, simulator, ...)
+    bottom     costmodel
+
+The one exception is the public facade ``piper_sim/__init__.py``: it may lazily reach any layer
+(its lazy attributes name modules as strings, so no import statement shows it anyway).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import networkx as nx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("costmodel", "piper_sim", "executor")
+LAYERS = ("bottom", "library", "back ends", "app")
+FACADE = "piper_sim"
+
+
+def layer(module: str) -> int:
+    """The layer index of a module of ours (see the module docstring)."""
+    top = module.split(".")[0]
+    if module in ("piper_sim.cli", "piper_sim.__main__") or module.startswith("piper_sim.cli."):
+        return 3
+    return {"costmodel": 0, "piper_sim": 1, "executor": 2}[top]
+
+
+def modules(root: str | None = None) -> dict[str, str]:
+    """module name -> file, for every .py file of the packages (of this checkout by default)."""
+    root = root or ROOT
+    out = {}
+    for pkg in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(root, pkg)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                rel = os.path.relpath(os.path.join(folder, f), root)[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                out[".".join(rel)] = os.path.join(folder, f)
+    return out
+
+
+def imports(module: str, path: str, known: set[str]) -> set[str]:
+    """The modules of ours that `module` imports anywhere in its file (`from pkg import sub` -> pkg.sub)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    is_pkg = os.path.basename(path) == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")[: len(module.split(".")) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(parts + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:  # `import piper_sim.models.x` -> the deepest module of ours
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+def import_graph(root: str | None = None) -> nx.DiGraph:
+    mods = modules(root)
+    g = nx.DiGraph()
+    g.add_nodes_from(mods)
+    for mod, path in mods.items():
+        g.add_edges_from((mod, dep) for dep in imports(mod, path, set(mods)))
+    return g
+
+
+def test_the_walk_sees_every_layer_and_function_level_imports():
+    g = import_graph()
+    assert {layer(m) for m in g} == {0, 1, 2, 3}
+    # compiler imports torch inside a function and costmodel at the top; the simulator reaches kineto lazily
+    assert g.has_edge("piper_sim.compiler", "costmodel.hardware")
+    assert g.has_edge("piper_sim.simulator", "piper_sim.kineto")  # an import inside a method
+
+
+def test_no_module_imports_a_higher_layer():
+    g = import_graph()
+    upward = sorted(f"{a} ({LAYERS[layer(a)]}) -> {b} ({LAYERS[layer(b)]})" for a, b in g.edges
+                    if a != FACADE and layer(b) > layer(a))
+    assert not upward, "imports that run upward:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    g = import_graph()
+    g.remove_node(FACADE)  # the facade imports nothing by statement; submodules may import its version
+    cycles = [c for c in nx.simple_cycles(g) if len(c) > 1]
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c + [c[0]]) for c in sorted(cycles)[:20])
+
+
+def test_the_costmodel_imports_nothing_of_ours():
+    g = import_graph()
+    out = sorted(f"{a} -> {b}" for a, b in g.edges if a.startswith("costmodel") and not b.startswith("costmodel"))
+    assert not out, "\n".join(out)
+
+
+def test_the_command_line_parser_and_facade_import_nothing_heavy():
+    """`piper-sim --help` (every subcommand registered) and `import piper_sim` stay fast: the heavy
+    libraries load only inside the commands that use them."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "numpy", "pandas", "simpy", "matplotlib", "networkx", "tqdm", "yaml")
+    code = (f"import sys, piper_sim, piper_sim.cli; piper_sim.cli.build_parser(); "
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout.strip()
+    assert out == "[]"
