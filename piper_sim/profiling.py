@@ -41,7 +41,7 @@ import torch
 from piper_sim import kernels
 from piper_sim.kernels import KernelRecorder
 from piper_sim import models
-from piper_sim.models import ModelConfig, build_units, lm_loss, unit_names, unit_segments
+from piper_sim.models import ModelConfig, build_units, layer_of_kind, lm_loss, unit_names, unit_segments
 
 
 @dataclass(frozen=True)
@@ -153,9 +153,11 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
 
 
 @functools.lru_cache(maxsize=256)
-def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: torch.dtype) -> SegmentCost:
+def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: torch.dtype,
+                 windowed: bool = False) -> SegmentCost:
     """Cost of one segment kind: ``embed``, ``dense`` (layer), ``moe_pre``, ``moe_experts``,
-    ``head``. Cached; ``name``/``unit`` are set to the kind."""
+    ``head``; ``windowed``: of a layer with sliding-window attention. Cached; ``name``/``unit``
+    are set to the kind."""
     B, s, h, nbytes = micro_batch, seq_len, cfg.hidden, dtype.itemsize
     T = B * s
     meta: dict = dict(device="meta", dtype=dtype)
@@ -173,12 +175,12 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
         params = list(mod.parameters())
         m = measure(mod, [tokens], params)
     elif kind == "dense":
-        mod = build("layers.0")  # leading layers are dense whenever a model has dense layers
+        mod = build(f"layers.{layer_of_kind(cfg, kind, windowed)}")
         params = list(mod.parameters())
         m = measure(mod, [hidden_in], params)
         sp_norms = [mod.attn_norm, mod.mlp_norm]
     elif kind == "moe_pre":
-        mod = build(f"layers.{cfg.first_dense}")
+        mod = build(f"layers.{layer_of_kind(cfg, kind, windowed)}")
         expert_ids = {id(p) for p in mod.moe.experts.parameters()}
         params = [p for p in mod.parameters() if id(p) not in expert_ids]
         m = measure(mod.forward_pre, [hidden_in], params)
@@ -194,7 +196,8 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
     elif kind == "head":
         mod = build("head")
         params = list(mod.parameters())
-        m = measure(lambda x: lm_loss(mod(x), tokens), [hidden_in], params)
+        tied = [mod.tied_weight] if mod.tied_weight is not None else []  # the embedding's: its gradient here
+        m = measure(lambda x: lm_loss(mod(x), tokens), [hidden_in], params + tied)
         out_bytes = 4  # the fp32 scalar loss
         sp_norms = [mod.norm]
     else:
@@ -224,6 +227,13 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
     )
 
 
+def segment_windowed(cfg: ModelConfig, segment: str) -> bool:
+    """Whether a layer segment's attention has a sliding window."""
+    if segment in ("embed", "head"):
+        return False
+    return cfg.layer_window(int(segment.split(".")[1])) > 0
+
+
 def segment_kind(cfg: ModelConfig, segment: str) -> str:
     """``embed`` | ``dense`` | ``moe_pre`` | ``moe_experts`` | ``head`` for a segment name."""
     if segment in ("embed", "head"):
@@ -240,7 +250,9 @@ def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: torc
     out = []
     for unit in unit_names(cfg):
         for seg in unit_segments(cfg, unit):
-            cost = profile_kind(cfg, segment_kind(cfg, seg), micro_batch, seq_len, dtype)
+            kind = segment_kind(cfg, seg)
+            windowed = kind in ("dense", "moe_pre") and segment_windowed(cfg, seg)
+            cost = profile_kind(cfg, kind, micro_batch, seq_len, dtype, windowed)
             out.append(replace(cost, name=seg, unit=unit))
     return tuple(out)
 
