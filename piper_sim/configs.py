@@ -134,11 +134,14 @@ class ModelConfig:
         """Total parameters, computed analytically (matches a real build; tied embeddings once)."""
         return sum(unit_param_count(self, n) for n in unit_names(self))
 
-    def active_param_count(self) -> int:
-        """Parameters touched per token: routed experts count ``top_k`` of ``n_experts``."""
+    def active_param_count(self, embedding: bool = True) -> int:
+        """Parameters touched per token: routed experts count ``top_k`` of ``n_experts``;
+        ``embedding=False`` leaves out the input embedding table (a lookup, no matmul: OpenAI's
+        convention for GPT-OSS; a tied head still counts it)."""
         n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
         inactive = n_moe * (self.n_experts - self.top_k) * _mlp_params(self, self.expert_ffn)
-        return self.param_count() - inactive
+        lookup = 0 if embedding or self.tie_embeddings else self.vocab * self.hidden
+        return self.param_count() - inactive - lookup
 
 
 def _mlp_params(c: ModelConfig, f: int) -> int:
