@@ -51,7 +51,7 @@ import torch.distributed as dist
 from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
-from piper_sim.models import get_config
+from piper_sim.models import config_from_meta
 from piper_sim.plan import Instruction, Plan, PlanError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -137,7 +137,7 @@ class Runtime:
         self.cuda = device.type == "cuda"
         self.prog = plan.program(rank)
         meta = plan.meta
-        self.cfg = get_config(meta["model"])
+        self.cfg = config_from_meta(meta)
         self.dtype = DTYPES[meta["dtype"]]
         self.layout = plan.layout
         self.dp_rank = self.prog.dp_rank

@@ -17,11 +17,12 @@ from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memor
     is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
     tensor_pass, unit_buckets
 from piper_sim.memory import model_memory
-from piper_sim.models import ModelConfig, get_config, tp_divisibility_error, tp_shard
+from piper_sim.models import ModelConfig, config_to_dict, tp_divisibility_error, tp_shard
 from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
 from piper_sim.schedules import stages_per_rank
+from piper_sim.sources import resolve_model
 from piper_sim.strategy import Strategy, StrategyError, parse_strategy
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -148,7 +149,7 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
 
 def _setup_and_layout(strategy: Strategy) -> tuple[ModelConfig, Setup, Layout, int]:
     try:
-        cfg = get_config(strategy.model)
+        cfg = resolve_model(strategy.model)
     except ValueError as e:
         raise StrategyError(f"model: {e}") from None
     size = estimated_instructions(strategy, cfg)
@@ -396,7 +397,7 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
             stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
     meta = {
         "strategy": strategy.to_json(),
-        "model": cfg.name, "cluster": strategy.cluster, "schedule": ctx.setup.schedule,
+        "model": cfg.name, "model_spec": config_to_dict(cfg), "cluster": strategy.cluster, "schedule": ctx.setup.schedule,
         "global_batch": strategy.global_batch, "seq_len": strategy.seq_len,
         "microbatches": ctx.setup.microbatches,
         "micro_batch_size": strategy.global_batch // (layout.dp * ctx.setup.microbatches),

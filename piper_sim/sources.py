@@ -84,6 +84,17 @@ def register_model(name: str, spec: Any) -> ModelConfig:
 # --------------------------------------------------------------------------- model files
 
 
+def model_files(folder: str) -> list[str]:
+    """Model sources found in ``folder`` (not recursive): its model files, and ``hf:`` for each
+    sub-folder holding a ``config.json``; sorted."""
+    p = Path(folder)
+    if not p.is_dir():
+        raise ValueError(f"--dir {folder}: not a folder")
+    out = [str(f) for f in p.iterdir() if f.is_file() and f.suffix.lower() in MODEL_FILE_SUFFIXES]
+    out += [f"hf:{d}" for d in p.iterdir() if (d / "config.json").is_file()]
+    return sorted(out)
+
+
 def _read_mapping(path: str, what: str) -> dict:
     p = Path(path)
     if not p.is_file():
