@@ -8,7 +8,9 @@ Sources:
   of the keys in :data:`FILE_KEYS` (Calculon-like: ``layers``, ``hidden``, ``heads``...) or of
   `ModelConfig` field names;
 - ``"hf:PATH"``: a Hugging Face ``config.json`` (the file, or a folder holding it) of one of
-  the families in :data:`HF_FAMILIES`, translated by its ``model_type``;
+  the families in :data:`HF_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
+  DeepSeek-V3, GPT-OSS), translated by its ``model_type``. Rotary scaling (``rope_scaling``:
+  llama3, yarn) is not modelled: it changes neither shapes nor costs;
 - ``"py:module:function"``: a user model factory (not supported yet, see :func:`_python_model`);
 - a `ModelConfig`, a dict (a Hugging Face config when it has ``model_type``, else a model
   file's mapping) or a transformers ``PretrainedConfig`` (its ``to_dict()``).
@@ -289,7 +291,7 @@ def _gpt_oss(k: _Keys) -> dict:
 
 
 HF_FAMILIES: dict[str, Callable[[_Keys], dict]] = {
-    "llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
+    "llama": _llama, "mistral": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "mixtral": _mixtral,
     "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss,
 }
 
