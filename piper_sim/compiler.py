@@ -17,7 +17,7 @@ from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memor
     is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
     tensor_pass, unit_buckets
 from piper_sim.memory import model_memory
-from piper_sim.models import ModelConfig, config_to_dict, tp_divisibility_error, tp_shard
+from piper_sim.models import ModelConfig, plan_model_meta, tp_divisibility_error, tp_shard
 from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
@@ -397,7 +397,7 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
             stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
     meta = {
         "strategy": strategy.to_json(),
-        "model": cfg.name, "model_spec": config_to_dict(cfg), "cluster": strategy.cluster, "schedule": ctx.setup.schedule,
+        **plan_model_meta(cfg), "cluster": strategy.cluster, "schedule": ctx.setup.schedule,
         "global_batch": strategy.global_batch, "seq_len": strategy.seq_len,
         "microbatches": ctx.setup.microbatches,
         "micro_batch_size": strategy.global_batch // (layout.dp * ctx.setup.microbatches),

@@ -220,6 +220,9 @@ ZOO: dict[str, ModelConfig] = {
 }
 
 
+# the zoo as shipped (ZOO gains registered models at run time; a plan names a built-in model only)
+BUILTIN_ZOO: dict[str, ModelConfig] = dict(ZOO)
+
 TP_FIELDS = ("n_heads", "n_kv_heads", "ffn", "expert_ffn")
 
 
@@ -322,12 +325,24 @@ def check_config(cfg: ModelConfig, where: str = "model") -> None:
         raise ValueError(f"{where}: field 'ffn' must be >= 1 (the model has dense layers)")
 
 
+def plan_model_meta(cfg: ModelConfig) -> dict[str, Any]:
+    """What a plan's meta says about its model: ``model`` (the name) and, unless it is the
+    built-in zoo model of that name, ``model_spec`` (its fields: the executor rebuilds the model
+    from the plan alone). Zoo models' plans stay as they were (byte-identical)."""
+    if BUILTIN_ZOO.get(cfg.name) == cfg:
+        return {"model": cfg.name}
+    return {"model": cfg.name, "model_spec": config_to_dict(cfg)}
+
+
 def config_from_meta(meta: dict[str, Any]) -> ModelConfig:
-    """The model a plan was compiled for: ``meta["model_spec"]`` (any source), else the zoo name
-    of an older plan."""
+    """The model a plan was compiled for: ``meta["model_spec"]`` (any source), else the built-in
+    zoo model it names."""
     if "model_spec" in meta:
         return config_from_dict(meta["model_spec"], "plan meta.model_spec")
-    return get_config(meta["model"])
+    if meta.get("model") not in BUILTIN_ZOO:
+        raise ValueError(f"plan meta: model {meta.get('model')!r} is not a built-in zoo model and the plan has no "
+                         "model_spec; recompile it")
+    return BUILTIN_ZOO[meta["model"]]
 
 
 # --------------------------------------------------------------------------- units

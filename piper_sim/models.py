@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from piper_sim.kernels import note_kernel
 
 from piper_sim.configs import (  # noqa: F401  (re-exported: the torch-free half of this module)
-    FIELDS, TP_FIELDS, ZOO, ModelConfig, _layer_index, check_config, config_from_dict, config_from_meta,
-    config_to_dict, get_config, layer_of_kind, tp_divisibility_error, tp_shard, unit_names, unit_param_count,
+    BUILTIN_ZOO, FIELDS, TP_FIELDS, ZOO, ModelConfig, _layer_index, check_config, config_from_dict, config_from_meta,
+    config_to_dict, get_config, layer_of_kind, plan_model_meta, tp_divisibility_error, tp_shard, unit_names, unit_param_count,
     unit_segments,
 )
 

@@ -228,10 +228,11 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
 
 
 def segment_windowed(cfg: ModelConfig, segment: str) -> bool:
-    """Whether a layer segment's attention has a sliding window."""
-    if segment in ("embed", "head"):
+    """Whether a layer segment's attention has a sliding window (False for a kind's name)."""
+    parts = segment.split(".")
+    if len(parts) < 2 or parts[0] != "layers" or not parts[1].isdigit():
         return False
-    return cfg.layer_window(int(segment.split(".")[1])) > 0
+    return cfg.layer_window(int(parts[1])) > 0
 
 
 def segment_kind(cfg: ModelConfig, segment: str) -> str:

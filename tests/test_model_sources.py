@@ -116,17 +116,19 @@ def test_bad_sources_are_one_line_errors_naming_the_key(source, message):
     assert "\n" not in str(e.value)
 
 
-def test_register_model(monkeypatch):
-    monkeypatch.setattr("piper_sim.configs.ZOO", dict(ZOO))
+def test_register_model():
     import piper_sim
-    from piper_sim import sources
 
-    monkeypatch.setattr(sources, "ZOO", __import__("piper_sim.configs", fromlist=["ZOO"]).ZOO)
-    cfg = piper_sim.register_model("my-qwen", f"hf:{HF}/Qwen3-30B-A3B")
-    assert cfg.name == "my-qwen" and resolve_model("my-qwen") == cfg
-    assert piper_sim.register_model("my-qwen", cfg) == cfg  # the same again: fine
-    with pytest.raises(ValueError, match="already a different model"):
-        register_model("my-qwen", "gpt-tiny")
+    try:
+        cfg = piper_sim.register_model("my-qwen", f"hf:{HF}/Qwen3-30B-A3B")
+        assert cfg.name == "my-qwen" and resolve_model("my-qwen") == cfg
+        assert piper_sim.register_model("my-qwen", cfg) == cfg  # the same again: fine
+        with pytest.raises(ValueError, match="already a different model"):
+            register_model("my-qwen", "gpt-tiny")
+        with pytest.raises(ValueError, match="already a different model"):
+            register_model("gpt-tiny", "moe-tiny")
+    finally:
+        ZOO.pop("my-qwen", None)
 
 
 # ------------------------------------------------------------------ costs
@@ -315,6 +317,14 @@ def test_the_plan_carries_the_model(tmp_path):
     old = {**plan.meta, "model": "gpt-tiny"}
     del old["model_spec"]
     assert config_from_meta(old) is ZOO["gpt-tiny"]
+    # built-in zoo models are named only (their plans are as before); any other carries its spec
+    assert "model_spec" not in Plan.load(_compile(tmp_path, "zoo", _strategy("moe-tiny", pp=2))).meta
+    mine = register_model("my-moe-tiny", dataclasses.replace(ZOO["moe-tiny"], name="x"))
+    try:
+        assert Plan.load(_compile(tmp_path, "mine", _strategy("my-moe-tiny", pp=2))).meta["model_spec"]["name"] == \
+            "my-moe-tiny"
+    finally:
+        del ZOO["my-moe-tiny"]
 
 
 def _torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
@@ -379,3 +389,29 @@ def test_models_listing_does_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0, r.stderr
+
+
+def test_two_nodes_run_a_plan_whose_model_file_is_gone(tmp_path):
+    """The plan carries the model: two "nodes" (torchrun --nnodes 2 on loopback) run a plan of
+    a Hugging Face config that no longer exists, and match the reference."""
+    import shutil
+    import socket
+
+    from executor.worker import CHECK_TOLERANCE
+
+    src = _write_hf(tmp_path, "qwen3")
+    plan = _compile(tmp_path, "qwen3-pp2", _strategy(src, pp=2, sched="zb1p"))
+    shutil.rmtree(src[3:])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    procs = [subprocess.Popen([sys.executable, "-m", "executor.cli", "run", plan, "--nnodes", "2", "--nproc", "1",
+                               "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--steps", "2", "--json",
+                               "--check"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
+             for node in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    rows = [json.loads(line) for o in outs for line in o[0].splitlines() if line.startswith("{")]
+    check = [r for r in rows if "max_rel_param_diff" in r]
+    assert len(check) == 1 and check[0]["max_rel_param_diff"] <= CHECK_TOLERANCE["fp32"]
