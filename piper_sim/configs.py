@@ -314,6 +314,8 @@ def check_config(cfg: ModelConfig, where: str = "model") -> None:
                              "set the head dim ('kv_channels')")
         if cfg.rope and cfg.head_dim % 2:
             raise ValueError(f"{where}: rotary embeddings need an even head dim (got {cfg.head_dim})")
+    if cfg.sliding_window and cfg.attention == "mla":
+        raise ValueError(f"{where}: field 'sliding_window' is not supported with MLA attention")
     if cfg.is_moe:
         if not 1 <= cfg.top_k <= cfg.n_experts:
             raise ValueError(f"{where}: field 'top_k' must be in 1..n_experts={cfg.n_experts} (got {cfg.top_k})")

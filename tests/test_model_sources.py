@@ -106,6 +106,8 @@ def test_transformers_config_objects():
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100, "activation": "relu"},
      "field 'mlp' must be one of"),
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 3, "ffn": 128, "vocab": 100}, "'n_kv_heads'"),
+    ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100, "attention": "mla",
+      "kv_lora_rank": 8, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 8, "sliding_window": 4}, "'sliding_window'"),
     ("py:mymodels:build", "not supported yet"),
     ("no-such-model", "unknown model 'no-such-model'"),
     ("hf:/no/such/dir", "no such file"),
