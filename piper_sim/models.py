@@ -1,4 +1,6 @@
-"""Model zoo, pipeline units ("annotations") and small readable torch modules.
+"""Model zoo, pipeline units ("annotations") and small readable torch modules. The torch-free
+half (`ModelConfig`, counts, the zoo, units) lives in `piper_sim.configs` and is re-exported here;
+model files and Hugging Face configs are read by `piper_sim.sources`.
 
 A model is an ordered list of *units*, the granularity at which pipeline stages are cut:
 ``embed``, ``layers.0`` ... ``layers.{L-1}``, ``head``. A MoE layer is one unit made of two

@@ -14,8 +14,10 @@ on meta tensors and measure:
 - the shape of the dominant matmul (``gemm_m/n/k``) for a size-dependent efficiency model.
 
 Conventions: attention is costed as flash attention (see :func:`piper_sim.models.attention`);
-causal attention is counted as full ``s x s`` (FlopCounterMode's and Megatron's convention),
-and flash backward includes its score recomputation (2.5x the attention forward). Embedding
+causal attention is counted as full ``s x s`` (FlopCounterMode's and Megatron's convention), a
+sliding window shorter than the sequence as ``s x window`` (windowed layers are profiled apart:
+``profile_kind(..., windowed=True)``), and flash backward includes its score recomputation
+(2.5x the attention forward). Embedding
 lookups count no flops. The head segment includes the loss.
 
 Routed experts cannot run data-dependent routing on meta: we assume uniform routing, profile
