@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from executor.data import SyntheticData
 from executor.stage import make_optimizer
-from piper_sim.models import build_model, build_units, get_config, lm_loss, run_units
+from piper_sim.models import build_model, build_units, config_from_meta, lm_loss, run_units
 from piper_sim.plan import Plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,7 +39,7 @@ class TorchPipeline:
         from torch.distributed import pipelining
 
         meta = plan.meta
-        self.cfg = get_config(meta["model"])
+        self.cfg = config_from_meta(meta)
         self.meta, self.rank = meta, rank
         self.pp, n = plan.layout.pp, meta["num_stages"]
         self.stage_ids = [s for s in range(n) if s % self.pp == rank]
@@ -77,7 +77,7 @@ class TorchDDP:
 
     def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu"):
         meta = plan.meta
-        cfg = get_config(meta["model"])
+        cfg = config_from_meta(meta)
         model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
         self.model = self.wrap(model)
         self.optimizer = make_optimizer(list(model.parameters()))

@@ -286,9 +286,9 @@ def bench_memory(sizes_mib, device: torch.device, target_s: float, repeats: int,
 
 
 def _segment_kinds(model: str) -> list[str]:
-    from piper_sim.models import get_config
+    from piper_sim.sources import resolve_model
 
-    cfg = get_config(model)
+    cfg = resolve_model(model)
     mid = ["dense"] * (not cfg.is_moe or cfg.first_dense > 0) + ["moe_pre", "moe_experts"] * cfg.is_moe
     return ["embed", *mid, "head"]
 
@@ -341,12 +341,12 @@ def _segment_timers(fn, inputs, params) -> dict[str, Callable[[], object]]:
 
 def bench_segments(cfg: BenchConfig, device: torch.device, tick: Tick) -> list[dict]:
     """Measured times of every segment kind of the tiny models, with their profiled costs."""
-    from piper_sim.models import get_config
     from piper_sim.profiling import profile_kind
+    from piper_sim.sources import resolve_model
 
     dtype, rows, fns = DTYPES[cfg.dtype], [], {}
     for model, batches in cfg.segment_batches.items():
-        mcfg = get_config(model)
+        mcfg = resolve_model(model)
         for mb, seq in batches:
             for kind in _segment_kinds(model):
                 cost = profile_kind(mcfg, kind, mb, seq, dtype)

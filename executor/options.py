@@ -67,6 +67,28 @@ def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:
         raise PlanError(f"{path}: user model file {where} (source {source}) not found from {os.getcwd()}")
 
 
+def refuse_tied_embeddings(plan: Plan, path: str) -> None:
+    """A model with tied embeddings runs only with its embedding and head on one stage, full
+    backward passes (no BI/BW split) and without ZeRO-3: the executor shares no weight between
+    stages, pieces or gathered units. Refused before any process group starts."""
+    from piper_sim.configs import config_from_meta
+
+    if not config_from_meta(plan.meta).tie_embeddings:
+        return
+    units = plan.meta["stage_units"]
+    stages = {u: s for s, names in enumerate(units) for u in names if u in ("embed", "head")}
+    why = ""
+    if stages.get("embed") != stages.get("head"):
+        why = f"its embedding (stage {stages.get('embed')}) and head (stage {stages.get('head')}) are on two stages"
+    elif plan.meta.get("zero") == 3:
+        why = "ZeRO-3 gathers the head's unit without the embedding it reuses"
+    elif any(i.id.startswith("BW") for c in plan.classes for i in c.instructions()):
+        why = f"schedule {plan.meta.get('schedule')} splits the backward (BI/BW) of the head's piece"
+    if why:
+        raise PlanError(f"{path}: model {plan.meta['model']} ties its embeddings (tie_embeddings) and {why}; "
+                        "the executor cannot share that weight: simulate it, or untie the model")
+
+
 def preflight(args, plans: list[Plan]) -> int:
     """What a launch needs beyond valid plans, checked by ``piper-sim run`` before torchrun
     and by every worker before its process group: the checkpoint to resume, and that the

@@ -52,7 +52,7 @@ from executor.collectives import Comms, Completions, all_gather, group_ranks, re
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
 from executor.user_stage import UserData, UserStage, user_model_of
-from piper_sim.models import get_config
+from piper_sim.models import config_from_meta
 from piper_sim.plan import Instruction, Plan, PlanError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -139,7 +139,7 @@ class Runtime:
         self.prog = plan.program(rank)
         meta = plan.meta
         self.user_model = "user_model" in meta  # a user's annotated nn.Module (executor.user_stage)
-        self.cfg = user_model_of(meta) if self.user_model else get_config(meta["model"])
+        self.cfg = user_model_of(meta) if self.user_model else config_from_meta(meta)
         self.dtype = DTYPES[meta["dtype"]]
         self.layout = plan.layout
         self.dp_rank = self.prog.dp_rank

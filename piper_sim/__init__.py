@@ -8,6 +8,7 @@ The notebook API, imported lazily (``import piper_sim`` loads nothing heavy)::
     res = piper_sim.simulate(plan)              # SimResult: .per_rank, .events, .memory DataFrames
     fig = res.plot_timeline()                   # a matplotlib Figure
     best = piper_sim.explore("llama3-8b", "h100:1x8", 64, 4096).table   # ranked DataFrame
+    piper_sim.register_model("mine", "hf:path/to/config.json")   # then "model": "mine"
 
 ``piper_sim.explore`` is the explorer module, callable as `piper_sim.explore.explore`.
 
@@ -22,10 +23,11 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "compile", "simulate", "explore"]
+__all__ = ["__version__", "compile", "simulate", "explore", "register_model", "resolve_model"]
 
 _LAZY = {"compile": ("piper_sim.api", "compile"), "simulate": ("piper_sim.simulator", "simulate"),
-         "explore": ("piper_sim.explore", None)}
+         "explore": ("piper_sim.explore", None), "register_model": ("piper_sim.sources", "register_model"),
+         "resolve_model": ("piper_sim.sources", "resolve_model")}
 
 
 def __getattr__(name: str) -> Any:

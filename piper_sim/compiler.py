@@ -18,11 +18,12 @@ from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memor
     is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
     tensor_pass, unit_buckets
 from piper_sim.memory import model_memory
-from piper_sim.models import ModelConfig, get_config, tp_divisibility_error, tp_shard
+from piper_sim.models import ModelConfig, plan_model_meta, tp_divisibility_error, tp_shard
 from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
 from piper_sim.schedules import stages_per_rank
+from piper_sim.sources import resolve_model
 from piper_sim.strategy import Strategy, StrategyError, parse_strategy
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -171,7 +172,7 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
 
 def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelConfig | UserModel, Setup, Layout, int]:
     try:
-        cfg = resolve_user_model(strategy.model, model) or get_config(strategy.model)
+        cfg = resolve_user_model(strategy.model, model) or resolve_model(strategy.model)
     except AnnotationError as e:
         raise StrategyError(str(e)) from None
     except ValueError as e:
@@ -435,7 +436,7 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: obje
             stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
     meta = {
         "strategy": strategy.to_json(),
-        "model": cfg.name, "cluster": strategy.cluster, "schedule": ctx.setup.schedule,
+        **plan_model_meta(cfg), "cluster": strategy.cluster, "schedule": ctx.setup.schedule,
         "global_batch": strategy.global_batch, "seq_len": strategy.seq_len,
         "microbatches": ctx.setup.microbatches,
         "micro_batch_size": strategy.global_batch // (layout.dp * ctx.setup.microbatches),

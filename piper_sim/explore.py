@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
-from piper_sim.models import get_config, tp_divisibility_error, tp_shard
+from piper_sim.models import tp_divisibility_error, tp_shard
+from piper_sim.sources import resolve_model
 from piper_sim.strategy import StrategyError
 from piper_sim.trace import save_figure
 
@@ -151,7 +152,7 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
     any of ``microbatch_counts``. Tensor parallel: ``tp_degrees`` (default: the divisors of
     the GPUs per node), those that divide the model's heads, KV heads and MLP widths (and
     the sequence: sequence parallelism is on whenever T > 1)."""
-    cfg = get_config(model)
+    cfg = resolve_model(model)
     cl = parse_cluster(cluster)
     schedules = list(schedules or SCHEDULE_V)
     tps = _divisors(cl.gpus_per_node) if tp_degrees is None else sorted(set(tp_degrees))
@@ -224,7 +225,7 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     from piper_sim.profiling import profile_model
     from piper_sim.schedules import ScheduleError
 
-    cfg = get_config(settings["model"])
+    cfg = resolve_model(settings["model"])
     dtype = settings.get("dtype", "bf16")
     mbs = settings["global_batch"] // (cand.dp * cand.microbatches)
     tdtype = getattr(torch, _TORCH_DTYPE[dtype])

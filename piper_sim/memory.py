@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from piper_sim.models import ModelConfig, attention, attention_core_inputs, build_units, logits_bytes
+from piper_sim.models import ModelConfig, attention, attention_core_inputs, build_units, layer_of_kind, logits_bytes
 from piper_sim.profile_cache import on_disk
-from piper_sim.profiling import SegmentCost, measure, segment_kind
+from piper_sim.profiling import SegmentCost, measure, segment_kind, segment_windowed
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 _RECOMPUTED_KINDS = ("dense", "moe_pre", "moe_experts", "head", "user")
@@ -80,10 +80,10 @@ class SegmentMemory:
 @functools.lru_cache(maxsize=64)
 @on_disk
 def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
-                   dtype: torch.dtype) -> tuple[int, int, tuple]:
+                   dtype: torch.dtype, windowed: bool = False) -> tuple[int, int, tuple]:
     """(saved bytes with the attention core recomputed, attention-core forward flops and
     kernel rows) of a ``dense`` layer or a MoE ``pre`` segment, measured on ``meta``."""
-    layer = 0 if kind == "dense" else cfg.first_dense
+    layer = layer_of_kind(cfg, kind, windowed)
     block = build_units(cfg, [f"layers.{layer}"], device="meta", dtype=dtype)[f"layers.{layer}"]
     block.attn.recompute_core = True
     x = torch.empty(micro_batch, cfg.local_seq(seq), cfg.hidden, device="meta", dtype=dtype, requires_grad=True)
@@ -93,7 +93,9 @@ def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
         experts = {id(p) for p in block.moe.experts.parameters()}
         fn, params = block.forward_pre, [p for p in block.parameters() if id(p) not in experts]
     saved = measure(fn, [x], params).saved_act_bytes
-    core = measure(attention, list(attention_core_inputs(cfg, micro_batch, seq, dtype=dtype)), [])
+    window = cfg.layer_window(layer)
+    core = measure(lambda q, k, v: attention(q, k, v, window),
+                   list(attention_core_inputs(cfg, micro_batch, seq, dtype=dtype)), [])
     return saved, core.fwd_flops, core.kernels_f
 
 
@@ -106,7 +108,8 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     # a checkpoint keeps the unit's input: the rank's sequence shard under sequence parallelism
     unit_input = float(micro_batch * cfg.local_seq(seq) * cfg.hidden * nbytes)
     if kind in ("dense", "moe_pre"):
-        sel, core_flops, core_kernels = _layer_measure(cfg, kind, micro_batch, seq, dtype)
+        sel, core_flops, core_kernels = _layer_measure(cfg, kind, micro_batch, seq, dtype,
+                                                       segment_windowed(cfg, seg.name))
         selective = float(sel)
         checkpoint = unit_input
     elif kind == "moe_experts":

@@ -1,4 +1,6 @@
-"""Model zoo, pipeline units ("annotations") and small readable torch modules.
+"""Model zoo, pipeline units ("annotations") and small readable torch modules. The torch-free
+half (`ModelConfig`, counts, the zoo, units) lives in `piper_sim.configs` and is re-exported here;
+model files and Hugging Face configs are read by `piper_sim.sources`.
 
 A model is an ordered list of *units*, the granularity at which pipeline stages are cut:
 ``embed``, ``layers.0`` ... ``layers.{L-1}``, ``head``. A MoE layer is one unit made of two
@@ -31,11 +33,7 @@ all-gathers and reduce-scatters). Built on a real device only with ``tp == 1``.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn as nn
@@ -43,239 +41,13 @@ import torch.nn.functional as F
 
 from piper_sim.kernels import note_kernel
 
+from piper_sim.configs import (  # noqa: F401  (re-exported: the torch-free half of this module)
+    BUILTIN_ZOO, FIELDS, TP_FIELDS, ZOO, ModelConfig, _layer_index, check_config, config_from_dict, config_from_meta,
+    config_to_dict, get_config, layer_of_kind, plan_model_meta, tp_divisibility_error, tp_shard, unit_names, unit_param_count,
+    unit_segments,
+)
+
 MAX_MATERIALISED_PARAMS = 2_000_000_000  # refuse bigger builds on a real device
-
-
-# --------------------------------------------------------------------------- configs
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Decoder-only transformer. ``n_experts == 0`` means dense.
-
-    MoE layers have ``n_experts`` routed SwiGLU experts (``expert_ffn`` wide) of which
-    ``top_k`` are used per token, plus ``n_shared`` always-on shared experts (merged into
-    one SwiGLU of width ``n_shared * expert_ffn``). The first ``first_dense`` layers are
-    dense (SwiGLU of width ``ffn``). ``attention`` is ``"gqa"`` or ``"mla"`` (DeepSeek
-    multi-head latent attention, with the MLA dims below).
-
-    Architecture variants (defaults: Llama): ``mlp`` ``"swiglu"`` or ``"gelu"`` (``h -> ffn ->
-    h``), ``norm`` ``"rms"`` or ``"layer"`` (LayerNorm with bias), ``dropout`` after the attention
-    and the MLP (before each residual add), ``rope`` (False: no position encoding in the
-    layers). ``tp``/``sequence_parallel``: this config is one tensor-parallel rank's shard
-    (see :func:`tp_shard`); every count here (``param_count``...) is of the whole model.
-    """
-
-    name: str
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    ffn: int
-    vocab: int
-    max_seq: int = 4096
-    # mixture of experts
-    n_experts: int = 0
-    top_k: int = 0
-    n_shared: int = 0
-    expert_ffn: int = 0
-    first_dense: int = 0
-    # attention
-    attention: Literal["gqa", "mla"] = "gqa"
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_dim: int = 0
-    qk_rope_dim: int = 0
-    v_head_dim: int = 0
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    # architecture variants
-    mlp: Literal["swiglu", "gelu"] = "swiglu"
-    norm: Literal["rms", "layer"] = "rms"
-    dropout: float = 0.0
-    rope: bool = True
-    # one tensor-parallel rank's shard (profiling on meta; see tp_shard)
-    tp: int = 1
-    sequence_parallel: bool = False
-
-    @property
-    def is_moe(self) -> bool:
-        return self.n_experts > 0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.n_heads
-
-    @property
-    def local_heads(self) -> int:
-        return self.n_heads // self.tp
-
-    @property
-    def local_kv_heads(self) -> int:
-        return self.n_kv_heads // self.tp
-
-    @property
-    def local_ffn(self) -> int:
-        return self.ffn // self.tp
-
-    @property
-    def local_expert_ffn(self) -> int:
-        return self.expert_ffn // self.tp
-
-    @property
-    def local_vocab(self) -> int:
-        """Rows of the vocabulary-parallel embedding and head on one rank (padded up, as Megatron)."""
-        return math.ceil(self.vocab / self.tp)
-
-    def local_seq(self, seq: int) -> int:
-        """Tokens of a sequence a layer holds on one rank: ``seq / tp`` under sequence parallelism."""
-        return seq // self.tp if self.sequence_parallel else seq
-
-    def is_moe_layer(self, i: int) -> bool:
-        return self.is_moe and i >= self.first_dense
-
-    def param_count(self) -> int:
-        """Total parameters, computed analytically (matches a real build)."""
-        return sum(unit_param_count(self, n) for n in unit_names(self))
-
-    def active_param_count(self) -> int:
-        """Parameters touched per token: routed experts count ``top_k`` of ``n_experts``."""
-        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
-        inactive = n_moe * (self.n_experts - self.top_k) * _swiglu_params(self.hidden, self.expert_ffn)
-        return self.param_count() - inactive
-
-
-def _swiglu_params(h: int, f: int) -> int:
-    return 3 * h * f
-
-
-def _mlp_params(c: "ModelConfig", f: int) -> int:
-    return 2 * c.hidden * f if c.mlp == "gelu" else _swiglu_params(c.hidden, f)
-
-
-def _norm_params(c: "ModelConfig") -> int:
-    return 2 * c.hidden if c.norm == "layer" else c.hidden
-
-
-def _attn_params(c: ModelConfig) -> int:
-    h, H = c.hidden, c.n_heads
-    if c.attention == "gqa":
-        hd = c.head_dim
-        return h * H * hd * 2 + 2 * h * c.n_kv_heads * hd
-    qk = c.qk_nope_dim + c.qk_rope_dim
-    q = (h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * H * qk) if c.q_lora_rank else h * H * qk
-    kv = h * (c.kv_lora_rank + c.qk_rope_dim) + c.kv_lora_rank + c.kv_lora_rank * H * (c.qk_nope_dim + c.v_head_dim)
-    return q + kv + H * c.v_head_dim * h
-
-
-def unit_param_count(cfg: ModelConfig, name: str) -> int:
-    """Analytic parameter count of one unit."""
-    h = cfg.hidden
-    if name == "embed":
-        return cfg.vocab * h
-    if name == "head":
-        return _norm_params(cfg) + h * cfg.vocab
-    i = _layer_index(cfg, name)
-    n = 2 * _norm_params(cfg) + _attn_params(cfg)
-    if cfg.is_moe_layer(i):
-        n += h * cfg.n_experts + cfg.n_experts * _mlp_params(cfg, cfg.expert_ffn)
-        n += _mlp_params(cfg, cfg.n_shared * cfg.expert_ffn) if cfg.n_shared else 0
-    else:
-        n += _mlp_params(cfg, cfg.ffn)
-    return n
-
-
-_LLAMA = dict(n_kv_heads=8, vocab=128256, max_seq=8192, rope_theta=500000.0)
-ZOO: dict[str, ModelConfig] = {
-    c.name: c
-    for c in [
-        ModelConfig("gpt-tiny", n_layers=8, hidden=64, n_heads=4, n_kv_heads=4, ffn=256, vocab=512, max_seq=128),
-        ModelConfig("moe-tiny", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn=128, vocab=512, max_seq=128,
-                    n_experts=4, top_k=2, expert_ffn=128),
-        # CPU-sized models whose step is dominated by compute, not per-op overhead (validation).
-        ModelConfig("gpt-small", n_layers=8, hidden=256, n_heads=8, n_kv_heads=8, ffn=1024, vocab=2048,
-                    max_seq=512),
-        ModelConfig("moe-small", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn=512, vocab=2048, max_seq=512,
-                    n_experts=4, top_k=2, expert_ffn=512),
-        ModelConfig("llama3-8b", n_layers=32, hidden=4096, n_heads=32, ffn=14336, **_LLAMA),
-        ModelConfig("llama3-70b", n_layers=80, hidden=8192, n_heads=64, ffn=28672, **_LLAMA),
-        ModelConfig("llama3-405b", n_layers=126, hidden=16384, n_heads=128, ffn=53248, **_LLAMA),
-        # The Piper paper's evaluation MoE configs (expert_ffn = ffn, no shared expert).
-        ModelConfig("qwen3-moe-1b", n_layers=16, hidden=1024, n_heads=16, n_kv_heads=8, ffn=3584, vocab=151936,
-                    n_experts=4, top_k=2, expert_ffn=3584, rope_theta=1e6),
-        ModelConfig("qwen3-moe-9b", n_layers=24, hidden=2048, n_heads=32, n_kv_heads=8, ffn=7168, vocab=151936,
-                    n_experts=8, top_k=2, expert_ffn=7168, rope_theta=1e6),
-        # DeepSeek-V3 without the multi-token-prediction (MTP) module: ~671B total, ~37B active.
-        ModelConfig("deepseek-v3", n_layers=61, hidden=7168, n_heads=128, n_kv_heads=128, ffn=18432, vocab=129280,
-                    n_experts=256, top_k=8, n_shared=1, expert_ffn=2048, first_dense=3, attention="mla",
-                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-                    norm_eps=1e-6),
-        # GPT-3 175B (Brown et al. 2020, Table 2.1) as Korthikanti et al. 2022 train it (Megatron):
-        # LayerNorm, GELU MLP of 4h, dropout 0.1, vocabulary padded to 51200; bias-free linears
-        # and no learned position embedding here (neither changes activation memory per layer).
-        ModelConfig("gpt3-175b", n_layers=96, hidden=12288, n_heads=96, n_kv_heads=96, ffn=49152, vocab=51200,
-                    max_seq=2048, mlp="gelu", norm="layer", dropout=0.1, rope=False),
-    ]
-}
-
-
-TP_FIELDS = ("n_heads", "n_kv_heads", "ffn", "expert_ffn")
-
-
-def tp_divisibility_error(cfg: ModelConfig, tp: int) -> str:
-    """Why ``tp`` cannot shard ``cfg`` (one line naming the model field), or ``""``."""
-    checks = [("n_heads", cfg.n_heads, "attention heads"),
-              ("n_kv_heads", cfg.n_kv_heads if cfg.attention == "gqa" else cfg.n_heads, "KV heads")]
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
-        checks.append(("ffn", cfg.ffn, "MLP width"))
-    if cfg.is_moe:
-        checks.append(("expert_ffn", cfg.expert_ffn, "experts' MLP width"))
-    for fld, value, what in checks:
-        if value % tp:
-            return (f"degree {tp} does not divide the {value} {what} ({fld}) of {cfg.name}; "
-                    f"use a divisor of {value}")
-    return ""
-
-
-def tp_shard(cfg: ModelConfig, tp: int, sequence_parallel: bool = False) -> ModelConfig:
-    """The config of one tensor-parallel rank's shard of ``cfg`` (``cfg`` itself when tp is 1)."""
-    if tp == 1:
-        return cfg
-    err = tp_divisibility_error(cfg, tp)
-    if err:
-        raise ValueError(f"tensor_parallel: {err}")
-    return dataclasses.replace(cfg, tp=tp, sequence_parallel=sequence_parallel)
-
-
-def get_config(name: str) -> ModelConfig:
-    try:
-        return ZOO[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(ZOO)}") from None
-
-
-# --------------------------------------------------------------------------- units
-
-
-def unit_names(cfg: ModelConfig) -> list[str]:
-    """Pipeline units in model order: ``embed``, ``layers.0`` ... ``layers.{L-1}``, ``head``."""
-    return ["embed", *(f"layers.{i}" for i in range(cfg.n_layers)), "head"]
-
-
-def unit_segments(cfg: ModelConfig, unit_name: str) -> list[str]:
-    """Segments of a unit: ``[unit]`` for dense units, ``[unit.pre, unit.experts]`` for MoE layers."""
-    if unit_name in ("embed", "head"):
-        return [unit_name]
-    i = _layer_index(cfg, unit_name)
-    return [f"{unit_name}.pre", f"{unit_name}.experts"] if cfg.is_moe_layer(i) else [unit_name]
-
-
-def _layer_index(cfg: ModelConfig, name: str) -> int:
-    parts = name.split(".")
-    if len(parts) != 2 or parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= cfg.n_layers:
-        raise ValueError(f"unknown unit {name!r} for {cfg.name} (units: embed, layers.0..{cfg.n_layers - 1}, head)")
-    return int(parts[1])
-
 
 # --------------------------------------------------------------------------- modules
 
@@ -291,14 +63,15 @@ def _empty(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """Bias-free linear layer (``weight [out, in]``, like ``nn.Linear``)."""
+    """Linear layer (``weight [out, in]``, like ``nn.Linear``), bias-free unless ``bias``."""
 
-    def __init__(self, d_in: int, d_out: int):
+    def __init__(self, d_in: int, d_out: int, bias: bool = False):
         super().__init__()
         self.weight = _empty(d_out, d_in)
+        self.bias = _empty(d_out) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -452,23 +225,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention, ``[B, H, s, d]`` (k/v may have fewer heads: GQA; v may be narrower).
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+    """Causal attention, ``[B, H, s, d]`` (k/v may have fewer heads: GQA; v may be narrower);
+    with ``window`` each query sees itself and the ``window - 1`` tokens before it.
 
     On ``meta`` this calls the flash-attention op directly, so profiling sees what GPU
-    training runs (no ``s x s`` matrix saved, backward recomputes scores); elsewhere it is
-    ``F.scaled_dot_product_attention``.
+    training runs (no ``s x s`` matrix saved, backward recomputes scores); a window shorter
+    than the sequence is costed as windowed flash attention: each query against ``window``
+    keys (``s x window``, not ``s x s``). Elsewhere it is ``F.scaled_dot_product_attention``
+    (with a band mask for a window).
     """
+    s = q.shape[-2]
+    windowed = 0 < window < s
     if q.device.type != "meta":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        if not windowed:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        i = torch.arange(s, device=q.device)
+        band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa)
     dv = v.shape[-1]
     if dv != q.shape[-1]:  # flash kernels need equal head dims: pad v (as MLA implementations do)
         v = F.pad(v, (0, q.shape[-1] - dv))
-    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+    if windowed:  # the work of windowed flash attention: every query against `window` keys
+        k, v = k[..., :window, :], v[..., :window, :]
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, not windowed)[0]
     return out[..., :dv]
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute: bool = False) -> torch.Tensor:
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute: bool = False,
+                   window: int = 0) -> torch.Tensor:
     """The attention core (scores, softmax, weighted sum). ``recompute``: selective
     activation recomputation (Korthikanti et al. 2022) — keep only q, k, v and run the core
     again in backward (``torch.utils.checkpoint``). With flash attention the core keeps no
@@ -477,8 +263,8 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute:
     if recompute and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(attention, q, k, v, use_reentrant=False)
-    return attention(q, k, v)
+        return checkpoint(attention, q, k, v, window, use_reentrant=False)
+    return attention(q, k, v, window)
 
 
 def attention_core_inputs(cfg: "ModelConfig", batch: int, seq: int, device="meta",
@@ -503,26 +289,34 @@ def logits_bytes(cfg: "ModelConfig", tokens: int, dtype_bytes: int) -> int:
 
 
 class GQAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Grouped-query attention; optional q/k/v and output biases, RMSNorm of q and k over the
+    head dim before the rotary embedding (``qk_norm``, Qwen3) and a sliding ``window``."""
+
+    def __init__(self, cfg: ModelConfig, window: int = 0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.window = cfg, window
         h, hd = cfg.hidden, cfg.head_dim
         # under tensor parallelism the rank's heads: q/k/v column-parallel, wo row-parallel
-        self.wq = Linear(h, cfg.local_heads * hd)
-        self.wk = Linear(h, cfg.local_kv_heads * hd)
-        self.wv = Linear(h, cfg.local_kv_heads * hd)
-        self.wo = Linear(cfg.local_heads * hd, h)
+        self.wq = Linear(h, cfg.local_heads * hd, cfg.attn_bias)
+        self.wk = Linear(h, cfg.local_kv_heads * hd, cfg.attn_bias)
+        self.wv = Linear(h, cfg.local_kv_heads * hd, cfg.attn_bias)
+        self.wo = Linear(cfg.local_heads * hd, h, cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
         self.recompute_core = False  # selective recomputation (see attention_core)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, (B, s, _) = self.cfg, x.shape
-        q = self.wq(x).view(B, s, c.local_heads, c.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, s, c.local_kv_heads, c.head_dim).transpose(1, 2)
+        q = self.wq(x).view(B, s, c.local_heads, c.head_dim)
+        k = self.wk(x).view(B, s, c.local_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(B, s, c.local_kv_heads, c.head_dim).transpose(1, 2)
         if c.rope:
             cos, sin = rope_cos_sin(s, c.head_dim, c.rope_theta, x.device, x.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attention_core(q, k, v, self.recompute_core)
+        o = attention_core(q, k, v, self.recompute_core, self.window)
         return self.wo(o.transpose(1, 2).reshape(B, s, -1))
 
 
@@ -546,7 +340,7 @@ class MLAttention(nn.Module):
         self.wkv_a = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_dim)
         self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg.norm_eps)
         self.wkv_b = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_dim + cfg.v_head_dim))
-        self.wo = Linear(H * cfg.v_head_dim, h)
+        self.wo = Linear(H * cfg.v_head_dim, h, cfg.o_bias)
         self.recompute_core = False  # selective recomputation (see attention_core)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -565,11 +359,11 @@ class MLAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, bias: bool = False):
         super().__init__()
-        self.w1 = Linear(hidden, ffn)  # gate
-        self.w3 = Linear(hidden, ffn)  # up
-        self.w2 = Linear(ffn, hidden)  # down
+        self.w1 = Linear(hidden, ffn, bias)  # gate
+        self.w3 = Linear(hidden, ffn, bias)  # up
+        self.w2 = Linear(ffn, hidden, bias)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -578,17 +372,17 @@ class SwiGLU(nn.Module):
 class GeluMLP(nn.Module):
     """``h -> ffn -> h`` with GELU (GPT-3)."""
 
-    def __init__(self, hidden: int, ffn: int):
+    def __init__(self, hidden: int, ffn: int, bias: bool = False):
         super().__init__()
-        self.fc1 = Linear(hidden, ffn)
-        self.fc2 = Linear(ffn, hidden)
+        self.fc1 = Linear(hidden, ffn, bias)
+        self.fc2 = Linear(ffn, hidden, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
 
 
 def make_mlp(cfg: "ModelConfig", ffn: int) -> nn.Module:
-    return GeluMLP(cfg.hidden, ffn) if cfg.mlp == "gelu" else SwiGLU(cfg.hidden, ffn)
+    return (GeluMLP if cfg.mlp == "gelu" else SwiGLU)(cfg.hidden, ffn, cfg.mlp_bias)
 
 
 class MoE(nn.Module):
@@ -603,16 +397,17 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.router = Linear(cfg.hidden, cfg.n_experts)
+        self.n_experts, self.top_k, self.norm_topk = cfg.n_experts, cfg.top_k, cfg.norm_topk
+        self.router = Linear(cfg.hidden, cfg.n_experts, cfg.router_bias)
         self.experts = nn.ModuleList(make_mlp(cfg, cfg.local_expert_ffn) for _ in range(cfg.n_experts))
         self.shared = make_mlp(cfg, cfg.n_shared * cfg.local_expert_ffn) if cfg.n_shared else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[T, h]`` -> renormalised top-k weights ``[T, k]`` (x's dtype) and expert ids ``[T, k]``."""
+        """x ``[T, h]`` -> top-k weights ``[T, k]`` (x's dtype; renormalised to sum 1 if
+        ``norm_topk``) and expert ids ``[T, k]``."""
         probs = F.softmax(self.router(x).float(), dim=-1)
         w, ids = probs.topk(self.top_k, dim=-1)
-        return (w / w.sum(-1, keepdim=True)).to(x.dtype), ids
+        return (w / w.sum(-1, keepdim=True) if self.norm_topk else w).to(x.dtype), ids
 
     def permute(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Token copies sorted by expert: ``(tokens [T*k, h], order [T*k], counts per expert)``."""
@@ -646,7 +441,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.attn_norm = make_norm(cfg, cfg.hidden)
-        self.attn = MLAttention(cfg) if cfg.attention == "mla" else GQAttention(cfg)
+        self.attn = MLAttention(cfg) if cfg.attention == "mla" else GQAttention(cfg, cfg.layer_window(layer))
         self.mlp_norm = make_norm(cfg, cfg.hidden)
         self.is_moe = cfg.is_moe_layer(layer)
         if self.is_moe:
@@ -695,12 +490,27 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.norm = make_norm(cfg, cfg.hidden)
-        self.out = Linear(cfg.hidden, cfg.local_vocab)
+        if cfg.tie_embeddings:
+            # tied: the embedding's matrix, not a parameter of this module (see tie_head); on
+            # meta a stand-in that profiling differentiates as a weight
+            self._tied = [torch.empty(cfg.local_vocab, cfg.hidden, device="meta", dtype=_BUILD_DTYPE,
+                                      requires_grad=True)]
+        else:
+            self.out = Linear(cfg.hidden, cfg.local_vocab)
         self.sp = cfg.tp if cfg.sequence_parallel else 1
+
+    @property
+    def tied_weight(self) -> torch.Tensor | None:
+        """The embedding matrix a tied head projects with (None when untied)."""
+        return self._tied[0] if hasattr(self, "_tied") else None
+
+    def tie(self, weight: torch.Tensor) -> None:
+        self._tied = [weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
-        return self.out(_SPGather.apply(x, self.sp) if self.sp > 1 else x)
+        x = _SPGather.apply(x, self.sp) if self.sp > 1 else x
+        return self.out(x) if self.tied_weight is None else F.linear(x, self.tied_weight)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -802,7 +612,10 @@ def _construct(make, device, dtype: torch.dtype, seed: int, names: list[str]):
 def build_model(cfg: ModelConfig, device="meta", dtype: torch.dtype = torch.float32, seed: int = 0) -> Transformer:
     """The whole model. Non-meta builds are limited to ~2B parameters."""
     _check_size(cfg, cfg.param_count(), device)
-    return _construct(lambda: Transformer(cfg), device, dtype, seed, unit_names(cfg))
+    model = _construct(lambda: Transformer(cfg), device, dtype, seed, unit_names(cfg))
+    if cfg.tie_embeddings and torch.device(device).type != "meta":
+        model.head.tie(model.embed.weight)
+    return model
 
 
 class UnitDict(nn.ModuleDict):
@@ -831,8 +644,14 @@ class UnitDict(nn.ModuleDict):
 def build_units(
     cfg: ModelConfig, names: list[str], device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> UnitDict:
-    """Build only the requested units, with the same weights as ``build_model(cfg, seed=seed)``."""
+    """Build only the requested units, with the same weights as ``build_model(cfg, seed=seed)``.
+    A tied head is built on a real device only with the embedding (whose matrix it uses)."""
     _check_size(cfg, sum(unit_param_count(cfg, n) for n in names), device)
+    real = torch.device(device).type != "meta"
+    if cfg.tie_embeddings and real and "head" in names and "embed" not in names:
+        raise ValueError(f"{cfg.name} ties its embeddings (tie_embeddings): the head must run with the embedding "
+                         "on one stage (the executor does not share a weight between pipeline stages); "
+                         "use one pipeline stage or untie the model")
     built = {n: _construct(lambda: _make_unit(cfg, n), device, dtype, seed, [n]) for n in names}
     units = UnitDict()
     if "embed" in built:
@@ -842,6 +661,8 @@ def build_units(
         units["layers"] = nn.ModuleDict(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
     if "head" in built:
         units["head"] = built["head"]
+        if cfg.tie_embeddings and real:
+            units["head"].tie(units["embed"].weight)
     return units
 
 

@@ -14,8 +14,10 @@ on meta tensors and measure:
 - the shape of the dominant matmul (``gemm_m/n/k``) for a size-dependent efficiency model.
 
 Conventions: attention is costed as flash attention (see :func:`piper_sim.models.attention`);
-causal attention is counted as full ``s x s`` (FlopCounterMode's and Megatron's convention),
-and flash backward includes its score recomputation (2.5x the attention forward). Embedding
+causal attention is counted as full ``s x s`` (FlopCounterMode's and Megatron's convention), a
+sliding window shorter than the sequence as ``s x window`` (windowed layers are profiled apart:
+``profile_kind(..., windowed=True)``), and flash backward includes its score recomputation
+(2.5x the attention forward). Embedding
 lookups count no flops. The head segment includes the loss.
 
 Routed experts cannot run data-dependent routing on meta: we assume uniform routing, profile
@@ -43,7 +45,7 @@ from piper_sim.profile_cache import on_disk
 from piper_sim import kernels
 from piper_sim.kernels import KernelRecorder
 from piper_sim import models
-from piper_sim.models import ModelConfig, build_units, lm_loss, unit_names, unit_segments
+from piper_sim.models import ModelConfig, build_units, layer_of_kind, lm_loss, unit_names, unit_segments
 
 
 @dataclass(frozen=True)
@@ -158,9 +160,11 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
 
 @functools.lru_cache(maxsize=256)
 @on_disk
-def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: torch.dtype) -> SegmentCost:
+def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: torch.dtype,
+                 windowed: bool = False) -> SegmentCost:
     """Cost of one segment kind: ``embed``, ``dense`` (layer), ``moe_pre``, ``moe_experts``,
-    ``head``. Cached; ``name``/``unit`` are set to the kind."""
+    ``head``; ``windowed``: of a layer with sliding-window attention. Cached; ``name``/``unit``
+    are set to the kind."""
     B, s, h, nbytes = micro_batch, seq_len, cfg.hidden, dtype.itemsize
     T = B * s
     meta: dict = dict(device="meta", dtype=dtype)
@@ -178,12 +182,12 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
         params = list(mod.parameters())
         m = measure(mod, [tokens], params)
     elif kind == "dense":
-        mod = build("layers.0")  # leading layers are dense whenever a model has dense layers
+        mod = build(f"layers.{layer_of_kind(cfg, kind, windowed)}")
         params = list(mod.parameters())
         m = measure(mod, [hidden_in], params)
         sp_norms = [mod.attn_norm, mod.mlp_norm]
     elif kind == "moe_pre":
-        mod = build(f"layers.{cfg.first_dense}")
+        mod = build(f"layers.{layer_of_kind(cfg, kind, windowed)}")
         expert_ids = {id(p) for p in mod.moe.experts.parameters()}
         params = [p for p in mod.parameters() if id(p) not in expert_ids]
         m = measure(mod.forward_pre, [hidden_in], params)
@@ -199,7 +203,8 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
     elif kind == "head":
         mod = build("head")
         params = list(mod.parameters())
-        m = measure(lambda x: lm_loss(mod(x), tokens), [hidden_in], params)
+        tied = [mod.tied_weight] if mod.tied_weight is not None else []  # the embedding's: its gradient here
+        m = measure(lambda x: lm_loss(mod(x), tokens), [hidden_in], params + tied)
         out_bytes = 4  # the fp32 scalar loss
         sp_norms = [mod.norm]
     else:
@@ -229,6 +234,14 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
     )
 
 
+def segment_windowed(cfg: ModelConfig, segment: str) -> bool:
+    """Whether a layer segment's attention has a sliding window (False for a kind's name)."""
+    parts = segment.split(".")
+    if len(parts) < 2 or parts[0] != "layers" or not parts[1].isdigit():
+        return False
+    return cfg.layer_window(int(parts[1])) > 0
+
+
 def segment_kind(cfg: ModelConfig, segment: str) -> str:
     """``embed`` | ``dense`` | ``moe_pre`` | ``moe_experts`` | ``head`` for a segment name."""
     if segment in ("embed", "head"):
@@ -245,7 +258,9 @@ def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: torc
     out = []
     for unit in unit_names(cfg):
         for seg in unit_segments(cfg, unit):
-            cost = profile_kind(cfg, segment_kind(cfg, seg), micro_batch, seq_len, dtype)
+            kind = segment_kind(cfg, seg)
+            windowed = kind in ("dense", "moe_pre") and segment_windowed(cfg, seg)
+            cost = profile_kind(cfg, kind, micro_batch, seq_len, dtype, windowed)
             out.append(replace(cost, name=seg, unit=unit))
     return tuple(out)
 

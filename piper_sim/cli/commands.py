@@ -16,12 +16,32 @@ log = logging.getLogger("piper_sim.cli")
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from piper_sim.models import ZOO
+    """The zoo (and a folder's model files) as a table, or one resolved model as JSON (torch-free)."""
+    from piper_sim.configs import ZOO, config_to_dict
+    from piper_sim.sources import model_files, resolve_model
 
-    print(f"{'name':<14} {'layers':>6} {'hidden':>6} {'experts':>9} {'params':>9} {'active':>9}")
-    for name, cfg in ZOO.items():
+    if args.json:
+        cfg = resolve_model(args.json)
+        if not hasattr(cfg, "active_param_count"):  # a user's nn.Module (py:): every parameter is active
+            print(json.dumps({"source": args.json, "name": cfg.name, "params": cfg.param_count(),
+                              "active_params": cfg.param_count(), "units": list(cfg.units)}, indent=1))
+            return
+        print(json.dumps({"source": args.json, "name": cfg.name, "params": cfg.param_count(),
+                          "active_params": cfg.active_param_count(),
+                          "active_params_no_embedding": cfg.active_param_count(embedding=False),
+                          "config": config_to_dict(cfg)}, indent=1))
+        return
+    rows = list(ZOO.items())
+    for source in model_files(args.dir) if args.dir else []:
+        try:
+            rows.append((source, resolve_model(source)))
+        except ValueError as e:
+            log.warning(_one_line(str(e)))
+    width = max(14, *(len(name) for name, _ in rows))
+    print(f"{'name':<{width}} {'layers':>6} {'hidden':>6} {'experts':>9} {'params':>9} {'active':>9}")
+    for name, cfg in rows:
         experts = f"{cfg.n_experts}/top{cfg.top_k}" if cfg.is_moe else "-"
-        print(f"{name:<14} {cfg.n_layers:>6} {cfg.hidden:>6} {experts:>9} "
+        print(f"{name:<{width}} {cfg.n_layers:>6} {cfg.hidden:>6} {experts:>9} "
               f"{_human(cfg.param_count()):>9} {_human(cfg.active_param_count()):>9}")
 
 
@@ -131,7 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", dest="log_quiet", action="count", default=0,
                    help="less log output (-q: warnings and errors only, -qq: errors only, no warnings)")
     sub = p.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
-    sub.add_parser("models", help="list the model zoo").set_defaults(func=cmd_models)
+    mo = sub.add_parser("models", help="list the model zoo, or print one model's parameter counts as JSON")
+    mo.add_argument("--json", metavar="SPEC", help="a zoo name, model file (PATH.yaml/.json, file:PATH) or "
+                                                  "hf:PATH to a Hugging Face config.json: print it resolved, as JSON")
+    mo.add_argument("--dir", metavar="DIR", help="also list the model files (and hf:DIR/NAME folders) found in DIR")
+    mo.set_defaults(func=cmd_models)
     c = sub.add_parser("compile", help="compile a strategy JSON into a plan JSON")
     c.add_argument("strategy", metavar="STRATEGY.json", help="strategy file (model, cluster, batch, directives)")
     c.add_argument("-o", "--output", metavar="PLAN.json", help="plan file to write (default: STRATEGY.plan.json)")

@@ -84,7 +84,7 @@ def cmd_explore(args: argparse.Namespace) -> None:
 def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     d = defaults or {}
     p.add_argument("--model", required="model" not in d, default=d.get("model"),
-                   help="a model of the zoo (`piper-sim models`)")
+                   help="a zoo name (`piper-sim models`), a model file or hf:PATH")
     p.add_argument("--cluster", required="cluster" not in d, default=d.get("cluster"),
                    help="cpu:N, a100|h100|h200|h800|b200|mi300x:NODESxGPUS, or a YAML/JSON cluster file")
     p.add_argument("--global-batch", type=arg_int(1), required="global_batch" not in d, default=d.get("global_batch"),

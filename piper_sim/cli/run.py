@@ -22,7 +22,8 @@ import argparse
 import os
 import sys
 
-from executor.options import add_run_options, preflight, refuse_tensor_parallel, refuse_unbuildable_user_model
+from executor.options import (add_run_options, preflight, refuse_tensor_parallel, refuse_tied_embeddings,
+                              refuse_unbuildable_user_model)
 from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_int
 from piper_sim.plan import Plan, PlanError
 
@@ -117,6 +118,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
     refuse_tensor_parallel(plan, args.plan)
     refuse_unbuildable_user_model(plan, args.plan)
+    refuse_tied_embeddings(plan, args.plan)
     start = preflight(args, [plan])
     if args.max_restarts:
         if not args.save:
