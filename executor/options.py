@@ -73,7 +73,7 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
     stages, pieces or gathered units. Refused before any process group starts."""
     from piper_sim.configs import config_from_meta
 
-    if not config_from_meta(plan.meta).tie_embeddings:
+    if "user_model" in plan.meta or not config_from_meta(plan.meta).tie_embeddings:
         return
     units = plan.meta["stage_units"]
     stages = {u: s for s, names in enumerate(units) for u in names if u in ("embed", "head")}

@@ -108,7 +108,7 @@ def test_transformers_config_objects():
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 3, "ffn": 128, "vocab": 100}, "'n_kv_heads'"),
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100, "attention": "mla",
       "kv_lora_rank": 8, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 8, "sliding_window": 4}, "'sliding_window'"),
-    ("py:mymodels:build", "not supported yet"),
+    ("py:mymodels:build", "cannot import mymodels"),
     ("no-such-model", "unknown model 'no-such-model'"),
     ("hf:/no/such/dir", "no such file"),
 ])
@@ -407,7 +407,7 @@ def test_two_nodes_run_a_plan_whose_model_file_is_gone(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
-    procs = [subprocess.Popen([sys.executable, "-m", "executor.cli", "run", plan, "--nnodes", "2", "--nproc", "1",
+    procs = [subprocess.Popen([sys.executable, "-m", "piper_sim", "run", plan, "--nnodes", "2", "--nproc", "1",
                                "--node-rank", str(node), "--rdzv-endpoint", endpoint, "--steps", "2", "--json",
                                "--check"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"})
