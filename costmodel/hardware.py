@@ -68,6 +68,9 @@ class GPU:
     ep_nvlink_bw: float = 0.0
     ep_nic_bw: float = 0.0
     ep_alpha_s: float = DEEPEP_ALPHA_S
+    # GEMM efficiency by shape: XLA's measured sm_90 table scaled by MAMF (costmodel.operators);
+    # False: a flat ``mamf_eff`` (CPU BLAS has no 128-wide tiles to leave empty)
+    gemm_by_shape: bool = True
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -166,6 +169,7 @@ CPU = GPU(
     overlap_slowdown=1.1,
     # no DeepEP on CPU: the "auto" all-to-all algorithm is the plain (gloo) one
     ep_nvlink_bw=2e9, ep_nic_bw=1.25e9, ep_alpha_s=30e-6,
+    gemm_by_shape=False,
 )
 
 GPUS: dict[str, GPU] = {

@@ -89,6 +89,8 @@ def _bracket(dims: list[int], x: float) -> tuple[int, int, float]:
 
 def gemm_efficiency(gpu: GPU, m: int, n: int, k: int, batch: int = 1) -> float:
     """Achieved fraction of the GPU's bf16 peak for one (batched) GEMM."""
+    if not gpu.gemm_by_shape:
+        return gpu.mamf_eff
     dims, grid = _gemm_grid()
     (m0, m1, wm), (n0, n1, wn), (k0, k1, wk) = (_bracket(dims, m * batch), _bracket(dims, n), _bracket(dims, k))
     eff = 0.0

@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, PlanError) as e:  # StrategyError, PlanValidationError & co are ValueErrors
         print(f"piper-sim: error: {_one_line(str(e))}", file=sys.stderr)  # always, whatever -q says
         return 2
+    except BrokenPipeError:  # `piper-sim ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as e:  # unreadable input, a directory, a full disk: name the file
         where = f"{e.filename}: " if e.filename else ""
         print(f"piper-sim: error: {where}{e.strerror or e}", file=sys.stderr)
