@@ -393,17 +393,23 @@ def test_models_listing_does_not_import_torch():
     assert r.returncode == 0, r.stderr
 
 
-def test_two_nodes_run_a_plan_whose_model_file_is_gone(tmp_path):
+@pytest.mark.parametrize("source", ["hf", "py"])
+def test_two_nodes_run_a_plan_whose_model_file_is_gone(tmp_path, source):
     """The plan carries the model: two "nodes" (torchrun --nnodes 2 on loopback) run a plan of
-    a Hugging Face config that no longer exists, and match the reference."""
+    a Hugging Face config that no longer exists (or of a user nn.Module factory, which every
+    node imports again), and match the reference."""
     import shutil
     import socket
 
     from executor.worker import CHECK_TOLERANCE
 
-    src = _write_hf(tmp_path, "qwen3")
-    plan = _compile(tmp_path, "qwen3-pp2", _strategy(src, pp=2, sched="zb1p"))
-    shutil.rmtree(src[3:])
+    if source == "hf":
+        src = _write_hf(tmp_path, "qwen3")
+        plan = _compile(tmp_path, "qwen3-pp2", _strategy(src, pp=2, sched="zb1p"))
+        shutil.rmtree(src[3:])
+    else:
+        s = _strategy("py:tests/data/user_models.py:residual_mlp", pp=2, sched="1f1b")
+        plan = _compile(tmp_path, "mlp-pp2", {**s, "seq_len": 8})
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{s.getsockname()[1]}"
