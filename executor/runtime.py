@@ -9,7 +9,9 @@ stream. Nothing here knows the schedule's name: the plan's lists and dependencie
 whole program. On CUDA each plan stream is a CUDA stream, dependencies are CUDA events and
 communication is done as soon as it is enqueued (its stream waits for it).
 
-Instruction semantics (op ids from ``piper_sim.compiler``):
+Instruction semantics (op ids from ``piper_sim.ir.op_id``; readable names only: what an op
+does is in its typed fields ``stage``, ``mb``, ``part``, ``direction``, ``bucket``,
+``experts``, ``block``, ``a2a``, never parsed from the id):
   F.s{s}.mb{m}[.p{i}]     forward of stage s (piece i) on micro-batch m
   B / BI .s{s}.mb{m}[.p{i}]  full backward / backward to inputs only of that piece
   BW.s{s}.mb{m}           weight gradients of every piece, from what BI kept
@@ -37,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import re
 import signal
 import sys
 import time
@@ -55,9 +56,12 @@ from piper_sim.models import get_config
 from piper_sim.plan import Instruction, Plan, PlanError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RE_SYNC = re.compile(r"^(AR|RS|AG)\.s(\d+)(?:\.(?:mb|i)\d+)?(\.e)?\.b(\d+)$")
-RE_GATHER = re.compile(r"^AG\.(F|B)\.s(\d+)\.(?:mb|i)(\d+)(\.e)?\.b(\d+)$")
-RE_A2A = re.compile(r"^A2A\.(F|B)\.s(\d+)\.mb(\d+)\.e(\d+)\.(dispatch|combine)$")
+A2A_MIRROR = {"dispatch": "combine", "combine": "dispatch"}
+
+
+def flat_tag(ins: Instruction) -> str:
+    """Key suffix of the flat parameters a bucket op works on: "" dense, ".e" the expert shard."""
+    return ".e" if ins.experts else ""
 
 
 class InstructionError(RuntimeError):
@@ -216,8 +220,7 @@ class Runtime:
                 if ins.kind not in ("ALLREDUCE", "REDUCE_SCATTER") or ins.dep_progress >= 1.0 \
                         or running_id not in ins.deps or any(d not in self.done for d in ins.deps if d != running_id):
                     break
-                kind, s, tag, b = self._parse_sync(ins)
-                members = self.bucket_members.get((s, tag, b))
+                members = self.bucket_members.get((ins.stage, flat_tag(ins), ins.bucket))
                 if members is None or not (members & writes) <= self.running_done:
                     break
                 self.ptr[name] += 1
@@ -251,9 +254,8 @@ class Runtime:
         syncs: dict[tuple[int, str], list[Instruction]] = {}
         for lst in self.prog.streams.values():
             for ins in lst:
-                m = RE_SYNC.match(ins.id)
-                if m and m[1] in ("AR", "RS"):
-                    syncs.setdefault((int(m[2]), m[3] or ""), []).append(ins)
+                if ins.kind in ("ALLREDUCE", "REDUCE_SCATTER") and ins.bucket >= 0:
+                    syncs.setdefault((ins.stage, flat_tag(ins)), []).append(ins)
         unit_buckets = self.plan.meta.get("zero3_buckets")
         if zero == 3 and syncs and unit_buckets is None:
             raise PlanError("this ZeRO-3 plan predates per-unit gathers (no meta.zero3_buckets); recompile it")
@@ -269,7 +271,7 @@ class Runtime:
                 numels = None
                 if zero == 3 and ops:
                     named, numels = _by_bucket(named, unit_buckets[s][tag])
-                n_buckets = len({RE_SYNC.match(i.id)[4] for i in ops})  # RS: one per bucket and micro-batch
+                n_buckets = len({i.bucket for i in ops})  # RS: one per bucket and micro-batch
                 flats[(s, tag)] = FlatParams(
                     key=f"s{s}{tag}" + (f".ep{self.ep_index}" if tag else ""), names=[n for n, _ in named],
                     params=[p for _, p in named], n_buckets=max(n_buckets, 1), group=group, sync=sync,
@@ -573,7 +575,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ communication
     def _send(self, ins: Instruction) -> Posted:
-        if ins.match.startswith("F."):
+        if ins.direction == "F":
             t = self.envs[(ins.stage, ins.mb)].vals["x"].detach()
         else:
             t = self.input_grads.pop((ins.stage, ins.mb))
@@ -582,15 +584,15 @@ class Runtime:
     def _recv(self, ins: Instruction) -> Posted:
         buf = self._for_compute(torch.empty(self.mbs, self.seq, self.cfg.hidden, dtype=self.dtype,
                                             device=self.device))
-        key = (ins.match[0], ins.stage, ins.mb)  # ("F" | "B", sender's stage, mb)
+        key = (ins.direction, ins.stage, ins.mb)  # ("F" | "B", sender's stage, mb)
         work = dist.irecv(buf, ins.peer, tag=self.comms.tags[ins.match])
         return Posted(work, lambda: self.received.__setitem__(key, buf))
 
     def _sync(self, ins: Instruction) -> Posted:
-        kind, s, tag, b = self._parse_sync(ins)
-        fp = self.flats[(s, tag)]
+        fp = self.flats[(ins.stage, flat_tag(ins))]
+        b = ins.bucket
         pg = self.comms.group(ins.stream, ins.group)
-        if kind == "AR":
+        if ins.kind == "ALLREDUCE":
             return Posted(dist.all_reduce(fp.grad_bucket(b), group=pg, async_op=True))
         # the bucket's gradients so far go (the bucket restarts from zero); their reduced
         # shard is added to the shard's gradient, which sums the step's micro-batches
@@ -613,32 +615,20 @@ class Runtime:
         return send
 
     def _gather(self, ins: Instruction) -> Posted:
-        m = RE_GATHER.match(ins.id)
-        if m:  # ZeRO-3: gather a unit for one forward / backward, dropped after the last piece using it
-            s, tag, b = int(m[2]), m[4] or "", int(m[5])
-            fp = self.flats[(s, tag)]
+        s, tag, b = ins.stage, flat_tag(ins), ins.bucket
+        fp = self.flats[(s, tag)]
+        if ins.direction:  # ZeRO-3: gather a unit for one forward / backward, dropped after the last piece using it
             fp.acquire(b)
             users = self.bucket_parts[(s, tag, b)]
-            last = users[-1] if m[1] == "F" else users[0]
-            self.releases.setdefault((m[1], s, ins.mb, last), []).append((fp, b))  # mb: the consumer's
-        else:
-            _, s, tag, b = self._parse_sync(ins)
-            fp = self.flats[(s, tag)]
+            last = users[-1] if ins.direction == "F" else users[0]
+            self.releases.setdefault((ins.direction, s, ins.mb, last), []).append((fp, b))  # mb: the consumer's
         pg = self.comms.group(ins.stream, ins.group)
         return Posted(all_gather(fp.bucket(b), fp.shard_piece(b), group=pg, async_op=True))
 
-    @staticmethod
-    def _parse_sync(ins: Instruction) -> tuple[str, int, str, int]:
-        m = RE_SYNC.match(ins.id)
-        if not m:
-            raise ValueError(f"cannot read bucket op id {ins.id!r}")
-        return m[1], int(m[2]), m[3] or "", int(m[4])
-
     def _all_to_all(self, ins: Instruction):
-        m = RE_A2A.match(ins.id)
-        if not m:
-            raise ValueError(f"cannot read all-to-all op id {ins.id!r}")
-        direction, s, mb, e, what = m[1], int(m[2]), int(m[3]), int(m[4]), m[5]
+        direction, s, mb, e = ins.direction, ins.stage, ins.mb, ins.block
+        # the forward op this one is (F) or is the backward of (B)
+        what = ins.a2a if direction == "F" else A2A_MIRROR[ins.a2a]
         stage = self.stages[s]
         layer = stage.expert_layers[e]
         pg = self.comms.group(ins.stream, ins.group)
@@ -702,7 +692,7 @@ class Runtime:
             rows.append({"rank": self.rank, "stream": ins.stream, "op_id": ins.id, "kind": ins.kind,
                          "stage": ins.stage, "mb": ins.mb, "start": start, "end": end, "bytes": ins.bytes,
                          "flops": ins.flops, "peer": ins.peer if ins.kind in ("SEND", "RECV") else -1,
-                         "posted": posted, "group": ins.group})
+                         "posted": posted, "group": ins.group, "match": ins.match})
         return rows
 
 
@@ -761,7 +751,7 @@ def align_comm_starts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def key(r: dict[str, Any]) -> tuple:
         if r["kind"] in ("SEND", "RECV"):
             a, b = (r["rank"], r["peer"]) if r["kind"] == "SEND" else (r["peer"], r["rank"])
-            return ("p2p", a, b, r["op_id"].split(".", 1)[1])
+            return ("p2p", a, b, r["match"])
         return ("coll", r["op_id"], r["group"])
 
     for r in rows:
@@ -774,5 +764,6 @@ def align_comm_starts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if r["kind"] not in ("F", "B", "BI", "BW", "OPT"):
             r["start"] = min(max(r["start"], latest[key(r)]), r["end"])
         r.pop("group", None)
+        r.pop("match", None)
         out.append(r)
     return out

@@ -258,7 +258,7 @@ def _issued_before(dag: TrainingDAG, n: Node, previous: dict[Node, Node]) -> Nod
     if ins.kind == "RECV":
         return local[0] if local else None
     if ins.kind == "ALL_TO_ALL":
-        family = "F" if ins.id.startswith("A2A.F") else "B"
+        family = ins.direction
         for q in local:
             qi = dag.ins(q)
             if qi.stage == ins.stage and qi.mb == ins.mb and (qi.kind == "F") == (family == "F") \

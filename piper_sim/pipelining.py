@@ -96,7 +96,7 @@ def actions_with_comms(plan: "Plan", pp_rank: int) -> list[str]:
     def send_name(ins: Instruction) -> str:
         src = [compute[d] for d in ins.deps if d in compute and compute[d].stage == ins.stage
                and compute[d].mb == ins.mb]
-        forward = any(s.kind == "F" for s in src) if src else ins.match.startswith("F.")
+        forward = any(s.kind == "F" for s in src) if src else ins.direction == "F"
         return f"{ins.stage}SEND_{'F' if forward else 'B'}{ins.mb}"
 
     def emit_until(k: int, n: int) -> None:

@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PLAN_FORMAT = "piper-sim-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: typed fields (direction, bucket, experts, block, round, name) instead of parsing op ids
+READABLE_VERSIONS = (1, 2)  # version 1 plans are upgraded on load (`_upgrade_v1`)
 
 COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
 P2P_KINDS = ("SEND", "RECV")
@@ -95,6 +97,23 @@ class Instruction:
     expert_flops: compute only, under expert parallel: the part of ``flops`` spent in
              expert blocks (all of it for an expert piece; the experts' weight gradients
              in a stage's BW), which the most loaded EP rank has more of.
+
+    The op id is a readable name only: a back end reads these fields, never the id
+    (`piper_sim.ir.op_id` forms the id from them).
+
+    direction: "F" (forward) or "B" (backward) for SEND/RECV (the activation or its
+             gradient), ALL_TO_ALL, ZeRO-3 gathers (before a forward / a backward) and
+             tensor-parallel collectives ("R": re-run before a full-recompute backward);
+             "" otherwise.
+    bucket:  gradient / parameter collectives of data parallel (AR, RS, AG): the bucket
+             index within the stage's flat parameters; -1 otherwise.
+    experts: that bucket is of the expert-parallel shard (synced over ``stage:S:edp``),
+             not of the dense parameters.
+    block:   ALL_TO_ALL only: the expert block (MoE layer) of the stage, counted from 0.
+    round:   ZeRO collectives numbered per stage copy (DualPipe's two copies pair up): the
+             i-th forward / backward of the stage on this rank; -1 otherwise.
+    name:    tensor-parallel collectives only: which one (``l3.attn.ag``, ``head.loss.max``,
+             ``norms``).
     """
 
     id: str
@@ -120,6 +139,12 @@ class Instruction:
     kernels: str = ""
     a2a: str = ""
     expert_flops: float = 0.0
+    direction: str = ""
+    bucket: int = -1
+    experts: bool = False
+    block: int = -1
+    round: int = -1
+    name: str = ""
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS
@@ -327,14 +352,17 @@ class Plan:
         if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
             raise PlanError("not a piper-sim plan file (missing format 'piper-sim-plan'); "
                             "compile one with `piper-sim compile STRATEGY.json -o PLAN.json`")
-        if d.get("version") != PLAN_VERSION:
-            raise PlanError(f"plan format version {d.get('version')} is not supported "
-                            f"(this piper-sim reads version {PLAN_VERSION}); recompile the strategy")
+        if d.get("version") not in READABLE_VERSIONS:
+            raise PlanError(f"plan format version {d.get('version')} is not supported (this piper-sim reads "
+                            f"versions {', '.join(map(str, READABLE_VERSIONS))}); recompile the strategy")
         body = {k: d[k] for k in ("kernels", "layout", "meta", "classes") if k in d}
         if check_hash and _hash(body) != d.get("hash"):
             raise PlanError("plan content hash mismatch: the file was edited after compiling; "
                             "recompile it, or pass check_hash=False / --no-hash-check to accept edits")
         try:
+            if d["version"] == 1:
+                d = {**d, "classes": [{**c, "streams": {k: [_upgrade_v1(i) for i in lst]
+                                                        for k, lst in c["streams"].items()}} for c in d["classes"]]}
             return cls._from_body(d)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             raise PlanError(f"malformed plan file ({type(e).__name__}: {e}); recompile the strategy") from None
@@ -386,3 +414,24 @@ def _compress_ranks(ranks: list[int]) -> list[list[int]]:
 
 def _expand_ranks(runs: list[list[int]]) -> list[int]:
     return [s + i for s, n in runs for i in range(n)]
+
+
+# version 1 plans carried these fields in the op id only: read them back, once, on load
+_V1_IDS = [(re.compile(p), f) for p, f in [
+    (r"^(?:SEND|RECV)\.(F|B)\.", lambda m: {"direction": m[1]}),
+    (r"^A2A\.(F|B)\.s\d+\.mb\d+\.e(\d+)\.", lambda m: {"direction": m[1], "block": int(m[2])}),
+    (r"^AG\.(F|B)\.s\d+\.i(\d+)(\.e)?\.b(\d+)$",
+     lambda m: {"direction": m[1], "round": int(m[2]), "experts": bool(m[3]), "bucket": int(m[4])}),
+    (r"^(?:AR|RS|AG)\.s\d+(?:\.mb\d+|\.i(\d+))?(\.e)?\.b(\d+)$",
+     lambda m: {"round": int(m[1] or -1), "experts": bool(m[2]), "bucket": int(m[3])}),
+    (r"^TP\.(?:(F|B|R)\.s\d+\.mb\d+|s\d+)\.(.+)$", lambda m: {"direction": m[1] or "", "name": m[2]}),
+]]
+
+
+def _upgrade_v1(ins: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 instruction with the typed fields of version 2 (defaults left out)."""
+    for pattern, fields in _V1_IDS:
+        m = pattern.match(ins["id"])
+        if m:
+            return {**ins, **{k: v for k, v in fields(m).items() if v != _INSTRUCTION_DEFAULTS[k]}}
+    return ins
