@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from costmodel.dtypes import torch_dtype
 from executor.data import SyntheticData
 from executor.stage import make_optimizer
 from piper_sim.models import build_model, build_units, get_config, lm_loss, run_units
 from piper_sim.plan import Plan
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class UnitsModule(nn.Module):
@@ -43,7 +43,7 @@ class TorchPipeline:
         self.meta, self.rank = meta, rank
         self.pp, n = plan.layout.pp, meta["num_stages"]
         self.stage_ids = [s for s in range(n) if s % self.pp == rank]
-        dtype = DTYPES[meta["dtype"]]
+        dtype = torch_dtype(meta["dtype"])
         self.modules = {s: UnitsModule(build_units(self.cfg, meta["stage_units"][s], device=device, dtype=dtype,
                                                    seed=meta["seed"]), meta["stage_units"][s])
                         for s in self.stage_ids}
@@ -78,7 +78,7 @@ class TorchDDP:
     def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu"):
         meta = plan.meta
         cfg = get_config(meta["model"])
-        model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
+        model = build_model(cfg, device=device, dtype=torch_dtype(meta["dtype"]), seed=meta["seed"])
         self.model = self.wrap(model)
         self.optimizer = make_optimizer(list(model.parameters()))
         self.meta, self.dp_rank, self.dp = meta, rank, dist.get_world_size()

@@ -10,10 +10,10 @@ import torch
 from executor.collectives import all_gather
 from executor.data import SyntheticData
 from executor.stage import FlatParams, make_optimizer
+from costmodel.dtypes import torch_dtype
 from piper_sim.models import build_model, get_config, lm_loss
 from piper_sim.plan import Plan
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu",
@@ -23,7 +23,7 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
     returns its parameters by name and the loss of every step."""
     meta = plan.meta
     cfg = get_config(meta["model"])
-    model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
+    model = build_model(cfg, device=device, dtype=torch_dtype(meta["dtype"]), seed=meta["seed"])
     opt = make_optimizer(list(model.parameters()))
     data = SyntheticData(cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
     losses = []

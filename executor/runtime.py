@@ -52,10 +52,10 @@ import torch.distributed as dist
 from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
+from costmodel.dtypes import torch_dtype
 from piper_sim.models import get_config
-from piper_sim.plan import Instruction, Plan, PlanError
+from piper_sim.plan import BACKWARD_KINDS, COMPUTE_KINDS, Instruction, Plan, PlanError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 A2A_MIRROR = {"dispatch": "combine", "combine": "dispatch"}
 
 
@@ -142,7 +142,7 @@ class Runtime:
         self.prog = plan.program(rank)
         meta = plan.meta
         self.cfg = get_config(meta["model"])
-        self.dtype = DTYPES[meta["dtype"]]
+        self.dtype = torch_dtype(meta["dtype"])
         self.layout = plan.layout
         self.dp_rank = self.prog.dp_rank
         self.microbatches = meta["microbatches"]
@@ -235,10 +235,10 @@ class Runtime:
         first OPT of the step all-reduces the squared norm over every rank (its own group,
         made here on every rank alike)."""
         compute = self.prog.streams.get("compute", [])
-        backward = [i.id for i in compute if i.kind in ("B", "BI", "BW")]
+        backward = [i.id for i in compute if i.kind in BACKWARD_KINDS]
         syncs = [i.id for lst in self.prog.streams.values() for i in lst if i.kind in ("ALLREDUCE", "REDUCE_SCATTER")]
         opts = [k for k, i in enumerate(compute) if i.kind == "OPT"]
-        last_backward = max((k for k, i in enumerate(compute) if i.kind in ("B", "BI", "BW")), default=-1)
+        last_backward = max((k for k, i in enumerate(compute) if i.kind in BACKWARD_KINDS), default=-1)
         if opts and min(opts) < last_backward:
             raise PlanError("--clip-grad-norm needs every backward before the first OPT in the compute order")
         self.prog.streams["compute"] = [
@@ -755,13 +755,13 @@ def align_comm_starts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return ("coll", r["op_id"], r["group"])
 
     for r in rows:
-        if r["kind"] not in ("F", "B", "BI", "BW", "OPT"):
+        if r["kind"] not in COMPUTE_KINDS:
             k = key(r)
             latest[k] = max(latest.get(k, r["posted"]), r["posted"])
     out = []
     for r in rows:
         r = dict(r)
-        if r["kind"] not in ("F", "B", "BI", "BW", "OPT"):
+        if r["kind"] not in COMPUTE_KINDS:
             r["start"] = min(max(r["start"], latest[key(r)]), r["end"])
         r.pop("group", None)
         r.pop("match", None)

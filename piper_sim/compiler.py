@@ -10,22 +10,21 @@ from dataclasses import dataclass
 import networkx as nx
 
 from costmodel import operators
+from costmodel.dtypes import DTYPE_BYTES, torch_dtype
 from costmodel.hardware import GPU, H100, parse_cluster
-from costmodel.memory import model_state_bytes
+from costmodel.memory import adam_state_bytes, model_state_bytes
 from piper_sim.directives import Setup, expand, resolve
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memory_pass, grad_bucket_memory, \
     is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
     tensor_pass, unit_buckets
 from piper_sim.memory import model_memory
 from piper_sim.models import ModelConfig, get_config, tp_divisibility_error, tp_shard
-from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
+from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
 from piper_sim.schedules import stages_per_rank
 from piper_sim.strategy import Strategy, StrategyError, parse_strategy
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
@@ -201,10 +200,8 @@ def _setup_and_layout(strategy: Strategy) -> tuple[ModelConfig, Setup, Layout, i
 
 def build_dag(strategy: Strategy, folded: bool = True) -> tuple[TrainingDAG, Context, ModelConfig]:
     """Run every pass; the result is the global training DAG (folded or per rank)."""
-    import torch
-
     cfg, setup, layout, mbs = _setup_and_layout(strategy)
-    dtype = getattr(torch, _TORCH_DTYPE[strategy.dtype])
+    dtype = torch_dtype(strategy.dtype)
     shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
     segments = profile_model(shard, mbs, strategy.seq_len, dtype)
     gpu = parse_cluster(strategy.cluster).gpu
@@ -253,7 +250,7 @@ def _issued_before(dag: TrainingDAG, n: Node, previous: dict[Node, Node]) -> Nod
         return None  # after the compute piece it follows (the default)
     local = [q for q in dag.g.successors(n) if q[0] == n[0]]
     if ins.kind == "ALL_GATHER" and ins.mb >= 0:
-        consumer = next((q for q in local if dag.ins(q).kind in ("F", "B", "BI")), None)
+        consumer = next((q for q in local if dag.ins(q).kind in SPLIT_KINDS), None)
         return previous.get(consumer, consumer) if consumer is not None else None
     if ins.kind == "RECV":
         return local[0] if local else None
@@ -262,7 +259,7 @@ def _issued_before(dag: TrainingDAG, n: Node, previous: dict[Node, Node]) -> Nod
         for q in local:
             qi = dag.ins(q)
             if qi.stage == ins.stage and qi.mb == ins.mb and (qi.kind == "F") == (family == "F") \
-                    and qi.kind in ("F", "B", "BI"):
+                    and qi.kind in SPLIT_KINDS:
                 return q
     return None
 
@@ -367,7 +364,7 @@ def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
     """Parameters, gradients and optimizer state a rank holds for the whole step."""
     total = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0}
     pbytes = ctx.dtype_bytes
-    optim = 12 if pbytes == 2 else 8  # fp32 master + Adam m, v (no master copy for fp32 params)
+    optim = adam_state_bytes(pbytes)
     for s, ranks in ctx.layout.stage_ranks.items():
         if pp_rank not in ranks:
             continue
@@ -450,9 +447,7 @@ def _model_flops(ctx: Context, strategy: Strategy, cfg: ModelConfig) -> float:
     """Useful training flops of one step (forward + backward, no recompute), all replicas
     (under tensor parallelism those of the whole model, not of a rank's shard)."""
     if ctx.layout.tp > 1:
-        import torch
-
-        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, getattr(torch, _TORCH_DTYPE[strategy.dtype]))
+        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, torch_dtype(strategy.dtype))
     else:
         segments = [x for sc in ctx.stages for x in sc.segments]
     per_mb = sum(x.fwd_flops + x.bwd_input_flops + x.bwd_weight_flops for x in segments)

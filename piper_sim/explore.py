@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from costmodel.dtypes import DTYPE_BYTES, torch_dtype
 from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
@@ -215,9 +216,7 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     model's best efficiency (every real op is smaller, so no faster). Under tensor
     parallelism both are a rank's share: the segments are profiled on its shard
     (`models.tp_shard`), as the compiler does."""
-    import torch
-
-    from piper_sim.compiler import DTYPE_BYTES, _TORCH_DTYPE, static_memory, stage_costs
+    from piper_sim.compiler import static_memory, stage_costs
     from piper_sim.ir import Context
     from piper_sim.memory import model_memory
     from piper_sim.plan import Layout
@@ -227,7 +226,7 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     cfg = get_config(settings["model"])
     dtype = settings.get("dtype", "bf16")
     mbs = settings["global_batch"] // (cand.dp * cand.microbatches)
-    tdtype = getattr(torch, _TORCH_DTYPE[dtype])
+    tdtype = torch_dtype(dtype)
     try:
         spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
         shard = tp_shard(cfg, cand.tp, cand.sp)

@@ -25,11 +25,13 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
+from costmodel.compute import ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM
 from piper_sim import kernels
 from piper_sim.checks import MAX_BUCKETS_PER_STAGE
 from piper_sim.directives import Setup
 from piper_sim.memory import PieceMemory, SegmentMemory, piece_memory
-from piper_sim.plan import COMPUTE_KINDS, P2P_KINDS, Instruction, Layout
+from piper_sim.plan import (BACKWARD_KINDS, COMPUTE_KINDS, INPUT_GRAD_KINDS, P2P_KINDS, PASS_KINDS, SPLIT_KINDS,
+                            WEIGHT_GRAD_KINDS, Instruction, Layout)
 from piper_sim.profiling import SegmentCost, segment_kind
 from piper_sim.strategy import StrategyError
 
@@ -332,7 +334,7 @@ def piece_pass(ctx: Context, dag: TrainingDAG) -> None:
     BW is not cut (under EP its expert share is the ``expert_flops`` field)."""
     by_stage: dict[int, list[Node]] = {}
     for n in dag.g.nodes:
-        if dag.ins(n).kind in ("F", "B", "BI", "BW"):
+        if dag.ins(n).kind in PASS_KINDS:
             by_stage.setdefault(dag.ins(n).stage, []).append(n)
     for sc in ctx.stages:
         parts = ctx.parts(sc.stage)
@@ -473,7 +475,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     by_stage: dict[tuple[int, int], list[Node]] = {}
     for n in list(dag.g.nodes):
         ins = dag.ins(n)
-        if ins.kind in ("F", "B", "BI", "BW", "OPT"):
+        if ins.kind in COMPUTE_KINDS:
             by_stage.setdefault((n[0], ins.stage), []).append(n)
     for (where, s), nodes in by_stage.items():
         group = ctx.group("tp", where)
@@ -483,7 +485,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
         last_bi: dict[int, Node] = {}
         for n in nodes:
             ins = dag.ins(n)
-            if ins.kind not in ("F", "B", "BI"):
+            if ins.kind not in SPLIT_KINDS:
                 continue
             segs = parts[ins.part] if ins.kind == "F" else list(reversed(parts[ins.part]))
             chain: list[Node] = []
@@ -521,7 +523,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             ar = dag.add(where, make_op("ALLREDUCE", TP_STREAM, stage=s, bytes=float(norms), group=group,
                                         name="norms"))
             for n in nodes:
-                if dag.ins(n).kind in ("B", "BW"):
+                if dag.ins(n).kind in WEIGHT_GRAD_KINDS:
                     dag.edge(n, ar)
             dag.edge(ar, (where, f"OPT.s{s}"))
 
@@ -531,7 +533,7 @@ def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
     forward of its attention cores again (full recompute is priced by ``_compute``)."""
     for n in dag.g.nodes:
         ins = dag.ins(n)
-        if ins.kind in ("B", "BI") and ctx.setup.recompute.get(ins.stage) == "selective":
+        if ins.kind in INPUT_GRAD_KINDS and ctx.setup.recompute.get(ins.stage) == "selective":
             mems = [ctx.memory[x.name] for x in ctx.parts(ins.stage)[ins.part]]
             ins.flops += sum(m.core_flops for m in mems)
             ins.recompute = True
@@ -566,7 +568,7 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
     keep = BW_KEEP_FRACTION
     for n in dag.g.nodes:
         ins = dag.ins(n)
-        if ins.kind not in ("F", "B", "BI", "BW"):
+        if ins.kind not in PASS_KINDS:
             continue
         full = ctx.setup.recompute.get(ins.stage) == "full"
         if ins.kind == "BW":  # one op for the whole stage
@@ -592,7 +594,7 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
             back = (n[0], op_id(replace(ins, direction="B", a2a="dispatch")))
             dag.ins(back).free += ins.bytes
             continue
-        consumer = next(q for q in dag.g.successors(n) if q[0] == n[0] and dag.ins(q).kind in ("F", "B", "BI"))
+        consumer = next(q for q in dag.g.successors(n) if q[0] == n[0] and dag.ins(q).kind in SPLIT_KINDS)
         c = dag.ins(consumer)
         if forward:  # the buffer becomes what the expert piece keeps
             c.alloc -= min(ins.bytes, c.alloc - c.free)
@@ -639,7 +641,7 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
     by_where_stage: dict[tuple[int, int], list[Node]] = {}
     for n in dag.g.nodes:
         ins = dag.ins(n)
-        if ins.kind in ("F", "B", "BI", "BW", "OPT"):
+        if ins.kind in COMPUTE_KINDS:
             by_where_stage.setdefault((n[0], ins.stage), []).append(n)
     for (where, s), nodes in sorted(by_where_stage.items()):
         sc = ctx.stages[s]
@@ -649,7 +651,7 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
         if layout.ep > 1 and sc.experts:
             groups.append((".e", "stage:%d:edp" % s, sc.experts, copies * layout.dp // layout.ep))
         opt = (where, f"OPT.s{s}")
-        last_backward = [n for n in nodes if dag.ins(n).kind in ("B", "BW")]
+        last_backward = [n for n in nodes if dag.ins(n).kind in WEIGHT_GRAD_KINDS]
         for tag, symbolic, segs, size in groups:
             param_bytes = sum(x.param_bytes for x in segs) / (layout.ep if tag else 1)
             if size == 1 or param_bytes == 0:
@@ -670,7 +672,7 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                                    dep_progress=ready, bucket=b, experts=bool(tag))
                     sn = dag.add(where, sync)
                     for n in producers:
-                        if dag.ins(n).kind in ("B", "BW"):
+                        if dag.ins(n).kind in WEIGHT_GRAD_KINDS:
                             dag.edge(n, sn)
                     dag.edge(sn, opt)
                 if zero in (1, 2):
@@ -686,7 +688,7 @@ def _reduce_rounds(ctx: Context, dag: TrainingDAG, s: int, nodes: list[Node]) ->
     of, numbered (``round``: the i-th here) when the stage has several copies (DualPipe), so
     the copies' collectives pair up, else -1 (named by micro-batch). Per step: one round,
     round and micro-batch -1."""
-    backward = [n for n in nodes if dag.ins(n).kind in ("B", "BI", "BW")]
+    backward = [n for n in nodes if dag.ins(n).kind in BACKWARD_KINDS]
     if not ctx.setup.reduce_per_microbatch:
         return [(-1, -1, backward)]
     copies = ctx.setup.placement[s]
@@ -715,7 +717,7 @@ def _zero3_per_unit(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: l
     passes: dict[tuple[str, int], list[Node]] = {}
     for n in nodes:
         ins = dag.ins(n)
-        if ins.kind in ("F", "B", "BI"):
+        if ins.kind in SPLIT_KINDS:
             passes.setdefault(("F" if ins.kind == "F" else "B", ins.mb), []).append(n)
     n_b = len(buckets)
     rounds = _reduce_rounds(ctx, dag, s, nodes)
@@ -758,7 +760,7 @@ def grad_bucket_memory(ctx: Context, dag: TrainingDAG) -> None:
         ins = dag.ins(n)
         if ins.kind != "REDUCE_SCATTER":
             continue
-        producers = [p for p in dag.g.predecessors(n) if p[0] == n[0] and dag.ins(p).kind in ("B", "BW")]
+        producers = [p for p in dag.g.predecessors(n) if p[0] == n[0] and dag.ins(p).kind in WEIGHT_GRAD_KINDS]
         if not producers or is_tp(ins):
             continue
         size = _group_size(ctx, ins)
@@ -795,7 +797,7 @@ def order_pass(ctx: Context, dag: TrainingDAG) -> dict[int, list[Node]]:
     pieces: dict[tuple[int, int, str], list[Node]] = {}
     for n in dag.g.nodes:
         ins = dag.ins(n)
-        if ins.kind in ("F", "B", "BI", "BW"):
+        if ins.kind in PASS_KINDS:
             pieces.setdefault((n[0], ins.stage, ins.mb, ins.kind), []).append(n)
     for key in pieces:
         forward = key[3] == "F"
@@ -835,10 +837,6 @@ def _sends_after(dag: TrainingDAG, n: Node) -> list[Node]:
         elif is_tp(ins):
             todo.extend(dag.g.successors(q))
     return out
-
-
-ADAM_BYTES_PER_PARAM = 28  # read+write of bf16 param and grad, fp32 master, m and v (as costmodel)
-ADAM_FLOPS_PER_PARAM = 12
 
 
 def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:

@@ -47,7 +47,12 @@ PLAN_FORMAT = "piper-sim-plan"
 PLAN_VERSION = 2  # 2: typed fields (direction, bucket, experts, block, round, name) instead of parsing op ids
 READABLE_VERSIONS = (1, 2)  # version 1 plans are upgraded on load (`_upgrade_v1`)
 
-COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
+PASS_KINDS = ("F", "B", "BI", "BW")  # compute of a forward / backward pass (OPT is not)
+COMPUTE_KINDS = PASS_KINDS + ("OPT",)
+BACKWARD_KINDS = ("B", "BI", "BW")
+SPLIT_KINDS = ("F", "B", "BI")  # cut into pieces (per unit, around expert blocks); BW stays one op
+INPUT_GRAD_KINDS = ("B", "BI")  # produce the input gradients (and re-run the forward under recompute)
+WEIGHT_GRAD_KINDS = ("B", "BW")  # produce the weight gradients
 P2P_KINDS = ("SEND", "RECV")
 COLLECTIVE_KINDS = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 ALL_KINDS = COMPUTE_KINDS + P2P_KINDS + COLLECTIVE_KINDS

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, Plan, PlanError
+from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, PASS_KINDS, Plan, PlanError
 
 
 class PlanValidationError(ValueError):
@@ -149,7 +149,7 @@ def validate_plan(plan: Plan) -> None:
                                 f"collective {ins.id} ({ins.group}) on rank class {c.pp_rank} has no "
                                 f"identical counterpart on member pipeline rank {m}")
                         union(node, (m, ins.id))
-                elif ins.kind in ("F", "B", "BI", "BW") and ins.part == (0 if ins.kind == "F" else ins.parts - 1):
+                elif ins.kind in PASS_KINDS and ins.part == (0 if ins.kind == "F" else ins.parts - 1):
                     key = (ins.stage, ins.mb, ins.kind)
                     if key in seen_compute:
                         raise PlanValidationError(f"{ins.id} runs on pipeline ranks {seen_compute[key]} and "
