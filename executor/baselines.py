@@ -14,6 +14,7 @@ from executor.data import SyntheticData
 from executor.stage import make_optimizer
 from piper_sim.models import build_model, build_units, get_config, lm_loss, run_units
 from piper_sim.plan import Plan
+from piper_sim.schedules import SCHEDULE_TABLE
 
 
 
@@ -33,7 +34,7 @@ class TorchPipeline:
     (pipeline only: one data-parallel replica, stage ``s`` on rank ``s % pp`` as in torch's
     loop placement)."""
 
-    SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+    SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # loop placement, built from stages alone
 
     def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu", schedule: str | None = None):
         from torch.distributed import pipelining
@@ -48,7 +49,10 @@ class TorchPipeline:
                                                    seed=meta["seed"]), meta["stage_units"][s])
                         for s in self.stage_ids}
         stages = [pipelining.PipelineStage(self.modules[s], s, n, torch.device(device)) for s in self.stage_ids]
-        name = self.SCHEDULES[schedule or meta["schedule"]]
+        ours = schedule or meta["schedule"]
+        if ours not in self.SCHEDULES:
+            raise ValueError(f"TorchPipeline runs {', '.join(self.SCHEDULES)}, not {ours!r}")
+        name = "Schedule" + SCHEDULE_TABLE[ours].torch_name
         cls = getattr(pipelining, name)
         m = meta["microbatches"]
         self.schedule = cls(stages if len(stages) > 1 or "Interleaved" in name else stages[0], n_microbatches=m,

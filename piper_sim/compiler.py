@@ -22,7 +22,7 @@ from piper_sim.models import ModelConfig, get_config, tp_divisibility_error, tp_
 from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
-from piper_sim.schedules import stages_per_rank
+from piper_sim.schedules import SCHEDULE_TABLE, canonical_schedule, default_schedule, stages_per_rank
 from piper_sim.strategy import Strategy, StrategyError, parse_strategy
 
 
@@ -133,12 +133,12 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
     m = by_op.get("split", {}).get("microbatches", strategy.microbatches)
     pipe = by_op.get("pipeline", {})
     pp = pipe.get("degree", 1)
-    name = by_op.get("schedule", {}).get("name", "interleaved_1f1b" if pipe.get("stages_per_rank", 1) > 1 else "1f1b")
+    name = canonical_schedule(by_op.get("schedule", {}).get("name", default_schedule(pipe.get("stages_per_rank"))))
     try:
         v = stages_per_rank(name, pp, m, pipe.get("stages_per_rank"))
     except ValueError:
         return 0  # an impossible schedule: expanding it says why, at once
-    pairs = m * v // (2 if name == "dualpipe" else 1)  # dualpipe: two copies, half the micro-batches each
+    pairs = m * v // SCHEDULE_TABLE[name].copies  # dualpipe: two copies, half the micro-batches each
     per_pair = 5
     if "expert_parallel" in by_op and cfg.is_moe:
         per_pair += 6 * -(-(cfg.n_layers - cfg.first_dense) // (pp * v))
