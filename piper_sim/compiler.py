@@ -385,10 +385,9 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True) -> Compiled
     lists = lower(dag, ctx.sequences)
     layout = ctx.layout
     classes = []
-    n = layout.class_size
     for pp_rank in range(layout.pp):
         classes.append(RankClass(
-            pp_rank=pp_rank, ranks=list(range(pp_rank * n, (pp_rank + 1) * n)),
+            pp_rank=pp_rank, ranks=layout.class_ranks(pp_rank),
             streams=lists[pp_rank], static_memory=static_memory(ctx, pp_rank, ctx.setup.zero),
             stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
     meta = {

@@ -132,7 +132,7 @@ class Context:
         return [0] if self.folded else list(range(self.layout.class_size))
 
     def where(self, pp_rank: int, replica: int) -> int:
-        return pp_rank if self.folded else pp_rank * self.layout.class_size + replica
+        return pp_rank if self.folded else self.layout.rank_at({"pp": pp_rank}) + replica  # a class is contiguous
 
     def group(self, symbolic: str, where: int) -> str:
         if self.folded:

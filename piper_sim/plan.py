@@ -6,8 +6,9 @@ pipeline rank run the same list; only their peers and groups differ. `Plan.expan
 resolves the symbolic peers and groups into explicit global ranks, giving one `RankProgram`
 per rank.
 
-The device mesh has named axes ``pp, dp, tp`` (outermost first; ``ep`` splits ``dp``) and
-one rank formula (`Layout.rank`)::
+The device mesh has named axes ``pp, dp, tp`` (`Layout.axes`, outermost first; ``ep`` splits
+``dp``), one rank formula (`Layout.rank_at`, mixed radix over the axes) and one group per axis
+(`Layout.axis_group`); a new parallelism adds an axis there::
 
     rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 
@@ -191,13 +192,15 @@ class RankProgram:
     tp_rank: int = 0
 
 
-MESH_AXES = ("pp", "dp", "ep", "tp")
+MESH_AXES = ("pp", "dp", "tp")  # the grid's axes, outermost first (tp innermost); ep splits dp
 
 
 @dataclass
 class Layout:
-    """Where every rank sits: the named-axis mesh (pp, dp with ep inside it, tp), see the
-    module docstring for the rank formula."""
+    """Where every rank sits: the named-axis mesh `axes` (pp, dp, tp; ep splits dp), see the
+    module docstring. One rank formula (`rank_at`, mixed radix over the axes, tp innermost)
+    and one group construction per axis (`axis_group`): a new parallelism (``cp``) adds an
+    axis to `axes` and keeps both."""
 
     pp: int
     dp: int
@@ -215,20 +218,50 @@ class Layout:
         """Ranks per rank class (one pipeline rank): its DP replicas times its TP peers."""
         return self.dp * self.tp
 
+    @property
+    def axes(self) -> dict[str, int]:
+        """The mesh's named axes and their sizes, outermost first (`MESH_AXES`)."""
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        """The rank formula: the global rank at these coordinates (an axis left out: 0)."""
+        r = 0
+        for axis, size in self.axes.items():
+            r = r * size + coords.get(axis, 0)
+        return r
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        """The rank's coordinate on every axis of the grid (inverse of `rank_at`)."""
+        out: dict[str, int] = {}
+        for axis, size in reversed(self.axes.items()):
+            rank, out[axis] = divmod(rank, size)
+        return out
+
+    def axis_group(self, axis: str, rank: int) -> list[int]:
+        """The ranks that differ from ``rank`` on ``axis`` only, in axis order (its group)."""
+        c = self.coords_of(rank)
+        return [self.rank_at({**c, axis: i}) for i in range(self.axes[axis])]
+
+    def class_ranks(self, pp_rank: int) -> list[int]:
+        """The ranks of one rank class (every coordinate but ``pp``), in rank order."""
+        first = self.rank_at({"pp": pp_rank})
+        return list(range(first, first + self.class_size))
+
     def rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        return self.rank_at({"pp": pp_rank, "dp": dp_rank, "tp": tp_rank})
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(pp_rank, dp_rank) of a rank (its tp_rank: `tp_rank`, all axes: `mesh_coords`)."""
-        return divmod(rank // self.tp, self.dp)
+        c = self.coords_of(rank)
+        return c["pp"], c["dp"]
 
     def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
+        return self.coords_of(rank)["tp"]
 
     def mesh_coords(self, rank: int) -> dict[str, int]:
         """The rank's coordinate on every axis (``ep``: its expert shard, dp_rank mod ep)."""
-        pp_rank, dp_rank = self.coords(rank)
-        return {"pp": pp_rank, "dp": dp_rank, "ep": dp_rank % self.ep, "tp": self.tp_rank(rank)}
+        c = self.coords_of(rank)
+        return {"pp": c["pp"], "dp": c["dp"], "ep": c["dp"] % self.ep, "tp": c["tp"]}
 
     def group_ranks(self, group: str, rank: int) -> list[int]:
         """Resolve a symbolic group as seen from ``rank`` to sorted global ranks.
@@ -244,25 +277,19 @@ class Layout:
         """
         if group.startswith("ranks:"):
             return [int(x) for x in group[6:].split(",")]
-        pp_rank, dp_rank = self.coords(rank)
-        t = self.tp_rank(rank)
-        if group == "tp":
-            base = rank - t
-            return list(range(base, base + self.tp))
-        if group == "ep":
-            base = (dp_rank // self.ep) * self.ep
-            return [self.rank(pp_rank, d, t) for d in range(base, base + self.ep)]
-        if group == "dp":
-            return [self.rank(pp_rank, d, t) for d in range(self.dp)]
-        if group == "pp":
-            return [self.rank(p, dp_rank, t) for p in range(self.pp)]
+        if group in self.axes:
+            return self.axis_group(group, rank)
+        c = self.coords_of(rank)
+        if group == "ep":  # ep consecutive data-parallel ranks
+            block = c["dp"] // self.ep
+            return [r for r in self.axis_group("dp", rank) if self.coords_of(r)["dp"] // self.ep == block]
         parts = group.split(":")
         if parts[0] == "stage":
             stage = int(parts[1])
             dps = range(self.dp)
             if len(parts) > 2 and parts[2] == "edp":
-                dps = [d for d in dps if d % self.ep == dp_rank % self.ep]
-            return sorted(self.rank(p, d, t) for p in self.stage_ranks[stage] for d in dps)
+                dps = [d for d in dps if d % self.ep == c["dp"] % self.ep]
+            return sorted(self.rank_at({**c, "pp": p, "dp": d}) for p in self.stage_ranks[stage] for d in dps)
         raise PlanError(f"unknown collective group {group!r} on rank {rank}")
 
     def to_json(self) -> dict[str, Any]:

@@ -59,7 +59,7 @@ def check_layout(plan: Plan) -> None:
         if not prs or any(not _int(r) or r >= lay.pp for r in prs):
             raise PlanValidationError(f"layout.stage_ranks[{s}] = {prs!r}: pipeline ranks must be in 0..{lay.pp - 1}")
     for i, c in enumerate(plan.classes):
-        if c.pp_rank != i or c.ranks != [lay.rank(i, d, t) for d in range(lay.dp) for t in range(lay.tp)]:
+        if c.pp_rank != i or c.ranks != lay.class_ranks(i):
             raise PlanValidationError(f"rank class #{i} (pp_rank {c.pp_rank}, ranks {c.ranks[:4]}...) does not "
                                       f"match layout pp={lay.pp} dp={lay.dp} tp={lay.tp}")
         for s in c.stages:
