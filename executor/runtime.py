@@ -54,7 +54,7 @@ from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
 from costmodel.dtypes import torch_dtype
 from piper_sim.models import get_config
-from piper_sim.plan import BACKWARD_KINDS, COMPUTE_KINDS, Instruction, Plan, PlanError
+from piper_sim.plan import BACKWARD_KINDS, COMPUTE_KINDS, Instruction, Plan, PlanError, missing_fields
 
 A2A_MIRROR = {"dispatch": "combine", "combine": "dispatch"}
 
@@ -140,6 +140,10 @@ class Runtime:
         self.timeout_s, self.fault = timeout_s, fault
         self.cuda = device.type == "cuda"
         self.prog = plan.program(rank)
+        for ins in (i for lst in self.prog.streams.values() for i in lst):
+            if missing_fields(ins):
+                raise PlanError(f"instruction {ins.id} ({ins.kind}) lacks {', '.join(missing_fields(ins))}; "
+                                "recompile the strategy")
         meta = plan.meta
         self.cfg = get_config(meta["model"])
         self.dtype = torch_dtype(meta["dtype"])

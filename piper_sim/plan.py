@@ -165,6 +165,26 @@ class Instruction:
 _INSTRUCTION_DEFAULTS = asdict(Instruction(id="", kind="", stream=""))
 
 
+def missing_fields(ins: Instruction) -> list[str]:
+    """The typed fields a back end reads for this kind of instruction that ``ins`` lacks
+    (empty when it is complete). Data-parallel collectives need a ``bucket``; tensor-parallel
+    ones (on their own stream, no bucket) a ``name``."""
+    k = ins.kind
+    need: list[tuple[str, bool]] = [("stage", ins.stage >= 0)]
+    if k in PASS_KINDS or k in P2P_KINDS or k == "ALL_TO_ALL":
+        need.append(("mb", ins.mb >= 0))
+    if k in P2P_KINDS:
+        need += [("direction", ins.direction in ("F", "B")), ("peer", ins.peer >= 0), ("match", bool(ins.match))]
+    elif k == "ALL_TO_ALL":
+        need += [("direction", ins.direction in ("F", "B")), ("block", ins.block >= 0),
+                 ("a2a", ins.a2a in ("dispatch", "combine")), ("group", bool(ins.group))]
+    elif k in COLLECTIVE_KINDS:
+        need += [("group", bool(ins.group)), ("bucket or name", ins.bucket >= 0 or bool(ins.name))]
+        if ins.bucket >= 0 and ins.direction:  # a ZeRO-3 gather before one forward / backward
+            need += [("round", ins.round >= 0), ("mb", ins.mb >= 0)]
+    return [f for f, ok in need if not ok]
+
+
 @dataclass
 class RankClass:
     """Ranks that run the same instruction lists (one pipeline rank, all its DP/EP/TP peers)."""
