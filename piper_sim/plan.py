@@ -241,21 +241,32 @@ class Layout:
     @property
     def axes(self) -> dict[str, int]:
         """The mesh's named axes and their sizes, outermost first (`MESH_AXES`)."""
-        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+        return dict(zip(MESH_AXES, self._sizes()))
+
+    def _sizes(self) -> tuple[int, ...]:
+        return self.pp, self.dp, self.tp
+
+    def _index(self, coords: tuple[int, ...]) -> int:
+        """The rank formula: mixed radix over the axes (coordinates in `MESH_AXES` order)."""
+        r = 0
+        for c, n in zip(coords, self._sizes()):
+            r = r * n + c
+        return r
+
+    def _coords(self, rank: int) -> tuple[int, ...]:
+        out = []
+        for n in reversed(self._sizes()):
+            rank, c = divmod(rank, n)
+            out.append(c)
+        return tuple(reversed(out))
 
     def rank_at(self, coords: dict[str, int]) -> int:
-        """The rank formula: the global rank at these coordinates (an axis left out: 0)."""
-        r = 0
-        for axis, size in self.axes.items():
-            r = r * size + coords.get(axis, 0)
-        return r
+        """The global rank at these coordinates (an axis left out: 0)."""
+        return self._index(tuple(coords.get(a, 0) for a in MESH_AXES))
 
     def coords_of(self, rank: int) -> dict[str, int]:
         """The rank's coordinate on every axis of the grid (inverse of `rank_at`)."""
-        out: dict[str, int] = {}
-        for axis, size in reversed(self.axes.items()):
-            rank, out[axis] = divmod(rank, size)
-        return out
+        return dict(zip(MESH_AXES, self._coords(rank)))
 
     def axis_group(self, axis: str, rank: int) -> list[int]:
         """The ranks that differ from ``rank`` on ``axis`` only, in axis order (its group)."""
@@ -268,15 +279,15 @@ class Layout:
         return list(range(first, first + self.class_size))
 
     def rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
-        return self.rank_at({"pp": pp_rank, "dp": dp_rank, "tp": tp_rank})
+        return self._index((pp_rank, dp_rank, tp_rank))
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(pp_rank, dp_rank) of a rank (its tp_rank: `tp_rank`, all axes: `mesh_coords`)."""
-        c = self.coords_of(rank)
-        return c["pp"], c["dp"]
+        pp_rank, dp_rank, _ = self._coords(rank)
+        return pp_rank, dp_rank
 
     def tp_rank(self, rank: int) -> int:
-        return self.coords_of(rank)["tp"]
+        return self._coords(rank)[2]
 
     def mesh_coords(self, rank: int) -> dict[str, int]:
         """The rank's coordinate on every axis (``ep``: its expert shard, dp_rank mod ep)."""
