@@ -31,7 +31,7 @@ from piper_sim.checks import MAX_BUCKETS_PER_STAGE
 from piper_sim.directives import Setup
 from piper_sim.memory import PieceMemory, SegmentMemory, piece_memory
 from piper_sim.plan import (BACKWARD_KINDS, COMPUTE_KINDS, INPUT_GRAD_KINDS, P2P_KINDS, PASS_KINDS, SPLIT_KINDS,
-                            WEIGHT_GRAD_KINDS, Instruction, Layout)
+                            WEIGHT_GRAD_KINDS, Instruction, Layout, p2p_id)
 from piper_sim.profiling import SegmentCost, segment_kind
 from piper_sim.strategy import StrategyError
 
@@ -192,7 +192,7 @@ def op_id(ins: Instruction) -> str:
     if k in COMPUTE_KINDS:
         return f"{k}.s{s}.mb{ins.mb}" + (f".p{ins.part}" if ins.parts > 1 else "")
     if k in P2P_KINDS:
-        return f"{k}.{p2p_match(ins.direction, s, ins.mb)}"
+        return p2p_id(k, p2p_match(ins.direction, s, ins.mb))
     if k == "ALL_TO_ALL":
         name = ins.a2a if ins.direction == "F" else _A2A_MIRROR[ins.a2a]
         return f"A2A.{ins.direction}.s{s}.mb{ins.mb}.e{ins.block}.{name}"

@@ -165,6 +165,16 @@ class Instruction:
 _INSTRUCTION_DEFAULTS = asdict(Instruction(id="", kind="", stream=""))
 
 
+def p2p_id(kind: str, match: str) -> str:
+    """The op id of a SEND or RECV with this ``match`` (both sides of a pair share it)."""
+    return f"{kind}.{match}"
+
+
+def p2p_partner_id(ins: Instruction) -> str:
+    """The op id of the other side of a SEND / RECV, on its peer."""
+    return p2p_id("RECV" if ins.kind == "SEND" else "SEND", ins.match)
+
+
 def missing_fields(ins: Instruction) -> list[str]:
     """The typed fields a back end reads for this kind of instruction that ``ins`` lacks
     (empty when it is complete). Data-parallel collectives need a ``bucket``; tensor-parallel

@@ -40,7 +40,7 @@ from costmodel.memory import fits as memory_fits
 from costmodel.model import CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
 from piper_sim import trace
-from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan
+from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan, p2p_partner_id
 from piper_sim.validate import check_layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -664,8 +664,7 @@ class _Engine:
             missing = [d.ins.id for d in op.deps if not d.done]
             return "waits for " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
         if ins.kind in ("SEND", "RECV"):
-            other = "RECV" if ins.kind == "SEND" else "SEND"
-            return f"waits for {other}.{ins.match} on rank {op.peer}"
+            return f"waits for {p2p_partner_id(ins)} on rank {op.peer}"
         entry = self.coll_pending.get((ins.id, op.cost[3]))
         arrived = {o.rank for o in entry[1]} if entry else set()
         members = dict.fromkeys(self._rep(r) for r in op.group) if self.folded else op.group

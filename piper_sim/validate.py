@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, PASS_KINDS, Plan, PlanError
+from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, PASS_KINDS, Plan, PlanError, p2p_partner_id
 
 
 class PlanValidationError(ValueError):
@@ -133,14 +133,14 @@ def validate_plan(plan: Plan) -> None:
                         raise PlanValidationError(f"rank class {c.pp_rank}: op {ins.id} depends on {dep}, "
                                                   "which this rank does not run")
                     g.add_edge((c.pp_rank, dep), node)
-                if ins.kind in ("SEND", "RECV"):
-                    other = "RECV" if ins.kind == "SEND" else "SEND"
-                    peer_op = ops.get((ins.peer, f"{other}.{ins.match}"))
+                if ins.kind in P2P_KINDS:
+                    partner = p2p_partner_id(ins)
+                    peer_op = ops.get((ins.peer, partner))
                     if peer_op is None or peer_op.peer != c.pp_rank:
                         raise PlanValidationError(
-                            f"rank class {c.pp_rank}: {ins.id} has no matching {other}.{ins.match} "
+                            f"rank class {c.pp_rank}: {ins.id} has no matching {partner} "
                             f"on pipeline rank {ins.peer}")
-                    union(node, (ins.peer, f"{other}.{ins.match}"))
+                    union(node, (ins.peer, partner))
                 elif ins.kind in COLLECTIVE_KINDS:
                     for m in _members(plan, ins.group, c.pp_rank, members_cache):
                         peer_op = ops.get((m, ins.id))
