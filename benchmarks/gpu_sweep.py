@@ -24,8 +24,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from costmodel.calibration import save_calibration  # noqa: E402
+from costmodel.dtypes import torch_dtype  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SWEEP_DTYPES = ("bf16", "fp32")
 
 
 def timeit(fn, device: torch.device, reps: int) -> float:
@@ -75,10 +76,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=SWEEP_DTYPES, default="bf16")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtype = torch.device(args.device), torch_dtype(args.dtype)
     if args.tiny:
         sizes, seqs, dims, reps = [64, 128], [64, 128], [32], 2
     else:

@@ -16,6 +16,12 @@ def _check(dp: int, zero: int) -> None:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero}")
 
 
+def adam_state_bytes(param_bytes: float) -> float:
+    """Optimizer state per parameter: Adam's m and v in fp32 (8 B), plus an fp32 master copy
+    (4 B) when the parameters are narrower than fp32 (mixed precision)."""
+    return 8.0 if param_bytes >= 4 else 12.0
+
+
 def model_state_bytes(params: float, dp: int, zero: int, param_bytes: float = 2, grad_bytes: float = 2,
                       optim_bytes: float = 12) -> dict[str, float]:
     """Bytes per rank of params, grads and optimizer state (and their total)."""

@@ -19,6 +19,7 @@ from costmodel.calibration import load_calibration
 from costmodel.hardware import CPU, GPU_FIELDS, Cluster
 from costmodel.moe import MoEOptions, Routing
 
+# the compute kinds of piper_sim.plan (costmodel imports nothing of ours; tests/test_seams.py checks they agree)
 COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
 
 
@@ -197,7 +198,7 @@ class UnitCostModel(CostModel):
             key, eq, value = item.partition("=")
             key = key.strip()
             key = key.upper() if key.upper() in COMPUTE_KINDS else key.lower()
-            if not eq or key not in ("F", "B", "BI", "BW", "OPT", "comm", "p2p", "slowdown"):
+            if not eq or key not in COMPUTE_KINDS + ("comm", "p2p", "slowdown"):
                 raise ValueError(f"bad unit cost model {spec!r} at {item!r}; expected {cls.UNIT_FORMS}")
             try:
                 kwargs[key] = float(value)

@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from costmodel.dtypes import torch_dtype
 from executor.data import SyntheticData
 from executor.stage import make_optimizer
 from piper_sim.models import build_model, build_units, config_from_meta, lm_loss, run_units
 from piper_sim.plan import Plan
+from piper_sim.schedules import SCHEDULE_TABLE
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class UnitsModule(nn.Module):
@@ -33,7 +34,7 @@ class TorchPipeline:
     (pipeline only: one data-parallel replica, stage ``s`` on rank ``s % pp`` as in torch's
     loop placement)."""
 
-    SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+    SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # loop placement, built from stages alone
 
     def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu", schedule: str | None = None):
         from torch.distributed import pipelining
@@ -43,12 +44,15 @@ class TorchPipeline:
         self.meta, self.rank = meta, rank
         self.pp, n = plan.layout.pp, meta["num_stages"]
         self.stage_ids = [s for s in range(n) if s % self.pp == rank]
-        dtype = DTYPES[meta["dtype"]]
+        dtype = torch_dtype(meta["dtype"])
         self.modules = {s: UnitsModule(build_units(self.cfg, meta["stage_units"][s], device=device, dtype=dtype,
                                                    seed=meta["seed"]), meta["stage_units"][s])
                         for s in self.stage_ids}
         stages = [pipelining.PipelineStage(self.modules[s], s, n, torch.device(device)) for s in self.stage_ids]
-        name = self.SCHEDULES[schedule or meta["schedule"]]
+        ours = schedule or meta["schedule"]
+        if ours not in self.SCHEDULES:
+            raise ValueError(f"TorchPipeline runs {', '.join(self.SCHEDULES)}, not {ours!r}")
+        name = "Schedule" + SCHEDULE_TABLE[ours].torch_name
         cls = getattr(pipelining, name)
         m = meta["microbatches"]
         self.schedule = cls(stages if len(stages) > 1 or "Interleaved" in name else stages[0], n_microbatches=m,
@@ -78,7 +82,7 @@ class TorchDDP:
     def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu"):
         meta = plan.meta
         cfg = config_from_meta(meta)
-        model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
+        model = build_model(cfg, device=device, dtype=torch_dtype(meta["dtype"]), seed=meta["seed"])
         self.model = self.wrap(model)
         self.optimizer = make_optimizer(list(model.parameters()))
         self.meta, self.dp_rank, self.dp = meta, rank, dist.get_world_size()

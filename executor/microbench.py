@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from costmodel.dtypes import torch_dtype
+
 KIB, MIB = 1 << 10, 1 << 20
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 
 
@@ -258,7 +259,7 @@ def bench_matmul(shapes, dtype: str, device: torch.device, target_s: float, repe
                  max_call_s: float, tick: Tick) -> list[dict]:
     """Achieved FLOP/s of `torch.mm` per (m, n, k); shapes whose first call takes longer
     than `max_call_s` are dropped."""
-    dt, fns = DTYPES[dtype], {}
+    dt, fns = torch_dtype(dtype), {}
     for m, n, k in shapes:
         a, b = torch.randn(m, k, device=device).to(dt), torch.randn(k, n, device=device).to(dt)
         out = torch.empty(m, n, device=device, dtype=dt)
@@ -344,7 +345,7 @@ def bench_segments(cfg: BenchConfig, device: torch.device, tick: Tick) -> list[d
     from piper_sim.profiling import profile_kind
     from piper_sim.sources import resolve_model
 
-    dtype, rows, fns = DTYPES[cfg.dtype], [], {}
+    dtype, rows, fns = torch_dtype(cfg.dtype), [], {}
     for model, batches in cfg.segment_batches.items():
         mcfg = resolve_model(model)
         for mb, seq in batches:
@@ -458,7 +459,7 @@ def _phases(g: _Group, spec: dict, allreduce_s: float, tick: Tick) -> dict:
     would still spin while rank 0 runs alone). With several ranks a round's time is the
     slowest rank's: ranks that finish early would otherwise hide the contention."""
     m, dev, reps = spec["phase_matmul"], g.device, spec["repeats"]
-    dt = DTYPES[spec["dtype"]]
+    dt = torch_dtype(spec["dtype"])
     a, b = torch.randn(m, m, device=dev).to(dt), torch.randn(m, m, device=dev).to(dt)
     c = torch.empty(m, m, device=dev, dtype=dt)
     x = torch.zeros(spec["overlap_bytes"] // 4, device=dev)  # zeros: repeated sums stay finite

@@ -10,10 +10,10 @@ import torch
 from executor.collectives import all_gather
 from executor.data import SyntheticData
 from executor.stage import FlatParams, make_optimizer
+from costmodel.dtypes import torch_dtype
 from piper_sim.models import build_model, config_from_meta, lm_loss
 from piper_sim.plan import Plan
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu",
@@ -25,9 +25,9 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
     if "user_model" in meta:
         from executor.user_stage import user_reference_training
 
-        return user_reference_training(plan, steps, device, DTYPES[meta["dtype"]], clip_grad_norm)
+        return user_reference_training(plan, steps, device, torch_dtype(meta["dtype"]), clip_grad_norm)
     cfg = config_from_meta(meta)
-    model = build_model(cfg, device=device, dtype=DTYPES[meta["dtype"]], seed=meta["seed"])
+    model = build_model(cfg, device=device, dtype=torch_dtype(meta["dtype"]), seed=meta["seed"])
     opt = make_optimizer(list(model.parameters()))
     data = SyntheticData(cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
     losses = []

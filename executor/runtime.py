@@ -9,7 +9,9 @@ stream. Nothing here knows the schedule's name: the plan's lists and dependencie
 whole program. On CUDA each plan stream is a CUDA stream, dependencies are CUDA events and
 communication is done as soon as it is enqueued (its stream waits for it).
 
-Instruction semantics (op ids from ``piper_sim.compiler``):
+Instruction semantics (op ids from ``piper_sim.ir.op_id``; readable names only: what an op
+does is in its typed fields ``stage``, ``mb``, ``part``, ``direction``, ``bucket``,
+``experts``, ``block``, ``a2a``, never parsed from the id):
   F.s{s}.mb{m}[.p{i}]     forward of stage s (piece i) on micro-batch m
   B / BI .s{s}.mb{m}[.p{i}]  full backward / backward to inputs only of that piece
   BW.s{s}.mb{m}           weight gradients of every piece, from what BI kept
@@ -37,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import re
 import signal
 import sys
 import time
@@ -51,14 +52,17 @@ import torch.distributed as dist
 from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
+from costmodel.dtypes import torch_dtype
 from executor.user_stage import UserData, UserStage, user_model_of
 from piper_sim.models import config_from_meta
-from piper_sim.plan import Instruction, Plan, PlanError
+from piper_sim.plan import BACKWARD_KINDS, COMPUTE_KINDS, Instruction, Plan, PlanError, missing_fields
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-RE_SYNC = re.compile(r"^(AR|RS|AG)\.s(\d+)(?:\.(?:mb|i)\d+)?(\.e)?\.b(\d+)$")
-RE_GATHER = re.compile(r"^AG\.(F|B)\.s(\d+)\.(?:mb|i)(\d+)(\.e)?\.b(\d+)$")
-RE_A2A = re.compile(r"^A2A\.(F|B)\.s(\d+)\.mb(\d+)\.e(\d+)\.(dispatch|combine)$")
+A2A_MIRROR = {"dispatch": "combine", "combine": "dispatch"}
+
+
+def flat_tag(ins: Instruction) -> str:
+    """Key suffix of the flat parameters a bucket op works on: "" dense, ".e" the expert shard."""
+    return ".e" if ins.experts else ""
 
 
 class InstructionError(RuntimeError):
@@ -137,10 +141,14 @@ class Runtime:
         self.timeout_s, self.fault = timeout_s, fault
         self.cuda = device.type == "cuda"
         self.prog = plan.program(rank)
+        for ins in (i for lst in self.prog.streams.values() for i in lst):
+            if missing_fields(ins):
+                raise PlanError(f"instruction {ins.id} ({ins.kind}) lacks {', '.join(missing_fields(ins))}; "
+                                "recompile the strategy")
         meta = plan.meta
         self.user_model = "user_model" in meta  # a user's annotated nn.Module (executor.user_stage)
         self.cfg = user_model_of(meta) if self.user_model else config_from_meta(meta)
-        self.dtype = DTYPES[meta["dtype"]]
+        self.dtype = torch_dtype(meta["dtype"])
         self.layout = plan.layout
         self.dp_rank = self.prog.dp_rank
         self.microbatches = meta["microbatches"]
@@ -224,8 +232,7 @@ class Runtime:
                 if ins.kind not in ("ALLREDUCE", "REDUCE_SCATTER") or ins.dep_progress >= 1.0 \
                         or running_id not in ins.deps or any(d not in self.done for d in ins.deps if d != running_id):
                     break
-                kind, s, tag, b = self._parse_sync(ins)
-                members = self.bucket_members.get((s, tag, b))
+                members = self.bucket_members.get((ins.stage, flat_tag(ins), ins.bucket))
                 if members is None or not (members & writes) <= self.running_done:
                     break
                 self.ptr[name] += 1
@@ -240,10 +247,10 @@ class Runtime:
         first OPT of the step all-reduces the squared norm over every rank (its own group,
         made here on every rank alike)."""
         compute = self.prog.streams.get("compute", [])
-        backward = [i.id for i in compute if i.kind in ("B", "BI", "BW")]
+        backward = [i.id for i in compute if i.kind in BACKWARD_KINDS]
         syncs = [i.id for lst in self.prog.streams.values() for i in lst if i.kind in ("ALLREDUCE", "REDUCE_SCATTER")]
         opts = [k for k, i in enumerate(compute) if i.kind == "OPT"]
-        last_backward = max((k for k, i in enumerate(compute) if i.kind in ("B", "BI", "BW")), default=-1)
+        last_backward = max((k for k, i in enumerate(compute) if i.kind in BACKWARD_KINDS), default=-1)
         if opts and min(opts) < last_backward:
             raise PlanError("--clip-grad-norm needs every backward before the first OPT in the compute order")
         self.prog.streams["compute"] = [
@@ -259,9 +266,8 @@ class Runtime:
         syncs: dict[tuple[int, str], list[Instruction]] = {}
         for lst in self.prog.streams.values():
             for ins in lst:
-                m = RE_SYNC.match(ins.id)
-                if m and m[1] in ("AR", "RS"):
-                    syncs.setdefault((int(m[2]), m[3] or ""), []).append(ins)
+                if ins.kind in ("ALLREDUCE", "REDUCE_SCATTER") and ins.bucket >= 0:
+                    syncs.setdefault((ins.stage, flat_tag(ins)), []).append(ins)
         unit_buckets = self.plan.meta.get("zero3_buckets")
         if zero == 3 and syncs and unit_buckets is None:
             raise PlanError("this ZeRO-3 plan predates per-unit gathers (no meta.zero3_buckets); recompile it")
@@ -277,7 +283,7 @@ class Runtime:
                 numels = None
                 if zero == 3 and ops:
                     named, numels = _by_bucket(named, unit_buckets[s][tag])
-                n_buckets = len({RE_SYNC.match(i.id)[4] for i in ops})  # RS: one per bucket and micro-batch
+                n_buckets = len({i.bucket for i in ops})  # RS: one per bucket and micro-batch
                 flats[(s, tag)] = FlatParams(
                     key=f"s{s}{tag}" + (f".ep{self.ep_index}" if tag else ""), names=[n for n, _ in named],
                     params=[p for _, p in named], n_buckets=max(n_buckets, 1), group=group, sync=sync,
@@ -581,14 +587,14 @@ class Runtime:
 
     # ------------------------------------------------------------------ communication
     def _send(self, ins: Instruction) -> Posted:
-        if ins.match.startswith("F."):
+        if ins.direction == "F":
             t = self.envs[(ins.stage, ins.mb)].vals["x"].detach()
         else:
             t = self.input_grads.pop((ins.stage, ins.mb))
         return Posted(dist.isend(t.contiguous(), ins.peer, tag=self.comms.tags[ins.match]))
 
     def _recv(self, ins: Instruction) -> Posted:
-        key = (ins.match[0], ins.stage, ins.mb)  # ("F" | "B", sender's stage, mb)
+        key = (ins.direction, ins.stage, ins.mb)  # ("F" | "B", sender's stage, mb)
         shape, dtype = (self.mbs, self.seq, self.cfg.hidden), self.dtype
         if self.user_model:  # the boundary tensor after the sending stage (F) or before it (B)
             b = self.plan.meta["user_model"]["boundaries"][ins.stage - (key[0] == "B")]
@@ -598,10 +604,10 @@ class Runtime:
         return Posted(work, lambda: self.received.__setitem__(key, buf))
 
     def _sync(self, ins: Instruction) -> Posted:
-        kind, s, tag, b = self._parse_sync(ins)
-        fp = self.flats[(s, tag)]
+        fp = self.flats[(ins.stage, flat_tag(ins))]
+        b = ins.bucket
         pg = self.comms.group(ins.stream, ins.group)
-        if kind == "AR":
+        if ins.kind == "ALLREDUCE":
             return Posted(dist.all_reduce(fp.grad_bucket(b), group=pg, async_op=True))
         # the bucket's gradients so far go (the bucket restarts from zero); their reduced
         # shard is added to the shard's gradient, which sums the step's micro-batches
@@ -624,32 +630,20 @@ class Runtime:
         return send
 
     def _gather(self, ins: Instruction) -> Posted:
-        m = RE_GATHER.match(ins.id)
-        if m:  # ZeRO-3: gather a unit for one forward / backward, dropped after the last piece using it
-            s, tag, b = int(m[2]), m[4] or "", int(m[5])
-            fp = self.flats[(s, tag)]
+        s, tag, b = ins.stage, flat_tag(ins), ins.bucket
+        fp = self.flats[(s, tag)]
+        if ins.direction:  # ZeRO-3: gather a unit for one forward / backward, dropped after the last piece using it
             fp.acquire(b)
             users = self.bucket_parts[(s, tag, b)]
-            last = users[-1] if m[1] == "F" else users[0]
-            self.releases.setdefault((m[1], s, ins.mb, last), []).append((fp, b))  # mb: the consumer's
-        else:
-            _, s, tag, b = self._parse_sync(ins)
-            fp = self.flats[(s, tag)]
+            last = users[-1] if ins.direction == "F" else users[0]
+            self.releases.setdefault((ins.direction, s, ins.mb, last), []).append((fp, b))  # mb: the consumer's
         pg = self.comms.group(ins.stream, ins.group)
         return Posted(all_gather(fp.bucket(b), fp.shard_piece(b), group=pg, async_op=True))
 
-    @staticmethod
-    def _parse_sync(ins: Instruction) -> tuple[str, int, str, int]:
-        m = RE_SYNC.match(ins.id)
-        if not m:
-            raise ValueError(f"cannot read bucket op id {ins.id!r}")
-        return m[1], int(m[2]), m[3] or "", int(m[4])
-
     def _all_to_all(self, ins: Instruction):
-        m = RE_A2A.match(ins.id)
-        if not m:
-            raise ValueError(f"cannot read all-to-all op id {ins.id!r}")
-        direction, s, mb, e, what = m[1], int(m[2]), int(m[3]), int(m[4]), m[5]
+        direction, s, mb, e = ins.direction, ins.stage, ins.mb, ins.block
+        # the forward op this one is (F) or is the backward of (B)
+        what = ins.a2a if direction == "F" else A2A_MIRROR[ins.a2a]
         stage = self.stages[s]
         layer = stage.expert_layers[e]
         pg = self.comms.group(ins.stream, ins.group)
@@ -713,7 +707,7 @@ class Runtime:
             rows.append({"rank": self.rank, "stream": ins.stream, "op_id": ins.id, "kind": ins.kind,
                          "stage": ins.stage, "mb": ins.mb, "start": start, "end": end, "bytes": ins.bytes,
                          "flops": ins.flops, "peer": ins.peer if ins.kind in ("SEND", "RECV") else -1,
-                         "posted": posted, "group": ins.group})
+                         "posted": posted, "group": ins.group, "match": ins.match})
         return rows
 
 
@@ -775,18 +769,19 @@ def align_comm_starts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     def key(r: dict[str, Any]) -> tuple:
         if r["kind"] in ("SEND", "RECV"):
             a, b = (r["rank"], r["peer"]) if r["kind"] == "SEND" else (r["peer"], r["rank"])
-            return ("p2p", a, b, r["op_id"].split(".", 1)[1])
+            return ("p2p", a, b, r["match"])
         return ("coll", r["op_id"], r["group"])
 
     for r in rows:
-        if r["kind"] not in ("F", "B", "BI", "BW", "OPT"):
+        if r["kind"] not in COMPUTE_KINDS:
             k = key(r)
             latest[k] = max(latest.get(k, r["posted"]), r["posted"])
     out = []
     for r in rows:
         r = dict(r)
-        if r["kind"] not in ("F", "B", "BI", "BW", "OPT"):
+        if r["kind"] not in COMPUTE_KINDS:
             r["start"] = min(max(r["start"], latest[key(r)]), r["end"])
         r.pop("group", None)
+        r.pop("match", None)
         out.append(r)
     return out

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import networkx as nx
 
 from costmodel import operators
+from costmodel.dtypes import DTYPE_BYTES, torch_dtype
 from costmodel.hardware import GPU, H100, parse_cluster
-from costmodel.memory import model_state_bytes
+from costmodel.memory import adam_state_bytes, model_state_bytes
 from piper_sim.annotate import AnnotationError, UserModel, check_user_setup, resolve_user_model
 from piper_sim.directives import Setup, expand, resolve
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memory_pass, grad_bucket_memory, \
@@ -19,15 +20,13 @@ from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memor
     tensor_pass, unit_buckets
 from piper_sim.memory import model_memory
 from piper_sim.models import ModelConfig, plan_model_meta, tp_divisibility_error, tp_shard
-from piper_sim.plan import Instruction, Layout, Plan, RankClass, RankProgram
+from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
-from piper_sim.schedules import stages_per_rank
+from piper_sim.schedules import SCHEDULE_TABLE, canonical_schedule, default_schedule, stages_per_rank
 from piper_sim.sources import resolve_model
 from piper_sim.strategy import Strategy, StrategyError, parse_strategy
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
@@ -158,12 +157,12 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
     m = by_op.get("split", {}).get("microbatches", strategy.microbatches)
     pipe = by_op.get("pipeline", {})
     pp = pipe.get("degree", 1)
-    name = by_op.get("schedule", {}).get("name", "interleaved_1f1b" if pipe.get("stages_per_rank", 1) > 1 else "1f1b")
+    name = canonical_schedule(by_op.get("schedule", {}).get("name", default_schedule(pipe.get("stages_per_rank"))))
     try:
         v = stages_per_rank(name, pp, m, pipe.get("stages_per_rank"))
     except ValueError:
         return 0  # an impossible schedule: expanding it says why, at once
-    pairs = m * v // (2 if name == "dualpipe" else 1)  # dualpipe: two copies, half the micro-batches each
+    pairs = m * v // SCHEDULE_TABLE[name].copies  # dualpipe: two copies, half the micro-batches each
     per_pair = 5
     if "expert_parallel" in by_op and cfg.is_moe:
         per_pair += 6 * -(-(cfg.n_layers - cfg.first_dense) // (pp * v))
@@ -233,10 +232,8 @@ def build_dag(strategy: Strategy, folded: bool = True,
               model: object = None) -> tuple[TrainingDAG, Context, ModelConfig | UserModel]:
     """Run every pass; the result is the global training DAG (folded or per rank).
     ``model``: a user model (`piper_sim.annotate`) or its factory, in place of ``strategy.model``."""
-    import torch
-
     cfg, setup, layout, mbs = _setup_and_layout(strategy, model)
-    dtype = getattr(torch, _TORCH_DTYPE[strategy.dtype])
+    dtype = torch_dtype(strategy.dtype)
     if isinstance(cfg, UserModel):
         from piper_sim.user_profiling import profile_user_model, user_model_memory
 
@@ -292,16 +289,16 @@ def _issued_before(dag: TrainingDAG, n: Node, previous: dict[Node, Node]) -> Nod
         return None  # after the compute piece it follows (the default)
     local = [q for q in dag.g.successors(n) if q[0] == n[0]]
     if ins.kind == "ALL_GATHER" and ins.mb >= 0:
-        consumer = next((q for q in local if dag.ins(q).kind in ("F", "B", "BI")), None)
+        consumer = next((q for q in local if dag.ins(q).kind in SPLIT_KINDS), None)
         return previous.get(consumer, consumer) if consumer is not None else None
     if ins.kind == "RECV":
         return local[0] if local else None
     if ins.kind == "ALL_TO_ALL":
-        family = "F" if ins.id.startswith("A2A.F") else "B"
+        family = ins.direction
         for q in local:
             qi = dag.ins(q)
             if qi.stage == ins.stage and qi.mb == ins.mb and (qi.kind == "F") == (family == "F") \
-                    and qi.kind in ("F", "B", "BI"):
+                    and qi.kind in SPLIT_KINDS:
                 return q
     return None
 
@@ -406,7 +403,7 @@ def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
     """Parameters, gradients and optimizer state a rank holds for the whole step."""
     total = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0}
     pbytes = ctx.dtype_bytes
-    optim = 12 if pbytes == 2 else 8  # fp32 master + Adam m, v (no master copy for fp32 params)
+    optim = adam_state_bytes(pbytes)
     for s, ranks in ctx.layout.stage_ranks.items():
         if pp_rank not in ranks:
             continue
@@ -428,10 +425,9 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: obje
     lists = lower(dag, ctx.sequences)
     layout = ctx.layout
     classes = []
-    n = layout.class_size
     for pp_rank in range(layout.pp):
         classes.append(RankClass(
-            pp_rank=pp_rank, ranks=list(range(pp_rank * n, (pp_rank + 1) * n)),
+            pp_rank=pp_rank, ranks=layout.class_ranks(pp_rank),
             streams=lists[pp_rank], static_memory=static_memory(ctx, pp_rank, ctx.setup.zero),
             stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
     meta = {
@@ -495,9 +491,7 @@ def _model_flops(ctx: Context, strategy: Strategy, cfg: ModelConfig) -> float:
     """Useful training flops of one step (forward + backward, no recompute), all replicas
     (under tensor parallelism those of the whole model, not of a rank's shard)."""
     if ctx.layout.tp > 1:
-        import torch
-
-        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, getattr(torch, _TORCH_DTYPE[strategy.dtype]))
+        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, torch_dtype(strategy.dtype))
     else:
         segments = [x for sc in ctx.stages for x in sc.segments]
     per_mb = sum(x.fwd_flops + x.bwd_input_flops + x.bwd_weight_flops for x in segments)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from piper_sim.schedules import (SCHEDULES, Action, ScheduleError, Slot, build_schedule, canonical_schedule,
-                                 format_slot, known_names)
+                                 default_schedule, format_slot, known_names)
 from piper_sim.strategy import Strategy, StrategyError
 
 _ACTION_RE = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
@@ -97,7 +97,7 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
     sched = by_op.get("schedule")
     has_low_level = any(d["op"] in ("place", "order") for d in strategy.directives)
     if sched or not has_low_level:
-        name = canonical_schedule(sched["name"]) if sched else ("interleaved_1f1b" if v and v > 1 else "1f1b")
+        name = canonical_schedule(sched["name"]) if sched else default_schedule(v)
         if name not in SCHEDULES:
             raise StrategyError(f"schedule: unknown name {sched['name']!r}; choose one of {known_names()}")
         placement = pipe.get("placement")

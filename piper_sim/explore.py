@@ -27,10 +27,13 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+from costmodel.dtypes import DTYPE_BYTES, torch_dtype
 from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
 from piper_sim.models import tp_divisibility_error, tp_shard
+from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, ScheduleError, canonical_schedule, known_names,
+                                 stages_per_rank)
 from piper_sim.sources import resolve_model
 from piper_sim.strategy import StrategyError
 from piper_sim.trace import save_figure
@@ -39,7 +42,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 log = logging.getLogger(__name__)
-SCHEDULE_V = {"gpipe": 1, "1f1b": 1, "zb1p": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2, "dualpipe": 1}
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,7 @@ class Candidate:
 
     @property
     def v(self) -> int:
-        return SCHEDULE_V[self.schedule] if self.pp > 1 else 1
+        return SCHEDULE_TABLE[self.schedule].stages_per_rank if self.pp > 1 else 1
 
     def strategy(self, model: str, cluster: str, global_batch: int, seq_len: int) -> dict[str, Any]:
         pipe: dict[str, Any] = {"op": "pipeline", "degree": self.pp, "stages_per_rank": self.v}
@@ -154,7 +156,10 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
     the sequence: sequence parallelism is on whenever T > 1)."""
     cfg = resolve_model(model)
     cl = parse_cluster(cluster)
-    schedules = list(schedules or SCHEDULE_V)
+    schedules = [canonical_schedule(x) for x in (schedules or SCHEDULES)]
+    unknown = [x for x in schedules if x not in SCHEDULE_TABLE]
+    if unknown:
+        raise StrategyError(f"explore: unknown schedule(s) {', '.join(map(repr, unknown))}; choose from {known_names()}")
     tps = _divisors(cl.gpus_per_node) if tp_degrees is None else sorted(set(tp_degrees))
     tps = [t for t in tps if t == 1 or (cl.world_size % t == 0 and not tp_divisibility_error(cfg, t)
                                         and seq_len % t == 0)]
@@ -175,7 +180,8 @@ def _enumerate(cfg, world: int, tp: int, global_batch: int, schedules: list[str]
         if global_batch % dp:
             continue
         for sched in (schedules if pp > 1 else ["1f1b"]):
-            v = SCHEDULE_V[sched] if pp > 1 else 1
+            entry = SCHEDULE_TABLE[sched]
+            v = entry.stages_per_rank if pp > 1 else 1
             if pp * v > cfg.n_layers:
                 continue
             per_replica = global_batch // dp
@@ -183,21 +189,24 @@ def _enumerate(cfg, world: int, tp: int, global_batch: int, schedules: list[str]
             for m in options:
                 if m > max_microbatches or per_replica % m:
                     continue
-                if sched in ("interleaved_1f1b",) and m % pp:
-                    continue
-                if sched == "dualpipe" and (pp % 2 or m % 2 or m < 2 * pp):
-                    continue
-                if sched == "dualpipev" and m < 2 * pp:
-                    continue
-                if sched in ("gpipe", "zbv", "zb1p", "dualpipev", "dualpipe") and m < 2 * pp and pp > 1:
+                if pp > 1 and (m < entry.explore_min_mb * pp or not _schedule_ok(sched, pp, m, v)):
                     continue
                 eps = [e for e in _divisors(dp) if cfg.is_moe and cfg.n_experts % e == 0] or [1]
-                copies = 2 if sched == "dualpipe" else 1
+                copies = entry.copies
                 for ep in eps:
                     for zero in (zero_levels if dp * copies > 1 else [0]):
                         for rc in recompute:
                             out.append(Candidate(pp, sched, m, dp, zero, ep, rc, tp, tp > 1))
     return out
+
+
+def _schedule_ok(name: str, pp: int, m: int, v: int) -> bool:
+    """The schedule's own checks accept (pp, m, v)."""
+    try:
+        stages_per_rank(name, pp, m, v)
+    except ScheduleError:
+        return False
+    return True
 
 
 @functools.lru_cache(maxsize=256)
@@ -216,19 +225,16 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     model's best efficiency (every real op is smaller, so no faster). Under tensor
     parallelism both are a rank's share: the segments are profiled on its shard
     (`models.tp_shard`), as the compiler does."""
-    import torch
-
-    from piper_sim.compiler import DTYPE_BYTES, _TORCH_DTYPE, static_memory, stage_costs
+    from piper_sim.compiler import static_memory, stage_costs
     from piper_sim.ir import Context
     from piper_sim.memory import model_memory
     from piper_sim.plan import Layout
     from piper_sim.profiling import profile_model
-    from piper_sim.schedules import ScheduleError
 
     cfg = resolve_model(settings["model"])
     dtype = settings.get("dtype", "bf16")
     mbs = settings["global_batch"] // (cand.dp * cand.microbatches)
-    tdtype = getattr(torch, _TORCH_DTYPE[dtype])
+    tdtype = torch_dtype(dtype)
     try:
         spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
         shard = tp_shard(cfg, cand.tp, cand.sp)

@@ -21,15 +21,17 @@ Memory (``alloc`` at an op's start, ``free`` at its end) is set by `activation_m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
+from costmodel.compute import ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM
 from piper_sim import kernels
 from piper_sim.checks import MAX_BUCKETS_PER_STAGE
 from piper_sim.directives import Setup
 from piper_sim.memory import PieceMemory, SegmentMemory, piece_memory
-from piper_sim.plan import Instruction, Layout
+from piper_sim.plan import (BACKWARD_KINDS, COMPUTE_KINDS, INPUT_GRAD_KINDS, P2P_KINDS, PASS_KINDS, SPLIT_KINDS,
+                            WEIGHT_GRAD_KINDS, Instruction, Layout, p2p_id)
 from piper_sim.profiling import SegmentCost, segment_kind
 from piper_sim.strategy import StrategyError
 
@@ -130,7 +132,7 @@ class Context:
         return [0] if self.folded else list(range(self.layout.class_size))
 
     def where(self, pp_rank: int, replica: int) -> int:
-        return pp_rank if self.folded else pp_rank * self.layout.class_size + replica
+        return pp_rank if self.folded else self.layout.rank_at({"pp": pp_rank}) + replica  # a class is contiguous
 
     def group(self, symbolic: str, where: int) -> str:
         if self.folded:
@@ -170,8 +172,55 @@ class TrainingDAG:
         return self.g._node[node]["ins"]  # the plain dict: g.nodes[...] builds a view per call
 
 
+_SYNC_PREFIX = {"ALLREDUCE": "AR", "REDUCE_SCATTER": "RS", "ALL_GATHER": "AG"}
+_A2A_MIRROR = {"dispatch": "combine", "combine": "dispatch"}
+
+
+def op_id(ins: Instruction) -> str:
+    """The readable op id of an instruction, formed from its typed fields only (the one
+    place ids are made; nothing reads them back):
+
+    ``F|B|BI|BW.s{stage}.mb{mb}[.p{part}]``, ``OPT.s{stage}``, ``SEND|RECV.{match}`` with
+    ``match = {direction}.s{stage}.mb{mb}``, ``AR|AG.s{stage}[.e].b{bucket}``,
+    ``RS.s{stage}[.mb{mb}|.i{round}][.e].b{bucket}``, ``AG.{direction}.s{stage}.i{round}[.e].b{bucket}``
+    (ZeRO-3), ``A2A.{direction}.s{stage}.mb{mb}.e{block}.{dispatch|combine}`` (named after the
+    forward op: a backward dispatch is the backward of the forward combine), and
+    ``TP.{direction}.s{stage}.mb{mb}.{name}`` / ``TP.s{stage}.{name}``."""
+    k, s, e = ins.kind, ins.stage, ".e" if ins.experts else ""
+    if k == "OPT":
+        return f"OPT.s{s}"
+    if k in COMPUTE_KINDS:
+        return f"{k}.s{s}.mb{ins.mb}" + (f".p{ins.part}" if ins.parts > 1 else "")
+    if k in P2P_KINDS:
+        return p2p_id(k, p2p_match(ins.direction, s, ins.mb))
+    if k == "ALL_TO_ALL":
+        name = ins.a2a if ins.direction == "F" else _A2A_MIRROR[ins.a2a]
+        return f"A2A.{ins.direction}.s{s}.mb{ins.mb}.e{ins.block}.{name}"
+    if is_tp(ins):
+        return f"TP.{ins.direction}.s{s}.mb{ins.mb}.{ins.name}" if ins.direction else f"TP.s{s}.{ins.name}"
+    if ins.direction:  # a ZeRO-3 gather before one forward / backward
+        return f"AG.{ins.direction}.s{s}.i{ins.round}{e}.b{ins.bucket}"
+    label = f".i{ins.round}" if ins.round >= 0 else f".mb{ins.mb}" if ins.mb >= 0 else ""
+    return f"{_SYNC_PREFIX[k]}.s{s}{label}{e}.b{ins.bucket}"
+
+
+def p2p_match(direction: str, stage: int, mb: int) -> str:
+    """The key pairing a SEND with its RECV: the activation of ``stage`` (``F``) or the
+    gradient of its input (``B``) for micro-batch ``mb``."""
+    return f"{direction}.s{stage}.mb{mb}"
+
+
+def make_op(kind: str, stream: str, **fields) -> Instruction:
+    """An instruction with its id (`op_id`) and, for p2p, its ``match`` formed from its fields."""
+    ins = Instruction(id="", kind=kind, stream=stream, **fields)
+    if kind in P2P_KINDS:
+        ins.match = p2p_match(ins.direction, ins.stage, ins.mb)
+    ins.id = op_id(ins)
+    return ins
+
+
 def _compute(ctx: Context, kind: str, stage: int, mb: int, segs: list[SegmentCost], recompute: bool = False,
-             suffix: str = "") -> Instruction:
+             part: int = 0, parts: int = 1) -> Instruction:
     fwd = sum(s.fwd_flops for s in segs)
     bi = sum(s.bwd_input_flops for s in segs)
     bw = sum(s.bwd_weight_flops for s in segs)
@@ -179,11 +228,9 @@ def _compute(ctx: Context, kind: str, stage: int, mb: int, segs: list[SegmentCos
              "BI": bi + (fwd if recompute else 0.0), "BW": bw}[kind]
     main = max(segs, key=lambda s: s.fwd_flops)
     act = sum(s.saved_act_bytes for s in segs)
-    return Instruction(id=f"{kind}.s{stage}.mb{mb}{suffix}", kind=kind, stream="compute",
-                       stage=stage, mb=mb, flops=flops, tokens=main.tokens,
-                       bytes=sum(s.param_bytes for s in segs) + 2 * act, recompute=recompute,
-                       gemm=[main.gemm_m, main.gemm_n, main.gemm_k],
-                       kernels=ctx.kernel_table(kind, segs, recompute))
+    return make_op(kind, "compute", stage=stage, mb=mb, part=part, parts=parts, flops=flops, tokens=main.tokens,
+                   bytes=sum(s.param_bytes for s in segs) + 2 * act, recompute=recompute,
+                   gemm=[main.gemm_m, main.gemm_n, main.gemm_k], kernels=ctx.kernel_table(kind, segs, recompute))
 
 
 # --- passes ---------------------------------------------------------------------------
@@ -248,16 +295,16 @@ def place_pass(ctx: Context, dag: TrainingDAG, kinds: dict[tuple[int, int], list
                 a, b = setup.rank_of(s, mb), setup.rank_of(s + 1, mb)
                 wa, wb = ctx.where(a, d), ctx.where(b, d)
                 _link(dag, ctx, (wa, f"F.s{s}.mb{mb}"), (wb, f"F.s{s + 1}.mb{mb}"), a, b, d,
-                      f"F.s{s}.mb{mb}", s, mb, nbytes, streams)
+                      "F", s, mb, nbytes, streams)
                 back = "B" if kinds[(s + 1, mb)] == ["F", "B"] else "BI"
                 back_dst = "B" if kinds[(s, mb)] == ["F", "B"] else "BI"
                 _link(dag, ctx, (wb, f"{back}.s{s + 1}.mb{mb}"), (wa, f"{back_dst}.s{s}.mb{mb}"), b, a, d,
-                      f"B.s{s + 1}.mb{mb}", s + 1, mb, nbytes, streams)
+                      "B", s + 1, mb, nbytes, streams)
         # one optimizer step per stage copy
         for s in range(S):
             for pp_rank in sorted({r for r, _, _ in setup.placement[s]}):
                 w = ctx.where(pp_rank, d)
-                opt = dag.add(w, Instruction(id=f"OPT.s{s}", kind="OPT", stream="compute", stage=s))
+                opt = dag.add(w, make_op("OPT", "compute", stage=s))
                 for mb in range(setup.microbatches):
                     if setup.rank_of(s, mb) == pp_rank:
                         last = "B" if kinds[(s, mb)] == ["F", "B"] else "BW"
@@ -265,18 +312,16 @@ def place_pass(ctx: Context, dag: TrainingDAG, kinds: dict[tuple[int, int], list
 
 
 def _link(dag: TrainingDAG, ctx: Context, src: Node, dst: Node, src_pp: int, dst_pp: int, d: int,
-          match: str, stage: int, mb: int, nbytes: float, streams: dict[str, str]) -> None:
+          direction: str, stage: int, mb: int, nbytes: float, streams: dict[str, str]) -> None:
     if src[0] == dst[0]:
         dag.edge(src, dst)
         return
     # one stream per peer and direction, like a NCCL pair: messages between two ranks
     # are received in the order they were sent
-    send = dag.add(src[0], Instruction(id=f"SEND.{match}", kind="SEND", stream=f"{streams['SEND']}.pp{dst_pp}",
-                                       stage=stage, mb=mb, bytes=nbytes, match=match,
-                                       peer=ctx.where(dst_pp, d)))
-    recv = dag.add(dst[0], Instruction(id=f"RECV.{match}", kind="RECV", stream=f"{streams['RECV']}.pp{src_pp}",
-                                       stage=stage, mb=mb, bytes=nbytes, match=match,
-                                       peer=ctx.where(src_pp, d)))
+    send = dag.add(src[0], make_op("SEND", f"{streams['SEND']}.pp{dst_pp}", stage=stage, mb=mb, bytes=nbytes,
+                                   direction=direction, peer=ctx.where(dst_pp, d)))
+    recv = dag.add(dst[0], make_op("RECV", f"{streams['RECV']}.pp{src_pp}", stage=stage, mb=mb, bytes=nbytes,
+                                   direction=direction, peer=ctx.where(src_pp, d)))
     dag.edge(src, send)
     dag.edge(send, recv, "p2p")
     dag.edge(recv, dst)
@@ -289,7 +334,7 @@ def piece_pass(ctx: Context, dag: TrainingDAG) -> None:
     BW is not cut (under EP its expert share is the ``expert_flops`` field)."""
     by_stage: dict[int, list[Node]] = {}
     for n in dag.g.nodes:
-        if dag.ins(n).kind in ("F", "B", "BI", "BW"):
+        if dag.ins(n).kind in PASS_KINDS:
             by_stage.setdefault(dag.ins(n).stage, []).append(n)
     for sc in ctx.stages:
         parts = ctx.parts(sc.stage)
@@ -316,8 +361,7 @@ def _split_node(ctx: Context, dag: TrainingDAG, node: Node, parts: list[list[Seg
         segs = parts[i]
         if not segs:
             continue
-        ins = _compute(ctx, old.kind, old.stage, old.mb, segs, old.recompute, suffix=f".p{i}")
-        ins.part, ins.parts = i, len(parts)
+        ins = _compute(ctx, old.kind, old.stage, old.mb, segs, old.recompute, part=i, parts=len(parts))
         is_expert = segs[0].is_expert and ctx.layout.ep > 1
         if is_expert:
             ins.expert_flops = float(ins.flops)
@@ -342,10 +386,10 @@ def _a2a(ctx: Context, dag: TrainingDAG, where: int, old: Instruction, e: int, n
          nbytes: float) -> Node:
     pas = "F" if old.kind == "F" else "B"
     # the backward of a dispatch moves gradients back from the experts: a combine
-    direction = name if pas == "F" else {"dispatch": "combine", "combine": "dispatch"}[name]
-    return dag.add(where, Instruction(id=f"A2A.{pas}.s{old.stage}.mb{old.mb}.e{e}.{name}", kind="ALL_TO_ALL",
-                                      stream=ctx.setup.streams["ALL_TO_ALL"], stage=old.stage, mb=old.mb,
-                                      bytes=nbytes, group=ctx.group("ep", where), a2a=direction))
+    direction = name if pas == "F" else _A2A_MIRROR[name]
+    return dag.add(where, make_op("ALL_TO_ALL", ctx.setup.streams["ALL_TO_ALL"], stage=old.stage, mb=old.mb,
+                                  bytes=nbytes, group=ctx.group("ep", where), a2a=direction, direction=pas,
+                                  block=e))
 
 
 TP_STREAM = "tp"
@@ -431,7 +475,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     by_stage: dict[tuple[int, int], list[Node]] = {}
     for n in list(dag.g.nodes):
         ins = dag.ins(n)
-        if ins.kind in ("F", "B", "BI", "BW", "OPT"):
+        if ins.kind in COMPUTE_KINDS:
             by_stage.setdefault((n[0], ins.stage), []).append(n)
     for (where, s), nodes in by_stage.items():
         group = ctx.group("tp", where)
@@ -441,14 +485,14 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
         last_bi: dict[int, Node] = {}
         for n in nodes:
             ins = dag.ins(n)
-            if ins.kind not in ("F", "B", "BI"):
+            if ins.kind not in SPLIT_KINDS:
                 continue
             segs = parts[ins.part] if ins.kind == "F" else list(reversed(parts[ins.part]))
             chain: list[Node] = []
 
             def add(pas: str, name: str, kind: str, nbytes: float) -> Node:
-                return dag.add(where, Instruction(id=f"TP.{pas}.s{s}.mb{ins.mb}.{name}", kind=kind,
-                                                  stream=TP_STREAM, stage=s, mb=ins.mb, bytes=nbytes, group=group))
+                return dag.add(where, make_op(kind, TP_STREAM, stage=s, mb=ins.mb, bytes=nbytes, group=group,
+                                              direction=pas, name=name))
 
             for seg in segs:
                 if ins.kind != "F" and full and ctx.memory[seg.name].recomputed:
@@ -476,10 +520,10 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             dag.edge(ops[-1], bw)
         norms = sum(x.sp_params for x in ctx.stages[s].segments) * ctx.dtype_bytes
         if sp and norms:
-            ar = dag.add(where, Instruction(id=f"TP.s{s}.norms", kind="ALLREDUCE", stream=TP_STREAM, stage=s,
-                                            bytes=float(norms), group=group))
+            ar = dag.add(where, make_op("ALLREDUCE", TP_STREAM, stage=s, bytes=float(norms), group=group,
+                                        name="norms"))
             for n in nodes:
-                if dag.ins(n).kind in ("B", "BW"):
+                if dag.ins(n).kind in WEIGHT_GRAD_KINDS:
                     dag.edge(n, ar)
             dag.edge(ar, (where, f"OPT.s{s}"))
 
@@ -489,7 +533,7 @@ def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
     forward of its attention cores again (full recompute is priced by ``_compute``)."""
     for n in dag.g.nodes:
         ins = dag.ins(n)
-        if ins.kind in ("B", "BI") and ctx.setup.recompute.get(ins.stage) == "selective":
+        if ins.kind in INPUT_GRAD_KINDS and ctx.setup.recompute.get(ins.stage) == "selective":
             mems = [ctx.memory[x.name] for x in ctx.parts(ins.stage)[ins.part]]
             ins.flops += sum(m.core_flops for m in mems)
             ins.recompute = True
@@ -524,7 +568,7 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
     keep = BW_KEEP_FRACTION
     for n in dag.g.nodes:
         ins = dag.ins(n)
-        if ins.kind not in ("F", "B", "BI", "BW"):
+        if ins.kind not in PASS_KINDS:
             continue
         full = ctx.setup.recompute.get(ins.stage) == "full"
         if ins.kind == "BW":  # one op for the whole stage
@@ -545,12 +589,12 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
         if ins.kind != "ALL_TO_ALL":
             continue
         ins.alloc = ins.bytes
-        forward, dispatch = ins.id.startswith("A2A.F."), ins.id.endswith(".dispatch")
-        if forward and not dispatch:
-            back = (n[0], "A2A.B." + ins.id[len("A2A.F."):])
+        forward = ins.direction == "F"
+        if forward and ins.a2a == "combine":  # kept until the backward of this combine
+            back = (n[0], op_id(replace(ins, direction="B", a2a="dispatch")))
             dag.ins(back).free += ins.bytes
             continue
-        consumer = next(q for q in dag.g.successors(n) if q[0] == n[0] and dag.ins(q).kind in ("F", "B", "BI"))
+        consumer = next(q for q in dag.g.successors(n) if q[0] == n[0] and dag.ins(q).kind in SPLIT_KINDS)
         c = dag.ins(consumer)
         if forward:  # the buffer becomes what the expert piece keeps
             c.alloc -= min(ins.bytes, c.alloc - c.free)
@@ -597,7 +641,7 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
     by_where_stage: dict[tuple[int, int], list[Node]] = {}
     for n in dag.g.nodes:
         ins = dag.ins(n)
-        if ins.kind in ("F", "B", "BI", "BW", "OPT"):
+        if ins.kind in COMPUTE_KINDS:
             by_where_stage.setdefault((n[0], ins.stage), []).append(n)
     for (where, s), nodes in sorted(by_where_stage.items()):
         sc = ctx.stages[s]
@@ -607,7 +651,7 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
         if layout.ep > 1 and sc.experts:
             groups.append((".e", "stage:%d:edp" % s, sc.experts, copies * layout.dp // layout.ep))
         opt = (where, f"OPT.s{s}")
-        last_backward = [n for n in nodes if dag.ins(n).kind in ("B", "BW")]
+        last_backward = [n for n in nodes if dag.ins(n).kind in WEIGHT_GRAD_KINDS]
         for tag, symbolic, segs, size in groups:
             param_bytes = sum(x.param_bytes for x in segs) / (layout.ep if tag else 1)
             if size == 1 or param_bytes == 0:
@@ -618,46 +662,42 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                 continue
             buckets = _buckets(param_bytes, setup.bucket_mb, len({x.unit for x in segs}))
             n_b = len(buckets)
-            rounds = _reduce_rounds(ctx, dag, s, nodes) if zero == 2 else [("", -1, last_backward)]
+            rounds = _reduce_rounds(ctx, dag, s, nodes) if zero == 2 else [(-1, -1, last_backward)]
             for b, nbytes in enumerate(buckets):
                 # bucket b (in parameter order) has its gradients once the backward reached it
                 ready = (n_b - b) / n_b
-                for label, mb, producers in rounds:
-                    if zero == 0:
-                        sync = Instruction(id=f"AR.s{s}{tag}.b{b}", kind="ALLREDUCE", stream=stream["ALLREDUCE"],
-                                           stage=s, bytes=nbytes, group=group, dep_progress=ready)
-                    else:
-                        sync = Instruction(id=f"RS.s{s}{label}{tag}.b{b}", kind="REDUCE_SCATTER",
-                                           stream=stream["REDUCE_SCATTER"], stage=s, mb=mb, bytes=nbytes,
-                                           group=group, dep_progress=ready)
+                for rnd, mb, producers in rounds:
+                    kind = "ALLREDUCE" if zero == 0 else "REDUCE_SCATTER"
+                    sync = make_op(kind, stream[kind], stage=s, mb=mb, round=rnd, bytes=nbytes, group=group,
+                                   dep_progress=ready, bucket=b, experts=bool(tag))
                     sn = dag.add(where, sync)
                     for n in producers:
-                        if dag.ins(n).kind in ("B", "BW"):
+                        if dag.ins(n).kind in WEIGHT_GRAD_KINDS:
                             dag.edge(n, sn)
                     dag.edge(sn, opt)
                 if zero in (1, 2):
-                    ag = dag.add(where, Instruction(id=f"AG.s{s}{tag}.b{b}", kind="ALL_GATHER",
-                                                    stream=stream["ALL_GATHER"], stage=s, bytes=nbytes,
-                                                    group=group))
+                    ag = dag.add(where, make_op("ALL_GATHER", stream["ALL_GATHER"], stage=s, bytes=nbytes,
+                                                group=group, bucket=b, experts=bool(tag)))
                     dag.edge(opt, ag)
 
 
-def _reduce_rounds(ctx: Context, dag: TrainingDAG, s: int, nodes: list[Node]) -> list[tuple[str, int, list[Node]]]:
-    """When a ZeRO-2/3 stage copy reduce-scatters its gradients: (op id label, micro-batch,
-    the backward ops whose gradients go). Per micro-batch (``Setup.reduce_per_microbatch``,
+def _reduce_rounds(ctx: Context, dag: TrainingDAG, s: int, nodes: list[Node]) -> list[tuple[int, int, list[Node]]]:
+    """When a ZeRO-2/3 stage copy reduce-scatters its gradients: (round, micro-batch, the
+    backward ops whose gradients go). Per micro-batch (``Setup.reduce_per_microbatch``,
     FSDP's and DeepSpeed's default): one round per micro-batch this copy runs the backward
-    of, labelled ``.mb{m}``, or ``.i{i}`` (the i-th here) when the stage has several copies
-    (DualPipe), so the copies' collectives pair up. Per step: one round, label ``""``."""
-    backward = [n for n in nodes if dag.ins(n).kind in ("B", "BI", "BW")]
+    of, numbered (``round``: the i-th here) when the stage has several copies (DualPipe), so
+    the copies' collectives pair up, else -1 (named by micro-batch). Per step: one round,
+    round and micro-batch -1."""
+    backward = [n for n in nodes if dag.ins(n).kind in BACKWARD_KINDS]
     if not ctx.setup.reduce_per_microbatch:
-        return [("", -1, backward)]
+        return [(-1, -1, backward)]
     copies = ctx.setup.placement[s]
     if len({hi - lo for _, lo, hi in copies}) > 1:
         raise StrategyError(f"replicate: reduce 'per_microbatch' needs the copies of stage {s} to run as many "
                             f"micro-batches each (placement {copies}); use reduce 'per_step'")
     mbs = sorted({dag.ins(n).mb for n in backward})
     many = len(ctx.layout.stage_ranks[s]) > 1
-    return [(f".i{i}" if many else f".mb{mb}", mb, [n for n in backward if dag.ins(n).mb == mb])
+    return [(i if many else -1, mb, [n for n in backward if dag.ins(n).mb == mb])
             for i, mb in enumerate(mbs)]
 
 
@@ -677,7 +717,7 @@ def _zero3_per_unit(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: l
     passes: dict[tuple[str, int], list[Node]] = {}
     for n in nodes:
         ins = dag.ins(n)
-        if ins.kind in ("F", "B", "BI"):
+        if ins.kind in SPLIT_KINDS:
             passes.setdefault(("F" if ins.kind == "F" else "B", ins.mb), []).append(n)
     n_b = len(buckets)
     rounds = _reduce_rounds(ctx, dag, s, nodes)
@@ -690,16 +730,16 @@ def _zero3_per_unit(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: l
             for i, mb in enumerate(sorted(mb for p, mb in passes if p == pas)):
                 pieces = sorted(passes[(pas, mb)], key=lambda n: dag.ins(n).part, reverse=pas == "B")
                 users = [n for n in pieces if part_names[dag.ins(n).part] & names]
-                ag = dag.add(where, Instruction(id=f"AG.{pas}.s{s}.i{i}{tag}.b{b}", kind="ALL_GATHER",
-                                                stream=stream["ALL_GATHER"], stage=s, mb=mb, bytes=nbytes,
-                                                group=group, alloc=gathered))
+                ag = dag.add(where, make_op("ALL_GATHER", stream["ALL_GATHER"], stage=s, mb=mb, bytes=nbytes,
+                                            group=group, alloc=gathered, direction=pas, round=i, bucket=b,
+                                            experts=bool(tag)))
                 dag.edge(ag, users[0])
                 dag.ins(users[-1]).free += gathered
-        for label, mb, producers in rounds:
+        for rnd, mb, producers in rounds:
             bws = [n for n in producers if dag.ins(n).kind == "BW"]
-            rs = dag.add(where, Instruction(id=f"RS.s{s}{label}{tag}.b{b}", kind="REDUCE_SCATTER",
-                                            stream=stream["REDUCE_SCATTER"], stage=s, mb=mb, bytes=nbytes,
-                                            group=group, dep_progress=(n_b - b) / n_b if bws else 1.0))
+            rs = dag.add(where, make_op("REDUCE_SCATTER", stream["REDUCE_SCATTER"], stage=s, mb=mb, round=rnd,
+                                        bytes=nbytes, group=group, dep_progress=(n_b - b) / n_b if bws else 1.0,
+                                        bucket=b, experts=bool(tag)))
             for n in producers:
                 ins = dag.ins(n)
                 if ins.kind == "B" and part_names[ins.part] & names or ins.kind == "BW":
@@ -720,7 +760,7 @@ def grad_bucket_memory(ctx: Context, dag: TrainingDAG) -> None:
         ins = dag.ins(n)
         if ins.kind != "REDUCE_SCATTER":
             continue
-        producers = [p for p in dag.g.predecessors(n) if p[0] == n[0] and dag.ins(p).kind in ("B", "BW")]
+        producers = [p for p in dag.g.predecessors(n) if p[0] == n[0] and dag.ins(p).kind in WEIGHT_GRAD_KINDS]
         if not producers or is_tp(ins):
             continue
         size = _group_size(ctx, ins)
@@ -757,7 +797,7 @@ def order_pass(ctx: Context, dag: TrainingDAG) -> dict[int, list[Node]]:
     pieces: dict[tuple[int, int, str], list[Node]] = {}
     for n in dag.g.nodes:
         ins = dag.ins(n)
-        if ins.kind in ("F", "B", "BI", "BW"):
+        if ins.kind in PASS_KINDS:
             pieces.setdefault((n[0], ins.stage, ins.mb, ins.kind), []).append(n)
     for key in pieces:
         forward = key[3] == "F"
@@ -797,10 +837,6 @@ def _sends_after(dag: TrainingDAG, n: Node) -> list[Node]:
         elif is_tp(ins):
             todo.extend(dag.g.successors(q))
     return out
-
-
-ADAM_BYTES_PER_PARAM = 28  # read+write of bf16 param and grad, fp32 master, m and v (as costmodel)
-ADAM_FLOPS_PER_PARAM = 12
 
 
 def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:

@@ -30,6 +30,7 @@ import math
 from collections import Counter
 from typing import Iterable
 
+from costmodel.dtypes import dtype_name
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -47,14 +48,8 @@ _ATTN_BWD = {_aten._scaled_dot_product_flash_attention_backward.default}
 _NO_KERNEL = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "detach", "lift_fresh",
               "_local_scalar_dense", "sym_size", "sym_stride", "sym_numel", "is_same_size", "alias"}
 
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
-                torch.int64: "int64", torch.int32: "int32", torch.bool: "bool", torch.uint8: "uint8"}
 
 _listeners: list["KernelRecorder"] = []
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def note_kernel(name: str, nbytes: int, dtype: torch.dtype) -> None:

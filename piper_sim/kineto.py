@@ -39,6 +39,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from costmodel.dtypes import DTYPES
 from piper_sim.trace import (COMPUTE_KINDS, event_args, events_to_dataframe, lane_name, lanes, memory_counters,
                              stream_order)
 
@@ -64,8 +65,6 @@ NCCL_KERNELS = {
 # torch's record_param_comms names ("Collective name" in Kineto's NCCL kernel args)
 COLLECTIVE_NAMES = {"SEND": "send", "RECV": "recv", "ALL_TO_ALL": "all_to_allv", "ALLREDUCE": "allreduce",
                     "REDUCE_SCATTER": "reduce_scatter_tensor_coalesced", "ALL_GATHER": "all_gather_into_tensor"}
-_NCCL_DTYPES = {"bf16": ("bf16", "BFloat16", 2), "fp16": ("f16", "Half", 2), "fp32": ("f32", "Float", 4),
-                "fp8": ("f8e4m3", "Float8_e4m3fn", 1)}
 
 
 def stream_ids(streams: Iterable[str]) -> dict[str, int]:
@@ -105,7 +104,8 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
         sids[(s, k)] = nxt
         nxt += 1
     host_tids = {s: i + 2 for i, s in enumerate(stream_order(sub["stream"]))}
-    nccl_dt, torch_dt, elt = _NCCL_DTYPES.get(dtype, _NCCL_DTYPES["fp32"])
+    dt = DTYPES.get(dtype, DTYPES["fp32"])
+    nccl_dt, torch_dt, elt = dt.nccl_name, dt.profiler_name, dt.bytes
     end_all = float(df["end"].max()) if len(df) else 0.0
     t_end = _us(end_all if step_end is None else step_end)
 

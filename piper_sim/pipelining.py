@@ -30,6 +30,8 @@ from __future__ import annotations
 import csv
 from typing import TYPE_CHECKING
 
+from piper_sim.plan import WEIGHT_GRAD_KINDS
+
 if TYPE_CHECKING:  # pragma: no cover
     from piper_sim.plan import Instruction, Plan
 
@@ -81,7 +83,7 @@ def actions_with_comms(plan: "Plan", pp_rank: int) -> list[str]:
     slots = _slots(plan, pp_rank)
     backward_total: dict[int, int] = {}  # B/W actions per stage: REDUCE_GRAD follows the last
     for _, inss in slots:
-        for key in {(i.stage, i.kind, i.mb) for i in inss if i.kind in ("B", "BW")}:
+        for key in {(i.stage, i.kind, i.mb) for i in inss if i.kind in WEIGHT_GRAD_KINDS}:
             backward_total[key[0]] = backward_total.get(key[0], 0) + 1
     backward_seen: dict[int, int] = {}
     done: set[str] = set()
@@ -96,7 +98,7 @@ def actions_with_comms(plan: "Plan", pp_rank: int) -> list[str]:
     def send_name(ins: Instruction) -> str:
         src = [compute[d] for d in ins.deps if d in compute and compute[d].stage == ins.stage
                and compute[d].mb == ins.mb]
-        forward = any(s.kind == "F" for s in src) if src else ins.match.startswith("F.")
+        forward = any(s.kind == "F" for s in src) if src else ins.direction == "F"
         return f"{ins.stage}SEND_{'F' if forward else 'B'}{ins.mb}"
 
     def emit_until(k: int, n: int) -> None:
@@ -118,7 +120,7 @@ def actions_with_comms(plan: "Plan", pp_rank: int) -> list[str]:
         for k, lst in enumerate(p2p):  # sends whose data is now computed, in stream order
             while ptr[k] < len(lst) and lst[ptr[k]].kind == "SEND" and ready(lst[ptr[k]]):
                 emit_until(k, ptr[k])
-        for key in sorted({(i.stage, i.kind, i.mb) for i in inss if i.kind in ("B", "BW")}):
+        for key in sorted({(i.stage, i.kind, i.mb) for i in inss if i.kind in WEIGHT_GRAD_KINDS}):
             backward_seen[key[0]] = backward_seen.get(key[0], 0) + 1
             if key[0] in reduced and backward_seen[key[0]] == backward_total[key[0]]:
                 out.append(f"{key[0]}REDUCE_GRAD")

@@ -6,8 +6,9 @@ pipeline rank run the same list; only their peers and groups differ. `Plan.expan
 resolves the symbolic peers and groups into explicit global ranks, giving one `RankProgram`
 per rank.
 
-The device mesh has named axes ``pp, dp, tp`` (outermost first; ``ep`` splits ``dp``) and
-one rank formula (`Layout.rank`)::
+The device mesh has named axes ``pp, dp, tp`` (`Layout.axes`, outermost first; ``ep`` splits
+``dp``), one rank formula (`Layout.rank_at`, mixed radix over the axes) and one group per axis
+(`Layout.axis_group`); a new parallelism adds an axis there::
 
     rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 
@@ -39,13 +40,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PLAN_FORMAT = "piper-sim-plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: typed fields (direction, bucket, experts, block, round, name) instead of parsing op ids
+READABLE_VERSIONS = (1, 2)  # version 1 plans are upgraded on load (`_upgrade_v1`)
 
-COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
+PASS_KINDS = ("F", "B", "BI", "BW")  # compute of a forward / backward pass (OPT is not)
+COMPUTE_KINDS = PASS_KINDS + ("OPT",)
+BACKWARD_KINDS = ("B", "BI", "BW")
+SPLIT_KINDS = ("F", "B", "BI")  # cut into pieces (per unit, around expert blocks); BW stays one op
+INPUT_GRAD_KINDS = ("B", "BI")  # produce the input gradients (and re-run the forward under recompute)
+WEIGHT_GRAD_KINDS = ("B", "BW")  # produce the weight gradients
 P2P_KINDS = ("SEND", "RECV")
 COLLECTIVE_KINDS = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 ALL_KINDS = COMPUTE_KINDS + P2P_KINDS + COLLECTIVE_KINDS
@@ -95,6 +103,23 @@ class Instruction:
     expert_flops: compute only, under expert parallel: the part of ``flops`` spent in
              expert blocks (all of it for an expert piece; the experts' weight gradients
              in a stage's BW), which the most loaded EP rank has more of.
+
+    The op id is a readable name only: a back end reads these fields, never the id
+    (`piper_sim.ir.op_id` forms the id from them).
+
+    direction: "F" (forward) or "B" (backward) for SEND/RECV (the activation or its
+             gradient), ALL_TO_ALL, ZeRO-3 gathers (before a forward / a backward) and
+             tensor-parallel collectives ("R": re-run before a full-recompute backward);
+             "" otherwise.
+    bucket:  gradient / parameter collectives of data parallel (AR, RS, AG): the bucket
+             index within the stage's flat parameters; -1 otherwise.
+    experts: that bucket is of the expert-parallel shard (synced over ``stage:S:edp``),
+             not of the dense parameters.
+    block:   ALL_TO_ALL only: the expert block (MoE layer) of the stage, counted from 0.
+    round:   ZeRO collectives numbered per stage copy (DualPipe's two copies pair up): the
+             i-th forward / backward of the stage on this rank; -1 otherwise.
+    name:    tensor-parallel collectives only: which one (``l3.attn.ag``, ``head.loss.max``,
+             ``norms``).
     """
 
     id: str
@@ -120,6 +145,12 @@ class Instruction:
     kernels: str = ""
     a2a: str = ""
     expert_flops: float = 0.0
+    direction: str = ""
+    bucket: int = -1
+    experts: bool = False
+    block: int = -1
+    round: int = -1
+    name: str = ""
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS
@@ -132,6 +163,36 @@ class Instruction:
 
 
 _INSTRUCTION_DEFAULTS = asdict(Instruction(id="", kind="", stream=""))
+
+
+def p2p_id(kind: str, match: str) -> str:
+    """The op id of a SEND or RECV with this ``match`` (both sides of a pair share it)."""
+    return f"{kind}.{match}"
+
+
+def p2p_partner_id(ins: Instruction) -> str:
+    """The op id of the other side of a SEND / RECV, on its peer."""
+    return p2p_id("RECV" if ins.kind == "SEND" else "SEND", ins.match)
+
+
+def missing_fields(ins: Instruction) -> list[str]:
+    """The typed fields a back end reads for this kind of instruction that ``ins`` lacks
+    (empty when it is complete). Data-parallel collectives need a ``bucket``; tensor-parallel
+    ones (on their own stream, no bucket) a ``name``."""
+    k = ins.kind
+    need: list[tuple[str, bool]] = [("stage", ins.stage >= 0)]
+    if k in PASS_KINDS or k in P2P_KINDS or k == "ALL_TO_ALL":
+        need.append(("mb", ins.mb >= 0))
+    if k in P2P_KINDS:
+        need += [("direction", ins.direction in ("F", "B")), ("peer", ins.peer >= 0), ("match", bool(ins.match))]
+    elif k == "ALL_TO_ALL":
+        need += [("direction", ins.direction in ("F", "B")), ("block", ins.block >= 0),
+                 ("a2a", ins.a2a in ("dispatch", "combine")), ("group", bool(ins.group))]
+    elif k in COLLECTIVE_KINDS:
+        need += [("group", bool(ins.group)), ("bucket or name", ins.bucket >= 0 or bool(ins.name))]
+        if ins.bucket >= 0 and ins.direction:  # a ZeRO-3 gather before one forward / backward
+            need += [("round", ins.round >= 0), ("mb", ins.mb >= 0)]
+    return [f for f, ok in need if not ok]
 
 
 @dataclass
@@ -161,13 +222,15 @@ class RankProgram:
     tp_rank: int = 0
 
 
-MESH_AXES = ("pp", "dp", "ep", "tp")
+MESH_AXES = ("pp", "dp", "tp")  # the grid's axes, outermost first (tp innermost); ep splits dp
 
 
 @dataclass
 class Layout:
-    """Where every rank sits: the named-axis mesh (pp, dp with ep inside it, tp), see the
-    module docstring for the rank formula."""
+    """Where every rank sits: the named-axis mesh `axes` (pp, dp, tp; ep splits dp), see the
+    module docstring. One rank formula (`rank_at`, mixed radix over the axes, tp innermost)
+    and one group construction per axis (`axis_group`): a new parallelism (``cp``) adds an
+    axis to `axes` and keeps both."""
 
     pp: int
     dp: int
@@ -185,20 +248,61 @@ class Layout:
         """Ranks per rank class (one pipeline rank): its DP replicas times its TP peers."""
         return self.dp * self.tp
 
+    @property
+    def axes(self) -> dict[str, int]:
+        """The mesh's named axes and their sizes, outermost first (`MESH_AXES`)."""
+        return dict(zip(MESH_AXES, self._sizes()))
+
+    def _sizes(self) -> tuple[int, ...]:
+        return self.pp, self.dp, self.tp
+
+    def _index(self, coords: tuple[int, ...]) -> int:
+        """The rank formula: mixed radix over the axes (coordinates in `MESH_AXES` order)."""
+        r = 0
+        for c, n in zip(coords, self._sizes()):
+            r = r * n + c
+        return r
+
+    def _coords(self, rank: int) -> tuple[int, ...]:
+        out = []
+        for n in reversed(self._sizes()):
+            rank, c = divmod(rank, n)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        """The global rank at these coordinates (an axis left out: 0)."""
+        return self._index(tuple(coords.get(a, 0) for a in MESH_AXES))
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        """The rank's coordinate on every axis of the grid (inverse of `rank_at`)."""
+        return dict(zip(MESH_AXES, self._coords(rank)))
+
+    def axis_group(self, axis: str, rank: int) -> list[int]:
+        """The ranks that differ from ``rank`` on ``axis`` only, in axis order (its group)."""
+        c = self.coords_of(rank)
+        return [self.rank_at({**c, axis: i}) for i in range(self.axes[axis])]
+
+    def class_ranks(self, pp_rank: int) -> list[int]:
+        """The ranks of one rank class (every coordinate but ``pp``), in rank order."""
+        first = self.rank_at({"pp": pp_rank})
+        return list(range(first, first + self.class_size))
+
     def rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        return self._index((pp_rank, dp_rank, tp_rank))
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(pp_rank, dp_rank) of a rank (its tp_rank: `tp_rank`, all axes: `mesh_coords`)."""
-        return divmod(rank // self.tp, self.dp)
+        pp_rank, dp_rank, _ = self._coords(rank)
+        return pp_rank, dp_rank
 
     def tp_rank(self, rank: int) -> int:
-        return rank % self.tp
+        return self._coords(rank)[2]
 
     def mesh_coords(self, rank: int) -> dict[str, int]:
         """The rank's coordinate on every axis (``ep``: its expert shard, dp_rank mod ep)."""
-        pp_rank, dp_rank = self.coords(rank)
-        return {"pp": pp_rank, "dp": dp_rank, "ep": dp_rank % self.ep, "tp": self.tp_rank(rank)}
+        c = self.coords_of(rank)
+        return {"pp": c["pp"], "dp": c["dp"], "ep": c["dp"] % self.ep, "tp": c["tp"]}
 
     def group_ranks(self, group: str, rank: int) -> list[int]:
         """Resolve a symbolic group as seen from ``rank`` to sorted global ranks.
@@ -214,25 +318,19 @@ class Layout:
         """
         if group.startswith("ranks:"):
             return [int(x) for x in group[6:].split(",")]
-        pp_rank, dp_rank = self.coords(rank)
-        t = self.tp_rank(rank)
-        if group == "tp":
-            base = rank - t
-            return list(range(base, base + self.tp))
-        if group == "ep":
-            base = (dp_rank // self.ep) * self.ep
-            return [self.rank(pp_rank, d, t) for d in range(base, base + self.ep)]
-        if group == "dp":
-            return [self.rank(pp_rank, d, t) for d in range(self.dp)]
-        if group == "pp":
-            return [self.rank(p, dp_rank, t) for p in range(self.pp)]
+        if group in self.axes:
+            return self.axis_group(group, rank)
+        c = self.coords_of(rank)
+        if group == "ep":  # ep consecutive data-parallel ranks
+            block = c["dp"] // self.ep
+            return [r for r in self.axis_group("dp", rank) if self.coords_of(r)["dp"] // self.ep == block]
         parts = group.split(":")
         if parts[0] == "stage":
             stage = int(parts[1])
             dps = range(self.dp)
             if len(parts) > 2 and parts[2] == "edp":
-                dps = [d for d in dps if d % self.ep == dp_rank % self.ep]
-            return sorted(self.rank(p, d, t) for p in self.stage_ranks[stage] for d in dps)
+                dps = [d for d in dps if d % self.ep == c["dp"] % self.ep]
+            return sorted(self.rank_at({**c, "pp": p, "dp": d}) for p in self.stage_ranks[stage] for d in dps)
         raise PlanError(f"unknown collective group {group!r} on rank {rank}")
 
     def to_json(self) -> dict[str, Any]:
@@ -327,14 +425,17 @@ class Plan:
         if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
             raise PlanError("not a piper-sim plan file (missing format 'piper-sim-plan'); "
                             "compile one with `piper-sim compile STRATEGY.json -o PLAN.json`")
-        if d.get("version") != PLAN_VERSION:
-            raise PlanError(f"plan format version {d.get('version')} is not supported "
-                            f"(this piper-sim reads version {PLAN_VERSION}); recompile the strategy")
+        if d.get("version") not in READABLE_VERSIONS:
+            raise PlanError(f"plan format version {d.get('version')} is not supported (this piper-sim reads "
+                            f"versions {', '.join(map(str, READABLE_VERSIONS))}); recompile the strategy")
         body = {k: d[k] for k in ("kernels", "layout", "meta", "classes") if k in d}
         if check_hash and _hash(body) != d.get("hash"):
             raise PlanError("plan content hash mismatch: the file was edited after compiling; "
                             "recompile it, or pass check_hash=False / --no-hash-check to accept edits")
         try:
+            if d["version"] == 1:
+                d = {**d, "classes": [{**c, "streams": {k: [_upgrade_v1(i) for i in lst]
+                                                        for k, lst in c["streams"].items()}} for c in d["classes"]]}
             return cls._from_body(d)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
             raise PlanError(f"malformed plan file ({type(e).__name__}: {e}); recompile the strategy") from None
@@ -386,3 +487,24 @@ def _compress_ranks(ranks: list[int]) -> list[list[int]]:
 
 def _expand_ranks(runs: list[list[int]]) -> list[int]:
     return [s + i for s, n in runs for i in range(n)]
+
+
+# version 1 plans carried these fields in the op id only: read them back, once, on load
+_V1_IDS = [(re.compile(p), f) for p, f in [
+    (r"^(?:SEND|RECV)\.(F|B)\.", lambda m: {"direction": m[1]}),
+    (r"^A2A\.(F|B)\.s\d+\.mb\d+\.e(\d+)\.", lambda m: {"direction": m[1], "block": int(m[2])}),
+    (r"^AG\.(F|B)\.s\d+\.i(\d+)(\.e)?\.b(\d+)$",
+     lambda m: {"direction": m[1], "round": int(m[2]), "experts": bool(m[3]), "bucket": int(m[4])}),
+    (r"^(?:AR|RS|AG)\.s\d+(?:\.mb\d+|\.i(\d+))?(\.e)?\.b(\d+)$",
+     lambda m: {"round": int(m[1] or -1), "experts": bool(m[2]), "bucket": int(m[3])}),
+    (r"^TP\.(?:(F|B|R)\.s\d+\.mb\d+|s\d+)\.(.+)$", lambda m: {"direction": m[1] or "", "name": m[2]}),
+]]
+
+
+def _upgrade_v1(ins: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 instruction with the typed fields of version 2 (defaults left out)."""
+    for pattern, fields in _V1_IDS:
+        m = pattern.match(ins["id"])
+        if m:
+            return {**ins, **{k: v for k, v in fields(m).items() if v != _INSTRUCTION_DEFAULTS[k]}}
+    return ins

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 __all__ = [
     "Action",
@@ -32,46 +33,17 @@ __all__ = [
     "ScheduleError",
     "ScheduleSpec",
     "Slot",
+    "SCHEDULE_TABLE",
+    "ScheduleEntry",
     "build_schedule",
     "canonical_schedule",
+    "default_schedule",
     "format_slot",
     "stages_per_rank",
     "validate_orders",
 ]
 
-SCHEDULES: tuple[str, ...] = (
-    "gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipe", "dualpipev",
-)
 KINDS = ("F", "B", "I", "W")
-# torch.distributed.pipelining's names (``get_schedule_class``) of the schedules whose orders
-# equal ours; accepted, case-insensitively and with or without "Schedule", wherever a
-# schedule is named.
-TORCH_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B",
-               "zb1p": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
-_ALIASES = {torch.lower(): ours for ours, torch in TORCH_NAMES.items()}
-
-
-def canonical_schedule(name: str) -> str:
-    """Our name of a schedule named ours or torch's way: ``"ZBVZeroBubble"`` -> ``"zbv"``,
-    ``"ScheduleInterleaved1F1B"`` -> ``"interleaved_1f1b"``. Unknown names come back lowered."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    if not isinstance(key, str):
-        return key
-    if key.startswith("schedule") and key[len("schedule"):] in _ALIASES:
-        key = key[len("schedule"):]
-    return _ALIASES.get(key, key)
-
-
-def known_names() -> str:
-    """For error messages: ours, then torch's aliases."""
-    return ", ".join(SCHEDULES) + " (or torch's " + ", ".join(TORCH_NAMES.values()) + ")"
-
-
-# Placement style of each schedule (see module docstring).
-PLACEMENTS = {
-    "gpipe": "loop", "1f1b": "loop", "interleaved_1f1b": "loop", "zb1p": "loop",
-    "zbv": "v", "dualpipev": "v", "dualpipe": "mirror",
-}
 
 
 class ScheduleError(ValueError):
@@ -339,50 +311,133 @@ def _multiples_hint(m: int, k: int) -> str:
     return f"use {lo} or {lo + k}" if lo >= k else f"use {k}"
 
 
+def _check_single(name: str, pp: int, m: int, spr: int | None) -> int:
+    if spr not in (None, 1):
+        raise _fail(name, f"is a single-stage schedule: stages_per_rank must be 1 (got {spr}); "
+                          "use interleaved_1f1b or zb1p for more stages per rank")
+    if name == "1f1b" and m < pp:
+        raise _fail(name, f"needs microbatches >= pp like torch's Schedule1F1B (got m={m}, "
+                          f"pp={pp}); use m >= {pp} or gpipe")
+    return 1
+
+
+def _check_interleaved(name: str, pp: int, m: int, spr: int | None) -> int:
+    spr = SCHEDULE_TABLE[name].stages_per_rank if spr is None else spr
+    low = SCHEDULE_TABLE[name].stages_per_rank
+    if not isinstance(spr, int) or spr < low:
+        raise _fail(name, f"needs stages_per_rank >= {low} (got {spr})")
+    if spr > 1 and m % pp:
+        raise _fail(name, "needs microbatches to be a multiple of the pipeline degree "
+                          f"(got m={m}, pp={pp}); {_multiples_hint(m, pp)}")
+    return spr
+
+
+def _check_v(name: str, pp: int, m: int, spr: int | None) -> int:
+    if spr not in (None, 2):
+        raise _fail(name, f"uses V placement with exactly 2 stages per rank: stages_per_rank "
+                          f"must be 2 (got {spr}); pass 2 or leave it unset")
+    if name == "dualpipev" and m < 2 * pp:
+        raise _fail(name, f"needs microbatches >= number of stages 2*pp like torch's "
+                          f"ScheduleDualPipeV (got m={m}, pp={pp}); use {2 * pp}")
+    return 2
+
+
+def _check_mirror(name: str, pp: int, m: int, spr: int | None) -> int:
+    if spr not in (None, 1, 2):
+        raise _fail(name, f"has pp stages and holds copies of stages r and pp-1-r on rank r: "
+                          "stages_per_rank must be 1 (stages/pp) or 2 (copies per rank) "
+                          f"(got {spr})")
+    if pp % 2:
+        fix = f"use {pp - 1} or {pp + 1}" if pp > 1 else "use 2"
+        raise _fail(name, f"needs an even pipeline degree (got pp={pp}); {fix}")
+    if m % 2 or m < 2 * pp:
+        good = max(2 * pp, m + m % 2)
+        raise _fail(name, "needs an even number of microbatches >= 2*pp "
+                          f"(got m={m}, pp={pp}); use {good}")
+    return 2
+
+
+@dataclass(frozen=True)
+class ScheduleEntry:
+    """Everything the library knows about one schedule (`SCHEDULE_TABLE`).
+
+    name:            our name.
+    torch_name:      torch.distributed.pipelining's class name without ``Schedule`` ("" when
+                     torch has none with the same order); accepted wherever a schedule is named.
+    placement:       ``loop``, ``v`` or ``mirror`` (module docstring).
+    stages_per_rank: the pipeline directive's default (model stages = pp × this).
+    copies:          copies of each model stage (dualpipe: 2, one per direction).
+    check:           (name, pp, m, requested stages per rank) -> stages a rank holds, or
+                     ScheduleError saying what is impossible and how to fix it.
+    build:           (pp, m, stages a rank holds) -> compute slots per rank.
+    explore_min_mb:  the explorer tries micro-batch counts >= this × pp only (1: any).
+    demo_as:         the schedule a two-rank CPU demo of this one runs ("" itself).
+    """
+
+    name: str
+    torch_name: str
+    placement: str
+    stages_per_rank: int
+    check: Callable[[str, int, int, int | None], int]
+    build: Callable[[int, int, int], list[list[Slot]]]
+    copies: int = 1
+    explore_min_mb: int = 1
+    demo_as: str = ""
+
+
+SCHEDULE_TABLE: dict[str, ScheduleEntry] = {e.name: e for e in (
+    ScheduleEntry("gpipe", "GPipe", "loop", 1, _check_single, lambda pp, m, v: _gpipe(pp, m), explore_min_mb=2),
+    ScheduleEntry("1f1b", "1F1B", "loop", 1, _check_single, lambda pp, m, v: _one_f_one_b(pp, m)),
+    ScheduleEntry("interleaved_1f1b", "Interleaved1F1B", "loop", 2, _check_interleaved,
+                  lambda pp, m, v: _interleaved(pp, m, v, zero_bubble=False)),
+    ScheduleEntry("zb1p", "InterleavedZeroBubble", "loop", 1, _check_interleaved,
+                  lambda pp, m, v: _interleaved(pp, m, v, zero_bubble=True), explore_min_mb=2),
+    ScheduleEntry("zbv", "ZBVZeroBubble", "v", 2, _check_v, lambda pp, m, v: _zbv(pp, m), explore_min_mb=2),
+    ScheduleEntry("dualpipe", "", "mirror", 1, _check_mirror, lambda pp, m, v: _dualpipe(pp, m), copies=2,
+                  explore_min_mb=2, demo_as="dualpipev"),
+    ScheduleEntry("dualpipev", "DualPipeV", "v", 2, _check_v, lambda pp, m, v: _dualpipev(pp, m),
+                  explore_min_mb=2),
+)}
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_TABLE)
+# torch.distributed.pipelining's names (``get_schedule_class``) of the schedules whose orders
+# equal ours; accepted, case-insensitively and with or without "Schedule", wherever a
+# schedule is named.
+TORCH_NAMES = {e.name: e.torch_name for e in SCHEDULE_TABLE.values() if e.torch_name}
+_ALIASES = {torch.lower(): ours for ours, torch in TORCH_NAMES.items()}
+PLACEMENTS = {e.name: e.placement for e in SCHEDULE_TABLE.values()}
+
+
+def canonical_schedule(name: str) -> str:
+    """Our name of a schedule named ours or torch's way: ``"ZBVZeroBubble"`` -> ``"zbv"``,
+    ``"ScheduleInterleaved1F1B"`` -> ``"interleaved_1f1b"``. Unknown names come back lowered."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if not isinstance(key, str):
+        return key
+    if key.startswith("schedule") and key[len("schedule"):] in _ALIASES:
+        key = key[len("schedule"):]
+    return _ALIASES.get(key, key)
+
+
+def default_schedule(stages_per_rank: int | None) -> str:
+    """The schedule of a pipeline that names none: interleaved 1F1B for several stages per
+    rank, else 1F1B."""
+    return "interleaved_1f1b" if stages_per_rank and stages_per_rank > 1 else "1f1b"
+
+
+def known_names() -> str:
+    """For error messages: ours, then torch's aliases."""
+    return ", ".join(SCHEDULES) + " (or torch's " + ", ".join(TORCH_NAMES.values()) + ")"
+
+
 def _check(name: str, pp: int, m: int, spr: int | None) -> int:
     """Validate a request; return the stages per rank to use."""
-    if name not in SCHEDULES:
+    if name not in SCHEDULE_TABLE:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {known_names()}")
     if not isinstance(pp, int) or pp < 1:
         raise _fail(name, f"needs pp to be an integer >= 1 (got pp={pp!r})")
     if not isinstance(m, int) or m < 1:
         raise _fail(name, f"needs microbatches to be an integer >= 1 (got m={m!r})")
-    if name in ("gpipe", "1f1b"):
-        if spr not in (None, 1):
-            raise _fail(name, f"is a single-stage schedule: stages_per_rank must be 1 (got {spr}); "
-                              "use interleaved_1f1b or zb1p for more stages per rank")
-        if name == "1f1b" and m < pp:
-            raise _fail(name, f"needs microbatches >= pp like torch's Schedule1F1B (got m={m}, "
-                              f"pp={pp}); use m >= {pp} or gpipe")
-        return 1
-    if name in ("interleaved_1f1b", "zb1p"):
-        spr = (2 if name == "interleaved_1f1b" else 1) if spr is None else spr
-        low = 2 if name == "interleaved_1f1b" else 1
-        if not isinstance(spr, int) or spr < low:
-            raise _fail(name, f"needs stages_per_rank >= {low} (got {spr})")
-        if spr > 1 and m % pp:
-            raise _fail(name, "needs microbatches to be a multiple of the pipeline degree "
-                              f"(got m={m}, pp={pp}); {_multiples_hint(m, pp)}")
-        return spr
-    if name == "dualpipe" and spr not in (None, 1, 2):
-        raise _fail(name, f"has pp stages and holds copies of stages r and pp-1-r on rank r: "
-                          "stages_per_rank must be 1 (stages/pp) or 2 (copies per rank) "
-                          f"(got {spr})")
-    if name != "dualpipe" and spr not in (None, 2):
-        raise _fail(name, f"uses V placement with exactly 2 stages per rank: stages_per_rank "
-                          f"must be 2 (got {spr}); pass 2 or leave it unset")
-    if name == "dualpipe":
-        if pp % 2:
-            fix = f"use {pp - 1} or {pp + 1}" if pp > 1 else "use 2"
-            raise _fail(name, f"needs an even pipeline degree (got pp={pp}); {fix}")
-        if m % 2 or m < 2 * pp:
-            good = max(2 * pp, m + m % 2)
-            raise _fail(name, "needs an even number of microbatches >= 2*pp "
-                              f"(got m={m}, pp={pp}); use {good}")
-    if name == "dualpipev" and m < 2 * pp:
-        raise _fail(name, f"needs microbatches >= number of stages 2*pp like torch's "
-                          f"ScheduleDualPipeV (got m={m}, pp={pp}); use {2 * pp}")
-    return 2
+    return SCHEDULE_TABLE[name].check(name, pp, m, spr)
 
 
 def stages_per_rank(name: str, pp: int, microbatches: int, requested: int | None = None) -> int:
@@ -402,7 +457,7 @@ def build_schedule(name: str, pp: int, microbatches: int, stages_per_rank: int |
     name = canonical_schedule(name)
     v = _check(name, pp, microbatches, stages_per_rank)
     m = microbatches
-    style = PLACEMENTS[name]
+    style = SCHEDULE_TABLE[name].placement
     # with one stage per rank, loop and V placement coincide
     if placement is not None and placement != style and not (v == 1 and placement == "v"):
         raise _fail(name, f"uses {style!r} placement (got placement={placement!r}); "
@@ -413,16 +468,7 @@ def build_schedule(name: str, pp: int, microbatches: int, stages_per_rank: int |
         stage_ranks = {s: [s if s < pp else 2 * pp - 1 - s] for s in range(2 * pp)}
     else:
         stage_ranks = {s: [s % pp] for s in range(v * pp)}
-    builders = {
-        "gpipe": lambda: _gpipe(pp, m),
-        "1f1b": lambda: _one_f_one_b(pp, m),
-        "interleaved_1f1b": lambda: _interleaved(pp, m, v, zero_bubble=False),
-        "zb1p": lambda: _interleaved(pp, m, v, zero_bubble=True),
-        "zbv": lambda: _zbv(pp, m),
-        "dualpipev": lambda: _dualpipev(pp, m),
-        "dualpipe": lambda: _dualpipe(pp, m),
-    }
-    return ScheduleSpec(name, pp, len(stage_ranks), m, stage_ranks, builders[name](), style)
+    return ScheduleSpec(name, pp, len(stage_ranks), m, stage_ranks, SCHEDULE_TABLE[name].build(pp, m, v), style)
 
 
 # ----------------------------------------------------------------------------- validate

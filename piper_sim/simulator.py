@@ -32,12 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import simpy
 
+from costmodel.collectives import busbw_factor
+from costmodel.dtypes import DTYPE_BYTES
 from costmodel.hardware import Cluster, parse_cluster
+from costmodel.memory import adam_state_bytes
 from costmodel.memory import fits as memory_fits
 from costmodel.model import CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
 from piper_sim import trace
-from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan
+from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan, p2p_partner_id
 from piper_sim.validate import check_layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,8 +50,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["RankStats", "SimResult", "SimulationDeadlock", "SimulationError", "fold_is_exact", "simulate"]
 
-OPTIM_BYTES_PER_PARAM = {2: 12.0, 4: 8.0}  # fp32 master + Adam m, v (none for fp32 params)
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 class SimulationError(ValueError):
@@ -372,7 +373,7 @@ class _Engine:
             elif ins.kind == "OPT" and ins.flops == 0 and ins.bytes == 0 and hasattr(cm, "optimizer_time"):
                 # the plan carries no optimizer cost: Adam on the class's local parameter shard
                 pbytes = DTYPE_BYTES.get(self.plan.meta.get("dtype", "bf16"), 2)
-                params = cls.static_memory.get("optimizer_bytes", 0.0) / OPTIM_BYTES_PER_PARAM.get(pbytes, 12.0)
+                params = cls.static_memory.get("optimizer_bytes", 0.0) / adam_state_bytes(pbytes)
                 t = cm.optimizer_time(params / max(1, n_opt))
             else:
                 gemm = tuple(ins.gemm) if ins.gemm else None
@@ -436,8 +437,7 @@ class _Engine:
         if kind in ("SEND", "RECV"):
             volume = nbytes
         else:
-            n = len(ranks)
-            volume = nbytes * (n - 1) / n * (2 if kind == "ALLREDUCE" else 1)
+            volume = nbytes * busbw_factor(kind, len(ranks))
         out: dict[str, float] = {}
         for link in links:
             if self.folded:
@@ -664,8 +664,7 @@ class _Engine:
             missing = [d.ins.id for d in op.deps if not d.done]
             return "waits for " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
         if ins.kind in ("SEND", "RECV"):
-            other = "RECV" if ins.kind == "SEND" else "SEND"
-            return f"waits for {other}.{ins.match} on rank {op.peer}"
+            return f"waits for {p2p_partner_id(ins)} on rank {op.peer}"
         entry = self.coll_pending.get((ins.id, op.cost[3]))
         arrived = {o.rank for o in entry[1]} if entry else set()
         members = dict.fromkeys(self._rep(r) for r in op.group) if self.folded else op.group

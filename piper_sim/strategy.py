@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from costmodel.dtypes import TRAINING_DTYPES
 from piper_sim import checks
 
 
@@ -55,7 +56,7 @@ HIGH_LEVEL = ("pipeline", "data_parallel", "expert_parallel", "tensor_parallel",
 TOP_LEVEL_FIELDS = {"model", "cluster", "global_batch", "seq_len", "microbatches", "directives",
                     "dtype", "name", "seed"}
 STREAM_KINDS = ("SEND", "RECV", "ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = TRAINING_DTYPES
 RECOMPUTE_MODES = ("full", "selective")
 REDUCE_MODES = ("per_microbatch", "per_step")  # when ZeRO-2/3 reduce-scatter gradients
 

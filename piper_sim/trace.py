@@ -24,13 +24,13 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from piper_sim.plan import COMPUTE_KINDS, P2P_KINDS
+
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 EVENT_COLUMNS = ("rank", "stream", "op_id", "kind", "stage", "mb", "start", "end", "bytes", "flops", "peer")
 MEMORY_COLUMNS = ("rank", "time", "bytes")
-COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
-P2P_KINDS = ("SEND", "RECV")
 
 # Block colours of the timeline, close to the DualPipe / zero-bubble figures.
 KIND_COLORS = {

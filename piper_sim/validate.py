@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, Plan, PlanError
+from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, PASS_KINDS, Plan, PlanError, p2p_partner_id
 
 
 class PlanValidationError(ValueError):
@@ -59,7 +59,7 @@ def check_layout(plan: Plan) -> None:
         if not prs or any(not _int(r) or r >= lay.pp for r in prs):
             raise PlanValidationError(f"layout.stage_ranks[{s}] = {prs!r}: pipeline ranks must be in 0..{lay.pp - 1}")
     for i, c in enumerate(plan.classes):
-        if c.pp_rank != i or c.ranks != [lay.rank(i, d, t) for d in range(lay.dp) for t in range(lay.tp)]:
+        if c.pp_rank != i or c.ranks != lay.class_ranks(i):
             raise PlanValidationError(f"rank class #{i} (pp_rank {c.pp_rank}, ranks {c.ranks[:4]}...) does not "
                                       f"match layout pp={lay.pp} dp={lay.dp} tp={lay.tp}")
         for s in c.stages:
@@ -133,14 +133,14 @@ def validate_plan(plan: Plan) -> None:
                         raise PlanValidationError(f"rank class {c.pp_rank}: op {ins.id} depends on {dep}, "
                                                   "which this rank does not run")
                     g.add_edge((c.pp_rank, dep), node)
-                if ins.kind in ("SEND", "RECV"):
-                    other = "RECV" if ins.kind == "SEND" else "SEND"
-                    peer_op = ops.get((ins.peer, f"{other}.{ins.match}"))
+                if ins.kind in P2P_KINDS:
+                    partner = p2p_partner_id(ins)
+                    peer_op = ops.get((ins.peer, partner))
                     if peer_op is None or peer_op.peer != c.pp_rank:
                         raise PlanValidationError(
-                            f"rank class {c.pp_rank}: {ins.id} has no matching {other}.{ins.match} "
+                            f"rank class {c.pp_rank}: {ins.id} has no matching {partner} "
                             f"on pipeline rank {ins.peer}")
-                    union(node, (ins.peer, f"{other}.{ins.match}"))
+                    union(node, (ins.peer, partner))
                 elif ins.kind in COLLECTIVE_KINDS:
                     for m in _members(plan, ins.group, c.pp_rank, members_cache):
                         peer_op = ops.get((m, ins.id))
@@ -149,7 +149,7 @@ def validate_plan(plan: Plan) -> None:
                                 f"collective {ins.id} ({ins.group}) on rank class {c.pp_rank} has no "
                                 f"identical counterpart on member pipeline rank {m}")
                         union(node, (m, ins.id))
-                elif ins.kind in ("F", "B", "BI", "BW") and ins.part == (0 if ins.kind == "F" else ins.parts - 1):
+                elif ins.kind in PASS_KINDS and ins.part == (0 if ins.kind == "F" else ins.parts - 1):
                     key = (ins.stage, ins.mb, ins.kind)
                     if key in seen_compute:
                         raise PlanValidationError(f"{ins.id} runs on pipeline ranks {seen_compute[key]} and "

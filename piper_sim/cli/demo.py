@@ -19,6 +19,7 @@ import subprocess
 
 from piper_sim.checks import arg_int
 from piper_sim.cli.explore import emit_best, progress_printer
+from piper_sim.schedules import SCHEDULE_TABLE
 
 DEFAULT = {"model": "qwen3-moe-9b", "cluster": "h100:4x8", "global_batch": 256, "seq_len": 4096}
 # the project's 2-core dev VM, committed (traces/calibration/README.md): `validate`'s default
@@ -33,9 +34,9 @@ def small_strategy(best_schedule: str) -> dict:
     """A plan of the winner's kind that runs on two CPU processes: moe-tiny, EP2 when the
     winner is data parallel, else PP2 with the winner's schedule."""
     base = {"model": "moe-tiny", "cluster": "cpu:2", "seq_len": 64, "dtype": "fp32", "name": "demo on cpu:2"}
-    if best_schedule in ("gpipe", "1f1b", "zb1p", "interleaved_1f1b", "zbv", "dualpipev", "dualpipe"):
-        sched = best_schedule if best_schedule != "dualpipe" else "dualpipev"
-        v = 2 if sched in ("interleaved_1f1b", "zbv", "dualpipev") else 1
+    if best_schedule in SCHEDULE_TABLE:
+        sched = SCHEDULE_TABLE[best_schedule].demo_as or best_schedule
+        v = SCHEDULE_TABLE[sched].stages_per_rank
         return {**base, "global_batch": 8, "microbatches": 8,
                 "directives": [{"op": "pipeline", "degree": 2, "stages_per_rank": v},
                                {"op": "schedule", "name": sched}]}

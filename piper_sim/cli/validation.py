@@ -19,6 +19,7 @@ from typing import Any
 
 from piper_sim.api import as_strategy, compile
 from piper_sim.files import atomic_write
+from piper_sim.plan import COMPUTE_KINDS
 from piper_sim.strategy import Strategy
 from piper_sim.trace import save_figure
 
@@ -68,7 +69,7 @@ def op_errors(sim, meas) -> tuple[list[float], list[float]]:
             continue
         e = 100.0 * (ds - dm) / dm
         errs.append(e)
-        if s.loc[key, "kind"] in ("F", "B", "BI", "BW", "OPT"):
+        if s.loc[key, "kind"] in COMPUTE_KINDS:
             comp.append(e)
     return errs, comp
 
@@ -118,7 +119,7 @@ def overlay_timeline(sim, meas, path: str | None = None, title: str = "", *, ax:
     ax.set_yticks([y for y, _ in labels], [t for _, t in labels], fontsize=8)
     ax.set_xlabel(xlabel.replace("time", "time in step"))
     ax.set_title(title or "simulated vs measured")
-    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in ("F", "B", "BI", "BW", "OPT")],
+    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in COMPUTE_KINDS],
               loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=5, fontsize=8)
     if own:
         fig.tight_layout()

@@ -1,0 +1,51 @@
+"""Floating-point formats by name: one table for the whole project (torch-free).
+
+``DTYPES`` lists every format we name (``fp8`` only in cost and trace tables); the torch
+dtype of a name is resolved lazily by `torch_dtype`, so this module (and the plan, the
+cost model) import without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DType:
+    """One format: its bytes per element, torch attribute, and NCCL / profiler names."""
+
+    name: str
+    bytes: int
+    torch_name: str
+    nccl_name: str
+    profiler_name: str  # as torch's profiler writes it ("BFloat16")
+
+
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("fp32", 4, "float32", "f32", "Float"),
+    DType("bf16", 2, "bfloat16", "bf16", "BFloat16"),
+    DType("fp16", 2, "float16", "f16", "Half"),
+    DType("fp8", 1, "float8_e4m3fn", "f8e4m3", "Float8_e4m3fn"),
+    DType("fp64", 8, "float64", "f64", "Double"),
+)}
+TRAINING_DTYPES = ("bf16", "fp16", "fp32")  # what a strategy may train in
+DTYPE_BYTES: dict[str, int] = {name: d.bytes for name, d in DTYPES.items()}
+
+
+def torch_dtype(name: str) -> Any:
+    """The ``torch.dtype`` of a format name (imports torch on first use)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+    return getattr(torch, DTYPES[name].torch_name)
+
+
+@lru_cache(maxsize=None)
+def dtype_name(dtype: Any) -> str:
+    """The short name of a ``torch.dtype`` (``torch.bfloat16`` -> ``bf16``; others as torch
+    spells them without the ``torch.`` prefix)."""
+    text = str(dtype).removeprefix("torch.")
+    return next((d.name for d in DTYPES.values() if d.torch_name == text), text)
