@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # torch loads where a model is built or run, not for a built-
     import torch
     import torch.nn as nn
 
-Batch = "tuple[torch.Tensor, torch.Tensor]"
+    Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class AnnotationError(ValueError):
