@@ -34,8 +34,11 @@ TRAINING_DTYPES = ("bf16", "fp16", "fp32")  # what a strategy may train in
 DTYPE_BYTES: dict[str, int] = {name: d.bytes for name, d in DTYPES.items()}
 
 
-def torch_dtype(name: str) -> Any:
-    """The ``torch.dtype`` of a format name (imports torch on first use)."""
+def torch_dtype(name: Any) -> Any:
+    """The ``torch.dtype`` of a format name (imports torch on first use); a ``torch.dtype``
+    is returned as it is."""
+    if not isinstance(name, str):
+        return name
     import torch
 
     if name not in DTYPES:
@@ -46,6 +49,15 @@ def torch_dtype(name: str) -> Any:
 @lru_cache(maxsize=None)
 def dtype_name(dtype: Any) -> str:
     """The short name of a ``torch.dtype`` (``torch.bfloat16`` -> ``bf16``; others as torch
-    spells them without the ``torch.`` prefix)."""
+    spells them without the ``torch.`` prefix); a name is returned as it is."""
     text = str(dtype).removeprefix("torch.")
     return next((d.name for d in DTYPES.values() if d.torch_name == text), text)
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a format name or a ``torch.dtype`` (no torch import for a name)."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        return DTYPES[dtype].bytes
+    return dtype.itemsize

@@ -35,12 +35,15 @@ import re
 import sys
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-import torch
-import torch.nn as nn
+from costmodel.dtypes import torch_dtype
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+if TYPE_CHECKING:  # torch loads where a model is built or run, not for a built-in model's compile
+    import torch
+    import torch.nn as nn
+
+    Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class AnnotationError(ValueError):
@@ -85,7 +88,7 @@ class UserModel:
         return {"name": self.name, "source": self.source, "kwargs": self.kwargs, "units": list(self.units)}
 
     def build_units(self, names: list[str], device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32, seed: int = 0) -> dict[str, nn.Module]:
+                    dtype: torch.dtype | str = "fp32", seed: int = 0) -> dict[str, nn.Module]:
         """The named units on ``device`` in ``dtype`` with weights that depend only on
         ``seed`` (and the unit's name), never on which other units are built: any pipeline
         split gets the same weights. With an ``init_unit`` (see `annotate`) each unit is
@@ -95,12 +98,15 @@ class UserModel:
         unknown = [n for n in names if n not in self.units]
         if unknown:
             raise AnnotationError(f"unit(s) {unknown} are not units of {self.name} ({', '.join(self.units)})")
+        dtype = torch_dtype(dtype)
         if self.init_unit is not None:
             return {n: self._init_copy(n, device, dtype, _unit_seed(seed, n)) for n in names}
         whole = self._seeded_module(seed)
         return {n: copy.deepcopy(whole.get_submodule(n)).to(device=device, dtype=dtype) for n in names}
 
     def _init_copy(self, name: str, device, dtype: torch.dtype, seed: int) -> nn.Module:
+        import torch
+
         mod = copy.deepcopy(self.unit(name))._apply(
             lambda t: torch.empty(t.shape, dtype=torch.float32 if t.is_floating_point() else t.dtype, device="cpu"))
         with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -109,6 +115,8 @@ class UserModel:
         return mod.to(device=device, dtype=dtype)
 
     def _seeded_module(self, seed: int) -> nn.Module:
+        import torch
+
         if self.factory is None:
             if _on_meta(self.module):
                 raise AnnotationError(f"{self.name}: a model built on meta needs a factory or an init_unit to get "
@@ -137,12 +145,14 @@ def reset_parameters(unit: nn.Module, name: str) -> None:
     """An ``init_unit`` for units built from torch.nn layers: every submodule that holds
     parameters or buffers runs its ``reset_parameters()`` (refused, naming it, where one
     has none or keeps buffers that method does not set)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
     for path, m in unit.named_modules():
         own = any(True for _ in m.parameters(recurse=False))
         buffers = any(True for _ in m.buffers(recurse=False))
         if not own and not buffers:
             continue
-        if not hasattr(m, "reset_parameters") or (buffers and not isinstance(m, nn.modules.batchnorm._NormBase)):
+        if not hasattr(m, "reset_parameters") or (buffers and not isinstance(m, _NormBase)):
             where = f"{name}.{path}" if path else name
             raise AnnotationError(f"init_unit reset_parameters: module {where} ({type(m).__name__}) has state that "
                                   "reset_parameters() does not set; give annotate an init_unit of your own or none")
@@ -188,6 +198,8 @@ def check_chain(model: UserModel, micro_batch: int = 2, seq_len: int = 16) -> No
     """Run the model once on ``meta`` and check that its forward is its units in order,
     each taking the previous unit's output (the first the batch's inputs), the last
     giving the model's output, and that the loss of it is a scalar."""
+    import torch
+
     module = model.module if _on_meta(model.module) else copy.deepcopy(model.module).to("meta")
     units = model.units
     calls: list[tuple[int, tuple, dict, Any]] = []
@@ -240,6 +252,8 @@ def annotate(module: nn.Module, units: list[str], loss: Callable[[torch.Tensor, 
     ``init_unit(unit_module, unit_name)`` initialises one unit's freshly allocated weights
     in place (e.g. `reset_parameters`), so ranks build their units alone; without it every
     rank builds the whole model with the factory and keeps its units."""
+    import torch.nn as nn
+
     if not isinstance(module, nn.Module):
         raise AnnotationError(f"annotate: expected an nn.Module, got {type(module).__name__}")
     if not callable(loss) or not callable(example_batch):
@@ -292,6 +306,8 @@ def _import_factory(source: str) -> Callable[..., Any]:
 
 
 def _call_factory(factory: Callable[..., Any], kwargs: dict[str, Any], what: str) -> UserModel:
+    import torch
+
     try:
         with torch.device("meta"):
             got = factory(**kwargs)

@@ -19,7 +19,7 @@ from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memor
     is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
     tensor_pass, unit_buckets
 from piper_sim.memory import model_memory
-from piper_sim.models import ModelConfig, plan_model_meta, tp_divisibility_error, tp_shard
+from piper_sim.configs import ModelConfig, plan_model_meta, tp_divisibility_error, tp_shard
 from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
@@ -233,10 +233,11 @@ def build_dag(strategy: Strategy, folded: bool = True,
     """Run every pass; the result is the global training DAG (folded or per rank).
     ``model``: a user model (`piper_sim.annotate`) or its factory, in place of ``strategy.model``."""
     cfg, setup, layout, mbs = _setup_and_layout(strategy, model)
-    dtype = torch_dtype(strategy.dtype)
+    dtype = strategy.dtype  # by name: a profile cache hit imports no torch
     if isinstance(cfg, UserModel):
         from piper_sim.user_profiling import profile_user_model, user_model_memory
 
+        dtype = torch_dtype(dtype)
         segments = profile_user_model(cfg, mbs, strategy.seq_len, dtype)
         memory = user_model_memory(cfg, segments, mbs, strategy.seq_len, dtype)
     else:
@@ -491,7 +492,7 @@ def _model_flops(ctx: Context, strategy: Strategy, cfg: ModelConfig) -> float:
     """Useful training flops of one step (forward + backward, no recompute), all replicas
     (under tensor parallelism those of the whole model, not of a rank's shard)."""
     if ctx.layout.tp > 1:
-        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, torch_dtype(strategy.dtype))
+        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, strategy.dtype)
     else:
         segments = [x for sc in ctx.stages for x in sc.segments]
     per_mb = sum(x.fwd_flops + x.bwd_input_flops + x.bwd_weight_flops for x in segments)

@@ -186,6 +186,13 @@ def unit_param_count(cfg: ModelConfig, name: str) -> int:
     return n
 
 
+def logits_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
+    """Transient bytes of the head's logits: ``tokens x vocab`` (the rank's vocabulary shard
+    under tensor parallelism) in the model dtype plus the fp32 copy the loss is computed on
+    (none when the model is fp32)."""
+    return tokens * cfg.local_vocab * (dtype_bytes + (4 if dtype_bytes != 4 else 0))
+
+
 _LLAMA = dict(n_kv_heads=8, vocab=128256, max_seq=8192, rope_theta=500000.0)
 ZOO: dict[str, ModelConfig] = {
     c.name: c

@@ -27,11 +27,11 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-from costmodel.dtypes import DTYPE_BYTES, torch_dtype
+from costmodel.dtypes import DTYPE_BYTES
 from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
-from piper_sim.models import tp_divisibility_error, tp_shard
+from piper_sim.configs import tp_divisibility_error, tp_shard
 from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, ScheduleError, canonical_schedule, known_names,
                                  stages_per_rank)
 from piper_sim.sources import resolve_model
@@ -234,18 +234,17 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     cfg = resolve_model(settings["model"])
     dtype = settings.get("dtype", "bf16")
     mbs = settings["global_batch"] // (cand.dp * cand.microbatches)
-    tdtype = torch_dtype(dtype)
     try:
         spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
         shard = tp_shard(cfg, cand.tp, cand.sp)
-        segments = profile_model(shard, mbs, settings["seq_len"], tdtype)
+        segments = profile_model(shard, mbs, settings["seq_len"], dtype)
         stages = stage_costs(cfg, segments, spec.num_stages, "balanced" if cand.pp > 1 else None,
                              parse_cluster(settings["cluster"]).gpu)
     except (ScheduleError, StrategyError, ValueError) as e:
         return 0.0, 0.0, str(e)
     layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp)
     ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[dtype])  # type: ignore[arg-type]
-    mems = model_memory(shard, segments, mbs, settings["seq_len"], tdtype)
+    mems = model_memory(shard, segments, mbs, settings["seq_len"], dtype)
     mode = "full" if cand.recompute else "none"
     mem = time_lb = 0.0
     for r in range(cand.pp):
@@ -305,7 +304,7 @@ def _pool(workers: int, use_ray: bool):
             log.warning("Ray is not installed; using local processes")
     import multiprocessing as mp
 
-    # fork: workers inherit the imported torch and the profiles the screen already cached
+    # fork: workers inherit the imported modules and the profiles the screen already cached
     # (spawn would re-import and re-profile in each worker); CPU-only work, no CUDA context
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     return mp.get_context(method).Pool(workers)

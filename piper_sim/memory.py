@@ -36,12 +36,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from piper_sim.models import ModelConfig, attention, attention_core_inputs, build_units, layer_of_kind, logits_bytes
+from costmodel.dtypes import dtype_bytes, dtype_name, torch_dtype
+from piper_sim.configs import ModelConfig, layer_of_kind, logits_bytes
 from piper_sim.profile_cache import on_disk
 from piper_sim.profiling import SegmentCost, measure, segment_kind, segment_windowed
+
+if TYPE_CHECKING:  # torch loads only where a layer is measured (a profile cache miss)
+    import torch
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 _RECOMPUTED_KINDS = ("dense", "moe_pre", "moe_experts", "head", "user")
@@ -80,9 +83,14 @@ class SegmentMemory:
 @functools.lru_cache(maxsize=64)
 @on_disk
 def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
-                   dtype: torch.dtype, windowed: bool = False) -> tuple[int, int, tuple]:
+                   dtype: str | torch.dtype, windowed: bool = False) -> tuple[int, int, tuple]:
     """(saved bytes with the attention core recomputed, attention-core forward flops and
     kernel rows) of a ``dense`` layer or a MoE ``pre`` segment, measured on ``meta``."""
+    import torch
+
+    from piper_sim.models import attention, attention_core_inputs, build_units
+
+    dtype = torch_dtype(dtype)
     layer = layer_of_kind(cfg, kind, windowed)
     block = build_units(cfg, [f"layers.{layer}"], device="meta", dtype=dtype)[f"layers.{layer}"]
     block.attn.recompute_core = True
@@ -100,9 +108,11 @@ def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
 
 
 def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: int,
-                   dtype: torch.dtype) -> SegmentMemory:
+                   dtype: str | torch.dtype) -> SegmentMemory:
+    """``dtype``: a name (``"bf16"``) or a ``torch.dtype``."""
     kind = segment_kind(cfg, seg.name)
-    nbytes = dtype.itemsize
+    dtype = dtype_name(dtype)
+    nbytes = dtype_bytes(dtype)
     selective, core_flops, checkpoint, temp = float(seg.saved_act_bytes), 0.0, 0.0, 0.0
     core_kernels: tuple = ()
     # a checkpoint keeps the unit's input: the rank's sequence shard under sequence parallelism
@@ -123,7 +133,7 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
 
 
 def model_memory(cfg: ModelConfig, segments: list[SegmentCost], micro_batch: int, seq: int,
-                 dtype: torch.dtype) -> dict[str, SegmentMemory]:
+                 dtype: str | torch.dtype) -> dict[str, SegmentMemory]:
     """`SegmentMemory` of every segment, by segment name."""
     return {s.name: segment_memory(cfg, s, micro_batch, seq, dtype) for s in segments}
 

@@ -39,12 +39,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from piper_sim.kernels import note_kernel
+from piper_sim.kernel_recorder import note_kernel
 
 from piper_sim.configs import (  # noqa: F401  (re-exported: the torch-free half of this module)
     BUILTIN_ZOO, FIELDS, TP_FIELDS, ZOO, ModelConfig, _layer_index, check_config, config_from_dict, config_from_meta,
-    config_to_dict, get_config, layer_of_kind, plan_model_meta, tp_divisibility_error, tp_shard, unit_names, unit_param_count,
-    unit_segments,
+    config_to_dict, get_config, layer_of_kind, logits_bytes, plan_model_meta, tp_divisibility_error, tp_shard, unit_names,
+    unit_param_count, unit_segments,
 )
 
 MAX_MATERIALISED_PARAMS = 2_000_000_000  # refuse bigger builds on a real device
@@ -279,13 +279,6 @@ def attention_core_inputs(cfg: "ModelConfig", batch: int, seq: int, device="meta
         shapes = [(B, H, s, hd), (B, cfg.local_kv_heads, s, hd), (B, cfg.local_kv_heads, s, hd)]
     q, k, v = (torch.empty(*shape, device=device, dtype=dtype, requires_grad=True) for shape in shapes)
     return q, k, v
-
-
-def logits_bytes(cfg: "ModelConfig", tokens: int, dtype_bytes: int) -> int:
-    """Transient bytes of the head's logits: ``tokens x vocab`` (the rank's vocabulary shard
-    under tensor parallelism) in the model dtype plus the fp32 copy the loss is computed on
-    (none when the model is fp32)."""
-    return tokens * cfg.local_vocab * (dtype_bytes + (4 if dtype_bytes != 4 else 0))
 
 
 class GQAttention(nn.Module):

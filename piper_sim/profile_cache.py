@@ -11,9 +11,10 @@ first call imports dynamo. That cannot be avoided without patching torch, so res
     def profile_kind(cfg, kind, micro_batch, seq_len, dtype): ...
 
 The key is the function, its arguments (dataclasses such as ModelConfig field by field, torch
-dtypes by name, plain numbers and strings; a call with anything else is not cached), the torch
-and piper-sim versions and a digest of the library's source files (an edited model or profiler
-never reads an old entry). Entries are pickles in ``cache_dir()/profiles``
+dtypes by name, ``torch.bfloat16`` spelled as ``"bf16"``, plain numbers and strings; a call with
+anything else is not cached), the installed torch version (read from ``torch/version.py``, so a
+hit imports no torch), the piper-sim version and a digest of the library's source files (an
+edited model or profiler never reads an old entry). Entries are pickles in ``cache_dir()/profiles``
 (`piper_sim.files.cache_dir`: $PIPER_SIM_CACHE_DIR, else $XDG_CACHE_HOME/piper-sim, else
 ~/.cache/piper-sim), written atomically; an unreadable, corrupt or mismatched entry is ignored
 and rewritten; an unwritable cache folder only costs the speed-up. ``PIPER_SIM_PROFILE_CACHE=0``
@@ -25,13 +26,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import pickle
+import re
 import sys
 from typing import Any, Callable, TypeVar
 
+from costmodel.dtypes import dtype_name
 from piper_sim.files import atomic_write, cache_dir
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,28 @@ def code_digest() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
+def torch_version() -> str | None:
+    """The installed torch's ``__version__``, read from ``torch/version.py`` without importing
+    torch (1 ms; ``importlib.metadata`` alone takes 40); None when torch is not installed."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.__version__
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        with open(os.path.join(os.path.dirname(spec.origin), "version.py")) as f:
+            found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+    except OSError:
+        found = None
+    if found is None:  # an unusual layout: import it after all
+        import torch
+
+        return torch.__version__
+    return found.group(1)
+
+
 def _spell(value: Any) -> Any:
     """A JSON-able spelling of an argument that is the same in every process."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -76,7 +102,7 @@ def _spell(value: Any) -> Any:
                 **{f.name: _spell(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.dtype):
-        return {"dtype": str(value)}
+        return dtype_name(value)  # as the name the compiler passes: one entry for both
     raise _Uncacheable(type(value).__name__)
 
 
@@ -84,9 +110,8 @@ def key_text(fn: Callable, args: tuple, kwargs: dict) -> str:
     """The cache key of a call, readable (it is also stored in the entry and compared on load)."""
     from piper_sim import __version__
 
-    torch = sys.modules.get("torch")
     return json.dumps({"fn": f"{fn.__module__}.{fn.__qualname__}", "args": _spell(list(args)),
-                       "kwargs": _spell(sorted(kwargs.items())), "torch": getattr(torch, "__version__", None),
+                       "kwargs": _spell(sorted(kwargs.items())), "torch": torch_version(),
                        "piper_sim": __version__, "code": code_digest()}, sort_keys=True)
 
 

@@ -37,15 +37,15 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
-
+from costmodel.dtypes import dtype_name, torch_dtype
 from piper_sim.profile_cache import on_disk
 from piper_sim import kernels
-from piper_sim.kernels import KernelRecorder
-from piper_sim import models
-from piper_sim.models import ModelConfig, build_units, layer_of_kind, lm_loss, unit_names, unit_segments
+from piper_sim.configs import ModelConfig, layer_of_kind, unit_names, unit_segments
+
+if TYPE_CHECKING:  # torch loads only where a segment is measured (a profile cache miss)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -107,12 +107,16 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def _differentiable(outs) -> list[torch.Tensor]:
+    import torch
+
     outs = outs if isinstance(outs, (tuple, list)) else [outs]
     return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
 def _recorded(fn: Callable[[], object]) -> tuple[int, tuple]:
     """(flops, kernel rows) of running ``fn``."""
+    from piper_sim.kernel_recorder import KernelRecorder
+
     with KernelRecorder() as rec:
         fn()
     rows = rec.table()
@@ -131,6 +135,11 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
     """Profile ``fn(*inputs)`` (returns a tensor or a tuple; non-differentiable outputs are
     ignored). ``params`` are the weights: excluded from saved bytes, included in BW.
     Flops come from torch's flop formulas (``torch.utils.flop_counter``) per recorded op."""
+    import torch
+
+    from piper_sim import models
+    from piper_sim.kernel_recorder import KernelRecorder
+
     param_keys = {_storage_key(p) for p in params}
     saved: dict[int, int] = {}
     models.SP_GATHERED.clear()
@@ -160,11 +169,16 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
 
 @functools.lru_cache(maxsize=256)
 @on_disk
-def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: torch.dtype,
+def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: str | torch.dtype,
                  windowed: bool = False) -> SegmentCost:
     """Cost of one segment kind: ``embed``, ``dense`` (layer), ``moe_pre``, ``moe_experts``,
-    ``head``; ``windowed``: of a layer with sliding-window attention. Cached; ``name``/``unit``
-    are set to the kind."""
+    ``head``; ``windowed``: of a layer with sliding-window attention; ``dtype`` a name
+    (``"bf16"``) or a ``torch.dtype``. Cached; ``name``/``unit`` are set to the kind."""
+    import torch
+
+    from piper_sim.models import build_units, lm_loss
+
+    dtype = torch_dtype(dtype)
     B, s, h, nbytes = micro_batch, seq_len, cfg.hidden, dtype.itemsize
     T = B * s
     meta: dict = dict(device="meta", dtype=dtype)
@@ -254,7 +268,7 @@ def segment_kind(cfg: ModelConfig, segment: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype) -> tuple[SegmentCost, ...]:
+def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str) -> tuple[SegmentCost, ...]:
     out = []
     for unit in unit_names(cfg):
         for seg in unit_segments(cfg, unit):
@@ -266,9 +280,10 @@ def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: torc
 
 
 def profile_model(
-    cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype = torch.bfloat16
+    cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str | torch.dtype = "bf16"
 ) -> list[SegmentCost]:
-    """Segment costs in model order (embed, layer segments..., head), for one micro-batch."""
+    """Segment costs in model order (embed, layer segments..., head), for one micro-batch;
+    ``dtype`` a name (``"bf16"``) or a ``torch.dtype``."""
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch and seq_len must be >= 1 (got {micro_batch}, {seq_len})")
-    return list(_profile_model(cfg, micro_batch, seq_len, dtype))
+    return list(_profile_model(cfg, micro_batch, seq_len, dtype_name(dtype)))

@@ -123,3 +123,35 @@ def test_the_command_line_parser_and_facade_import_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": ROOT}).stdout.strip()
     assert out == "[]"
+
+
+def test_a_cached_compile_imports_no_torch(tmp_path):
+    """A compile whose profiles are all in the on-disk cache (a second `piper-sim compile` in a
+    fresh process) never imports torch, and writes the plan the cold compile wrote."""
+    import json
+    import re
+    import subprocess
+    import sys
+
+    strategy = tmp_path / "moe.json"  # every segment kind, TP (the whole model's flops) and selective recompute
+    strategy.write_text(json.dumps({
+        "model": "moe-tiny", "cluster": "cpu:8", "global_batch": 8, "seq_len": 32, "microbatches": 4,
+        "directives": [{"op": "pipeline", "degree": 2}, {"op": "expert_parallel", "degree": 2},
+                       {"op": "tensor_parallel", "degree": 2}, {"op": "recompute", "mode": "selective"}]}))
+    code = ("import sys; from piper_sim.cli.commands import main; "
+            f"rc = main(['compile', {str(strategy)!r}, '-o', {str(tmp_path / 'plan.json')!r}]); "
+            "print('torch imported:', 'torch' in sys.modules); sys.exit(rc)")
+    env = {**os.environ, "PYTHONPATH": ROOT, "PIPER_SIM_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("PIPER_SIM_PROFILE_CACHE", None)
+
+    def compile_once() -> tuple[str, bool]:
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                             env=env).stdout
+        return re.search(r"hash (\w+)", out).group(1), "torch imported: True" in out
+
+    cold_hash, cold_torch = compile_once()
+    assert cold_torch  # the cold compile profiled (the cache was empty)
+    assert os.listdir(tmp_path / "cache" / "profiles")
+    warm_hash, warm_torch = compile_once()
+    assert not warm_torch, "a compile on a warm profile cache imported torch"
+    assert warm_hash == cold_hash

@@ -146,3 +146,16 @@ def test_cached_plans_are_byte_identical(cache, monkeypatch):
     assert compile_strategy(s).plan.content_hash() == expected  # written
     forget()
     assert compile_strategy(s).plan.content_hash() == expected  # read
+
+
+def test_a_dtype_by_name_reads_the_entry_a_torch_dtype_wrote(cache):
+    """The compiler passes dtypes by name ("bf16"), so a cache hit needs no torch.dtype; older
+    callers pass torch.bfloat16: both spell one key, and the second call dispatches nothing."""
+    cfg = tiny()
+    first = profile(cfg, dtype=torch.bfloat16)
+    n = len(os.listdir(cache))
+    forget()
+    again, ops = counted(lambda: profile(cfg, dtype="bf16"))
+    assert ops == 0 and again == first and len(os.listdir(cache)) == n
+    assert profile_cache.key_text(profiling.profile_kind, (cfg, "dense", 2, 16, torch.float32), {}) == \
+        profile_cache.key_text(profiling.profile_kind, (cfg, "dense", 2, 16, "fp32"), {})
