@@ -154,7 +154,7 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
     """Instructions of the folded plan, read off the high-level directives without expanding
     them: per pipeline rank, (stage, micro-batch) pairs x (F, B or BI+BW, a send, a receive,
     and under expert parallelism per MoE layer a dispatch and a combine each way and two more
-    compute pieces)."""
+    compute pieces; under context parallelism per layer two pieces and three K/V collectives)."""
     by_op = {d["op"]: d for d in strategy.directives}
     m = by_op.get("split", {}).get("microbatches", strategy.microbatches)
     pipe = by_op.get("pipeline", {})
@@ -168,6 +168,9 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
     per_pair = 5
     if "expert_parallel" in by_op and cfg.is_moe:
         per_pair += 6 * -(-(cfg.n_layers - cfg.first_dense) // (pp * v))
+    if by_op.get("context_parallel", {}).get("degree", 1) > 1 and isinstance(cfg, ModelConfig):
+        # F and B cut per unit, and per layer a K/V gather in F, a gather and a reduce-scatter in B
+        per_pair += 5 * -(-cfg.n_layers // (pp * v))
     return pp * pairs * per_pair
 
 
