@@ -24,6 +24,10 @@ Communication per layer with attention (the K and V of one layer: ``kv_bytes``, 
     the ring outlasts the attention alone but not the layer (projections and MLP cannot hide
     real ring steps). A full-recompute backward runs the forward ring again (``R``).
 
+Selective recompute re-runs the attention core on the K/V its backward gathers (no extra
+collective). Limits: sliding-window layers gather the whole sequence's K/V, and a window between
+``seq_len / cp`` and ``seq_len`` is costed as full causal attention.
+
 Parameters are replicated over cp: gradient sync and ZeRO sharding span dp x cp (`ir.Context`).
 """
 
