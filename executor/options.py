@@ -47,7 +47,11 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
-    """The executor runs no tensor parallelism yet: refuse such a plan before any process group starts."""
+    """The executor runs no tensor or context parallelism yet: refuse such a plan before any process
+    group starts."""
+    if plan.layout.cp > 1:
+        raise PlanError(f"{path}: context parallel plans are simulate-only in this version (cp {plan.layout.cp}); "
+                        "use `piper-sim simulate`")
     if plan.layout.tp > 1:
         raise PlanError(f"{path}: tensor parallel plans are simulate-only in this version (tp {plan.layout.tp}); "
                         "use `piper-sim simulate`")

@@ -15,8 +15,10 @@ from costmodel.hardware import GPU, H100, parse_cluster
 from costmodel.memory import adam_state_bytes, model_state_bytes
 from piper_sim.annotate import AnnotationError, UserModel, check_user_setup, resolve_user_model
 from piper_sim.directives import Setup, expand, resolve
+from piper_sim.context_parallel import context_edges, context_pass, cp_error, cp_memory, cp_segments, \
+    gathered_kv_bytes
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memory_pass, grad_bucket_memory, \
-    is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
+    is_cp, is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
     tensor_pass, unit_buckets
 from piper_sim.memory import model_memory
 from piper_sim.configs import ModelConfig, plan_model_meta, tp_divisibility_error, tp_shard
@@ -152,7 +154,7 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
     """Instructions of the folded plan, read off the high-level directives without expanding
     them: per pipeline rank, (stage, micro-batch) pairs x (F, B or BI+BW, a send, a receive,
     and under expert parallelism per MoE layer a dispatch and a combine each way and two more
-    compute pieces)."""
+    compute pieces; under context parallelism per layer two pieces and three K/V collectives)."""
     by_op = {d["op"]: d for d in strategy.directives}
     m = by_op.get("split", {}).get("microbatches", strategy.microbatches)
     pipe = by_op.get("pipeline", {})
@@ -166,6 +168,9 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
     per_pair = 5
     if "expert_parallel" in by_op and cfg.is_moe:
         per_pair += 6 * -(-(cfg.n_layers - cfg.first_dense) // (pp * v))
+    if by_op.get("context_parallel", {}).get("degree", 1) > 1 and isinstance(cfg, ModelConfig):
+        # F and B cut per unit, and per layer a K/V gather in F, a gather and a reduce-scatter in B
+        per_pair += 5 * -(-cfg.n_layers // (pp * v))
     return pp * pairs * per_pair
 
 
@@ -189,6 +194,10 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
     held = {r for copies in setup.placement.values() for r, _, _ in copies}
     empty = sorted(set(range(setup.pp)) - held)
     if isinstance(cfg, UserModel):
+        if setup.cp > 1:
+            raise StrategyError(f"context_parallel: model {cfg.name} is a user nn.Module, whose attention piper-sim "
+                                "cannot split by sequence; remove the directive (zoo, model-file and hf: models "
+                                "support it)")
         err = check_user_setup(cfg, setup.ep, setup.tp, setup.recompute)
         if err:
             raise StrategyError(err)
@@ -213,9 +222,22 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
         if setup.tp > cluster.gpus_per_node:
             warnings.warn(f"tensor_parallel: degree {setup.tp} spans nodes (cluster {strategy.cluster} has "
                           f"{cluster.gpus_per_node} GPUs per node): its collectives leave NVLink", stacklevel=2)
-    world = setup.pp * setup.dp * setup.tp
+    if setup.cp > 1:
+        err = cp_error(cfg, strategy.seq_len, setup.cp, setup.tp, setup.sp)
+        if err:
+            raise StrategyError(f"context_parallel: {err}")
+        if setup.cp * setup.tp > cluster.gpus_per_node:
+            warnings.warn(f"context_parallel: degree {setup.cp} x tensor parallel {setup.tp} spans nodes (cluster "
+                          f"{strategy.cluster} has {cluster.gpus_per_node} GPUs per node): K/V collectives leave "
+                          "NVLink", stacklevel=2)
+    world = setup.pp * setup.dp * setup.cp * setup.tp
     if world != cluster.world_size:
-        what = f"PP×DP×TP = {setup.pp}×{setup.dp}×{setup.tp}" if setup.tp > 1 else f"PP×DP = {setup.pp}×{setup.dp}"
+        if setup.cp > 1:
+            what = f"PP×DP×CP×TP = {setup.pp}×{setup.dp}×{setup.cp}×{setup.tp}"
+        elif setup.tp > 1:
+            what = f"PP×DP×TP = {setup.pp}×{setup.dp}×{setup.tp}"
+        else:
+            what = f"PP×DP = {setup.pp}×{setup.dp}"
         raise StrategyError(f"strategy needs {what} = {world} ranks but cluster "
                             f"{strategy.cluster} has {cluster.world_size}; change a degree or the cluster")
     per_replica = strategy.global_batch / setup.dp
@@ -224,7 +246,8 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
         raise StrategyError(f"global_batch {strategy.global_batch} does not split into DP {setup.dp} × "
                             f"{setup.microbatches} micro-batches of a whole number of sequences; "
                             "make global_batch a multiple of DP×microbatches")
-    layout = Layout(pp=setup.pp, dp=setup.dp, ep=setup.ep, stage_ranks=setup.stage_ranks(), tp=setup.tp)
+    layout = Layout(pp=setup.pp, dp=setup.dp, ep=setup.ep, stage_ranks=setup.stage_ranks(), tp=setup.tp,
+                    cp=setup.cp)
     return cfg, setup, layout, int(mbs)
 
 
@@ -234,6 +257,9 @@ def build_dag(strategy: Strategy, folded: bool = True,
     ``model``: a user model (`piper_sim.annotate`) or its factory, in place of ``strategy.model``."""
     cfg, setup, layout, mbs = _setup_and_layout(strategy, model)
     dtype = strategy.dtype  # by name: a profile cache hit imports no torch
+    cp = setup.cp
+    seq = strategy.seq_len // cp  # the tokens of each sequence a rank holds
+    kv_bytes = 0.0
     if isinstance(cfg, UserModel):
         from piper_sim.user_profiling import profile_user_model, user_model_memory
 
@@ -242,13 +268,16 @@ def build_dag(strategy: Strategy, folded: bool = True,
         memory = user_model_memory(cfg, segments, mbs, strategy.seq_len, dtype)
     else:
         shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
-        segments = profile_model(shard, mbs, strategy.seq_len, dtype)
-        memory = model_memory(shard, segments, mbs, strategy.seq_len, dtype)
+        # one context-parallel rank's share: seq / cp tokens, attention against the whole sequence
+        segments = cp_segments(profile_model(shard, mbs, seq, dtype), cp)
+        memory = cp_memory(model_memory(shard, segments, mbs, seq, dtype), cp)
+        if cp > 1:
+            kv_bytes = gathered_kv_bytes(shard, mbs, strategy.seq_len, DTYPE_BYTES[strategy.dtype])
     gpu = parse_cluster(strategy.cluster).gpu
     ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage, gpu),
                   layout=layout, dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded,
                   memory=memory,
-                  micro_batch=mbs, seq_len=strategy.seq_len, hidden=cfg.hidden)
+                  micro_batch=mbs, seq_len=seq, hidden=cfg.hidden, kv_bytes=kv_bytes)
     dag = TrainingDAG()
     kinds = split_pass(ctx)
     place_pass(ctx, dag, kinds)
@@ -256,10 +285,12 @@ def build_dag(strategy: Strategy, folded: bool = True,
     tensor_pass(ctx, dag)
     recompute_pass(ctx, dag)
     activation_memory_pass(ctx, dag)
+    context_pass(ctx, dag)
     replicate_pass(ctx, dag)
     optimizer_pass(ctx, dag)
     sequences = order_pass(ctx, dag)
     _prefetch_edges(dag, sequences)
+    context_edges(dag, sequences)
     if not nx.is_directed_acyclic_graph(dag.g):
         cycle = nx.find_cycle(dag.g)
         ops = " -> ".join(f"{dag.ins(a).id}@{a[0]}" for a, _ in cycle)
@@ -275,7 +306,7 @@ def _prefetch_edges(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> None:
     for seq in sequences.values():
         for i, n in enumerate(seq):
             for p in list(dag.g.predecessors(n)):
-                if dag.ins(p).kind == "ALL_GATHER" and i >= 2 and not is_tp(dag.ins(p)):
+                if dag.ins(p).kind == "ALL_GATHER" and i >= 2 and not is_tp(dag.ins(p)) and not is_cp(dag.ins(p)):
                     dag.edge(seq[i - 2], p, "temporal")
 
 
@@ -286,8 +317,11 @@ def _issued_before(dag: TrainingDAG, n: Node, previous: dict[Node, Node]) -> Nod
     compute op that precedes their consumer (``previous``), so the gather of unit i+1 is
     on its stream ahead of unit i's reduce-scatter and runs while unit i computes."""
     ins = dag.ins(n)
-    if is_tp(ins):
-        return None  # after the compute piece it follows (the default)
+    hint = dag.g._node[n].get("issue_before")  # a context-parallel chain's first op: just before its piece
+    if hint is not None:
+        return hint
+    if is_tp(ins) or is_cp(ins):
+        return None  # after the compute piece (or collective) it follows (the default)
     local = [q for q in dag.g.successors(n) if q[0] == n[0]]
     if ins.kind == "ALL_GATHER" and ins.mb >= 0:
         consumer = next((q for q in local if dag.ins(q).kind in SPLIT_KINDS), None)
@@ -339,7 +373,7 @@ def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node
                         # gradient buckets go out as the backward reaches them (last first)
                         early = (1.0 - dag.ins(n).dep_progress) * 0.5
                         # a layer's TP collectives (tens per compute piece) stay between it and the next
-                        step = 0.001 if is_tp(dag.ins(n)) else 0.1
+                        step = 0.001 if is_tp(dag.ins(n)) or is_cp(dag.ins(n)) else 0.1
                         key[n] = max(forced.get(n, 0.0), max(preds, default=-1.0) + step - early)
                 return key[n]
 
@@ -397,7 +431,7 @@ def _natural(op_id: str) -> tuple:
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", op_id))
 
 
-_STREAM_ORDER = {"compute": 0, "recv": 1, "send": 2, "ep": 3, "dp": 4, "tp": 5}
+_STREAM_ORDER = {"compute": 0, "recv": 1, "send": 2, "ep": 3, "dp": 4, "tp": 5, "cp": 6}
 
 
 def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
@@ -450,6 +484,8 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: obje
         from piper_sim.user_profiling import boundaries
 
         meta["user_model"] = {**cfg.to_json(), "boundaries": boundaries([sc.segments for sc in ctx.stages])}
+    if layout.cp > 1:
+        meta["context_parallel"] = {"degree": layout.cp, "style": ctx.setup.cp_style}
     if layout.tp > 1:
         meta["tensor_parallel"] = {"degree": layout.tp, "sequence_parallel": ctx.setup.sp}
     if cfg.is_moe:  # what the cost model's expert all-to-all traffic depends on (costmodel.moe)
@@ -476,7 +512,7 @@ def compile_unfolded(strategy: Strategy | dict, model: object = None) -> list[Ra
         out.append(RankProgram(rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, streams=lists[rank],
                                static_memory=static_memory(ctx, pp_rank, ctx.setup.zero),
                                stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs],
-                               tp_rank=layout.tp_rank(rank)))
+                               tp_rank=layout.tp_rank(rank), cp_rank=layout.cp_rank(rank)))
     return out
 
 
@@ -490,8 +526,8 @@ def _unit_order(unit: str) -> tuple[int, int]:
 
 def _model_flops(ctx: Context, strategy: Strategy, cfg: ModelConfig) -> float:
     """Useful training flops of one step (forward + backward, no recompute), all replicas
-    (under tensor parallelism those of the whole model, not of a rank's shard)."""
-    if ctx.layout.tp > 1:
+    (under tensor or context parallelism those of the whole model and sequence, not of a rank's shard)."""
+    if ctx.layout.tp > 1 or ctx.layout.cp > 1:
         segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, strategy.dtype)
     else:
         segments = [x for sc in ctx.stages for x in sc.segments]

@@ -1,8 +1,8 @@
 """Expansion of high-level directives into the low-level set, and the resolved setup.
 
 ``expand(strategy)`` turns ``pipeline`` / ``data_parallel`` / ``expert_parallel`` /
-``tensor_parallel`` / ``schedule`` into ``split``, ``place``, ``replicate``, ``shard``,
-``shard_tensor`` and ``order`` directives. Low-level directives written by the user are kept and win over what a
+``tensor_parallel`` / ``context_parallel`` / ``schedule`` into ``split``, ``place``, ``replicate``,
+``shard``, ``shard_tensor``, ``shard_sequence`` and ``order`` directives. Low-level directives written by the user are kept and win over what a
 helper generated (a user ``order`` for pipeline rank 2 replaces the schedule's row).
 ``resolve(directives)`` then reads the low-level list into a `Setup` the IR passes use.
 """
@@ -46,6 +46,8 @@ class Setup:
     layers_per_stage: list[int] | str | None = None  # None: equal layer counts; "balanced": equal time
     tp: int = 1  # tensor-parallel degree (shard_tensor)
     sp: bool = False  # sequence parallelism inside the tensor-parallel group
+    cp: int = 1  # context-parallel degree (shard_sequence): each rank holds seq_len / cp tokens
+    cp_style: str = "allgather"  # "allgather" (K/V all-gather, Llama 3) or "ring" (ring attention)
 
     def rank_of(self, stage: int, mb: int) -> int:
         for pp_rank, lo, hi in self.placement[stage]:
@@ -126,13 +128,17 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
         d = by_op["tensor_parallel"]
         out.append({"op": "shard_tensor", "degree": d["degree"],
                     "sequence_parallel": bool(d.get("sequence_parallel", False))})
+    if "context_parallel" in by_op:
+        d = by_op["context_parallel"]
+        out.append({"op": "shard_sequence", "degree": d["degree"], "style": d.get("style", "allgather")})
     if "expert_parallel" in by_op:
         out.append({"op": "shard", "degree": by_op["expert_parallel"]["degree"]})
         if "data_parallel" not in by_op and not any(d["op"] == "replicate" for d in strategy.directives):
             # EP ranks are data parallel for the non-expert parts: no DP given means DP = EP.
             out.append({"op": "replicate", "degree": by_op["expert_parallel"]["degree"], "zero": 0})
     for d in strategy.directives:
-        if d["op"] not in ("pipeline", "data_parallel", "expert_parallel", "tensor_parallel", "schedule"):
+        if d["op"] not in ("pipeline", "data_parallel", "expert_parallel", "tensor_parallel", "context_parallel",
+                           "schedule"):
             out.append(dict(d))
     return out
 
@@ -143,6 +149,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     placement: dict[int, list[tuple[int, int, int]]] = {}
     orders: dict[int, list[Slot]] = {}
     dp, zero, bucket_mb, ep, reduce, tp, sp = 1, 0, None, 1, "per_microbatch", 1, False
+    cp, cp_style = 1, "allgather"
     recompute: dict[int, str] = {}
     recompute_all: str | None = None
     streams = dict(DEFAULT_STREAMS)
@@ -170,6 +177,8 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
             ep = d["degree"]
         elif op == "shard_tensor":
             tp, sp = d["degree"], bool(d.get("sequence_parallel", False))
+        elif op == "shard_sequence":
+            cp, cp_style = d["degree"], d.get("style", "allgather")
         elif op == "recompute":  # a later directive wins for the stages it names
             stages, mode = d.get("stages", "all"), d.get("mode", "full")
             if stages == "all":
@@ -207,10 +216,10 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
                             f"{num_stages} stages (0..{num_stages - 1})")
     if recompute_all:
         recompute = {**dict.fromkeys(range(num_stages), recompute_all), **recompute}
-    if zero and dp == 1 and max(len({r for r, _, _ in c}) for c in placement.values()) == 1:
+    if zero and dp * cp == 1 and max(len({r for r, _, _ in c}) for c in placement.values()) == 1:
         warnings.warn(f"replicate: zero={zero} on data-parallel degree 1 has nothing to shard; "
                       "it is ignored", stacklevel=2)
     return Setup(pp=pp, dp=dp, ep=ep, zero=zero, bucket_mb=bucket_mb, microbatches=m,
                  num_stages=num_stages, placement=placement, orders=orders, recompute=recompute,
                  streams=streams, schedule=schedule, reduce=reduce, layers_per_stage=layers_per_stage, tp=tp,
-                 sp=sp and tp > 1)
+                 sp=sp and tp > 1, cp=cp, cp_style=cp_style)

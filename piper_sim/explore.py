@@ -1,8 +1,9 @@
 """Strategy explorer: enumerate valid strategies, simulate each, rank them.
 
 The search: pipeline degree, schedule, micro-batches, DP and ZeRO level, EP degree, full
-recompute, and tensor parallelism T over the divisors of the GPUs per node that shard the
-model (with sequence parallelism when T > 1). World size = PP × DP × TP.
+recompute, tensor parallelism T over the divisors of the GPUs per node that shard the
+model (with sequence parallelism when T > 1), and for long sequences (``CP_MIN_SEQ``) context
+parallelism C with C × T dividing the GPUs per node. World size = PP × DP × CP × TP.
 
 Two prunes, both exact (they never drop a strategy that would have won):
 - memory: a plan whose static memory (params + grads + optimizer state) plus what one
@@ -32,6 +33,7 @@ from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
 from piper_sim.configs import tp_divisibility_error, tp_shard
+from piper_sim.context_parallel import cp_error, cp_segments
 from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, ScheduleError, canonical_schedule, known_names,
                                  stages_per_rank)
 from piper_sim.sources import resolve_model
@@ -55,6 +57,7 @@ class Candidate:
     recompute: bool = False
     tp: int = 1
     sp: bool = False
+    cp: int = 1
 
     @property
     def v(self) -> int:
@@ -72,6 +75,8 @@ class Candidate:
             d.append({"op": "expert_parallel", "degree": self.ep})
         if self.tp > 1:
             d.append({"op": "tensor_parallel", "degree": self.tp, "sequence_parallel": self.sp})
+        if self.cp > 1:
+            d.append({"op": "context_parallel", "degree": self.cp})
         if self.recompute:
             d.append({"op": "recompute"})
         return {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
@@ -83,6 +88,8 @@ class Candidate:
             s += f" ep{self.ep}"
         if self.tp > 1:
             s += f" tp{self.tp}" + (" sp" if self.sp else "")
+        if self.cp > 1:
+            s += f" cp{self.cp}"
         return s + (" rc" if self.recompute else "")
 
 
@@ -139,6 +146,9 @@ class ExploreResult:
                               **asdict(r.candidate)} for r in rows], columns=cols)
 
 
+CP_MIN_SEQ = 16384  # context parallelism is searched from this sequence length on (or when given)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -147,13 +157,16 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
                          schedules: Iterable[str] | None = None, zero_levels: Iterable[int] = (0, 1, 2, 3),
                          recompute: Iterable[bool] = (False, True), max_microbatches: int = 64,
                          microbatch_factors: Iterable[int] = (2, 4), microbatch_counts: Iterable[int] = (),
-                         tp_degrees: Iterable[int] | None = None) -> list[Candidate]:
+                         tp_degrees: Iterable[int] | None = None,
+                         cp_degrees: Iterable[int] | None = None) -> list[Candidate]:
     """Every strategy the compiler accepts for this model, cluster and batch.
 
     Micro-batch counts: 1, 2, 4 without a pipeline, else ``microbatch_factors`` × PP, plus
     any of ``microbatch_counts``. Tensor parallel: ``tp_degrees`` (default: the divisors of
     the GPUs per node), those that divide the model's heads, KV heads and MLP widths (and
-    the sequence: sequence parallelism is on whenever T > 1)."""
+    the sequence: sequence parallelism is on whenever T > 1). Context parallel: ``cp_degrees``
+    (default: from ``CP_MIN_SEQ`` tokens on, the divisors of GPUs per node / T; else 1), those
+    that split the sequence into 2C chunks (`context_parallel.cp_error`)."""
     cfg = resolve_model(model)
     cl = parse_cluster(cluster)
     schedules = [canonical_schedule(x) for x in (schedules or SCHEDULES)]
@@ -165,15 +178,22 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
                                         and seq_len % t == 0)]
     out = []
     for tp in tps:
-        out += _enumerate(cfg, cl.world_size // tp, tp, global_batch, schedules, zero_levels, recompute,
-                          max_microbatches, microbatch_factors, microbatch_counts)
+        if cp_degrees is not None:
+            cps = sorted(set(cp_degrees))
+        else:
+            cps = _divisors(cl.gpus_per_node // tp) if seq_len >= CP_MIN_SEQ and cl.gpus_per_node % tp == 0 else [1]
+        cps = [c for c in cps if c == 1 or (cl.world_size % (c * tp) == 0 and not cp_error(cfg, seq_len, c, tp, tp > 1))]
+        for cp in cps:
+            out += _enumerate(cfg, cl.world_size // (tp * cp), tp, global_batch, schedules, zero_levels, recompute,
+                              max_microbatches, microbatch_factors, microbatch_counts, cp)
     return out
 
 
 def _enumerate(cfg, world: int, tp: int, global_batch: int, schedules: list[str], zero_levels: Iterable[int],
                recompute: Iterable[bool], max_microbatches: int, microbatch_factors: Iterable[int],
-               microbatch_counts: Iterable[int]) -> list[Candidate]:
-    """Candidates with tensor-parallel degree ``tp`` on ``world`` = PP × DP ranks."""
+               microbatch_counts: Iterable[int], cp: int = 1) -> list[Candidate]:
+    """Candidates with tensor-parallel degree ``tp`` and context-parallel degree ``cp`` on
+    ``world`` = PP × DP ranks."""
     out = []
     for pp in _divisors(world):
         dp = world // pp
@@ -194,9 +214,9 @@ def _enumerate(cfg, world: int, tp: int, global_batch: int, schedules: list[str]
                 eps = [e for e in _divisors(dp) if cfg.is_moe and cfg.n_experts % e == 0] or [1]
                 copies = entry.copies
                 for ep in eps:
-                    for zero in (zero_levels if dp * copies > 1 else [0]):
+                    for zero in (zero_levels if dp * cp * copies > 1 else [0]):
                         for rc in recompute:
-                            out.append(Candidate(pp, sched, m, dp, zero, ep, rc, tp, tp > 1))
+                            out.append(Candidate(pp, sched, m, dp, zero, ep, rc, tp, tp > 1, cp))
     return out
 
 
@@ -224,7 +244,8 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     fullest rank. Time: the busiest rank's forward+backward flops as one op at the cost
     model's best efficiency (every real op is smaller, so no faster). Under tensor
     parallelism both are a rank's share: the segments are profiled on its shard
-    (`models.tp_shard`), as the compiler does."""
+    (`models.tp_shard`), as the compiler does; under context parallelism on its ``seq_len / C``
+    tokens (`context_parallel.cp_segments`)."""
     from piper_sim.compiler import static_memory, stage_costs
     from piper_sim.ir import Context
     from piper_sim.memory import model_memory
@@ -237,14 +258,15 @@ def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, f
     try:
         spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
         shard = tp_shard(cfg, cand.tp, cand.sp)
-        segments = profile_model(shard, mbs, settings["seq_len"], dtype)
+        seq = settings["seq_len"] // cand.cp
+        segments = cp_segments(profile_model(shard, mbs, seq, dtype), cand.cp)
         stages = stage_costs(cfg, segments, spec.num_stages, "balanced" if cand.pp > 1 else None,
                              parse_cluster(settings["cluster"]).gpu)
     except (ScheduleError, StrategyError, ValueError) as e:
         return 0.0, 0.0, str(e)
-    layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp)
+    layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp, cp=cand.cp)
     ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[dtype])  # type: ignore[arg-type]
-    mems = model_memory(shard, segments, mbs, settings["seq_len"], dtype)
+    mems = model_memory(shard, segments, mbs, seq, dtype)
     mode = "full" if cand.recompute else "none"
     mem = time_lb = 0.0
     for r in range(cand.pp):

@@ -8,8 +8,9 @@ Edges carry ``kind``: ``data``, ``temporal`` or ``p2p`` (a SEND to its RECV).
 Passes run in a fixed order, whatever the order of the directives:
 ``split`` -> ``backward split`` (from ``order``) -> ``place`` (+ SEND/RECV) ->
 ``pieces`` (F/B/BI cut around expert blocks with all-to-alls under EP, per unit under
-ZeRO-3 or tensor parallelism) -> ``tensor`` (TP/SP collectives between the pieces) ->
-``recompute`` + activation memory -> ``replicate`` (DP/ZeRO collectives) ->
+ZeRO-3, tensor or context parallelism) -> ``tensor`` (TP/SP collectives between the pieces) ->
+``recompute`` + activation memory -> ``context`` (CP K/V collectives around the pieces,
+`piper_sim.context_parallel`) -> ``replicate`` (DP/ZeRO collectives over dp x cp) ->
 ``order`` (temporal edges, overlapped pairs) -> gradient-bucket memory.
 
 Memory (``alloc`` at an op's start, ``free`` at its end) is set by `activation_memory_pass`
@@ -86,8 +87,9 @@ class Context:
     _kernel_keys: dict[tuple, str] = field(default_factory=dict, repr=False)
     memory: dict[str, SegmentMemory] = field(default_factory=dict)  # per segment name (piper_sim.memory)
     micro_batch: int = 1  # sequences per micro-batch
-    seq_len: int = 0
+    seq_len: int = 0  # tokens of a sequence one rank holds (seq_len / cp under context parallelism)
     hidden: int = 0
+    kv_bytes: float = 0.0  # context parallel: one layer's K and V gathered over the cp group, per micro-batch
 
     def kernel_table(self, kind: str, segs: list[SegmentCost], recompute: bool) -> str:
         """Key of the operator-level table of one compute op over ``segs`` (shared by
@@ -119,12 +121,14 @@ class Context:
     def per_unit(self, stage: int) -> bool:
         """ZeRO-3 with someone to shard with: F/B/BI run one unit at a time, each on its own
         gathered unit (FSDP)."""
-        return self.setup.zero == 3 and len(self.layout.stage_ranks[stage]) * self.layout.dp > 1
+        return self.setup.zero == 3 and len(self.layout.stage_ranks[stage]) * self.layout.dp * self.layout.cp > 1
 
     def parts(self, stage: int) -> list[list[SegmentCost]]:
         """The pieces F/B/BI of a stage are cut into (``.p{i}`` op ids when more than one):
-        one per unit under ZeRO-3 and under tensor parallelism (its collectives go between)."""
-        return self.stages[stage].parts(self.layout.ep, self.per_unit(stage) or self.layout.tp > 1)
+        one per unit under ZeRO-3 and under tensor or context parallelism (their collectives go
+        between)."""
+        return self.stages[stage].parts(self.layout.ep, self.per_unit(stage) or self.layout.tp > 1
+                                        or self.layout.cp > 1)
 
     def replicas(self) -> list[int]:
         """The ranks of one class compiled explicitly: every DP replica and TP peer when
@@ -142,11 +146,12 @@ class Context:
 
     def param_groups(self, stage: int) -> list[tuple[float, int]]:
         """(parameters a rank holds, data-parallel group size) of a stage: the dense part
-        over all its replicas; under expert parallel, the rank's expert shard over the
-        replicas holding the same shard."""
+        over all its replicas (data and context parallel: parameters are replicated over cp
+        too); under expert parallel, the rank's expert shard over the replicas holding the
+        same shard."""
         layout = self.layout
         sc = self.stages[stage]
-        n_dense = len(layout.stage_ranks[stage]) * layout.dp
+        n_dense = len(layout.stage_ranks[stage]) * layout.dp * layout.cp
         if layout.ep == 1:
             return [(sum(x.param_count for x in sc.segments), n_dense)]
         dense = sum(x.param_count for x in sc.dense)
@@ -185,7 +190,7 @@ def op_id(ins: Instruction) -> str:
     ``RS.s{stage}[.mb{mb}|.i{round}][.e].b{bucket}``, ``AG.{direction}.s{stage}.i{round}[.e].b{bucket}``
     (ZeRO-3), ``A2A.{direction}.s{stage}.mb{mb}.e{block}.{dispatch|combine}`` (named after the
     forward op: a backward dispatch is the backward of the forward combine), and
-    ``TP.{direction}.s{stage}.mb{mb}.{name}`` / ``TP.s{stage}.{name}``."""
+    ``TP.{direction}.s{stage}.mb{mb}.{name}`` / ``TP.s{stage}.{name}``, ``CP.{direction}.s{stage}.mb{mb}.{name}``."""
     k, s, e = ins.kind, ins.stage, ".e" if ins.experts else ""
     if k == "OPT":
         return f"OPT.s{s}"
@@ -198,6 +203,8 @@ def op_id(ins: Instruction) -> str:
         return f"A2A.{ins.direction}.s{s}.mb{ins.mb}.e{ins.block}.{name}"
     if is_tp(ins):
         return f"TP.{ins.direction}.s{s}.mb{ins.mb}.{ins.name}" if ins.direction else f"TP.s{s}.{ins.name}"
+    if is_cp(ins):
+        return f"CP.{ins.direction}.s{s}.mb{ins.mb}.{ins.name}"
     if ins.direction:  # a ZeRO-3 gather before one forward / backward
         return f"AG.{ins.direction}.s{s}.i{ins.round}{e}.b{ins.bucket}"
     label = f".i{ins.round}" if ins.round >= 0 else f".mb{ins.mb}" if ins.mb >= 0 else ""
@@ -398,6 +405,14 @@ TP_STREAM = "tp"
 def is_tp(ins: Instruction) -> bool:
     """A tensor-parallel collective (inside a layer, on the ``tp`` stream)."""
     return ins.stream == TP_STREAM
+
+
+CP_STREAM = "cp"
+
+
+def is_cp(ins: Instruction) -> bool:
+    """A context-parallel K/V collective (inside a layer, on the ``cp`` stream)."""
+    return ins.stream == CP_STREAM
 
 
 def _tp_label(seg: SegmentCost) -> str:
@@ -646,10 +661,10 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
     for (where, s), nodes in sorted(by_where_stage.items()):
         sc = ctx.stages[s]
         copies = len(layout.stage_ranks[s])
-        groups = [("", "stage:%d" % s, [x for x in sc.segments if not (x.is_expert and layout.ep > 1)],
-                   copies * layout.dp)]
+        replicas = copies * layout.dp * layout.cp  # parameters are replicated over dp x cp
+        groups = [("", "stage:%d" % s, [x for x in sc.segments if not (x.is_expert and layout.ep > 1)], replicas)]
         if layout.ep > 1 and sc.experts:
-            groups.append((".e", "stage:%d:edp" % s, sc.experts, copies * layout.dp // layout.ep))
+            groups.append((".e", "stage:%d:edp" % s, sc.experts, replicas // layout.ep))
         opt = (where, f"OPT.s{s}")
         last_backward = [n for n in nodes if dag.ins(n).kind in WEIGHT_GRAD_KINDS]
         for tag, symbolic, segs, size in groups:
@@ -761,7 +776,7 @@ def grad_bucket_memory(ctx: Context, dag: TrainingDAG) -> None:
         if ins.kind != "REDUCE_SCATTER":
             continue
         producers = [p for p in dag.g.predecessors(n) if p[0] == n[0] and dag.ins(p).kind in WEIGHT_GRAD_KINDS]
-        if not producers or is_tp(ins):
+        if not producers or is_tp(ins) or is_cp(ins):
             continue
         size = _group_size(ctx, ins)
         transient = ins.bytes * (size - 1) / size
@@ -772,9 +787,9 @@ def grad_bucket_memory(ctx: Context, dag: TrainingDAG) -> None:
 def _group_size(ctx: Context, ins: Instruction) -> int:
     if ins.group.startswith("ranks:"):
         return ins.group.count(",") + 1
-    if ins.group == "tp":
-        return ctx.layout.tp
-    copies = len(ctx.layout.stage_ranks[ins.stage]) * ctx.layout.dp
+    if ins.group in ("tp", "cp"):
+        return ctx.layout.axes[ins.group]
+    copies = len(ctx.layout.stage_ranks[ins.stage]) * ctx.layout.dp * ctx.layout.cp
     return copies // ctx.layout.ep if ins.group.endswith(":edp") else copies
 
 
@@ -827,14 +842,14 @@ def order_pass(ctx: Context, dag: TrainingDAG) -> dict[int, list[Node]]:
 
 
 def _sends_after(dag: TrainingDAG, n: Node) -> list[Node]:
-    """SENDs fed by compute op ``n``, directly or through its tensor-parallel collectives."""
+    """SENDs fed by compute op ``n``, directly or through its tensor- or context-parallel collectives."""
     out, todo = [], list(dag.g.successors(n))
     while todo:
         q = todo.pop()
         ins = dag.ins(q)
         if ins.kind == "SEND":
             out.append(q)
-        elif is_tp(ins):
+        elif is_tp(ins) or is_cp(ins):
             todo.extend(dag.g.successors(q))
     return out
 

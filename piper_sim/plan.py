@@ -6,17 +6,19 @@ pipeline rank run the same list; only their peers and groups differ. `Plan.expan
 resolves the symbolic peers and groups into explicit global ranks, giving one `RankProgram`
 per rank.
 
-The device mesh has named axes ``pp, dp, tp`` (`Layout.axes`, outermost first; ``ep`` splits
-``dp``), one rank formula (`Layout.rank_at`, mixed radix over the axes) and one group per axis
-(`Layout.axis_group`); a new parallelism adds an axis there::
+The device mesh has named axes ``pp, dp, cp, tp`` (`Layout.axes`, outermost first; ``ep``
+splits ``dp``), one rank formula (`Layout.rank_at`, mixed radix over the axes) and one group
+per axis (`Layout.axis_group`); a new parallelism adds an axis there::
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 Tensor parallel is innermost, so a TP group is ``tp`` consecutive ranks and stays inside a
-node when ``tp`` divides the GPUs per node; then data parallel (an EP group is ``ep``
-consecutive DP ranks with the same pp and tp rank), then pipeline (Megatron's order). A rank
-class (one pipeline rank) is the ``dp * tp`` consecutive ranks from ``pp_rank * dp * tp``.
-With ``tp == 1`` this is ``rank = pp_rank * dp + dp_rank``. Groups of every axis:
+node when ``tp`` divides the GPUs per node; context parallel next (a CP group is ``cp`` ranks
+``tp`` apart, and a TP x CP block of ``cp * tp`` consecutive ranks stays inside a node when it
+divides the GPUs per node); then data parallel (an EP group is ``ep`` consecutive DP ranks
+with the same pp, cp and tp rank), then pipeline (Megatron's order). A rank class (one
+pipeline rank) is the ``dp * cp * tp`` consecutive ranks from ``pp_rank * dp * cp * tp``.
+With ``cp == tp == 1`` this is ``rank = pp_rank * dp + dp_rank``. Groups of every axis:
 `Layout.group_ranks`.
 
 Instruction kinds
@@ -77,7 +79,7 @@ class Instruction:
     bytes:   payload bytes per rank (comm ops: the tensor each member contributes;
              for ALL_GATHER the full gathered size; compute: HBM traffic estimate).
     alloc/free: memory taken at start / released at end, bytes.
-    peer:    p2p only. Folded plan: the peer's pipeline rank (same dp_rank and tp_rank).
+    peer:    p2p only. Folded plan: the peer's pipeline rank (same dp, cp and tp rank).
              Expanded: the peer's global rank.
     match:   p2p only: the key that pairs a SEND with its RECV.
     group:   collectives only. Folded: a symbolic group (see ``Layout.group_ranks``).
@@ -197,7 +199,7 @@ def missing_fields(ins: Instruction) -> list[str]:
 
 @dataclass
 class RankClass:
-    """Ranks that run the same instruction lists (one pipeline rank, all its DP/EP/TP peers)."""
+    """Ranks that run the same instruction lists (one pipeline rank, all its DP/EP/CP/TP peers)."""
 
     pp_rank: int
     ranks: list[int]
@@ -220,17 +222,18 @@ class RankProgram:
     static_memory: dict[str, float]
     stages: list[int]
     tp_rank: int = 0
+    cp_rank: int = 0
 
 
-MESH_AXES = ("pp", "dp", "tp")  # the grid's axes, outermost first (tp innermost); ep splits dp
+MESH_AXES = ("pp", "dp", "cp", "tp")  # the grid's axes, outermost first (tp innermost); ep splits dp
 
 
 @dataclass
 class Layout:
-    """Where every rank sits: the named-axis mesh `axes` (pp, dp, tp; ep splits dp), see the
-    module docstring. One rank formula (`rank_at`, mixed radix over the axes, tp innermost)
-    and one group construction per axis (`axis_group`): a new parallelism (``cp``) adds an
-    axis to `axes` and keeps both."""
+    """Where every rank sits: the named-axis mesh `axes` (pp, dp, cp, tp; ep splits dp), see
+    the module docstring. One rank formula (`rank_at`, mixed radix over the axes, tp innermost)
+    and one group construction per axis (`axis_group`): a new parallelism adds an axis to
+    `axes` and keeps both."""
 
     pp: int
     dp: int
@@ -238,15 +241,16 @@ class Layout:
     # stage -> list of pipeline ranks holding a copy (two copies under dualpipe)
     stage_ranks: dict[int, list[int]] = field(default_factory=dict)
     tp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def class_size(self) -> int:
-        """Ranks per rank class (one pipeline rank): its DP replicas times its TP peers."""
-        return self.dp * self.tp
+        """Ranks per rank class (one pipeline rank): its DP replicas times its CP and TP peers."""
+        return self.dp * self.cp * self.tp
 
     @property
     def axes(self) -> dict[str, int]:
@@ -254,7 +258,7 @@ class Layout:
         return dict(zip(MESH_AXES, self._sizes()))
 
     def _sizes(self) -> tuple[int, ...]:
-        return self.pp, self.dp, self.tp
+        return self.pp, self.dp, self.cp, self.tp
 
     def _index(self, coords: tuple[int, ...]) -> int:
         """The rank formula: mixed radix over the axes (coordinates in `MESH_AXES` order)."""
@@ -288,31 +292,40 @@ class Layout:
         first = self.rank_at({"pp": pp_rank})
         return list(range(first, first + self.class_size))
 
-    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0) -> int:
-        return self._index((pp_rank, dp_rank, tp_rank))
+    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int = 0, cp_rank: int = 0) -> int:
+        return self._index((pp_rank, dp_rank, cp_rank, tp_rank))
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(pp_rank, dp_rank) of a rank (its tp_rank: `tp_rank`, all axes: `mesh_coords`)."""
-        pp_rank, dp_rank, _ = self._coords(rank)
-        return pp_rank, dp_rank
+        c = self._coords(rank)
+        return c[0], c[1]
 
     def tp_rank(self, rank: int) -> int:
+        return self._coords(rank)[3]
+
+    def cp_rank(self, rank: int) -> int:
         return self._coords(rank)[2]
+
+    def pipeline_peer(self, rank: int, pp_rank: int) -> int:
+        """The rank on pipeline rank ``pp_rank`` with ``rank``'s other coordinates (its p2p peer)."""
+        return self.rank_at({**self.coords_of(rank), "pp": pp_rank})
 
     def mesh_coords(self, rank: int) -> dict[str, int]:
         """The rank's coordinate on every axis (``ep``: its expert shard, dp_rank mod ep)."""
         c = self.coords_of(rank)
-        return {"pp": c["pp"], "dp": c["dp"], "ep": c["dp"] % self.ep, "tp": c["tp"]}
+        return {"pp": c["pp"], "dp": c["dp"], "ep": c["dp"] % self.ep, "cp": c["cp"], "tp": c["tp"]}
 
     def group_ranks(self, group: str, rank: int) -> list[int]:
         """Resolve a symbolic group as seen from ``rank`` to sorted global ranks.
 
-        ``tp``          the tensor-parallel peers of ``rank`` (same pp and dp rank).
-        ``ep``          the expert-parallel peers of ``rank`` (same pp and tp rank).
-        ``dp``          all data-parallel replicas of ``rank`` (same pp and tp rank).
-        ``pp``          the pipeline of ``rank`` (same dp and tp rank).
-        ``stage:S``     all ranks holding a copy of stage S with ``rank``'s tp rank
-                        (data-parallel gradient sync of that tensor-parallel shard).
+        ``tp``          the tensor-parallel peers of ``rank`` (same pp, dp and cp rank).
+        ``cp``          the context-parallel peers of ``rank`` (same pp, dp and tp rank).
+        ``ep``          the expert-parallel peers of ``rank`` (same pp, cp and tp rank).
+        ``dp``          all data-parallel replicas of ``rank`` (same pp, cp and tp rank).
+        ``pp``          the pipeline of ``rank`` (same dp, cp and tp rank).
+        ``stage:S``     all ranks holding a copy of stage S with ``rank``'s tp rank, over
+                        dp x cp (data-parallel gradient sync of that tensor-parallel shard:
+                        parameters are replicated over the context-parallel ranks too).
         ``stage:S:edp`` those of them that hold the same expert shard as ``rank``.
         ``ranks:a,b``   already explicit.
         """
@@ -330,17 +343,19 @@ class Layout:
             dps = range(self.dp)
             if len(parts) > 2 and parts[2] == "edp":
                 dps = [d for d in dps if d % self.ep == c["dp"] % self.ep]
-            return sorted(self.rank_at({**c, "pp": p, "dp": d}) for p in self.stage_ranks[stage] for d in dps)
+            return sorted(self.rank_at({**c, "pp": p, "dp": d, "cp": k})
+                          for p in self.stage_ranks[stage] for d in dps for k in range(self.cp))
         raise PlanError(f"unknown collective group {group!r} on rank {rank}")
 
     def to_json(self) -> dict[str, Any]:
-        extra = {"tp": self.tp} if self.tp > 1 else {}  # plans without TP stay as they were
+        # plans without TP / CP stay as they were
+        extra = {**({"tp": self.tp} if self.tp > 1 else {}), **({"cp": self.cp} if self.cp > 1 else {})}
         return {"pp": self.pp, "dp": self.dp, "ep": self.ep, **extra,
                 "stage_ranks": {str(k): v for k, v in self.stage_ranks.items()}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Layout":
-        return cls(pp=d["pp"], dp=d["dp"], ep=d.get("ep", 1), tp=d.get("tp", 1),
+        return cls(pp=d["pp"], dp=d["dp"], ep=d.get("ep", 1), tp=d.get("tp", 1), cp=d.get("cp", 1),
                    stage_ranks={int(k): v for k, v in d["stage_ranks"].items()})
 
 
@@ -368,7 +383,7 @@ class Plan:
         if not 0 <= rank < self.world_size:
             raise PlanError(f"rank {rank} is outside the plan's world size {self.world_size}")
         pp_rank, dp_rank = self.layout.coords(rank)
-        tp_rank = self.layout.tp_rank(rank)
+        tp_rank, cp_rank = self.layout.tp_rank(rank), self.layout.cp_rank(rank)
         cls = self.classes[pp_rank]
         streams: dict[str, list[Instruction]] = {}
         for name, lst in cls.streams.items():
@@ -376,14 +391,15 @@ class Plan:
             for ins in lst:
                 new = Instruction(**asdict(ins))
                 if ins.kind in P2P_KINDS:
-                    new.peer = self.layout.rank(ins.peer, dp_rank, tp_rank)
+                    new.peer = self.layout.pipeline_peer(rank, ins.peer)
                 elif ins.kind in COLLECTIVE_KINDS:
                     ranks = self.layout.group_ranks(ins.group, rank)
                     new.group = "ranks:" + ",".join(map(str, ranks))
                 out.append(new)
             streams[name] = out
         return RankProgram(rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, streams=streams,
-                           static_memory=dict(cls.static_memory), stages=list(cls.stages), tp_rank=tp_rank)
+                           static_memory=dict(cls.static_memory), stages=list(cls.stages), tp_rank=tp_rank,
+                           cp_rank=cp_rank)
 
     def expand(self) -> list[RankProgram]:
         return [self.program(r) for r in range(self.world_size)]

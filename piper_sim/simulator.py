@@ -11,7 +11,7 @@ or ends). Compute runs `comm_compute_slowdown` times slower while a transfer is 
 its rank. Memory per rank: the class's static model states, plus ``alloc`` when an op
 starts, minus ``free`` when it ends.
 
-Folding: the data-parallel replicas and tensor-parallel peers of a pipeline rank run the
+Folding: the data-parallel replicas and context- and tensor-parallel peers of a pipeline rank run the
 same program, so when the cluster is symmetric over them (every collective and p2p
 transfer of replica d, tp rank t costs what replica 0's does), one representative per
 class (dp_rank 0, tp_rank 0) is simulated and a collective completes when the
@@ -223,9 +223,9 @@ def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
                 peers.add((c.pp_rank, ins.peer))
     if cluster is None or cluster.nodes == 1:
         return True, ""
-    g, tp = cluster.gpus_per_node, layout.tp
-    # nodes per DP index: a TP group inside a node (tp | g) leaves g / tp DP ranks per node;
-    # one spanning nodes (g | tp) puts every DP rank on nodes of its own
+    g, tp = cluster.gpus_per_node, layout.tp * layout.cp
+    # nodes per DP index: a CP x TP block inside a node (cp * tp | g) leaves g / (cp * tp) DP
+    # ranks per node; one spanning nodes (g | cp * tp) puts every DP rank on nodes of its own
     per_node = g // tp if g % tp == 0 else (1 if tp % g == 0 else 0)
     if per_node and layout.dp % per_node == 0 and (layout.ep % per_node == 0 or per_node % layout.ep == 0):
         return True, ""  # every class fills whole nodes, TP and EP blocks align with nodes
@@ -234,16 +234,20 @@ def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
         return (frozenset(layout.coords(r)[0] for r in ranks),
                 tuple(sorted(Counter(cluster.node_of(r) for r in ranks).values())))
 
-    others = [(d, t) for d in range(layout.dp) for t in range(tp)][1:]
+    others = list(range(1, layout.class_size))  # offsets of the other members of a class
     for pp, group in sorted(groups):
-        ref = signature(layout.group_ranks(group, layout.rank(pp, 0)))
-        for d, t in others:
-            if signature(layout.group_ranks(group, layout.rank(pp, d, t))) != ref:
-                return False, f"group {group} of pipeline rank {pp} differs between dp_rank 0 and {d} (tp_rank {t})"
+        first = layout.rank(pp, 0)
+        ref = signature(layout.group_ranks(group, first))
+        for o in others:
+            if signature(layout.group_ranks(group, first + o)) != ref:
+                c = layout.coords_of(first + o)
+                return False, (f"group {group} of pipeline rank {pp} differs between dp_rank 0 and {c['dp']} "
+                               f"(cp_rank {c['cp']}, tp_rank {c['tp']})")
     for pp, peer in sorted(peers):
-        ref = cluster.same_node((layout.rank(pp, 0), layout.rank(peer, 0)))
-        for d, t in others:
-            if cluster.same_node((layout.rank(pp, d, t), layout.rank(peer, d, t))) != ref:
+        first, peer_first = layout.rank(pp, 0), layout.rank(peer, 0)
+        ref = cluster.same_node((first, peer_first))
+        for o in others:
+            if cluster.same_node((first + o, peer_first + o)) != ref:
                 return False, f"p2p between pipeline ranks {pp} and {peer} crosses nodes only for some replicas"
     return True, ""
 
@@ -301,7 +305,7 @@ class _Engine:
         self.cores = getattr(cm, "compute_slots", None)
         self.cpu_jobs: dict[_Job, int] = {}
         self.unit = isinstance(cm, UnitCostModel)
-        replicas = self.layout.class_size  # DP replicas x TP peers of a pipeline rank
+        replicas = self.layout.class_size  # DP replicas x CP and TP peers of a pipeline rank
         self.ranks = [self.layout.rank(c.pp_rank, 0) for c in plan.classes] if folded else \
             list(range(self.layout.world_size))
         self.class_of = {r: plan.classes[self.layout.coords(r)[0]] for r in self.ranks}
@@ -388,7 +392,7 @@ class _Engine:
         layout = self.layout
         durs: dict[int, dict[int, float]] = {}
         for r in self.ranks:
-            pp, d = layout.coords(r)
+            pp, _ = layout.coords(r)
             cls = self.class_of[r]
             if pp not in durs:
                 durs[pp] = self._compute_durations(cls)
@@ -407,7 +411,7 @@ class _Engine:
                         if not 0 <= ins.peer < layout.pp:
                             raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
                                                   f"outside 0..{layout.pp - 1}")
-                        op.peer = layout.rank(ins.peer, d, layout.tp_rank(r))
+                        op.peer = layout.pipeline_peer(r, ins.peer)
                         if ins.kind == "SEND":
                             op.cost = self._p2p_cost(ins.bytes, r, op.peer)
                     elif ins.kind in COLLECTIVE_KINDS:

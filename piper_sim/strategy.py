@@ -13,8 +13,9 @@ A strategy is JSON::
 that returns `piper_sim.annotate.annotate(...)` (see that module).
 
 High-level directives (``pipeline``, ``data_parallel``, ``expert_parallel``,
-``tensor_parallel``, ``schedule``) expand to the low-level set of the Piper paper (``split``,
-``place``, ``replicate``, ``shard``, ``shard_tensor``, ``order``, ``recompute``, ``stream``);
+``tensor_parallel``, ``context_parallel``, ``schedule``) expand to the low-level set of the Piper
+paper (``split``, ``place``, ``replicate``, ``shard``, ``shard_tensor``, ``shard_sequence``,
+``order``, ``recompute``, ``stream``);
 see ``expand``.
 Every error is a `StrategyError` with one line that names the directive and field.
 """
@@ -40,6 +41,7 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "data_parallel": ({"degree"}, {"zero", "bucket_mb", "reduce"}),
     "expert_parallel": ({"degree"}, set()),
     "tensor_parallel": ({"degree"}, {"sequence_parallel"}),
+    "context_parallel": ({"degree"}, {"style"}),
     "schedule": ({"name"}, set()),
     # low level
     "split": ({"microbatches"}, set()),
@@ -47,18 +49,20 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "replicate": ({"degree"}, {"zero", "bucket_mb", "reduce"}),
     "shard": ({"degree"}, set()),
     "shard_tensor": ({"degree"}, {"sequence_parallel"}),
+    "shard_sequence": ({"degree"}, {"style"}),
     "order": ({"pp_rank", "slots"}, {"from"}),
     "recompute": (set(), {"stages", "mode"}),
     "stream": ({"kind", "name"}, set()),
     "segment": ({"layers_per_stage"}, set()),
 }
-HIGH_LEVEL = ("pipeline", "data_parallel", "expert_parallel", "tensor_parallel", "schedule")
+HIGH_LEVEL = ("pipeline", "data_parallel", "expert_parallel", "tensor_parallel", "context_parallel", "schedule")
 TOP_LEVEL_FIELDS = {"model", "cluster", "global_batch", "seq_len", "microbatches", "directives",
                     "dtype", "name", "seed"}
 STREAM_KINDS = ("SEND", "RECV", "ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 DTYPES = TRAINING_DTYPES
 RECOMPUTE_MODES = ("full", "selective")
 REDUCE_MODES = ("per_microbatch", "per_step")  # when ZeRO-2/3 reduce-scatter gradients
+CP_STYLES = ("allgather", "ring")  # context parallel: K/V all-gather (Llama 3) or ring attention
 
 
 @dataclass
@@ -95,6 +99,8 @@ class Strategy:
                 parts.append(f"ep{d['degree']}")
             elif op == "tensor_parallel":
                 parts.append(f"tp{d['degree']}" + (" sp" if d.get("sequence_parallel") else ""))
+            elif op == "context_parallel":
+                parts.append(f"cp{d['degree']}" + (" ring" if d.get("style") == "ring" else ""))
             elif op == "recompute":
                 parts.append("recompute" + ("(selective)" if d.get("mode") == "selective" else ""))
         return " ".join(parts) or "single device"
@@ -172,6 +178,8 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
                             f"layer counts, one per stage (got {d['layers_per_stage']!r})")
     if "sequence_parallel" in d and not isinstance(d["sequence_parallel"], bool):
         raise StrategyError(f"{where} field 'sequence_parallel' must be true or false (got {d['sequence_parallel']!r})")
+    if "style" in d and d["style"] not in CP_STYLES:
+        raise StrategyError(f"{where} field 'style' must be 'allgather' or 'ring' (got {d['style']!r})")
     if "mode" in d and d["mode"] not in RECOMPUTE_MODES:
         raise StrategyError(f"{where} field 'mode' must be 'full' or 'selective' (got {d['mode']!r})")
     return d

@@ -49,8 +49,9 @@ def check_layout(plan: Plan) -> None:
     """The layout against the plan's content: cheap (one pass over the folded plan); the
     simulator runs it on every plan, `validate_plan` starts with it."""
     lay = plan.layout
-    if not (_int(lay.pp, 1) and _int(lay.dp, 1) and _int(lay.ep, 1) and _int(lay.tp, 1)) or lay.dp % lay.ep:
-        raise PlanValidationError(f"layout pp={lay.pp!r} dp={lay.dp!r} ep={lay.ep!r} tp={lay.tp!r}: expected "
+    if not (_int(lay.pp, 1) and _int(lay.dp, 1) and _int(lay.ep, 1) and _int(lay.tp, 1) and _int(lay.cp, 1)) \
+            or lay.dp % lay.ep:
+        raise PlanValidationError(f"layout pp={lay.pp!r} dp={lay.dp!r} ep={lay.ep!r} cp={lay.cp!r} tp={lay.tp!r}: expected "
                                   "integers >= 1 with ep dividing dp")
     if len(plan.classes) != lay.pp:
         raise PlanValidationError(f"layout.pp={lay.pp} but the plan has {len(plan.classes)} rank classes "
@@ -61,7 +62,7 @@ def check_layout(plan: Plan) -> None:
     for i, c in enumerate(plan.classes):
         if c.pp_rank != i or c.ranks != lay.class_ranks(i):
             raise PlanValidationError(f"rank class #{i} (pp_rank {c.pp_rank}, ranks {c.ranks[:4]}...) does not "
-                                      f"match layout pp={lay.pp} dp={lay.dp} tp={lay.tp}")
+                                      f"match layout pp={lay.pp} dp={lay.dp} cp={lay.cp} tp={lay.tp}")
         for s in c.stages:
             if i not in lay.stage_ranks.get(s, []):
                 raise PlanValidationError(f"rank class {i} holds stage {s}, which layout.stage_ranks does not "

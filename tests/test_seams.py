@@ -204,11 +204,11 @@ def test_mesh_axes_keep_the_rank_numbering():
         if dp % ep:
             continue
         lay = Layout(pp=pp, dp=dp, ep=ep, tp=tp, stage_ranks={s: [s % pp] for s in range(pp)})
-        assert list(lay.axes) == ["pp", "dp", "tp"]
+        assert list(lay.axes) == ["pp", "dp", "cp", "tp"]
         for p, d, t in itertools.product(range(pp), range(dp), range(tp)):
             r = (p * dp + d) * tp + t  # the formula of plan format 1
             assert lay.rank_at({"pp": p, "dp": d, "tp": t}) == r == lay.rank(p, d, t)
-            assert lay.coords_of(r) == {"pp": p, "dp": d, "tp": t}
+            assert lay.coords_of(r) == {"pp": p, "dp": d, "cp": 0, "tp": t}
             assert lay.group_ranks("tp", r) == list(range(r - t, r - t + tp))
             assert lay.group_ranks("dp", r) == [(p * dp + x) * tp + t for x in range(dp)]
             assert lay.group_ranks("pp", r) == [(x * dp + d) * tp + t for x in range(pp)]

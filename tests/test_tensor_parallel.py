@@ -60,7 +60,7 @@ def test_mesh_rank_formula_and_groups_of_every_axis():
         pp, d = L.coords(r)
         t = L.tp_rank(r)
         assert r == (pp * 4 + d) * 4 + t == L.rank(pp, d, t)
-        assert L.mesh_coords(r) == {"pp": pp, "dp": d, "ep": d % 2, "tp": t}
+        assert L.mesh_coords(r) == {"pp": pp, "dp": d, "ep": d % 2, "cp": 0, "tp": t}
     # rank 13 = pp 0, dp 3, tp 1
     assert L.group_ranks("tp", 13) == [12, 13, 14, 15]
     assert L.group_ranks("dp", 13) == [1, 5, 9, 13]

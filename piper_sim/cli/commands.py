@@ -107,7 +107,9 @@ def cmd_show(args: argparse.Namespace) -> None:
 
 def _tp(plan) -> str:
     tp = plan.meta.get("tensor_parallel")
-    return f" tp={tp['degree']}" + (" (sequence parallel)" if tp["sequence_parallel"] else "") if tp else ""
+    cp = plan.meta.get("context_parallel")
+    out = f" cp={cp['degree']} ({cp['style']})" if cp else ""
+    return out + (f" tp={tp['degree']}" + (" (sequence parallel)" if tp["sequence_parallel"] else "") if tp else "")
 
 
 def _span(ranks: list[int]) -> str:

@@ -66,6 +66,8 @@ def cmd_explore(args: argparse.Namespace) -> None:
         kw["recompute"] = (False,)
     if args.tp:
         kw["tp_degrees"] = [int(t) for t in args.tp.split(",")]
+    if args.cp:
+        kw["cp_degrees"] = [int(c) for c in args.cp.split(",")]
     result = explore(args.model, args.cluster, args.global_batch, args.seq_len, costmodel=args.costmodel,
                      workers=args.workers, prune=not args.no_prune, use_ray=args.ray,
                      progress=progress_printer(not (args.quiet or getattr(args, "log_quiet", 0))), **kw)
@@ -102,6 +104,8 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
                    help="leave activation recomputation out of the search")
     p.add_argument("--tp", default=d.get("tp"), help="comma-separated tensor-parallel degrees (default: the "
                    "divisors of the GPUs per node; sequence parallelism on when > 1)")
+    p.add_argument("--cp", default=d.get("cp"), help="comma-separated context-parallel degrees (default: from "
+                   "seq_len 16384 on, the divisors of GPUs per node / TP; else 1)")
     p.add_argument("--workers", type=arg_int(1), default=None, help="processes (default: all cores)")
     p.add_argument("--ray", action="store_true", help="run the sweep on Ray when installed")
     p.add_argument("--no-prune", action="store_true", help="simulate every strategy (exhaustive)")
