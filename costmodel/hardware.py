@@ -25,6 +25,13 @@ NIC_ALPHA_S = 13.5e-6
 # Kernel launch overhead added to every compute op (assumed; small-GEMM overhead is
 # already inside the efficiency table).
 GPU_LAUNCH_S = 2e-6
+# Compute slowdown while a collective kernel runs on the same GPU (its CTAs take SMs, its
+# copies take HBM bandwidth): on average 18.9% (max 40.0%) over the overlapped compute and
+# collective kernels measured on A100/H100-class GPUs [COV25] (Ahmed et al., "Characterizing
+# Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and
+# Power Implications", arXiv 2507.03114, abstract). Replaces the earlier 1.1 (assumed). The
+# CPU preset keeps its own (assumed) value: gloo does not share an accelerator.
+GPU_OVERLAP_SLOWDOWN = 1.189
 
 # Expert-parallel all-to-all, DeepEP normal kernels (byte counts: costmodel.moe; pricing:
 # collectives.moe_all_to_all_time). tests/test_moe_costs.py re-derives every number here.
@@ -62,7 +69,7 @@ class GPU:
     launch_s: float = GPU_LAUNCH_S
     intra_alpha_s: float = NVLINK_ALPHA_S
     inter_alpha_s: float = NIC_ALPHA_S
-    overlap_slowdown: float = 1.1  # compute slowdown while a comm kernel shares the device
+    overlap_slowdown: float = GPU_OVERLAP_SLOWDOWN  # compute slowdown while a comm kernel shares the device
     # expert-parallel all-to-all (DeepEP-style, see costmodel.moe); 0 = this GPU's
     # nvlink_bw / nic_bw times DEEPEP_NVLINK_SHARE / DEEPEP_NIC_SHARE
     ep_nvlink_bw: float = 0.0

@@ -12,7 +12,7 @@ from costmodel import (
 )
 from costmodel.collectives import busbw_factor
 from costmodel.compute import HOPPER_BF16
-from costmodel.hardware import GPUS, H100
+from costmodel.hardware import GPU_OVERLAP_SLOWDOWN, GPUS, H100
 from costmodel.memory import bucket_sizes, dp_collectives
 
 GiB = 2**30
@@ -180,7 +180,7 @@ def test_unit_model_unknown_kind():
 def test_analytic_model_interface():
     c = parse_cluster("h100:2x8")
     m = get_costmodel("analytic", c)
-    assert isinstance(m, AnalyticCostModel) and m.comm_compute_slowdown == 1.1
+    assert isinstance(m, AnalyticCostModel) and m.comm_compute_slowdown == GPU_OVERLAP_SLOWDOWN
     assert m.collective_time("ALLREDUCE", GiB, range(8)) == collective_time("ALLREDUCE", GiB, list(range(8)), c)
     assert m.p2p_time(GiB, 0, 8) == p2p_time(GiB, 0, 8, c)
     assert m.links("RECV", (8, 0)) == ["nic:rank8:tx", "nic:rank0:rx"]
