@@ -3,8 +3,9 @@ exposed comm, bubble, optimizer.
 
     python benchmarks/published/breakdown.py [--only ID[,ID...]]
 
-For every suite entry (``run.py``'s strategies and cost models) it prints, for pipeline rank 0
-(the first rank class; every DP/TP peer of it runs the same ops), in milliseconds per step:
+For every suite entry (``run.py``'s strategies and cost models) it prints, for the busiest
+pipeline rank (most compute time: the stage that sets a pipeline's pace; every DP/TP peer of it
+runs the same ops; ``pp`` names it), in milliseconds per step:
 
 ``step``     the simulated step time; ``err`` the suite's error (simulated / published - 1)
 ``gemm``, ``attn``, ``mem``, ``launch``   the kernel-table price of the compute ops (standalone,
@@ -61,7 +62,8 @@ def breakdown(entry: dict) -> dict[str, float]:
     cm = get_costmodel(cm_spec, parse_cluster(strategy["cluster"]))
     sim = simulate(plan, cm)
     out: dict[str, float] = defaultdict(float)
-    cls = plan.classes[0]
+    st = max(sim.rank_stats, key=lambda r: r.compute_s)
+    cls = plan.classes[st.pp_rank]
     for ins in cls.instructions():
         if ins.kind == "OPT":
             continue
@@ -72,20 +74,20 @@ def breakdown(entry: dict) -> dict[str, float]:
             else:
                 out["other"] += cm.compute_time(ins.kind, ins.flops, ins.bytes, tuple(ins.gemm) or None)
     ev = sim.events
-    r0 = ev[ev["rank"] == int(sim.per_rank["rank"].iloc[0])]
+    r0 = ev[ev["rank"] == st.rank]
     for kind, grp in r0.groupby("kind"):
         dur = float((grp["end"] - grp["start"]).sum())
         if kind == "OPT":
             out["opt"] += dur
         elif kind not in COMPUTE:
             out[f"comm:{kind}"] += dur
-    st = sim.rank_stats[0]
     standalone = sum(out[k] for k in ("gemm", "attn", "mem", "launch", "other", "opt"))
     out["slow"] = st.compute_s - standalone
     out["exposed"], out["bubble"], out["step"] = st.comm_exposed_s, st.idle_s, sim.step_time_s
     value = suite_run.METRICS[entry["metric"]].value(sim, plan)
     ms = {k: 1e3 * v for k, v in out.items()}
     ms["err"] = 100.0 * (value / float(entry["published"]) - 1.0)
+    ms["pp"] = st.pp_rank
     return ms
 
 
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     suite = suite_run.load_suite()
     suite_run.register_models(suite)
     only = {i.strip() for a in args.only or [] for i in a.split(",") if i.strip()}
-    cols = ["step", "err", "gemm", "attn", "mem", "launch", "other", "opt", "slow", "exposed", "bubble"]
+    cols = ["pp", "step", "err", "gemm", "attn", "mem", "launch", "other", "opt", "slow", "exposed", "bubble"]
     rows = []
     for e in suite.entries:
         if only and e["id"] not in only:
@@ -109,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'id':<{w}} " + " ".join(f"{c:>8}" for c in cols) + "  comm busy by kind (ms)")
     for i, ms in rows:
         comm = " ".join(f"{k[5:]}={v:.0f}" for k, v in sorted(ms.items()) if k.startswith("comm:"))
-        print(f"{i:<{w}} " + " ".join(f"{ms.get(c, 0.0):>+8.1f}" if c == "err" else f"{ms.get(c, 0.0):>8.1f}"
-                                      for c in cols) + "  " + comm)
+        cells = [f"{ms[c]:>8.0f}" if c == "pp" else f"{ms.get(c, 0.0):>+8.1f}" if c == "err"
+                 else f"{ms.get(c, 0.0):>8.1f}" for c in cols]
+        print(f"{i:<{w}} " + " ".join(cells) + "  " + comm)
     return 0
 
 
