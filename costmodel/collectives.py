@@ -17,6 +17,20 @@ Per-rank times for n ranks on a link of bandwidth B and per-step latency α:
       RS / AG     intra RS(S, g) + inter RS(S/g, m)   (AG in reverse order, same time)
       A2A         the intra share (g−1)/n·S on NVLink and the inter share (n−g)/n·S on
                   the NIC, concurrently: max of the two
+  rails           (AR / RS / AG over groups spanning nodes) NCCL's multi-node ring: one
+                  channel per GPU's NIC rail, node-crossing hops on the NIC, the others on
+                  NVLink, all pipelined:
+                      max(f·S / (g·B_nic), f·S·(g−1)/g / B_nvl) + latency
+                  f = busbw_factor; latency = NCCL's ring latency for the Simple protocol
+                  (the one that carries bandwidth-bound messages) [NCCL tuning.cc]:
+                  base 8.4 µs + (steps − crossings)·3.4 µs (NVLink) + crossings·14 µs (NET),
+                  steps = ring_steps(n), crossings = ring_steps(m) for m nodes. It reproduces
+                  the measured 4-node all-reduce at both ends: busbw 364.9 GB/s on 32 H200 at
+                  4 GiB (the NIC's achieved rate, hardware.NIC_400G_ACHIEVED_BW) and, on 32
+                  B200, 89 vs 64 GB/s measured at 16 MiB, 380 vs 362 at 1 GiB [MLE-B]; the
+                  hierarchical sum of phases gives 227 GB/s at 4 GiB and 160 at 16 MiB.
+                  "auto" over nodes takes rails (and the tree for an all-reduce when it is
+                  faster: small messages), not the hierarchical form.
 busbw = algbw · factor: 2(n−1)/n for ALLREDUCE, (n−1)/n for the others [NT]; in the ring
 model busbw equals B, so measured busbw is what `GPU.nvlink_bw` holds.
 
@@ -49,9 +63,9 @@ from costmodel.moe import FP8_DISPATCH_FACTOR, MoEOptions, Routing, traffic
 KINDS = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 P2P_KINDS = ("SEND", "RECV", "P2P")
 ALGORITHMS = {
-    "ALLREDUCE": ("ring", "tree", "hierarchical"),
-    "REDUCE_SCATTER": ("ring", "hierarchical"),
-    "ALL_GATHER": ("ring", "hierarchical"),
+    "ALLREDUCE": ("ring", "tree", "hierarchical", "rails"),
+    "REDUCE_SCATTER": ("ring", "hierarchical", "rails"),
+    "ALL_GATHER": ("ring", "hierarchical", "rails"),
     "ALL_TO_ALL": ("ring", "hierarchical"),
 }
 
@@ -112,6 +126,24 @@ def hierarchical_time(kind: str, nbytes: float, ranks: list[int], cluster: Clust
     return max(t_intra, t_inter)
 
 
+# NCCL's ring latency constants for the Simple protocol, seconds [NCCL] (tuning.cc: baseLat
+# Ring/Simple 8.4 µs; hwLat NVLink Ring/Simple 3.4 µs, NET Ring/Simple 14 µs).
+NCCL_SIMPLE_BASE_S = 8.4e-6
+NCCL_SIMPLE_NVLINK_S = 3.4e-6
+NCCL_SIMPLE_NET_S = 14e-6
+
+
+def rails_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster) -> float:
+    """NCCL's ring over nodes with one channel per NIC rail, pipelined (module doc)."""
+    per_node = Counter(cluster.node_of(r) for r in ranks)
+    g_min, g_max, m, n = min(per_node.values()), max(per_node.values()), len(per_node), len(ranks)
+    intra, inter = intra_link(cluster), inter_link(cluster)
+    f = busbw_factor(kind, n)
+    t_bw = max(f * nbytes / (g_min * inter.bw), f * nbytes * (g_max - 1) / g_max / intra.bw)
+    steps, crossing = ring_steps(kind, n), ring_steps(kind, m)
+    return t_bw + NCCL_SIMPLE_BASE_S + (steps - crossing) * NCCL_SIMPLE_NVLINK_S + crossing * NCCL_SIMPLE_NET_S
+
+
 def algorithm_times(kind: str, nbytes: float, ranks: list[int], cluster: Cluster) -> dict[str, float]:
     """Time of every algorithm that applies to this group."""
     _check_kind(kind)
@@ -122,6 +154,8 @@ def algorithm_times(kind: str, nbytes: float, ranks: list[int], cluster: Cluster
     if kind == "ALLREDUCE":
         times["tree"] = tree_time(nbytes, ranks, cluster)
     times["hierarchical"] = hierarchical_time(kind, nbytes, ranks, cluster) if n > 1 else 0.0
+    if kind != "ALL_TO_ALL":  # inside one node the rails ring is the ring
+        times["rails"] = times["ring"] if cluster.same_node(ranks) else rails_time(kind, nbytes, ranks, cluster)
     return times
 
 
@@ -129,6 +163,8 @@ def collective_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster
     """Seconds for one collective over `ranks`; "auto" takes the cheapest algorithm."""
     times = algorithm_times(kind, nbytes, ranks, cluster)
     if algorithm == "auto":
+        if "rails" in times and cluster.gpu.name != CPU.name and not cluster.same_node(ranks):
+            return min(times["rails"], times.get("tree", math.inf))  # NCCL across nodes
         return min(times.values())
     if algorithm not in times:
         raise ValueError(f"no {algorithm!r} algorithm for {kind}; choose from auto, {', '.join(ALGORITHMS[kind])}")

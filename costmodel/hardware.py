@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 
 from costmodel.moe import MoEOptions
 
+# Achieved per-GPU NIC bandwidth of NCCL over 400 Gb/s rails: 32×H200 (4 p5en nodes, 8×400G EFA)
+# ring all-reduce busbw 364.9 GB/s at 4 GiB [MLE-B] over 8 rails (inferred; the ring's busbw is
+# g · B_nic, costmodel.collectives "rails"): 91% of the 50 GB/s line rate.
+NIC_400G_ACHIEVED_BW = 364.9e9 / 8
+
 # Latencies shared by the GPU presets (per ring step).
 # 8×H200 all-reduce floor ≈ 18 µs over 2·7 ring steps [MLE-B] (inferred).
 NVLINK_ALPHA_S = 1.3e-6
@@ -25,6 +30,13 @@ NIC_ALPHA_S = 13.5e-6
 # Kernel launch overhead added to every compute op (assumed; small-GEMM overhead is
 # already inside the efficiency table).
 GPU_LAUNCH_S = 2e-6
+# Compute slowdown while a collective kernel runs on the same GPU (its CTAs take SMs, its
+# copies take HBM bandwidth): on average 18.9% (max 40.0%) over the overlapped compute and
+# collective kernels measured on A100/H100-class GPUs [COV25] (Ahmed et al., "Characterizing
+# Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning: Performance and
+# Power Implications", arXiv 2507.03114, abstract). Replaces the earlier 1.1 (assumed). The
+# CPU preset keeps its own (assumed) value: gloo does not share an accelerator.
+GPU_OVERLAP_SLOWDOWN = 1.189
 
 # Expert-parallel all-to-all, DeepEP normal kernels (byte counts: costmodel.moe; pricing:
 # collectives.moe_all_to_all_time). tests/test_moe_costs.py re-derives every number here.
@@ -62,7 +74,7 @@ class GPU:
     launch_s: float = GPU_LAUNCH_S
     intra_alpha_s: float = NVLINK_ALPHA_S
     inter_alpha_s: float = NIC_ALPHA_S
-    overlap_slowdown: float = 1.1  # compute slowdown while a comm kernel shares the device
+    overlap_slowdown: float = GPU_OVERLAP_SLOWDOWN  # compute slowdown while a comm kernel shares the device
     # expert-parallel all-to-all (DeepEP-style, see costmodel.moe); 0 = this GPU's
     # nvlink_bw / nic_bw times DEEPEP_NVLINK_SHARE / DEEPEP_NIC_SHARE
     ep_nvlink_bw: float = 0.0
@@ -103,7 +115,7 @@ H100 = GPU(
     hbm_bytes=81559 * 2**20, hbm_bw=3.35e12,
     # 8×H200 NVLink4 all-reduce busbw with NVLS off: 367.6 GB/s [MLE-B]; same NVLink4 (inferred).
     nvlink_bw=367.6e9,
-    nic_bw=50e9,  # 400 Gb/s CX7 per GPU [L3 §3.3.1][TT-B]
+    nic_bw=NIC_400G_ACHIEVED_BW,  # 400 Gb/s CX7 per GPU [L3 §3.3.1][TT-B], NCCL-achieved (above)
     mamf_eff=0.803,  # 794.5 / 989 [MLE-A]
 )
 
@@ -113,7 +125,7 @@ H200 = dataclasses.replace(
     # "141 GB": nvidia-smi reports 143771 MiB total on an H200; bandwidth [MLE-A] §1
     hbm_bytes=143771 * 2**20, hbm_bw=4.8e12,
     nvlink_bw=367.6e9,  # measured, NVLS off [MLE-B]
-    nic_bw=50e9,  # 400 Gb/s, same HGX (inferred)
+    nic_bw=NIC_400G_ACHIEVED_BW,  # 400 Gb/s, same HGX (inferred); NCCL-achieved [MLE-B] (above)
     mamf_eff=0.803,  # "H200 same" as H100 [MLE-A]
 )
 

@@ -189,3 +189,19 @@ def test_report_exits_0_and_writes_csv(tmp_path, capsys, suite):
     rows = out.read_text().splitlines()
     assert len(rows) == 2 and rows[0].startswith("id,metric,published")
     assert R.main(["--only", "no-such-run"]) == 2
+
+
+def test_breakdown_splits_a_step_by_component(suite):
+    """breakdown.py: the kernel-table split is positive, and the overlap slowdown adds compute
+    time while FSDP's gathers run, at most (1 - 1/slowdown) of the comm busy time."""
+    from costmodel.hardware import GPU_OVERLAP_SLOWDOWN
+
+    spec = importlib.util.spec_from_file_location("published_breakdown", SUITE_DIR / "breakdown.py")
+    bd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bd)
+    ms = bd.breakdown(suite.entry("mpt-7b-h100x8"))
+    assert ms["gemm"] > ms["attn"] > 0 and ms["mem"] > 0 and ms["launch"] > 0
+    comm = sum(v for k, v in ms.items() if k.startswith("comm:"))
+    assert ms["comm:ALL_GATHER"] > 0 and ms["comm:REDUCE_SCATTER"] > 0
+    assert 0 < ms["slow"] <= (1 - 1 / GPU_OVERLAP_SLOWDOWN) * comm * (1 + 1e-9)
+    assert ms["step"] >= ms["gemm"] + ms["attn"] + ms["mem"] + ms["slow"]
