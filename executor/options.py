@@ -47,14 +47,27 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
-    """The executor runs no tensor or context parallelism yet: refuse such a plan before any process
-    group starts."""
+    """The executor runs tensor parallelism (with or without sequence parallelism) for dense
+    transformer models of the zoo (`executor.tensor_parallel`), not context parallelism:
+    refuse what it cannot run before any process group starts."""
     if plan.layout.cp > 1:
         raise PlanError(f"{path}: context parallel plans are simulate-only in this version (cp {plan.layout.cp}); "
                         "use `piper-sim simulate`")
-    if plan.layout.tp > 1:
-        raise PlanError(f"{path}: tensor parallel plans are simulate-only in this version (tp {plan.layout.tp}); "
-                        "use `piper-sim simulate`")
+    if plan.layout.tp == 1:
+        return
+    why = ""
+    if "user_model" in plan.meta:
+        why = "user nn.Module models"
+    elif any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions()):
+        why = f"schedule {plan.meta.get('schedule')} (split backward BI/BW)"
+    else:
+        from piper_sim.configs import config_from_meta
+        from executor.tensor_parallel import unsupported  # imports torch: only for a TP plan
+
+        why = unsupported(config_from_meta(plan.meta), plan.meta)
+    if why:
+        raise PlanError(f"{path}: the executor runs tensor parallel plans (tp {plan.layout.tp}) only for dense "
+                        f"zoo models without {why}; simulate it (`piper-sim simulate`) or drop tensor_parallel")
 
 
 def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:
@@ -101,6 +114,9 @@ def preflight(args, plans: list[Plan]) -> int:
     from executor import checkpoint
 
     checkpoint.check_kill_spec()
+    if plans[0].layout.tp > 1 and (args.clip_grad_norm is not None or args.save or args.resume):
+        raise PlanError("--clip-grad-norm, --save and --resume do not support tensor parallel plans yet "
+                        f"(tp {plans[0].layout.tp}); run without them")
     start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size)[1] if args.resume else 0
     if args.end_step is not None and args.end_step <= start:
         raise PlanError(f"--end-step {args.end_step} is not after the resumed step {start}")

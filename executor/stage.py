@@ -363,6 +363,7 @@ class Stage:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.ep, self.ep_index = ep, ep_index
         self.units = build_units(cfg, units, device=device, dtype=dtype, seed=seed)
+        self.loss_fn = lm_loss  # the vocabulary-parallel loss under tensor parallelism (executor.tensor_parallel)
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
         self.local_experts = cfg.n_experts // ep if cfg.is_moe else 0
         split = any(kind == "experts" for piece in self.pieces for kind, _ in piece.steps)
@@ -457,7 +458,7 @@ class Stage:
         return Record(inputs, outputs, piece.params)
 
     def _head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lm_loss(self.units["head"](x), targets)
+        return self.loss_fn(self.units["head"](x), targets)
 
     def _local_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Tokens arrive grouped by source rank, then by local expert: regroup by expert, run
