@@ -57,17 +57,32 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
         return
     why = ""
     if "user_model" in plan.meta:
-        why = "user nn.Module models"
+        why = "a user nn.Module model"
     elif any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions()):
-        why = f"schedule {plan.meta.get('schedule')} (split backward BI/BW)"
+        why = f"a split backward (BI/BW, schedule {plan.meta.get('schedule')})"
     else:
         from piper_sim.configs import config_from_meta
-        from executor.tensor_parallel import unsupported  # imports torch: only for a TP plan
 
-        why = unsupported(config_from_meta(plan.meta), plan.meta)
+        why = tp_unsupported(config_from_meta(plan.meta), plan.meta)
     if why:
-        raise PlanError(f"{path}: the executor runs tensor parallel plans (tp {plan.layout.tp}) only for dense "
-                        f"zoo models without {why}; simulate it (`piper-sim simulate`) or drop tensor_parallel")
+        raise PlanError(f"{path}: tensor parallel plans (tp {plan.layout.tp}) with {why} are simulate-only in this "
+                        "version; use `piper-sim simulate`")
+
+
+def tp_unsupported(cfg, meta: dict) -> str:
+    """What in this model and plan the executor cannot run tensor-parallel ('' when it can)."""
+    tp = meta.get("tensor_parallel", {}).get("degree", 1)
+    sp = meta.get("tensor_parallel", {}).get("sequence_parallel", False)
+    checks = [
+        (cfg.is_moe, "a MoE model"),
+        (cfg.attention == "mla", "multi-head latent attention"),
+        (cfg.qk_norm, "qk_norm (its weight gradients are partial per head shard)"),
+        (cfg.tie_embeddings, "tied embeddings"),
+        (bool(cfg.dropout), "dropout (per-rank random streams)"),
+        (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),
+        (meta.get("zero") == 3 and sp, "ZeRO-3 and sequence parallelism"),
+    ]
+    return next((why for bad, why in checks if bad), "")
 
 
 def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:

@@ -651,7 +651,9 @@ class Runtime:
         any other is the next collective the stage's modules performed in that pass, which
         must be this one (`executor.tensor_parallel`)."""
         if ins.direction:
-            return self.tp.take((ins.direction, ins.stage, ins.mb), ins.name, ins.kind)
+            # a full-recompute backward re-runs the forward's collectives (``TP.R.`` ops) inside the B piece
+            pas = "B" if ins.direction == "R" else ins.direction
+            return self.tp.take((pas, ins.stage, ins.mb), ins.name, ins.kind)
         stage = self.stages[ins.stage]
         params = self.tp_shards[ins.stage].replicated(stage.named_parameters()[0])
         grads = [p.grad for p in params]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, Node
-from torch.utils.checkpoint import checkpoint as _checkpoint
+from torch.utils.checkpoint import checkpoint as _checkpoint, set_checkpoint_early_stop
 
 from piper_sim.models import Block, ModelConfig, build_units, lm_loss
 
@@ -364,6 +364,9 @@ class Stage:
         self.ep, self.ep_index = ep, ep_index
         self.units = build_units(cfg, units, device=device, dtype=dtype, seed=seed)
         self.loss_fn = lm_loss  # the vocabulary-parallel loss under tensor parallelism (executor.tensor_parallel)
+        # full recomputation stops once backward has what it needs; tensor parallelism re-runs
+        # the whole forward, so its collectives recur in the plan's order (TP.R ops)
+        self.recompute_early_stop = True
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
         self.local_experts = cfg.n_experts // ep if cfg.is_moe else 0
         split = any(kind == "experts" for piece in self.pieces for kind, _ in piece.steps)
@@ -428,7 +431,10 @@ class Stage:
         outputs: dict[str, torch.Tensor] = {}
 
         def run(fn, *args):
-            return _checkpoint(fn, *args, use_reentrant=False) if checkpoint else fn(*args)
+            if not checkpoint:
+                return fn(*args)
+            with set_checkpoint_early_stop(self.recompute_early_stop):
+                return _checkpoint(fn, *args, use_reentrant=False)
 
         with torch.enable_grad():
             x = inputs.get("x")

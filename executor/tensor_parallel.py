@@ -93,7 +93,7 @@ class TPComm:
         got = q.popleft()
         if (got.name, got.kind) != (name, kind):
             raise RuntimeError(f"tensor parallel: the plan expects {name} ({kind}) but the modules performed "
-                               f"{got.name} ({got.kind})")
+                               f"{got.name} ({got.kind}), then {[x.name for x in list(q)[:4]]}")
         return got
 
     def leftover(self) -> list[str]:
@@ -156,10 +156,14 @@ class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp: TPComm, fwd: str, bwd: str):
         ctx.tp, ctx.bwd = tp, bwd
+        # an empty saved tensor: under full recomputation, reading it makes the checkpoint
+        # re-run its forward (and collectives) before this backward's all-gather, as the plan orders
+        ctx.save_for_backward(x.new_empty(0))
         return tp.scatter_seq(x, fwd)
 
     @staticmethod
     def backward(ctx, g):
+        ctx.saved_tensors
         return ctx.tp.gather_seq(g, ctx.bwd), None, None, None
 
 
@@ -365,6 +369,7 @@ def shard_stage(stage, tp: TPComm) -> TPShard:
     tensor-parallel shard of them; sets the stage's loss to the vocabulary-parallel one."""
     shard = TPShard()
     units = stage.units
+    stage.recompute_early_stop = False
     for name in units.unit_names():
         unit = units[name]
         if name == "embed":
@@ -391,25 +396,3 @@ def shard_stage(stage, tp: TPComm) -> TPShard:
             _take(shard, tp, f"{name}.mlp.{last}", getattr(mlp, last), "weight", 1)
             block.mlp = TPMLP(mlp, tp, f"{label}.mlp")
     return shard
-
-
-def unsupported(cfg, meta: dict) -> str:
-    """Why the executor cannot run this model and plan tensor-parallel ('' when it can)."""
-    tp = meta.get("tensor_parallel", {}).get("degree", 1)
-    if cfg.is_moe:
-        return "MoE models (experts under tensor parallelism)"
-    if cfg.attention == "mla":
-        return "multi-head latent attention"
-    if cfg.qk_norm:
-        return "qk_norm (its weight gradients are partial per head shard)"
-    if cfg.tie_embeddings:
-        return "tied embeddings"
-    if cfg.dropout:
-        return "dropout (per-rank random streams)"
-    if cfg.vocab % tp:
-        return f"a vocabulary ({cfg.vocab}) not divisible by tp {tp}"
-    if meta.get("zero") == 3:
-        return "ZeRO-3"
-    if "full" in (meta.get("recompute") or {}).values():
-        return "full recomputation (re-run forward collectives)"
-    return ""
