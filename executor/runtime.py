@@ -377,7 +377,9 @@ class Runtime:
                         current = lst[i]
                         self._issue(current)
                         issued = True
-                        if name == "compute":
+                        # a matched TP op is done at once and may free a SEND: look at every comm
+                        # stream again before the next compute op (which may block in a TP collective)
+                        if name == "compute" or (is_tp(current) and current.id in self.done):
                             break
                 if not issued and len(self.done) < total:
                     token, t_end, err = self._wait_any(streams, ptr)
