@@ -63,18 +63,21 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     else:
         from piper_sim.configs import config_from_meta
 
-        why = tp_unsupported(config_from_meta(plan.meta), plan.meta)
+        why = tp_unsupported(config_from_meta(plan.meta), plan.meta, plan.layout.ep)
     if why:
         raise PlanError(f"{path}: tensor parallel plans (tp {plan.layout.tp}) with {why} are simulate-only in this "
                         "version; use `piper-sim simulate`")
 
 
-def tp_unsupported(cfg, meta: dict) -> str:
+def tp_unsupported(cfg, meta: dict, ep: int) -> str:
     """What in this model and plan the executor cannot run tensor-parallel ('' when it can)."""
     tp = meta.get("tensor_parallel", {}).get("degree", 1)
     sp = meta.get("tensor_parallel", {}).get("sequence_parallel", False)
     checks = [
-        (cfg.is_moe, "a MoE model"),
+        (cfg.is_moe and sp, "a MoE model and sequence parallelism"),
+        (cfg.is_moe and cfg.n_shared > 0, "shared experts"),
+        (cfg.is_moe and cfg.mlp != "swiglu", "GELU experts"),
+        (cfg.is_moe and ep == 1, "a MoE model without expert parallelism"),
         (cfg.attention == "mla", "multi-head latent attention"),
         (cfg.qk_norm, "qk_norm (its weight gradients are partial per head shard)"),
         (cfg.tie_embeddings, "tied embeddings"),

@@ -367,6 +367,8 @@ class Stage:
         # full recomputation stops once backward has what it needs; tensor parallelism re-runs
         # the whole forward, so its collectives recur in the plan's order (TP.R ops)
         self.recompute_early_stop = True
+        # tensor parallel MoE (executor.tensor_parallel): f before the experts, g after them
+        self.expert_input = self.expert_output = lambda t, layer: t
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
         self.local_experts = cfg.n_experts // ep if cfg.is_moe else 0
         split = any(kind == "experts" for piece in self.pieces for kind, _ in piece.steps)
@@ -448,7 +450,8 @@ class Stage:
                 elif kind == "pre":
                     block = self._block(layer)
                     x, h, weights, ids, shared = run(block.forward_pre, x)
-                    tokens, order, counts = block.moe.permute(h, ids)
+                    # tensor parallel: the routed tokens enter the experts' column-parallel linears
+                    tokens, order, counts = block.moe.permute(self.expert_input(h, layer), ids)
                     outputs.update({f"xres.{layer}": x, f"send.{layer}": tokens, f"w.{layer}": weights})
                     if shared is not None:
                         outputs[f"shared.{layer}"] = shared
@@ -456,6 +459,7 @@ class Stage:
                     meta[f"ntok.{layer}"] = h.shape[0]
                 elif kind == "experts":
                     y = run(self._local_experts, layer, inputs[f"recv.{layer}"], meta[f"recv_counts.{layer}"])
+                    y = self.expert_output(y, layer)  # tensor parallel: the sum of the experts' partial outputs
                     outputs[f"y.{layer}"] = y
             last = piece.steps[-1][0]
             if last == "layer" or last == "embed":

@@ -1,11 +1,13 @@
-"""Real tensor (and sequence) parallelism for dense transformer stages, Megatron-style.
+"""Real tensor (and sequence) parallelism for transformer stages of the zoo, Megatron-style.
 
 Each tensor-parallel rank takes its shard of the stage's units *after* they are built with
 the single-process model's weights (`shard_stage`): q/k/v and the first MLP linears are
 column-parallel (rows ``[r·n/T, (r+1)·n/T)`` of their weights and biases), the attention
 output and the last MLP linear row-parallel (the same columns; a bias is added once, after
 the reduction), the embedding and head vocabulary-parallel (rows of the vocabulary); norms
-are replicated. So ``--check`` compares each rank's shard with the same slice of the
+are replicated; MoE experts keep ``expert_ffn / T`` columns each (router replicated; the routed
+tokens pass ``f`` before the experts and their outputs ``g`` after them, `Stage.expert_input` /
+`expert_output`). So ``--check`` compares each rank's shard with the same slice of the
 reference parameters (`TPShard.reference_view`).
 
 The collectives run inside the modules, as autograd functions over the plan's ``tp``
@@ -388,6 +390,9 @@ def shard_stage(stage, tp: TPComm) -> TPShard:
                 _columns(shard, tp, f"{name}.attn.{lin}", getattr(attn, lin))
             _take(shard, tp, f"{name}.attn.wo", attn.wo, "weight", 1)
             block.attn = TPAttention(attn, tp, f"{label}.attn")
+            if block.is_moe:
+                _shard_experts(stage, shard, tp, name, block)
+                continue
             mlp = block.mlp
             first, last = (["fc1"], "fc2") if isinstance(mlp, GeluMLP) else (["w1", "w3"], "w2")
             assert isinstance(mlp, (GeluMLP, SwiGLU))
@@ -395,4 +400,18 @@ def shard_stage(stage, tp: TPComm) -> TPShard:
                 _columns(shard, tp, f"{name}.mlp.{lin}", getattr(mlp, lin))
             _take(shard, tp, f"{name}.mlp.{last}", getattr(mlp, last), "weight", 1)
             block.mlp = TPMLP(mlp, tp, f"{label}.mlp")
+    if any(u.startswith("layers.") and units[u].is_moe for u in units.unit_names()):
+        stage.expert_input = lambda h, layer: _CopyToTP.apply(h, tp, f"l{layer}.moe.ar")
+        stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"l{layer}.moe.ar")
     return shard
+
+
+def _shard_experts(stage, shard: TPShard, tp: TPComm, name: str, block: Block) -> None:
+    """Each local expert's ``expert_ffn / T`` columns (router replicated): the routed tokens
+    pass ``f`` before the experts (`Stage.expert_input`), their outputs ``g`` after them."""
+    first = stage.ep_index * stage.local_experts if stage.expert_split else 0
+    for j, expert in enumerate(block.moe.experts):
+        prefix = f"{name}.moe.experts.{first + j}"  # the global expert (Stage.named_parameters)
+        for lin in ("w1", "w3"):
+            _columns(shard, tp, f"{prefix}.{lin}", getattr(expert, lin))
+        _take(shard, tp, f"{prefix}.w2", expert.w2, "weight", 1)

@@ -65,10 +65,14 @@ def test_tp2_and_sequence_parallel_match_the_reference(tmp_path):
 def test_tp2_with_pipeline_and_data_parallel_match_the_reference(tmp_path):
     configs = {"tp2-pp2": tp_strategy(pp=2, m=4), "tp2-sp-pp2": tp_strategy(sp=True, pp=2, m=4),
                "tp2-dp2-zero1": tp_strategy(dp=2, zero=1), "tp2-sp-dp2-zero1": tp_strategy(sp=True, dp=2, zero=1),
-               "tp2-sp-dp2-zero2": tp_strategy(sp=True, dp=2, zero=2), "tp2-dp2-zero3": tp_strategy(dp=2, zero=3)}
+               "tp2-sp-dp2-zero2": tp_strategy(sp=True, dp=2, zero=2), "tp2-dp2-zero3": tp_strategy(dp=2, zero=3),
+               # MoE: experts split by expert_ffn over TP and by expert over EP (router replicated)
+               "tp2-ep2-moe": tp_strategy(model="moe-tiny", dp=2, extra=[{"op": "expert_parallel", "degree": 2}])}
     res, _ = run_checks(tmp_path, 4, configs)
+    moe = res.pop("tp2-ep2-moe")
     # the same global batch everywhere: 4 sequences per step (dp 2 x 2 micro-batches, or 4 micro-batches)
     assert_matches_reference(res, reference_losses(tmp_path, configs["tp2-pp2"]))
+    assert_matches_reference({"tp2-ep2-moe": moe}, reference_losses(tmp_path, configs["tp2-ep2-moe"]))
 
 
 def test_3d_tp2_pp2_dp2_on_eight_ranks_traces_every_tp_op(tmp_path):
@@ -133,7 +137,9 @@ def test_plan_tp_ops_must_match_the_collectives_performed():
 
 
 @pytest.mark.parametrize("s, why", [
-    (tp_strategy(model="moe-tiny"), "with a MoE model are simulate-only"),
+    (tp_strategy(model="moe-tiny"), "with a MoE model without expert parallelism are simulate-only"),
+    (tp_strategy(model="moe-tiny", sp=True, dp=2, extra=[{"op": "expert_parallel", "degree": 2}]),
+     "with a MoE model and sequence parallelism are simulate-only"),
     (tp_strategy(pp=2, m=4, sched="zb1p"), "with a split backward (BI/BW, schedule zb1p) are simulate-only"),
     (tp_strategy(sp=True, dp=2, zero=3), "with ZeRO-3 and sequence parallelism are simulate-only"),
 ])
