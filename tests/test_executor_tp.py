@@ -64,6 +64,7 @@ def test_tp2_and_sequence_parallel_match_the_reference(tmp_path):
 
 def test_tp2_with_pipeline_and_data_parallel_match_the_reference(tmp_path):
     configs = {"tp2-pp2": tp_strategy(pp=2, m=4), "tp2-sp-pp2": tp_strategy(sp=True, pp=2, m=4),
+               "tp2-sp-pp2-interleaved": tp_strategy(sp=True, pp=2, m=4, sched="interleaved_1f1b"),
                "tp2-dp2-zero1": tp_strategy(dp=2, zero=1), "tp2-sp-dp2-zero1": tp_strategy(sp=True, dp=2, zero=1),
                "tp2-sp-dp2-zero2": tp_strategy(sp=True, dp=2, zero=2), "tp2-dp2-zero3": tp_strategy(dp=2, zero=3),
                # MoE: experts split by expert_ffn over TP and by expert over EP (router replicated)
