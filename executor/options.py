@@ -56,10 +56,15 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     if plan.layout.tp == 1:
         return
     why = ""
+    split = any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions())
     if "user_model" in plan.meta:
         why = "a user nn.Module model"
-    elif any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions()):
-        why = f"a split backward (BI/BW, schedule {plan.meta.get('schedule')})"
+    elif split and plan.meta["tensor_parallel"].get("sequence_parallel"):
+        # the column-parallel backward computes input and weight gradients in one node (BW would re-run it)
+        why = f"sequence parallelism and a split backward (BI/BW, schedule {plan.meta.get('schedule')})"
+    elif split and "full" in plan.meta.get("recompute", {}).values():
+        # BI re-runs whole pieces: the embedding's all-reduce too, which the plan does not list
+        why = f"full recomputation and a split backward (BI/BW, schedule {plan.meta.get('schedule')})"
     else:
         from piper_sim.configs import config_from_meta
 

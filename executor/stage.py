@@ -384,6 +384,11 @@ class Stage:
         for piece in self.pieces:
             first = piece.steps[0][0]
             piece.inputs = {"embed": ["tokens"], "experts": [f"recv.{piece.steps[0][1]}"]}.get(first, ["x"])
+        self.collect_piece_params()
+
+    def collect_piece_params(self) -> None:
+        """Each piece's parameters (again after its modules are replaced, e.g. tensor-parallel shards)."""
+        for piece in self.pieces:
             piece.params = [p for kind, layer in piece.steps for p in self._step_params(kind, layer)]
 
     # parameters

@@ -400,6 +400,7 @@ def shard_stage(stage, tp: TPComm) -> TPShard:
                 _columns(shard, tp, f"{name}.mlp.{lin}", getattr(mlp, lin))
             _take(shard, tp, f"{name}.mlp.{last}", getattr(mlp, last), "weight", 1)
             block.mlp = TPMLP(mlp, tp, f"{label}.mlp")
+    stage.collect_piece_params()  # the pieces' parameters are the shards now
     if any(u.startswith("layers.") and units[u].is_moe for u in units.unit_names()):
         stage.expert_input = lambda h, layer: _CopyToTP.apply(h, tp, f"l{layer}.moe.ar")
         stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"l{layer}.moe.ar")

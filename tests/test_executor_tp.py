@@ -65,6 +65,8 @@ def test_tp2_and_sequence_parallel_match_the_reference(tmp_path):
 def test_tp2_with_pipeline_and_data_parallel_match_the_reference(tmp_path):
     configs = {"tp2-pp2": tp_strategy(pp=2, m=4), "tp2-sp-pp2": tp_strategy(sp=True, pp=2, m=4),
                "tp2-sp-pp2-interleaved": tp_strategy(sp=True, pp=2, m=4, sched="interleaved_1f1b"),
+               # zero-bubble: BI runs the TP collectives, BW only weight gradients
+               "tp2-pp2-zb1p": tp_strategy(pp=2, m=4, sched="zb1p"), "tp2-pp2-zbv": tp_strategy(pp=2, m=4, sched="zbv"),
                "tp2-dp2-zero1": tp_strategy(dp=2, zero=1), "tp2-sp-dp2-zero1": tp_strategy(sp=True, dp=2, zero=1),
                "tp2-sp-dp2-zero2": tp_strategy(sp=True, dp=2, zero=2), "tp2-dp2-zero3": tp_strategy(dp=2, zero=3),
                # MoE: experts split by expert_ffn over TP and by expert over EP (router replicated)
@@ -141,7 +143,10 @@ def test_plan_tp_ops_must_match_the_collectives_performed():
     (tp_strategy(model="moe-tiny"), "with a MoE model without expert parallelism are simulate-only"),
     (tp_strategy(model="moe-tiny", sp=True, dp=2, extra=[{"op": "expert_parallel", "degree": 2}]),
      "with a MoE model and sequence parallelism are simulate-only"),
-    (tp_strategy(pp=2, m=4, sched="zb1p"), "with a split backward (BI/BW, schedule zb1p) are simulate-only"),
+    (tp_strategy(sp=True, pp=2, m=4, sched="zb1p"),
+     "with sequence parallelism and a split backward (BI/BW, schedule zb1p) are simulate-only"),
+    (tp_strategy(pp=2, m=4, sched="zbv", extra=[{"op": "recompute"}]),
+     "with full recomputation and a split backward (BI/BW, schedule zbv) are simulate-only"),
     (tp_strategy(sp=True, dp=2, zero=3), "with ZeRO-3 and sequence parallelism are simulate-only"),
 ])
 def test_refused_tp_plans_name_why(tmp_path, s, why):
