@@ -32,6 +32,12 @@ expert block / head of the forward (``torch.utils.checkpoint``; a B recomputes t
 a time; a BI runs its piece's forward again and keeps that graph for BW); ``selective``
 checkpoints the attention cores only.
   A2A.F|B.s{s}.mb{m}.e{e}.dispatch|combine  expert-parallel token exchange
+  TP.F|B|R.s{s}.mb{m}.{name}  a tensor-parallel collective: performed inside the stage's modules
+                          (``executor.tensor_parallel``) during the piece before it; the op takes
+                          the next one logged in that pass (R: a full recompute's, in the B pass),
+                          checks its name and kind and records its measured times
+  TP.s{s}.norms           sequence parallel: all-reduce of the stage's replicated gradients (norms)
+                          over the TP group; the stage's gradient syncs wait for it
 """
 
 from __future__ import annotations
