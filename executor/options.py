@@ -47,14 +47,50 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
-    """The executor runs no tensor or context parallelism yet: refuse such a plan before any process
-    group starts."""
+    """The executor runs tensor parallelism (with or without sequence parallelism) for dense
+    transformer models of the zoo (`executor.tensor_parallel`), not context parallelism:
+    refuse what it cannot run before any process group starts."""
     if plan.layout.cp > 1:
         raise PlanError(f"{path}: context parallel plans are simulate-only in this version (cp {plan.layout.cp}); "
                         "use `piper-sim simulate`")
-    if plan.layout.tp > 1:
-        raise PlanError(f"{path}: tensor parallel plans are simulate-only in this version (tp {plan.layout.tp}); "
-                        "use `piper-sim simulate`")
+    if plan.layout.tp == 1:
+        return
+    why = ""
+    split = any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions())
+    if "user_model" in plan.meta:
+        why = "a user nn.Module model"
+    elif split and plan.meta["tensor_parallel"].get("sequence_parallel"):
+        # the column-parallel backward computes input and weight gradients in one node (BW would re-run it)
+        why = f"sequence parallelism and a split backward (BI/BW, schedule {plan.meta.get('schedule')})"
+    elif split and "full" in plan.meta.get("recompute", {}).values():
+        # BI re-runs whole pieces: the embedding's all-reduce too, which the plan does not list
+        why = f"full recomputation and a split backward (BI/BW, schedule {plan.meta.get('schedule')})"
+    else:
+        from piper_sim.configs import config_from_meta
+
+        why = tp_unsupported(config_from_meta(plan.meta), plan.meta, plan.layout.ep)
+    if why:
+        raise PlanError(f"{path}: tensor parallel plans (tp {plan.layout.tp}) with {why} are simulate-only in this "
+                        "version; use `piper-sim simulate`")
+
+
+def tp_unsupported(cfg, meta: dict, ep: int) -> str:
+    """What in this model and plan the executor cannot run tensor-parallel ('' when it can)."""
+    tp = meta.get("tensor_parallel", {}).get("degree", 1)
+    sp = meta.get("tensor_parallel", {}).get("sequence_parallel", False)
+    checks = [
+        (cfg.is_moe and sp, "a MoE model and sequence parallelism"),
+        (cfg.is_moe and cfg.n_shared > 0, "shared experts"),
+        (cfg.is_moe and cfg.mlp != "swiglu", "GELU experts"),
+        (cfg.is_moe and ep == 1, "a MoE model without expert parallelism"),
+        (cfg.attention == "mla", "multi-head latent attention"),
+        (cfg.qk_norm, "qk_norm (its weight gradients are partial per head shard)"),
+        (cfg.tie_embeddings, "tied embeddings"),
+        (bool(cfg.dropout), "dropout (per-rank random streams)"),
+        (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),
+        (meta.get("zero") == 3 and sp, "ZeRO-3 and sequence parallelism"),
+    ]
+    return next((why for bad, why in checks if bad), "")
 
 
 def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:
@@ -101,6 +137,9 @@ def preflight(args, plans: list[Plan]) -> int:
     from executor import checkpoint
 
     checkpoint.check_kill_spec()
+    if plans[0].layout.tp > 1 and (args.clip_grad_norm is not None or args.save or args.resume):
+        raise PlanError("--clip-grad-norm, --save and --resume do not support tensor parallel plans yet "
+                        f"(tp {plans[0].layout.tp}); run without them")
     start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size)[1] if args.resume else 0
     if args.end_step is not None and args.end_step <= start:
         raise PlanError(f"--end-step {args.end_step} is not after the resumed step {start}")

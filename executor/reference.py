@@ -57,19 +57,22 @@ def full_parameters(fp: FlatParams, comms) -> torch.Tensor:
     return full
 
 
-def compare(flats: dict, comms, ref: dict[str, torch.Tensor]) -> tuple[float, float]:
+def compare(flats: dict, comms, ref: dict[str, torch.Tensor], view=None) -> tuple[float, float]:
     """Largest absolute difference of any parameter element, and largest per-tensor relative
     difference ``||a - b|| / ||b||`` (L2), over this rank's parameters.
 
     Per element, Adam turns fp32 round-off in a near-cancelling gradient into an update
     difference of up to a few % of the learning rate, whatever the strategy (plain
     micro-batching does it in one process), so a per-element max relative difference is
-    not a round-off measure; the tensor norm is."""
+    not a round-off measure; the tensor norm is. ``view(name, ref_tensor)``: the part of a
+    reference parameter this rank holds (a tensor-parallel slice).
+
+    Under tensor parallelism the relative difference is per shard."""
     max_abs = max_rel = 0.0
     for _, fp in sorted(flats.items()):
         full = full_parameters(fp, comms)
         for name, mine in fp.named_views(full).items():
-            want = ref[name].to(mine.device, mine.dtype)
+            want = (view(name, ref[name]) if view else ref[name]).to(mine.device, mine.dtype)
             diff = (mine.float() - want.float()).abs().max().item()
             max_abs = max(max_abs, diff)
             rel = (mine.float() - want.float()).norm().item() / max(want.float().norm().item(), 1e-30)

@@ -32,6 +32,12 @@ expert block / head of the forward (``torch.utils.checkpoint``; a B recomputes t
 a time; a BI runs its piece's forward again and keeps that graph for BW); ``selective``
 checkpoints the attention cores only.
   A2A.F|B.s{s}.mb{m}.e{e}.dispatch|combine  expert-parallel token exchange
+  TP.F|B|R.s{s}.mb{m}.{name}  a tensor-parallel collective: performed inside the stage's modules
+                          (``executor.tensor_parallel``) during the piece before it; the op takes
+                          the next one logged in that pass (R: a full recompute's, in the B pass),
+                          checks its name and kind and records its measured times
+  TP.s{s}.norms           sequence parallel: all-reduce of the stage's replicated gradients (norms)
+                          over the TP group; the stage's gradient syncs wait for it
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from executor.collectives import Comms, Completions, all_gather, group_ranks, re
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
 from costmodel.dtypes import torch_dtype
+from executor.tensor_parallel import TP_STREAM, Logged, TPComm, TPShard, is_tp, shard_stage
 from executor.user_stage import UserData, UserStage, user_model_of
 from piper_sim.models import config_from_meta
 from piper_sim.plan import BACKWARD_KINDS, COMPUTE_KINDS, Instruction, Plan, PlanError, missing_fields
@@ -166,6 +173,10 @@ class Runtime:
             self.stages = {s: Stage(self.cfg, s, meta["num_stages"], meta["stage_units"][s], meta["stage_parts"][s],
                                     ep, self.ep_index, device, self.dtype, meta["seed"])
                            for s in self.prog.stages}
+        self.tp: TPComm | None = None
+        self.tp_shards: dict[int, TPShard] = {}
+        if self.layout.tp > 1:
+            self._setup_tensor_parallel()
         if clip_grad_norm is not None:
             self._setup_clipping()
         self.instructions = [i for lst in self.prog.streams.values() for i in lst]
@@ -240,6 +251,33 @@ class Runtime:
 
     def _writing(self, op_id: str, params) -> "_Running":
         return _Running(self, op_id, {id(p) for p in params} if self.bucket_members else set())
+
+    def _setup_tensor_parallel(self) -> None:
+        """Each stage becomes this rank's tensor-parallel shard (`executor.tensor_parallel`),
+        its collectives on the plan's ``tp`` group. Under sequence parallelism the stage's
+        gradient syncs also wait for its ``TP.s{S}.norms`` all-reduce, which adds into the
+        same gradient buffer (Megatron reduces them before the data-parallel sync)."""
+        tp_ops = [i for lst in self.prog.streams.values() for i in lst if is_tp(i)]
+        sp = bool(self.plan.meta.get("tensor_parallel", {}).get("sequence_parallel"))
+        group = tp_ops[0].group
+        self.tp = TPComm(self.comms.group(TP_STREAM, group), self.layout.tp, group_ranks(group).index(self.rank), sp)
+        for s, stage in self.stages.items():
+            self.tp_shards[s] = shard_stage(stage, self.tp)
+        norms = {i.stage: i.id for i in tp_ops if not i.direction}
+        if not norms:
+            return
+        for name, lst in self.prog.streams.items():
+            self.prog.streams[name] = [
+                dataclasses.replace(i, deps=[*i.deps, norms[i.stage]])
+                if i.kind in ("ALLREDUCE", "REDUCE_SCATTER") and not is_tp(i) and i.stage in norms else i
+                for i in lst]
+
+    def reference_view(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The part of a reference parameter this rank holds (its tensor-parallel slice)."""
+        for shard in self.tp_shards.values():
+            if name in shard.slices:
+                return shard.reference_view(name, full)
+        return full
 
     def _setup_clipping(self) -> None:
         """Clipping by the global norm needs every gradient of the step before any update:
@@ -345,7 +383,9 @@ class Runtime:
                         current = lst[i]
                         self._issue(current)
                         issued = True
-                        if name == "compute":
+                        # a matched TP op is done at once and may free a SEND: look at every comm
+                        # stream again before the next compute op (which may block in a TP collective)
+                        if name == "compute" or (is_tp(current) and current.id in self.done):
                             break
                 if not issued and len(self.done) < total:
                     token, t_end, err = self._wait_any(streams, ptr)
@@ -354,6 +394,7 @@ class Runtime:
             current = None
             loss = self.loss_sum.clone()
             dist.all_reduce(loss)
+            loss /= self.layout.tp  # every member of a tensor-parallel group computes the loss
         except InstructionError:
             raise
         except BaseException as e:  # noqa: BLE001 - name the rank and the instruction
@@ -364,6 +405,8 @@ class Runtime:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.t0
         leftovers = [k for k in (self.envs, self.received, self.input_grads, self.inflight, self.releases) if k]
+        if self.tp is not None and (extra := self.tp.leftover()):
+            leftovers.append(f"tensor-parallel collectives the plan does not list: {extra[:3]}")
         if leftovers:
             raise InstructionError(self.rank, step, None, f"state left over after the step: {leftovers}")
         return StepResult(step, float(loss), elapsed, self._events(), self.grad_norm)
@@ -386,8 +429,11 @@ class Runtime:
             self._inject(ins)
         self.times[ins.id] = [self._now()]
         with self._on_stream(ins, first=True), self._range(ins):
-            out = self._handlers[ins.kind](ins)
-        if inspect.isgenerator(out):
+            out = self._tp_op(ins) if is_tp(ins) else self._handlers[ins.kind](ins)
+        if isinstance(out, Logged):  # a collective a module performed: its measured times
+            self.times[ins.id][0] = out.start - self.t0
+            self._finish(ins, out.end)
+        elif inspect.isgenerator(out):
             self.busy[ins.stream] = ins.id
             self._advance(ins, out)
         elif isinstance(out, Posted):
@@ -491,6 +537,8 @@ class Runtime:
             if stage.is_last:
                 env.targets = self._microbatch(m)[1]
         env = self.envs[(s, m)]
+        if self.tp is not None:
+            self.tp.phase = ("F", s, m)
         rec = stage.forward_piece(part, env.vals, env.meta, env.targets, self.loss_scale,
                                   checkpoint=self.recompute.get(s) == "full")
         env.records[f"p{part}"] = rec
@@ -519,6 +567,8 @@ class Runtime:
         s, m, part = ins.stage, ins.mb, ins.part
         env = self._backward_env(s, m)
         split = ins.kind == "BI"
+        if self.tp is not None:
+            self.tp.phase = ("B", s, m)
         rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
         if split and self.recompute.get(s) == "full":  # run the forward again; BW uses this graph
             rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.meta, env.targets, self.loss_scale)
@@ -595,13 +645,32 @@ class Runtime:
 
     def _recv(self, ins: Instruction) -> Posted:
         key = (ins.direction, ins.stage, ins.mb)  # ("F" | "B", sender's stage, mb)
-        shape, dtype = (self.mbs, self.seq, self.cfg.hidden), self.dtype
+        seq = self.seq // self.layout.tp if self.tp is not None and self.tp.sp else self.seq  # SP: the shard
+        shape, dtype = (self.mbs, seq, self.cfg.hidden), self.dtype
         if self.user_model:  # the boundary tensor after the sending stage (F) or before it (B)
             b = self.plan.meta["user_model"]["boundaries"][ins.stage - (key[0] == "B")]
             shape, dtype = tuple(b["shape"]), getattr(torch, b["dtype"])
         buf = self._for_compute(torch.empty(shape, dtype=dtype, device=self.device))
         work = dist.irecv(buf, ins.peer, tag=self.comms.tags[ins.match])
         return Posted(work, lambda: self.received.__setitem__(key, buf))
+
+    def _tp_op(self, ins: Instruction):
+        """A plan TP op: ``TP.s{S}.norms`` all-reduces the stage's replicated gradients here;
+        any other is the next collective the stage's modules performed in that pass, which
+        must be this one (`executor.tensor_parallel`)."""
+        if ins.direction:
+            # a full-recompute backward re-runs the forward's collectives (``TP.R.`` ops) inside the B piece
+            pas = "B" if ins.direction == "R" else ins.direction
+            return self.tp.take((pas, ins.stage, ins.mb), ins.name, ins.kind)
+        stage = self.stages[ins.stage]
+        params = self.tp_shards[ins.stage].replicated(stage.named_parameters()[0])
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=self.comms.group(ins.stream, ins.group), async_op=True)
+
+        def then():
+            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        return Posted(work, then)
 
     def _sync(self, ins: Instruction) -> Posted:
         fp = self.flats[(ins.stage, flat_tag(ins))]

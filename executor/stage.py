@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, Node
-from torch.utils.checkpoint import checkpoint as _checkpoint
+from torch.utils.checkpoint import checkpoint as _checkpoint, set_checkpoint_early_stop
 
 from piper_sim.models import Block, ModelConfig, build_units, lm_loss
 
@@ -363,6 +363,12 @@ class Stage:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.ep, self.ep_index = ep, ep_index
         self.units = build_units(cfg, units, device=device, dtype=dtype, seed=seed)
+        self.loss_fn = lm_loss  # the vocabulary-parallel loss under tensor parallelism (executor.tensor_parallel)
+        # full recomputation stops once backward has what it needs; tensor parallelism re-runs
+        # the whole forward, so its collectives recur in the plan's order (TP.R ops)
+        self.recompute_early_stop = True
+        # tensor parallel MoE (executor.tensor_parallel): f before the experts, g after them
+        self.expert_input = self.expert_output = lambda t, layer: t
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
         self.local_experts = cfg.n_experts // ep if cfg.is_moe else 0
         split = any(kind == "experts" for piece in self.pieces for kind, _ in piece.steps)
@@ -378,6 +384,11 @@ class Stage:
         for piece in self.pieces:
             first = piece.steps[0][0]
             piece.inputs = {"embed": ["tokens"], "experts": [f"recv.{piece.steps[0][1]}"]}.get(first, ["x"])
+        self.collect_piece_params()
+
+    def collect_piece_params(self) -> None:
+        """Each piece's parameters (again after its modules are replaced, e.g. tensor-parallel shards)."""
+        for piece in self.pieces:
             piece.params = [p for kind, layer in piece.steps for p in self._step_params(kind, layer)]
 
     # parameters
@@ -427,7 +438,10 @@ class Stage:
         outputs: dict[str, torch.Tensor] = {}
 
         def run(fn, *args):
-            return _checkpoint(fn, *args, use_reentrant=False) if checkpoint else fn(*args)
+            if not checkpoint:
+                return fn(*args)
+            with set_checkpoint_early_stop(self.recompute_early_stop):
+                return _checkpoint(fn, *args, use_reentrant=False)
 
         with torch.enable_grad():
             x = inputs.get("x")
@@ -441,7 +455,8 @@ class Stage:
                 elif kind == "pre":
                     block = self._block(layer)
                     x, h, weights, ids, shared = run(block.forward_pre, x)
-                    tokens, order, counts = block.moe.permute(h, ids)
+                    # tensor parallel: the routed tokens enter the experts' column-parallel linears
+                    tokens, order, counts = block.moe.permute(self.expert_input(h, layer), ids)
                     outputs.update({f"xres.{layer}": x, f"send.{layer}": tokens, f"w.{layer}": weights})
                     if shared is not None:
                         outputs[f"shared.{layer}"] = shared
@@ -449,6 +464,7 @@ class Stage:
                     meta[f"ntok.{layer}"] = h.shape[0]
                 elif kind == "experts":
                     y = run(self._local_experts, layer, inputs[f"recv.{layer}"], meta[f"recv_counts.{layer}"])
+                    y = self.expert_output(y, layer)  # tensor parallel: the sum of the experts' partial outputs
                     outputs[f"y.{layer}"] = y
             last = piece.steps[-1][0]
             if last == "layer" or last == "embed":
@@ -457,7 +473,7 @@ class Stage:
         return Record(inputs, outputs, piece.params)
 
     def _head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return lm_loss(self.units["head"](x), targets)
+        return self.loss_fn(self.units["head"](x), targets)
 
     def _local_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Tokens arrive grouped by source rank, then by local expert: regroup by expert, run

@@ -113,7 +113,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
                     kineto=args.kineto, step=result.step, dtype=plan.meta.get("dtype", "fp32"))
     if args.check:
         ref, _ = reference_training(plan, end, device, clip_grad_norm=args.clip_grad_norm)
-        diffs = torch.tensor(compare(rt.flats, comms, ref), dtype=torch.float64, device=device)
+        diffs = torch.tensor(compare(rt.flats, comms, ref, rt.reference_view), dtype=torch.float64, device=device)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         a, r = diffs.tolist()
         dtype = plan.meta.get("dtype", "fp32")

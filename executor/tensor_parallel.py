@@ -1,0 +1,418 @@
+"""Real tensor (and sequence) parallelism for transformer stages of the zoo, Megatron-style.
+
+Each tensor-parallel rank takes its shard of the stage's units *after* they are built with
+the single-process model's weights (`shard_stage`): q/k/v and the first MLP linears are
+column-parallel (rows ``[r·n/T, (r+1)·n/T)`` of their weights and biases), the attention
+output and the last MLP linear row-parallel (the same columns; a bias is added once, after
+the reduction), the embedding and head vocabulary-parallel (rows of the vocabulary); norms
+are replicated; MoE experts keep ``expert_ffn / T`` columns each (router replicated; the routed
+tokens pass ``f`` before the experts and their outputs ``g`` after them, `Stage.expert_input` /
+`expert_output`). So ``--check`` compares each rank's shard with the same slice of the
+reference parameters (`TPShard.reference_view`).
+
+The collectives run inside the modules, as autograd functions over the plan's ``tp``
+process group (Shoeybi et al. 2019; Korthikanti et al. 2022):
+
+- without sequence parallelism, ``f`` (identity forward, all-reduce backward) before the
+  column-parallel linears and ``g`` (all-reduce forward, identity backward) after the
+  row-parallel one;
+- with sequence parallelism a layer holds its ``s / T`` shard of the sequence: the
+  column-parallel linears all-gather it (and in backward gather it again for the weight
+  gradients, ``.regather``, then reduce-scatter the input gradient), the row-parallel
+  output is reduce-scattered (backward: all-gather); the embedding reduce-scatters;
+- the vocabulary-parallel cross entropy all-reduces the max logit, the target logit and
+  the sum of exponentials of every token (backward is local).
+
+How the plan's ``TP.*`` ops are honoured: the compiler puts a unit's TP collectives right
+after its compute piece (``piece -> its collectives -> next piece``), so the collectives
+cannot run at their plan position without splitting the layer. Instead every collective a
+module performs is logged (`TPComm.log`: name, kind, start, end) under the pass it ran in
+(``F``/``B``, stage, micro-batch); when the runtime reaches a plan TP op it takes the next
+logged collective of that pass, requires the same name and kind (else the op fails), and
+records the logged start and end as the op's event. A collective the plan does not list is
+left over at the end of the step, which fails the step. ``TP.s{S}.norms`` (the norms'
+weight-gradient all-reduce under sequence parallelism) is performed by the runtime at its
+plan position (`Runtime._tp_op`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from executor.collectives import all_gather, reduce_scatter
+from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, SwiGLU, apply_rope, \
+    attention_core, rope_cos_sin
+
+# the compiler's stream of tensor-parallel collectives (piper_sim.ir.TP_STREAM; the IR is not
+# imported here: it pulls in the compiler's dependencies)
+TP_STREAM = "tp"
+
+
+def is_tp(ins) -> bool:
+    return ins.stream == TP_STREAM
+
+
+@dataclass
+class Logged:
+    """One collective a module performed."""
+
+    name: str
+    kind: str
+    start: float
+    end: float
+
+
+@dataclass
+class TPComm:
+    """This rank's tensor-parallel group and the log of the collectives it ran."""
+
+    group: Any
+    size: int
+    index: int
+    sp: bool
+    phase: tuple[str, int, int] | None = None     # (F|B, stage, micro-batch) being run
+    log: dict[tuple[str, int, int], deque] = field(default_factory=dict)
+
+    def _run(self, name: str, kind: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        self.log.setdefault(self.phase or ("?", -1, -1), deque()).append(Logged(name, kind, t0, time.perf_counter()))
+
+    def take(self, key: tuple[str, int, int], name: str, kind: str) -> Logged:
+        """The next collective logged in pass ``key``; it must be ``name`` of ``kind``."""
+        q = self.log.get(key)
+        if not q:
+            raise RuntimeError(f"tensor parallel: the plan expects {name} ({kind}) but the modules performed no "
+                               "further collective in this pass")
+        got = q.popleft()
+        if (got.name, got.kind) != (name, kind):
+            raise RuntimeError(f"tensor parallel: the plan expects {name} ({kind}) but the modules performed "
+                               f"{got.name} ({got.kind}), then {[x.name for x in list(q)[:4]]}")
+        return got
+
+    def leftover(self) -> list[str]:
+        out = [f"{k[0]}.s{k[1]}.mb{k[2]}:{x.name}" for k, q in self.log.items() for x in q]
+        self.log.clear()
+        return out
+
+    # collectives (synchronous, logged)
+    def all_reduce(self, t: torch.Tensor, name: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        t = t.contiguous()
+        self._run(name, "ALLREDUCE", lambda: dist.all_reduce(t, op=op, group=self.group))
+        return t
+
+    def gather_seq(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``[B, s/T, ...]`` shards -> ``[B, s, ...]`` (rank order along the sequence)."""
+        shard = x.transpose(0, 1).contiguous()
+        out = shard.new_empty(shard.shape[0] * self.size, *shard.shape[1:])
+        self._run(name, "ALL_GATHER", lambda: all_gather(out, shard, group=self.group))
+        return out.transpose(0, 1).contiguous()
+
+    def scatter_seq(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Sum over the group of ``[B, s, ...]``, this rank's ``[B, s/T, ...]`` shard of it."""
+        full = x.transpose(0, 1).contiguous()
+        out = full.new_empty(full.shape[0] // self.size, *full.shape[1:])
+        self._run(name, "REDUCE_SCATTER", lambda: reduce_scatter(out, full, group=self.group))
+        return out.transpose(0, 1).contiguous()
+
+
+# --------------------------------------------------------------------------- autograd functions
+
+
+class _CopyToTP(torch.autograd.Function):
+    """``f``: identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPComm, name: str):
+        ctx.tp, ctx.name = tp, name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.tp.all_reduce(g.clone(), ctx.name), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """``g``: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPComm, name: str):
+        return tp.all_reduce(x.clone(), name)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Sequence parallel: reduce-scatter along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPComm, fwd: str, bwd: str):
+        ctx.tp, ctx.bwd = tp, bwd
+        # an empty saved tensor: under full recomputation, reading it makes the checkpoint
+        # re-run its forward (and collectives) before this backward's all-gather, as the plan orders
+        ctx.save_for_backward(x.new_empty(0))
+        return tp.scatter_seq(x, fwd)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors
+        return ctx.tp.gather_seq(g, ctx.bwd), None, None, None
+
+
+class _GatherColumns(torch.autograd.Function):
+    """Sequence parallel: all-gather the sequence shard, then column-parallel linears
+    ``(weight, bias)*``; keeps only the shard, gathers it again in backward for the weight
+    gradients (``.regather``) and reduce-scatters the input gradient (Megatron)."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPComm, label: str, *wb):
+        ctx.tp, ctx.label = tp, label
+        total = tp.gather_seq(x, f"{label}.ag")
+        ctx.save_for_backward(x, *[t for t in wb if t is not None])
+        ctx.has_bias = [b is not None for b in wb[1::2]]
+        return tuple(F.linear(total, w, b) for w, b in zip(wb[0::2], wb[1::2]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *saved = ctx.saved_tensors
+        tp, it = ctx.tp, iter(saved)
+        wb = []
+        for has in ctx.has_bias:
+            wb += [next(it), next(it) if has else None]
+        weights = wb[0::2]
+        grad_total = None
+        for g, w in zip(grads, weights):
+            if g is not None:
+                gi = g @ w
+                grad_total = gi if grad_total is None else grad_total + gi
+        total = tp.gather_seq(x, f"{ctx.label}.regather")
+        if grad_total is None:
+            grad_total = torch.zeros_like(total)
+        grad_x = tp.scatter_seq(grad_total, f"{ctx.label}.rs")
+        out: list[torch.Tensor | None] = []
+        flat_total = total.reshape(-1, total.shape[-1])
+        for g, (w, b) in zip(grads, zip(wb[0::2], wb[1::2])):
+            if g is None:
+                out += [None, None]
+                continue
+            g2 = g.reshape(-1, g.shape[-1])
+            out += [g2.t() @ flat_total, g2.sum(0) if b is not None else None]
+        return (grad_x, None, None, *out)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross entropy over vocabulary-parallel logits ``[N, V/T]`` (fp32): three
+    all-reduces (max, target logit, sum of exponentials); the backward is local."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp: TPComm, lo: int):
+        n = logits.shape[-1]
+        m = tp.all_reduce(logits.max(-1).values, "head.loss.max", op=dist.ReduceOp.MAX)
+        z = logits - m[:, None]
+        local = targets - lo
+        inside = (local >= 0) & (local < n)
+        idx = local.clamp(0, n - 1)
+        pred = tp.all_reduce(z.gather(1, idx[:, None]).squeeze(1) * inside, "head.loss.target")
+        e = z.exp()
+        sumexp = tp.all_reduce(e.sum(-1), "head.loss.sumexp")
+        ctx.save_for_backward(e / sumexp[:, None], idx, inside)
+        return sumexp.log() - pred
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, inside = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, idx] -= inside.to(grad.dtype)
+        return grad * g[:, None], None, None, None
+
+
+# --------------------------------------------------------------------------- parallel linears
+
+
+def column(tp: TPComm, x: torch.Tensor, linears: list[Linear], label: str) -> list[torch.Tensor]:
+    """Column-parallel linears sharing input ``x`` (the sequence shard under SP)."""
+    if tp.sp:
+        wb = [t for lin in linears for t in (lin.weight, lin.bias)]
+        return list(_GatherColumns.apply(x, tp, label, *wb))
+    x = _CopyToTP.apply(x, tp, f"{label}.ar")
+    return [lin(x) for lin in linears]
+
+
+def row(tp: TPComm, x: torch.Tensor, lin: Linear, label: str) -> torch.Tensor:
+    """Row-parallel linear: partial products summed over the group (SP: reduce-scattered to
+    the sequence shard), then the bias once."""
+    y = F.linear(x, lin.weight)
+    y = _ScatterSeq.apply(y, tp, f"{label}.rs", f"{label}.ag") if tp.sp else _ReduceFromTP.apply(y, tp, f"{label}.ar")
+    return y + lin.bias if lin.bias is not None else y
+
+
+class TPAttention(nn.Module):
+    """`GQAttention` on this rank's heads (same parameter names)."""
+
+    def __init__(self, base: GQAttention, tp: TPComm, label: str):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = base.wq, base.wk, base.wv, base.wo
+        self.cfg, self.window, self.tp, self.label = base.cfg, base.window, tp, label
+        self.recompute_core = base.recompute_core
+        self.heads, self.kv_heads = base.cfg.n_heads // tp.size, base.cfg.n_kv_heads // tp.size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        q, k, v = column(self.tp, x, [self.wq, self.wk, self.wv], self.label)
+        B, s = q.shape[:2]
+        q = q.view(B, s, self.heads, c.head_dim).transpose(1, 2)
+        k = k.view(B, s, self.kv_heads, c.head_dim).transpose(1, 2)
+        v = v.view(B, s, self.kv_heads, c.head_dim).transpose(1, 2)
+        if c.rope:
+            cos, sin = rope_cos_sin(s, c.head_dim, c.rope_theta, q.device, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attention_core(q, k, v, self.recompute_core, self.window)
+        return row(self.tp, o.transpose(1, 2).reshape(B, s, -1), self.wo, self.label)
+
+
+class TPMLP(nn.Module):
+    """`SwiGLU` / `GeluMLP` on this rank's ``ffn / T`` columns (same parameter names)."""
+
+    def __init__(self, base: nn.Module, tp: TPComm, label: str):
+        super().__init__()
+        self.gelu = isinstance(base, GeluMLP)
+        for name, mod in base.named_children():
+            setattr(self, name, mod)
+        self.tp, self.label = tp, label
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu:
+            (h,) = column(self.tp, x, [self.fc1], self.label)
+            return row(self.tp, F.gelu(h), self.fc2, self.label)
+        a, b = column(self.tp, x, [self.w1, self.w3], self.label)
+        return row(self.tp, F.silu(a) * b, self.w2, self.label)
+
+
+class TPEmbedding(nn.Module):
+    """Vocabulary-parallel embedding: rows ``[lo, lo + V/T)``; other tokens give zeros, the
+    group's sum (SP: reduce-scattered) is the full embedding."""
+
+    def __init__(self, base: Embedding, tp: TPComm, lo: int):
+        super().__init__()
+        self.weight, self.tp, self.lo = base.weight, tp, lo
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.lo
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[..., None]
+        if self.tp.sp:
+            return _ScatterSeq.apply(out, self.tp, "embed.rs", "embed.ag")
+        return _ReduceFromTP.apply(out, self.tp, "embed.ar")
+
+
+class TPHead(nn.Module):
+    """Replicated final norm, then the vocabulary-parallel output projection (logits of
+    this rank's vocabulary rows)."""
+
+    def __init__(self, base: Head, tp: TPComm):
+        super().__init__()
+        self.norm, self.out, self.tp = base.norm, base.out, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return column(self.tp, self.norm(x), [self.out], "head")[0]
+
+
+def vocab_parallel_loss(tp: TPComm, lo: int, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross entropy of vocabulary-parallel logits (as ``models.lm_loss``)."""
+    return _VocabParallelCE.apply(logits.flatten(0, 1).float(), targets.flatten(), tp, lo).mean()
+
+
+# --------------------------------------------------------------------------- sharding a stage
+
+
+@dataclass
+class TPShard:
+    """Which slice of each reference parameter this rank holds: name -> (dim, lo, hi)."""
+
+    slices: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+
+    def reference_view(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        s = self.slices.get(name)
+        return full if s is None else full.narrow(s[0], s[1], s[2] - s[1])
+
+    def replicated(self, named: list[tuple[str, nn.Parameter]]) -> list[nn.Parameter]:
+        """Parameters every member of the group holds whole (norms, row-parallel biases)."""
+        return [p for n, p in named if n not in self.slices]
+
+
+def _take(shard: TPShard, tp: TPComm, prefix: str, mod: nn.Module, attr: str, dim: int) -> None:
+    p = getattr(mod, attr)
+    if p is None:
+        return
+    n = p.shape[dim] // tp.size
+    lo = tp.index * n
+    setattr(mod, attr, nn.Parameter(p.data.narrow(dim, lo, n).clone()))
+    shard.slices[f"{prefix}.{attr}"] = (dim, lo, lo + n)
+
+
+def _columns(shard: TPShard, tp: TPComm, prefix: str, lin: Linear) -> None:
+    _take(shard, tp, prefix, lin, "weight", 0)
+    _take(shard, tp, prefix, lin, "bias", 0)
+
+
+def shard_stage(stage, tp: TPComm) -> TPShard:
+    """Replace ``stage``'s units (built with the full model's weights) by this rank's
+    tensor-parallel shard of them; sets the stage's loss to the vocabulary-parallel one."""
+    shard = TPShard()
+    units = stage.units
+    stage.recompute_early_stop = False
+    for name in units.unit_names():
+        unit = units[name]
+        if name == "embed":
+            _take(shard, tp, "embed", unit, "weight", 0)
+            units["embed"] = TPEmbedding(unit, tp, shard.slices["embed.weight"][1])
+        elif name == "head":
+            _columns(shard, tp, "head.out", unit.out)
+            units["head"] = TPHead(unit, tp)
+            stage.loss_fn = lambda logits, targets, lo=shard.slices["head.out.weight"][1]: \
+                vocab_parallel_loss(tp, lo, logits, targets)
+        else:
+            block: Block = unit
+            label = "l" + name.split(".")[1]
+            attn = block.attn
+            for lin in ("wq", "wk", "wv"):
+                _columns(shard, tp, f"{name}.attn.{lin}", getattr(attn, lin))
+            _take(shard, tp, f"{name}.attn.wo", attn.wo, "weight", 1)
+            block.attn = TPAttention(attn, tp, f"{label}.attn")
+            if block.is_moe:
+                _shard_experts(stage, shard, tp, name, block)
+                continue
+            mlp = block.mlp
+            first, last = (["fc1"], "fc2") if isinstance(mlp, GeluMLP) else (["w1", "w3"], "w2")
+            assert isinstance(mlp, (GeluMLP, SwiGLU))
+            for lin in first:
+                _columns(shard, tp, f"{name}.mlp.{lin}", getattr(mlp, lin))
+            _take(shard, tp, f"{name}.mlp.{last}", getattr(mlp, last), "weight", 1)
+            block.mlp = TPMLP(mlp, tp, f"{label}.mlp")
+    stage.collect_piece_params()  # the pieces' parameters are the shards now
+    if any(u.startswith("layers.") and units[u].is_moe for u in units.unit_names()):
+        stage.expert_input = lambda h, layer: _CopyToTP.apply(h, tp, f"l{layer}.moe.ar")
+        stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"l{layer}.moe.ar")
+    return shard
+
+
+def _shard_experts(stage, shard: TPShard, tp: TPComm, name: str, block: Block) -> None:
+    """Each local expert's ``expert_ffn / T`` columns (router replicated): the routed tokens
+    pass ``f`` before the experts (`Stage.expert_input`), their outputs ``g`` after them."""
+    first = stage.ep_index * stage.local_experts if stage.expert_split else 0
+    for j, expert in enumerate(block.moe.experts):
+        prefix = f"{name}.moe.experts.{first + j}"  # the global expert (Stage.named_parameters)
+        for lin in ("w1", "w3"):
+            _columns(shard, tp, f"{prefix}.{lin}", getattr(expert, lin))
+        _take(shard, tp, f"{prefix}.w2", expert.w2, "weight", 1)

@@ -1,0 +1,176 @@
+"""Executor: real tensor (and sequence) parallelism against the single-process reference
+(torchrun, gloo on CPU, gpt-tiny, 2 steps), the plan's TP ops matched to the collectives the
+modules performed, and what is still refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_executor import TOL, json_lines, save_plan, strategy, torchrun  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def tp_strategy(tp: int = 2, sp: bool = False, pp: int = 1, dp: int = 1, zero: int = 0, m: int = 2,
+                model: str = "gpt-tiny", sched: str = "1f1b", extra: list | None = None) -> dict:
+    s = strategy(model, pp=pp, sched=sched, dp=dp, zero=zero, m=m, mbs=1)
+    s["cluster"] = f"cpu:{pp * dp * tp}"
+    s["directives"] = [{"op": "tensor_parallel", "degree": tp, "sequence_parallel": sp}, *s["directives"],
+                       *(extra or [])]
+    return s
+
+
+def run_checks(tmp_path, nproc: int, configs: dict[str, dict], *extra: str) -> tuple[dict[str, dict], str]:
+    paths = {save_plan(tmp_path, k, s): k for k, s in configs.items()}
+    r = torchrun(nproc, [*paths, "--steps", "2", "--check", "--json", *extra])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out: dict[str, dict] = {}
+    for row in json_lines(r.stdout):
+        out.setdefault(paths[row["plan"]], {}).update({f"loss{row['step']}": row["loss"]} if "loss" in row else row)
+    assert set(out) == set(configs)
+    return out, next(iter(paths))
+
+
+def reference_losses(tmp_path, s: dict) -> list[float]:
+    from executor.reference import reference_training
+    from piper_sim.plan import Plan
+
+    return reference_training(Plan.load(save_plan(tmp_path, "ref", s)), 2)[1]
+
+
+def assert_matches_reference(res: dict[str, dict], ref: list[float]) -> None:
+    for name, row in res.items():
+        assert row["within_tolerance"] is True and row["max_rel_param_diff"] <= TOL, (name, row)
+        assert row["max_abs_param_diff"] <= 1e-4, (name, row)
+        for step, want in enumerate(ref):  # the loss of the whole global batch, counted once per TP group
+            assert row[f"loss{step}"] == pytest.approx(want, rel=1e-5), (name, step, row)
+
+
+def test_tp2_and_sequence_parallel_match_the_reference(tmp_path):
+    configs = {"tp2": tp_strategy(), "tp2-sp": tp_strategy(sp=True),
+               # full recomputation re-runs the forward's collectives in backward (TP.R ops)
+               "tp2-sp-full": tp_strategy(sp=True, extra=[{"op": "recompute"}]),
+               "tp2-selective": tp_strategy(extra=[{"op": "recompute", "mode": "selective"}])}
+    res, _ = run_checks(tmp_path, 2, configs)
+    assert_matches_reference(res, reference_losses(tmp_path, configs["tp2"]))
+
+
+def test_tp2_with_pipeline_and_data_parallel_match_the_reference(tmp_path):
+    configs = {"tp2-pp2": tp_strategy(pp=2, m=4), "tp2-sp-pp2": tp_strategy(sp=True, pp=2, m=4),
+               "tp2-sp-pp2-interleaved": tp_strategy(sp=True, pp=2, m=4, sched="interleaved_1f1b"),
+               # zero-bubble: BI runs the TP collectives, BW only weight gradients
+               "tp2-pp2-zb1p": tp_strategy(pp=2, m=4, sched="zb1p"), "tp2-pp2-zbv": tp_strategy(pp=2, m=4, sched="zbv"),
+               "tp2-dp2-zero1": tp_strategy(dp=2, zero=1), "tp2-sp-dp2-zero1": tp_strategy(sp=True, dp=2, zero=1),
+               "tp2-sp-dp2-zero2": tp_strategy(sp=True, dp=2, zero=2), "tp2-dp2-zero3": tp_strategy(dp=2, zero=3),
+               # MoE: experts split by expert_ffn over TP and by expert over EP (router replicated)
+               "tp2-ep2-moe": tp_strategy(model="moe-tiny", dp=2, extra=[{"op": "expert_parallel", "degree": 2}])}
+    res, _ = run_checks(tmp_path, 4, configs)
+    moe = res.pop("tp2-ep2-moe")
+    # the same global batch everywhere: 4 sequences per step (dp 2 x 2 micro-batches, or 4 micro-batches)
+    assert_matches_reference(res, reference_losses(tmp_path, configs["tp2-pp2"]))
+    assert_matches_reference({"tp2-ep2-moe": moe}, reference_losses(tmp_path, configs["tp2-ep2-moe"]))
+
+
+def test_3d_tp2_pp2_dp2_on_eight_ranks_traces_every_tp_op(tmp_path):
+    from piper_sim.plan import Plan
+
+    s = tp_strategy(sp=True, pp=2, dp=2, zero=1, m=2)
+    trace = str(tmp_path / "trace.json")
+    res, path = run_checks(tmp_path, 8, {"3d": s}, "--trace", trace)
+    assert_matches_reference(res, reference_losses(tmp_path, s))
+    plan = Plan.load(path)
+    want = {(r, i.id) for r in range(8) for i in plan.program(r).streams["tp"]}
+    with open(trace) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and e["name"].startswith("TP.")]
+    got = {(e["pid"], e["name"]) for e in events}
+    assert got == want  # every plan TP op of every rank has its measured event
+    assert all(e["dur"] >= 0 for e in events)
+
+
+# ------------------------------------------------------------------ in process: shards, matching, refusals
+
+
+def test_shards_are_exact_slices_of_the_reference_weights():
+    from executor.stage import Stage
+    from executor.tensor_parallel import TPComm, shard_stage
+    from piper_sim.models import build_model, get_config
+
+    cfg = get_config("gpt-tiny")
+    full = dict(build_model(cfg, device="cpu", seed=3).named_parameters())
+    names = ["embed", "layers.0", "layers.1", "head"]
+    for index in range(2):
+        stage = Stage(cfg, 0, 1, names, [names], 1, 0, torch.device("cpu"), torch.float32, 3)
+        shard = shard_stage(stage, TPComm(None, 2, index, sp=False))
+        params = dict(stage.named_parameters()[0])
+        assert set(params) == {n for n in full if n.split(".")[0] in ("embed", "head") or n.split(".")[1] in "01"}
+        for name, p in params.items():
+            want = shard.reference_view(name, full[name])
+            assert torch.equal(p, want), name
+        # column-parallel rows, row-parallel columns, vocabulary rows; norms whole
+        assert params["layers.0.attn.wq.weight"].shape == (32, 64)
+        assert params["layers.0.attn.wo.weight"].shape == (64, 32)
+        assert params["layers.1.mlp.w2.weight"].shape == (64, 128)
+        assert params["head.out.weight"].shape == (256, 64) and params["embed.weight"].shape == (256, 64)
+        assert [n for n in params if n not in shard.slices] == [
+            "layers.0.attn_norm.weight", "layers.0.mlp_norm.weight", "layers.1.attn_norm.weight",
+            "layers.1.mlp_norm.weight", "head.norm.weight"]
+
+
+def test_plan_tp_ops_must_match_the_collectives_performed():
+    from collections import deque
+
+    from executor.tensor_parallel import Logged, TPComm
+
+    tp = TPComm(None, 2, 0, sp=False)
+    tp.log[("F", 0, 1)] = deque([Logged("l0.attn.ar", "ALLREDUCE", 1.0, 2.0), Logged("l0.mlp.ar", "ALLREDUCE", 2, 3)])
+    assert tp.take(("F", 0, 1), "l0.attn.ar", "ALLREDUCE").end == 2.0
+    with pytest.raises(RuntimeError, match="plan expects l1.attn.ar .* performed l0.mlp.ar"):
+        tp.take(("F", 0, 1), "l1.attn.ar", "ALLREDUCE")
+    with pytest.raises(RuntimeError, match="performed no further collective"):
+        tp.take(("B", 0, 1), "l0.mlp.ar", "ALLREDUCE")
+    tp.log[("B", 0, 0)] = deque([Logged("head.ar", "ALLREDUCE", 0, 1)])
+    assert tp.leftover() == ["B.s0.mb0:head.ar"] and tp.leftover() == []
+
+
+@pytest.mark.parametrize("s, why", [
+    (tp_strategy(model="moe-tiny"), "with a MoE model without expert parallelism are simulate-only"),
+    (tp_strategy(model="moe-tiny", sp=True, dp=2, extra=[{"op": "expert_parallel", "degree": 2}]),
+     "with a MoE model and sequence parallelism are simulate-only"),
+    (tp_strategy(sp=True, pp=2, m=4, sched="zb1p"),
+     "with sequence parallelism and a split backward (BI/BW, schedule zb1p) are simulate-only"),
+    (tp_strategy(pp=2, m=4, sched="zbv", extra=[{"op": "recompute"}]),
+     "with full recomputation and a split backward (BI/BW, schedule zbv) are simulate-only"),
+    (tp_strategy(sp=True, dp=2, zero=3), "with ZeRO-3 and sequence parallelism are simulate-only"),
+])
+def test_refused_tp_plans_name_why(tmp_path, s, why):
+    from executor.options import refuse_tensor_parallel
+    from piper_sim.api import compile
+    from piper_sim.plan import PlanError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile(s)
+    with pytest.raises(PlanError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        refuse_tensor_parallel(plan, "p.json")
+
+
+def test_tp_plans_refuse_clipping_and_checkpoints(tmp_path):
+    from executor.options import preflight
+    from executor.worker import build_parser
+    from piper_sim.api import compile
+    from piper_sim.plan import PlanError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile(tp_strategy())
+    assert preflight(build_parser().parse_args(["p.json"]), [plan]) == 0
+    for flags in (["--clip-grad-norm", "1"], ["--save", str(tmp_path)]):
+        with pytest.raises(PlanError, match="do not support tensor parallel plans"):
+            preflight(build_parser().parse_args(["p.json", *flags]), [plan])
