@@ -5,10 +5,11 @@ recompute, and tensor parallelism T over the divisors of the GPUs per node that 
 model (with sequence parallelism when T > 1). World size = PP × DP × TP.
 
 Two prunes, both exact (they never drop a strategy that would have won):
-- memory: a plan whose static memory (params + grads + optimizer state) plus what one
-  micro-batch of its largest stage keeps for backward (``piper_sim.memory``, by recompute
-  mode) exceeds the GPU's memory is out of memory whatever the schedule does (the
-  simulated peak holds at least that much);
+- memory: a plan whose static memory (params + grads + optimizer state) plus the
+  activations its schedule keeps alive on a rank (what each F keeps for its backward,
+  ``piper_sim.memory`` by recompute mode, summed along the rank's compute order, as the
+  compiler allocates and frees them) exceeds the GPU's memory is out of memory (the
+  simulated peak holds at least that much; `Screener`);
 - time: a plan's step time is at least its busiest rank's compute time. Candidates are
   simulated in order of that lower bound, and once it reaches the best simulated step
   time the rest cannot win and are skipped.
@@ -218,46 +219,117 @@ def _schedule(name: str, pp: int, m: int, v: int):
 
 def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, float, str]:
     """Bounds without compiling: (memory lower bound bytes, step-time lower bound s, error).
+    `Screener` does the work (and caches what candidates share); this screens one."""
+    return Screener(settings, cm)(cand)
 
-    Memory: model states + what one micro-batch of the largest stage keeps for its
-    backward under the candidate's recompute mode (`memory.SegmentMemory.kept`), on the
-    fullest rank. Time: the busiest rank's forward+backward flops as one op at the cost
-    model's best efficiency (every real op is smaller, so no faster). Under tensor
-    parallelism both are a rank's share: the segments are profiled on its shard
-    (`models.tp_shard`), as the compiler does."""
-    from piper_sim.compiler import static_memory, stage_costs
-    from piper_sim.ir import Context
-    from piper_sim.memory import model_memory
-    from piper_sim.plan import Layout
-    from piper_sim.profiling import profile_model
 
-    cfg = resolve_model(settings["model"])
-    dtype = settings.get("dtype", "bf16")
-    mbs = settings["global_batch"] // (cand.dp * cand.microbatches)
-    tdtype = torch_dtype(dtype)
-    try:
-        spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
-        shard = tp_shard(cfg, cand.tp, cand.sp)
-        segments = profile_model(shard, mbs, settings["seq_len"], tdtype)
-        stages = stage_costs(cfg, segments, spec.num_stages, "balanced" if cand.pp > 1 else None,
-                             parse_cluster(settings["cluster"]).gpu)
-    except (ScheduleError, StrategyError, ValueError) as e:
-        return 0.0, 0.0, str(e)
-    layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp)
-    ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[dtype])  # type: ignore[arg-type]
-    mems = model_memory(shard, segments, mbs, settings["seq_len"], tdtype)
-    mode = "full" if cand.recompute else "none"
-    mem = time_lb = 0.0
-    for r in range(cand.pp):
-        held = [s for s, ranks in spec.stage_ranks.items() if r in ranks]
-        act = max(sum(mems[x.name].kept(mode, cand.ep > 1) for x in stages[s].segments) for s in held)
-        mem = max(mem, sum(static_memory(ctx, r, cand.zero).values()) + act)
-        busy = 0.0
-        for s in held:
-            n_mb = sum(1 for mb in range(cand.microbatches) if spec.rank_of(s, mb) == r)
-            busy += n_mb * _compute_lower_bound(cm, stages[s].segments, cand.recompute, cand.ep)
-        time_lb = max(time_lb, busy)
-    return mem, time_lb, ""
+class Screener:
+    """Exact bounds of candidates without compiling them, from the compiler's own accounting.
+
+    Memory: a rank's model states (`compiler.static_memory`) plus the most activation memory
+    its compute stream holds between two of its actions: walking the schedule's order for the
+    rank, F adds what the stage keeps for its backward (`memory.SegmentMemory.kept` under the
+    recompute mode), B frees it, BI and BW free their shares (``ir.BW_KEEP_FRACTION``, the
+    re-run forward under full recompute), exactly as `ir.activation_memory_pass` sets their
+    ``alloc``/``free``. Compute ops run in that order and everything else a plan allocates
+    (temporaries, buffers, gathered parameters, gradient buckets) only adds, so the
+    simulated peak is at least this. Time: the busiest rank's forward+backward kernels as
+    the simulator prices them (or their flops at the cost model's best efficiency). Under
+    tensor parallelism both are a rank's share: the segments are profiled on its shard
+    (`models.tp_shard`), as the compiler does. Profiles, stage cuts and per-stage numbers
+    are computed once per (TP, micro-batch size, stages) and shared by the candidates."""
+
+    def __init__(self, settings: dict[str, Any], cm: Any) -> None:
+        self.settings, self.cm = settings, cm
+        self.cfg = resolve_model(settings["model"])
+        self.dtype = settings.get("dtype", "bf16")
+        self.gpu = parse_cluster(settings["cluster"]).gpu
+        self._profiles: dict[tuple, tuple] = {}
+        self._stages: dict[tuple, list] = {}
+        self._per_stage: dict[tuple, tuple[float, float, float]] = {}
+        self._act_peaks: dict[tuple, list[float]] = {}
+
+    def _profile(self, tp: int, sp: bool, mbs: int) -> tuple:
+        key = (tp, sp, mbs)
+        if key not in self._profiles:
+            from piper_sim.memory import model_memory
+            from piper_sim.profiling import profile_model
+
+            tdtype = torch_dtype(self.dtype)
+            shard = tp_shard(self.cfg, tp, sp)
+            segments = profile_model(shard, mbs, self.settings["seq_len"], tdtype)
+            self._profiles[key] = (segments, model_memory(shard, segments, mbs, self.settings["seq_len"], tdtype))
+        return self._profiles[key]
+
+    def _stage_costs(self, tp: int, sp: bool, mbs: int, num_stages: int, balanced: bool) -> list:
+        key = (tp, sp, mbs, num_stages, balanced)
+        if key not in self._stages:
+            from piper_sim.compiler import stage_costs
+
+            segments, _ = self._profile(tp, sp, mbs)
+            self._stages[key] = stage_costs(self.cfg, segments, num_stages, "balanced" if balanced else None,
+                                            self.gpu)
+        return self._stages[key]
+
+    def _stage_numbers(self, cand: Candidate, mbs: int, num_stages: int, stage: int) -> tuple[float, float, float]:
+        """(kept bytes, re-run bytes under full recompute, F+B seconds) of one micro-batch of a stage."""
+        key = (cand.tp, cand.sp, mbs, num_stages, cand.pp > 1, stage, cand.recompute, cand.ep)
+        if key not in self._per_stage:
+            _, mems = self._profile(cand.tp, cand.sp, mbs)
+            segs = self._stage_costs(cand.tp, cand.sp, mbs, num_stages, cand.pp > 1)[stage].segments
+            mode = "full" if cand.recompute else "none"
+            kept = sum(mems[x.name].kept(mode, cand.ep > 1) for x in segs)
+            rerun = sum(mems[x.name].saved for x in segs if mems[x.name].recomputed) if cand.recompute else 0.0
+            self._per_stage[key] = (kept, rerun, _compute_lower_bound(self.cm, segs, cand.recompute, cand.ep))
+        return self._per_stage[key]
+
+    def _activation_peaks(self, cand: Candidate, spec: Any, mbs: int) -> list[float]:
+        """Per pipeline rank, the most activation memory held between two compute slots."""
+        from piper_sim.ir import BW_KEEP_FRACTION as keep
+
+        key = (cand.schedule, cand.pp, cand.microbatches, cand.v, cand.tp, cand.sp, mbs, cand.recompute, cand.ep)
+        if key not in self._act_peaks:
+            delta: dict[tuple[int, str], float] = {}
+            for s in range(spec.num_stages):
+                kept, rerun, _ = self._stage_numbers(cand, mbs, spec.num_stages, s)
+                delta[s, "F"], delta[s, "B"] = kept, -kept
+                delta[s, "I"] = keep * rerun - (1 - keep) * kept
+                delta[s, "W"] = -keep * (kept + rerun)
+            peaks = []
+            for order in spec.orders:
+                live = peak = 0.0
+                for slot in order:
+                    for a in slot:
+                        live += delta[a.stage, a.kind]
+                    peak = max(peak, live)
+                peaks.append(peak)
+            self._act_peaks[key] = peaks
+        return self._act_peaks[key]
+
+    def __call__(self, cand: Candidate) -> tuple[float, float, str]:
+        from piper_sim.compiler import static_memory
+        from piper_sim.ir import Context
+        from piper_sim.plan import Layout
+
+        mbs = self.settings["global_batch"] // (cand.dp * cand.microbatches)
+        try:
+            spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
+            stages = self._stage_costs(cand.tp, cand.sp, mbs, spec.num_stages, cand.pp > 1)
+            act = self._activation_peaks(cand, spec, mbs)
+        except (ScheduleError, StrategyError, ValueError) as e:
+            return 0.0, 0.0, str(e)
+        layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp)
+        ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[self.dtype])  # type: ignore[arg-type]
+        mem = time_lb = 0.0
+        for r in range(cand.pp):
+            held = [s for s, ranks in spec.stage_ranks.items() if r in ranks]
+            mem = max(mem, sum(static_memory(ctx, r, cand.zero).values()) + act[r])
+            busy = 0.0
+            for s in held:
+                n_mb = sum(1 for mb in range(cand.microbatches) if spec.rank_of(s, mb) == r)
+                busy += n_mb * self._stage_numbers(cand, mbs, spec.num_stages, s)[2]
+            time_lb = max(time_lb, busy)
+        return mem, time_lb, ""
 
 
 def _compute_lower_bound(cm, segments, recompute: bool, ep: int) -> float:
@@ -327,15 +399,17 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     workers = workers or os.cpu_count() or 1
     rows: list[Row] = []
     queue = []
+    screener = Screener(settings, cm)
     for i, cand in enumerate(candidates):
-        mem, bound, err = screen(cand, settings, cm)
+        mem, bound, err = screener(cand)
         if progress:
             progress("screen", i + 1, len(candidates))
         if err:
             rows.append(Row(cand, "invalid", reason=err))
         elif prune and not fits(mem, hbm):
             rows.append(Row(cand, "oom", peak_memory_bytes=mem, lower_bound_s=bound,
-                            reason=f"model states + one micro-batch need {mem / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
+                            reason=f"model states + the activations its schedule holds need {mem / 1e9:.1f} GB "
+                                   f"> {hbm / 1e9:.0f} GB"))
         else:
             queue.append((bound, cand.short(), cand))
     queue.sort()
