@@ -416,39 +416,67 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     bounds = {c: b for b, _, c in queue}
     best = float("inf")
     done = 0
+
+    def record(cand: Candidate, res: tuple | None, err: str) -> None:
+        nonlocal best, done
+        done += 1
+        if progress:
+            progress("simulate", done, len(queue))
+        if res is None:
+            rows.append(Row(cand, "invalid", reason=err))
+            return
+        step, tps, mfu, bubble, peak, fit = res  # fit: the simulator's verdict (costmodel.memory.fits)
+        if not fit:
+            rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand],
+                            reason=f"peak {peak / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
+            return
+        rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bounds[cand]))
+        best = min(best, step)
+
     with (_pool(workers, use_ray) if workers > 1 else _Serial()) as pool:
-        i = 0
-        while i < len(queue):
-            batch = []
-            while i < len(queue) and len(batch) < workers:
-                bound, _, cand = queue[i]
-                i += 1
-                if prune and bound >= best:
-                    rows.append(Row(cand, "pruned", lower_bound_s=bound,
-                                    reason=f"compute alone takes >= {bound:.4g} s, best is {best:.4g} s"))
-                    done += 1  # decided without simulating: the progress still reaches len(queue)
-                    if progress:
-                        progress("simulate", done, len(queue))
-                    continue
-                batch.append((cand, settings))
-            for cand, res, err in pool.imap(_compile_and_simulate, batch):
-                done += 1
+        for cand, res, err in _stream(pool, workers, queue, lambda bound: prune and bound >= best, settings):
+            if res == "pruned":
+                bound = bounds[cand]
+                rows.append(Row(cand, "pruned", lower_bound_s=bound,
+                                reason=f"compute alone takes >= {bound:.4g} s, best is {best:.4g} s"))
+                done += 1  # decided without simulating: the progress still reaches len(queue)
                 if progress:
                     progress("simulate", done, len(queue))
-                if res is None:
-                    rows.append(Row(cand, "invalid", reason=err))
-                    continue
-                step, tps, mfu, bubble, peak, fit = res  # fit: the simulator's verdict (costmodel.memory.fits)
-                if not fit:
-                    rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand],
-                                    reason=f"peak {peak / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
-                    continue
-                rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bounds[cand]))
-                best = min(best, step)
+                continue
+            record(cand, res, err)
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.status] = counts.get(r.status, 0) + 1
     return ExploreResult(rows=rows, settings=settings, wall_s=time.perf_counter() - t0, counts=counts)
+
+
+def _stream(pool: Any, workers: int, queue: list, pruned: Callable[[float], bool],
+            settings: dict[str, Any]) -> Iterable[tuple]:
+    """Compile and simulate the queue (sorted by bound) on the pool, keeping every worker busy:
+    a new candidate goes out as soon as one finishes (not batch by batch, where each batch
+    waits for its slowest). A candidate is checked against ``pruned`` (the best so far) when
+    it would be sent. Yields (candidate, result, error) in completion order, and
+    (candidate, "pruned", "") for those skipped."""
+    import queue as queue_mod
+
+    results: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    in_flight, i = 0, 0
+    while i < len(queue) or in_flight:
+        while i < len(queue) and in_flight < workers:  # one each: few sent before the best is known
+            bound, _, cand = queue[i]
+            i += 1
+            if pruned(bound):
+                yield cand, "pruned", ""
+                continue
+            pool.apply_async(_compile_and_simulate, ((cand, settings),), callback=results.put,
+                             error_callback=lambda e: results.put((None, e, "")))
+            in_flight += 1
+        if in_flight:
+            cand, res, err = results.get()
+            in_flight -= 1
+            if isinstance(res, BaseException):  # a bug, not a bad candidate: as the serial run would
+                raise res
+            yield cand, res, err
 
 
 class _Serial:
@@ -460,8 +488,8 @@ class _Serial:
     def __exit__(self, *exc):
         return False
 
-    def imap(self, fn, items):
-        return map(fn, items)
+    def apply_async(self, fn, args, callback, error_callback=None):
+        callback(fn(*args))
 
 
 def format_table(result: ExploreResult, top: int = 10) -> str:
