@@ -33,6 +33,7 @@ from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
 from piper_sim.models import tp_divisibility_error, tp_shard
+from piper_sim.plan import gc_paused
 from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, ScheduleError, canonical_schedule, known_names,
                                  stages_per_rank)
 from piper_sim.sources import resolve_model
@@ -248,6 +249,8 @@ class Screener:
         self._stages: dict[tuple, list] = {}
         self._per_stage: dict[tuple, tuple[float, float, float]] = {}
         self._act_peaks: dict[tuple, list[float]] = {}
+        self._prices: dict[int, tuple] = {}
+        self._mb_counts: dict[tuple, dict[tuple[int, int], int]] = {}
 
     def _profile(self, tp: int, sp: bool, mbs: int) -> tuple:
         key = (tp, sp, mbs)
@@ -280,7 +283,8 @@ class Screener:
             mode = "full" if cand.recompute else "none"
             kept = sum(mems[x.name].kept(mode, cand.ep > 1) for x in segs)
             rerun = sum(mems[x.name].saved for x in segs if mems[x.name].recomputed) if cand.recompute else 0.0
-            self._per_stage[key] = (kept, rerun, _compute_lower_bound(self.cm, segs, cand.recompute, cand.ep))
+            self._per_stage[key] = (kept, rerun, _compute_lower_bound(self.cm, segs, cand.recompute, cand.ep,
+                                                                      self._prices))
         return self._per_stage[key]
 
     def _activation_peaks(self, cand: Candidate, spec: Any, mbs: int) -> list[float]:
@@ -301,7 +305,8 @@ class Screener:
                 for slot in order:
                     for a in slot:
                         live += delta[a.stage, a.kind]
-                    peak = max(peak, live)
+                    if live > peak:
+                        peak = live
                 peaks.append(peak)
             self._act_peaks[key] = peaks
         return self._act_peaks[key]
@@ -320,29 +325,44 @@ class Screener:
             return 0.0, 0.0, str(e)
         layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp)
         ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[self.dtype])  # type: ignore[arg-type]
+        counts = self._mb_counts.get(id(spec))
+        if counts is None:  # micro-batches per (rank, stage); specs are cached, so their ids are stable
+            counts = {}
+            for s in spec.stage_ranks:
+                for mb in range(cand.microbatches):
+                    counts[spec.rank_of(s, mb), s] = counts.get((spec.rank_of(s, mb), s), 0) + 1
+            self._mb_counts[id(spec)] = counts
         mem = time_lb = 0.0
         for r in range(cand.pp):
             held = [s for s, ranks in spec.stage_ranks.items() if r in ranks]
             mem = max(mem, sum(static_memory(ctx, r, cand.zero).values()) + act[r])
             busy = 0.0
             for s in held:
-                n_mb = sum(1 for mb in range(cand.microbatches) if spec.rank_of(s, mb) == r)
-                busy += n_mb * self._stage_numbers(cand, mbs, spec.num_stages, s)[2]
+                busy += counts.get((r, s), 0) * self._stage_numbers(cand, mbs, spec.num_stages, s)[2]
             time_lb = max(time_lb, busy)
         return mem, time_lb, ""
 
 
-def _compute_lower_bound(cm, segments, recompute: bool, ep: int) -> float:
+def _compute_lower_bound(cm, segments, recompute: bool, ep: int, prices: dict | None = None) -> float:
     """Seconds of one micro-batch's F + B of these segments: their kernels as the simulator
-    prices them (it can only add slowdowns), or a roofline of their flops."""
+    prices them (it can only add slowdowns), or a roofline of their flops. ``prices``: a
+    cache of table prices by table (identical layers share their profile's tables)."""
     from piper_sim import kernels
+
+    def price(t):
+        if prices is None:
+            return cm.kernels_time(t)
+        hit = prices.get(id(t))
+        if hit is None:  # the table is kept with its price: its id stays its own
+            hit = prices[id(t)] = (t, cm.kernels_time(t))
+        return hit[1]
 
     total = 0.0
     for x in segments:
         tables = [x.kernels_f] * (2 if recompute else 1) + [x.kernels_bi, x.kernels_bw]
         if x.is_expert and ep > 1:
             tables = [kernels.regroup(t, ep) for t in tables]
-        priced = [cm.kernels_time(t) for t in tables if t]
+        priced = [price(t) for t in tables if t]
         if priced and all(p is not None for p in priced):
             total += sum(priced)
         else:
@@ -399,11 +419,7 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     workers = workers or os.cpu_count() or 1
     rows: list[Row] = []
     queue = []
-    screener = Screener(settings, cm)
-    for i, cand in enumerate(candidates):
-        mem, bound, err = screener(cand)
-        if progress:
-            progress("screen", i + 1, len(candidates))
+    for cand, (mem, bound, err) in zip(candidates, _screen_all(Screener(settings, cm), candidates, progress)):
         if err:
             rows.append(Row(cand, "invalid", reason=err))
         elif prune and not fits(mem, hbm):
@@ -448,6 +464,18 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     for r in rows:
         counts[r.status] = counts.get(r.status, 0) + 1
     return ExploreResult(rows=rows, settings=settings, wall_s=time.perf_counter() - t0, counts=counts)
+
+
+@gc_paused
+def _screen_all(screener: Screener, candidates: list[Candidate],
+                progress: Callable[[str, int, int], None] | None) -> list[tuple[float, float, str]]:
+    """`Screener` bounds of every candidate, in order."""
+    out = []
+    for i, cand in enumerate(candidates):
+        out.append(screener(cand))
+        if progress:
+            progress("screen", i + 1, len(candidates))
+    return out
 
 
 def _stream(pool: Any, workers: int, queue: list, pruned: Callable[[float], bool],
