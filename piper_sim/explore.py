@@ -274,8 +274,9 @@ class Screener:
                                             self.gpu)
         return self._stages[key]
 
-    def _stage_numbers(self, cand: Candidate, mbs: int, num_stages: int, stage: int) -> tuple[float, float, float]:
-        """(kept bytes, re-run bytes under full recompute, F+B seconds) of one micro-batch of a stage."""
+    def _stage_numbers(self, cand: Candidate, mbs: int, num_stages: int, stage: int) -> tuple[float, ...]:
+        """Of one micro-batch of a stage: (kept bytes, re-run bytes under full recompute, F+B
+        seconds, transient bytes of its last segment, bytes its backward recomputes there)."""
         key = (cand.tp, cand.sp, mbs, num_stages, cand.pp > 1, stage, cand.recompute, cand.ep)
         if key not in self._per_stage:
             _, mems = self._profile(cand.tp, cand.sp, mbs)
@@ -283,26 +284,38 @@ class Screener:
             mode = "full" if cand.recompute else "none"
             kept = sum(mems[x.name].kept(mode, cand.ep > 1) for x in segs)
             rerun = sum(mems[x.name].saved for x in segs if mems[x.name].recomputed) if cand.recompute else 0.0
+            last = mems[segs[-1].name]
             self._per_stage[key] = (kept, rerun, _compute_lower_bound(self.cm, segs, cand.recompute, cand.ep,
-                                                                      self._prices))
+                                                                      self._prices),
+                                    last.temp, last.saved if cand.recompute and last.recomputed else 0.0)
         return self._per_stage[key]
 
     def _activation_peaks(self, cand: Candidate, spec: Any, mbs: int) -> list[float]:
-        """Per pipeline rank, the most activation memory held between two compute slots."""
+        """Per pipeline rank, the most activation memory its compute stream is sure to hold:
+        between two slots (every earlier op ended), and as a lone action's last piece starts
+        (F: its stage's kept bytes all taken, plus the transient of its last segment) or its
+        first backward piece starts (the last segment's transient and, under full recompute,
+        its re-run activations; the backward runs the pieces last first)."""
         from piper_sim.ir import BW_KEEP_FRACTION as keep
 
         key = (cand.schedule, cand.pp, cand.microbatches, cand.v, cand.tp, cand.sp, mbs, cand.recompute, cand.ep)
         if key not in self._act_peaks:
             delta: dict[tuple[int, str], float] = {}
+            during: dict[tuple[int, str], float] = {}
             for s in range(spec.num_stages):
-                kept, rerun, _ = self._stage_numbers(cand, mbs, spec.num_stages, s)
+                kept, rerun, _, temp, work = self._stage_numbers(cand, mbs, spec.num_stages, s)
                 delta[s, "F"], delta[s, "B"] = kept, -kept
                 delta[s, "I"] = keep * rerun - (1 - keep) * kept
                 delta[s, "W"] = -keep * (kept + rerun)
+                during[s, "F"], during[s, "B"], during[s, "I"], during[s, "W"] = kept + temp, work + temp, work + temp, 0.0
             peaks = []
             for order in spec.orders:
                 live = peak = 0.0
                 for slot in order:
+                    if len(slot) == 1:  # an overlapped pair interleaves its pieces: only its end is sure
+                        a = slot[0]
+                        if live + during[a.stage, a.kind] > peak:
+                            peak = live + during[a.stage, a.kind]
                     for a in slot:
                         live += delta[a.stage, a.kind]
                     if live > peak:
