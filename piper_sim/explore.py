@@ -251,6 +251,8 @@ class Screener:
         self._act_peaks: dict[tuple, list[float]] = {}
         self._prices: dict[int, tuple] = {}
         self._mb_counts: dict[tuple, dict[tuple[int, int], int]] = {}
+        self._spec_slots: dict[int, list] = {}
+        self._statics: dict[tuple, float] = {}
 
     def _profile(self, tp: int, sp: bool, mbs: int) -> tuple:
         key = (tp, sp, mbs)
@@ -309,23 +311,41 @@ class Screener:
                 delta[s, "W"] = -keep * (kept + rerun)
                 during[s, "F"], during[s, "B"], during[s, "I"], during[s, "W"] = kept + temp, work + temp, work + temp, 0.0
             peaks = []
-            for order in spec.orders:
+            for order in self._slots(cand, spec):
                 live = peak = 0.0
-                for slot in order:
-                    if len(slot) == 1:  # an overlapped pair interleaves its pieces: only its end is sure
-                        a = slot[0]
-                        if live + during[a.stage, a.kind] > peak:
-                            peak = live + during[a.stage, a.kind]
-                    for a in slot:
-                        live += delta[a.stage, a.kind]
+                for lone, keys in order:
+                    if lone:  # an overlapped pair interleaves its pieces: only its end is sure
+                        if live + during[keys[0]] > peak:
+                            peak = live + during[keys[0]]
+                    for k in keys:
+                        live += delta[k]
                     if live > peak:
                         peak = live
                 peaks.append(peak)
             self._act_peaks[key] = peaks
         return self._act_peaks[key]
 
-    def __call__(self, cand: Candidate) -> tuple[float, float, str]:
+    def _slots(self, cand: Candidate, spec: Any) -> list[list[tuple[bool, tuple]]]:
+        """Per rank, its slots as (a lone action?, its actions' (stage, kind))."""
+        key = (cand.schedule, cand.pp, cand.microbatches, cand.v)
+        hit = self._spec_slots.get(key)
+        if hit is None:
+            hit = self._spec_slots[key] = [[(len(slot) == 1, tuple((a.stage, a.kind) for a in slot))
+                                                 for slot in order] for order in spec.orders]
+        return hit
+
+    def _static(self, cand: Candidate, spec: Any, mbs: int, ctx: Any, rank: int) -> float:
+        """Model-state bytes of a pipeline rank (`compiler.static_memory`), shared by the
+        candidates that differ in recompute only."""
         from piper_sim.compiler import static_memory
+
+        key = (cand.schedule, cand.pp, cand.microbatches, cand.v, cand.tp, cand.sp, mbs, cand.dp, cand.ep,
+               cand.zero, rank)
+        if key not in self._statics:
+            self._statics[key] = sum(static_memory(ctx, rank, cand.zero).values())
+        return self._statics[key]
+
+    def __call__(self, cand: Candidate) -> tuple[float, float, str]:
         from piper_sim.ir import Context
         from piper_sim.plan import Layout
 
@@ -338,17 +358,18 @@ class Screener:
             return 0.0, 0.0, str(e)
         layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp)
         ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[self.dtype])  # type: ignore[arg-type]
-        counts = self._mb_counts.get(id(spec))
-        if counts is None:  # micro-batches per (rank, stage); specs are cached, so their ids are stable
+        spec_key = (cand.schedule, cand.pp, cand.microbatches, cand.v)
+        counts = self._mb_counts.get(spec_key)
+        if counts is None:  # micro-batches per (rank, stage)
             counts = {}
             for s in spec.stage_ranks:
                 for mb in range(cand.microbatches):
                     counts[spec.rank_of(s, mb), s] = counts.get((spec.rank_of(s, mb), s), 0) + 1
-            self._mb_counts[id(spec)] = counts
+            self._mb_counts[spec_key] = counts
         mem = time_lb = 0.0
         for r in range(cand.pp):
             held = [s for s, ranks in spec.stage_ranks.items() if r in ranks]
-            mem = max(mem, sum(static_memory(ctx, r, cand.zero).values()) + act[r])
+            mem = max(mem, self._static(cand, spec, mbs, ctx, r) + act[r])
             busy = 0.0
             for s in held:
                 busy += counts.get((r, s), 0) * self._stage_numbers(cand, mbs, spec.num_stages, s)[2]
