@@ -228,7 +228,7 @@ class Screener:
     """Exact bounds of candidates without compiling them, from the compiler's own accounting.
 
     Memory: a rank's model states (`compiler.static_memory`) plus the most activation memory
-    its compute stream holds between two of its actions: walking the schedule's order for the
+    its compute stream is sure to hold (`_activation_peaks`): walking the schedule's order for the
     rank, F adds what the stage keeps for its backward (`memory.SegmentMemory.kept` under the
     recompute mode), B frees it, BI and BW free their shares (``ir.BW_KEEP_FRACTION``, the
     re-run forward under full recompute), exactly as `ir.activation_memory_pass` sets their
@@ -247,11 +247,11 @@ class Screener:
         self.gpu = parse_cluster(settings["cluster"]).gpu
         self._profiles: dict[tuple, tuple] = {}
         self._stages: dict[tuple, list] = {}
-        self._per_stage: dict[tuple, tuple[float, float, float]] = {}
+        self._per_stage: dict[tuple, tuple[float, ...]] = {}
         self._act_peaks: dict[tuple, list[float]] = {}
         self._prices: dict[int, tuple] = {}
         self._mb_counts: dict[tuple, dict[tuple[int, int], int]] = {}
-        self._spec_slots: dict[int, list] = {}
+        self._spec_slots: dict[tuple, list] = {}
         self._statics: dict[tuple, float] = {}
 
     def _profile(self, tp: int, sp: bool, mbs: int) -> tuple:
@@ -309,7 +309,8 @@ class Screener:
                 delta[s, "F"], delta[s, "B"] = kept, -kept
                 delta[s, "I"] = keep * rerun - (1 - keep) * kept
                 delta[s, "W"] = -keep * (kept + rerun)
-                during[s, "F"], during[s, "B"], during[s, "I"], during[s, "W"] = kept + temp, work + temp, work + temp, 0.0
+                during[s, "F"], during[s, "W"] = kept + temp, 0.0
+                during[s, "B"] = during[s, "I"] = work + temp
             peaks = []
             for order in self._slots(cand, spec):
                 live = peak = 0.0
@@ -357,7 +358,8 @@ class Screener:
         except (ScheduleError, StrategyError, ValueError) as e:
             return 0.0, 0.0, str(e)
         layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp)
-        ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[self.dtype])  # type: ignore[arg-type]
+        ctx = Context(setup=None, stages=stages, layout=layout,  # type: ignore[arg-type]
+                      dtype_bytes=DTYPE_BYTES[self.dtype])
         spec_key = (cand.schedule, cand.pp, cand.microbatches, cand.v)
         counts = self._mb_counts.get(spec_key)
         if counts is None:  # micro-batches per (rank, stage)
