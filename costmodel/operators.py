@@ -91,17 +91,24 @@ def gemm_efficiency(gpu: GPU, m: int, n: int, k: int, batch: int = 1) -> float:
     """Achieved fraction of the GPU's bf16 peak for one (batched) GEMM."""
     if not gpu.gemm_by_shape:
         return gpu.mamf_eff
+    return _shape_efficiency(m * batch, n, k, gpu.mamf_eff)
+
+
+@functools.lru_cache(maxsize=65536)
+def _shape_efficiency(rows: int, n: int, k: int, mamf_eff: float) -> float:
+    """`gemm_efficiency` of a GEMM with ``rows`` (m · batch) rows on a GPU of this MAMF
+    (a model prices the same few shapes millions of times: memoised)."""
     dims, grid = _gemm_grid()
-    (m0, m1, wm), (n0, n1, wn), (k0, k1, wk) = (_bracket(dims, m * batch), _bracket(dims, n), _bracket(dims, k))
+    (m0, m1, wm), (n0, n1, wn), (k0, k1, wk) = (_bracket(dims, rows), _bracket(dims, n), _bracket(dims, k))
     eff = 0.0
     for mm, a in ((m0, 1 - wm), (m1, wm)):
         for nn, b in ((n0, 1 - wn), (n1, wn)):
             for kk, c in ((k0, 1 - wk), (k1, wk)):
                 eff += a * b * c * grid[(mm, nn, kk)]
-    for d in (m * batch, n, k):  # partly empty tiles below the table
+    for d in (rows, n, k):  # partly empty tiles below the table
         if d < GEMM_TABLE_MIN_DIM:
             eff *= d / GEMM_TABLE_MIN_DIM
-    return min(eff * gpu.mamf_eff / H100.mamf_eff, gpu.mamf_eff)
+    return min(eff * mamf_eff / H100.mamf_eff, mamf_eff)
 
 
 # FP8 MAMF vs BF16 MAMF on H100: 1402.6 / 1979 = 70.9% vs 80.3% [MLE-A].
@@ -155,8 +162,14 @@ def _interp_seq(values: tuple, seq: float) -> float:
 
 def attention_tflops(gpu: GPU, seq: float, head_dim: int, causal: bool, backward: bool) -> float:
     """Achieved TFLOP/s (FA convention) of the flash-attention forward or backward."""
+    return _attention_tflops(gpu.peak("bf16"), seq, head_dim, causal, backward)
+
+
+@functools.lru_cache(maxsize=4096)
+def _attention_tflops(peak_bf16: float, seq: float, head_dim: int, causal: bool, backward: bool) -> float:
+    """`attention_tflops` on a GPU of this bf16 peak (memoised: few shapes, priced often)."""
     hd = 64 if head_dim <= 64 else 128  # other head dims use the nearest measured one (assumed)
-    is_a100 = gpu.peak("bf16") < 500e12
+    is_a100 = peak_bf16 < 500e12
     both = _interp_seq((FA2_A100_FWD_BWD if is_a100 else FA2_H100_FWD_BWD)[(hd, causal)], seq)
     # the forward share of fwd+bwd, measured on H100 at hd128; other cases reuse it (inferred)
     fwd_h100 = _interp_seq(FA2_H100_FWD[(128, causal)], seq)
@@ -168,7 +181,7 @@ def attention_tflops(gpu: GPU, seq: float, head_dim: int, causal: bool, backward
         t = (1 + FA_BWD_FLOPS_RATIO) / both - 1 / fwd
         tf = FA_BWD_FLOPS_RATIO / t
     measured_on_peak = 312e12 if is_a100 else H100.peak("bf16")
-    return tf * 1e12 * gpu.peak("bf16") / measured_on_peak  # other GPUs: scaled by their peak (assumed)
+    return tf * 1e12 * peak_bf16 / measured_on_peak  # other GPUs: scaled by their peak (assumed)
 
 
 def attention_time(gpu: GPU, shape: tuple, backward: bool) -> float:

@@ -22,7 +22,7 @@ from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memor
     tensor_pass, unit_buckets
 from piper_sim.memory import model_memory
 from piper_sim.configs import ModelConfig, plan_model_meta, tp_divisibility_error, tp_shard
-from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram
+from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram, gc_paused
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
 from piper_sim.schedules import SCHEDULE_TABLE, canonical_schedule, default_schedule, stages_per_rank
@@ -450,6 +450,7 @@ def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
     return total
 
 
+@gc_paused
 def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: object = None) -> Compiled:
     """Compile a strategy into a Plan (one instruction list per pipeline rank class);
     ``model`` as in `build_dag`."""

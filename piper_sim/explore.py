@@ -6,10 +6,11 @@ model (with sequence parallelism when T > 1), and for long sequences (``CP_MIN_S
 parallelism C with C × T dividing the GPUs per node. World size = PP × DP × CP × TP.
 
 Two prunes, both exact (they never drop a strategy that would have won):
-- memory: a plan whose static memory (params + grads + optimizer state) plus what one
-  micro-batch of its largest stage keeps for backward (``piper_sim.memory``, by recompute
-  mode) exceeds the GPU's memory is out of memory whatever the schedule does (the
-  simulated peak holds at least that much);
+- memory: a plan whose static memory (params + grads + optimizer state) plus the
+  activations its schedule keeps alive on a rank (what each F keeps for its backward,
+  ``piper_sim.memory`` by recompute mode, summed along the rank's compute order, as the
+  compiler allocates and frees them) exceeds the GPU's memory is out of memory (the
+  simulated peak holds at least that much; `Screener`);
 - time: a plan's step time is at least its busiest rank's compute time. Candidates are
   simulated in order of that lower bound, and once it reaches the best simulated step
   time the rest cannot win and are skipped.
@@ -33,7 +34,8 @@ from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
 from piper_sim.configs import tp_divisibility_error, tp_shard
-from piper_sim.context_parallel import cp_error, cp_segments
+from piper_sim.context_parallel import cp_error, cp_memory, cp_segments
+from piper_sim.plan import gc_paused
 from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, ScheduleError, canonical_schedule, known_names,
                                  stages_per_rank)
 from piper_sim.sources import resolve_model
@@ -238,60 +240,188 @@ def _schedule(name: str, pp: int, m: int, v: int):
 
 def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, float, str]:
     """Bounds without compiling: (memory lower bound bytes, step-time lower bound s, error).
+    `Screener` does the work (and caches what candidates share); this screens one."""
+    return Screener(settings, cm)(cand)
 
-    Memory: model states + what one micro-batch of the largest stage keeps for its
-    backward under the candidate's recompute mode (`memory.SegmentMemory.kept`), on the
-    fullest rank. Time: the busiest rank's forward+backward flops as one op at the cost
-    model's best efficiency (every real op is smaller, so no faster). Under tensor
-    parallelism both are a rank's share: the segments are profiled on its shard
+
+class Screener:
+    """Exact bounds of candidates without compiling them, from the compiler's own accounting.
+
+    Memory: a rank's model states (`compiler.static_memory`) plus the most activation memory
+    its compute stream is sure to hold (`_activation_peaks`): walking the schedule's order for the
+    rank, F adds what the stage keeps for its backward (`memory.SegmentMemory.kept` under the
+    recompute mode), B frees it, BI and BW free their shares (``ir.BW_KEEP_FRACTION``, the
+    re-run forward under full recompute), exactly as `ir.activation_memory_pass` sets their
+    ``alloc``/``free``. Compute ops run in that order and everything else a plan allocates
+    (temporaries, buffers, gathered parameters, gradient buckets) only adds, so the
+    simulated peak is at least this. Time: the busiest rank's forward+backward kernels as
+    the simulator prices them (or their flops at the cost model's best efficiency). Under
+    tensor parallelism both are a rank's share: the segments are profiled on its shard
     (`models.tp_shard`), as the compiler does; under context parallelism on its ``seq_len / C``
-    tokens (`context_parallel.cp_segments`)."""
-    from piper_sim.compiler import static_memory, stage_costs
-    from piper_sim.ir import Context
-    from piper_sim.memory import model_memory
-    from piper_sim.plan import Layout
-    from piper_sim.profiling import profile_model
+    tokens (`context_parallel.cp_segments`). Profiles, stage cuts and per-stage numbers
+    are computed once per (TP, micro-batch size, stages) and shared by the candidates."""
 
-    cfg = resolve_model(settings["model"])
-    dtype = settings.get("dtype", "bf16")
-    mbs = settings["global_batch"] // (cand.dp * cand.microbatches)
-    try:
-        spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
-        shard = tp_shard(cfg, cand.tp, cand.sp)
-        seq = settings["seq_len"] // cand.cp
-        segments = cp_segments(profile_model(shard, mbs, seq, dtype), cand.cp)
-        stages = stage_costs(cfg, segments, spec.num_stages, "balanced" if cand.pp > 1 else None,
-                             parse_cluster(settings["cluster"]).gpu)
-    except (ScheduleError, StrategyError, ValueError) as e:
-        return 0.0, 0.0, str(e)
-    layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp, cp=cand.cp)
-    ctx = Context(setup=None, stages=stages, layout=layout, dtype_bytes=DTYPE_BYTES[dtype])  # type: ignore[arg-type]
-    mems = model_memory(shard, segments, mbs, seq, dtype)
-    mode = "full" if cand.recompute else "none"
-    mem = time_lb = 0.0
-    for r in range(cand.pp):
-        held = [s for s, ranks in spec.stage_ranks.items() if r in ranks]
-        act = max(sum(mems[x.name].kept(mode, cand.ep > 1) for x in stages[s].segments) for s in held)
-        mem = max(mem, sum(static_memory(ctx, r, cand.zero).values()) + act)
-        busy = 0.0
-        for s in held:
-            n_mb = sum(1 for mb in range(cand.microbatches) if spec.rank_of(s, mb) == r)
-            busy += n_mb * _compute_lower_bound(cm, stages[s].segments, cand.recompute, cand.ep)
-        time_lb = max(time_lb, busy)
-    return mem, time_lb, ""
+    def __init__(self, settings: dict[str, Any], cm: Any) -> None:
+        self.settings, self.cm = settings, cm
+        self.cfg = resolve_model(settings["model"])
+        self.dtype = settings.get("dtype", "bf16")
+        self.gpu = parse_cluster(settings["cluster"]).gpu
+        self._profiles: dict[tuple, tuple] = {}
+        self._stages: dict[tuple, list] = {}
+        self._per_stage: dict[tuple, tuple[float, ...]] = {}
+        self._act_peaks: dict[tuple, list[float]] = {}
+        self._prices: dict[int, tuple] = {}
+        self._mb_counts: dict[tuple, dict[tuple[int, int], int]] = {}
+        self._spec_slots: dict[tuple, list] = {}
+        self._statics: dict[tuple, float] = {}
+
+    def _profile(self, tp: int, sp: bool, mbs: int, cp: int) -> tuple:
+        """A rank's share, as the compiler profiles it: its TP shard, its ``seq_len / cp`` tokens."""
+        key = (tp, sp, mbs, cp)
+        if key not in self._profiles:
+            from piper_sim.memory import model_memory
+            from piper_sim.profiling import profile_model
+
+            shard = tp_shard(self.cfg, tp, sp)
+            seq = self.settings["seq_len"] // cp
+            segments = cp_segments(profile_model(shard, mbs, seq, self.dtype), cp)
+            self._profiles[key] = (segments, cp_memory(model_memory(shard, segments, mbs, seq, self.dtype), cp))
+        return self._profiles[key]
+
+    def _stage_costs(self, tp: int, sp: bool, mbs: int, num_stages: int, balanced: bool, cp: int) -> list:
+        key = (tp, sp, mbs, num_stages, balanced, cp)
+        if key not in self._stages:
+            from piper_sim.compiler import stage_costs
+
+            segments, _ = self._profile(tp, sp, mbs, cp)
+            self._stages[key] = stage_costs(self.cfg, segments, num_stages, "balanced" if balanced else None,
+                                            self.gpu)
+        return self._stages[key]
+
+    def _stage_numbers(self, cand: Candidate, mbs: int, num_stages: int, stage: int) -> tuple[float, ...]:
+        """Of one micro-batch of a stage: (kept bytes, re-run bytes under full recompute, F+B
+        seconds, transient bytes of its last segment, bytes its backward recomputes there)."""
+        key = (cand.tp, cand.sp, cand.cp, mbs, num_stages, cand.pp > 1, stage, cand.recompute, cand.ep)
+        if key not in self._per_stage:
+            _, mems = self._profile(cand.tp, cand.sp, mbs, cand.cp)
+            segs = self._stage_costs(cand.tp, cand.sp, mbs, num_stages, cand.pp > 1, cand.cp)[stage].segments
+            mode = "full" if cand.recompute else "none"
+            kept = sum(mems[x.name].kept(mode, cand.ep > 1) for x in segs)
+            rerun = sum(mems[x.name].saved for x in segs if mems[x.name].recomputed) if cand.recompute else 0.0
+            last = mems[segs[-1].name]
+            self._per_stage[key] = (kept, rerun, _compute_lower_bound(self.cm, segs, cand.recompute, cand.ep,
+                                                                      self._prices),
+                                    last.temp, last.saved if cand.recompute and last.recomputed else 0.0)
+        return self._per_stage[key]
+
+    def _activation_peaks(self, cand: Candidate, spec: Any, mbs: int) -> list[float]:
+        """Per pipeline rank, the most activation memory its compute stream is sure to hold:
+        between two slots (every earlier op ended), and as a lone action's last piece starts
+        (F: its stage's kept bytes all taken, plus the transient of its last segment) or its
+        first backward piece starts (the last segment's transient and, under full recompute,
+        its re-run activations; the backward runs the pieces last first)."""
+        from piper_sim.ir import BW_KEEP_FRACTION as keep
+
+        key = (cand.schedule, cand.pp, cand.microbatches, cand.v, cand.tp, cand.sp, cand.cp, mbs, cand.recompute,
+               cand.ep)
+        if key not in self._act_peaks:
+            delta: dict[tuple[int, str], float] = {}
+            during: dict[tuple[int, str], float] = {}
+            for s in range(spec.num_stages):
+                kept, rerun, _, temp, work = self._stage_numbers(cand, mbs, spec.num_stages, s)
+                delta[s, "F"], delta[s, "B"] = kept, -kept
+                delta[s, "I"] = keep * rerun - (1 - keep) * kept
+                delta[s, "W"] = -keep * (kept + rerun)
+                during[s, "F"], during[s, "W"] = kept + temp, 0.0
+                during[s, "B"] = during[s, "I"] = work + temp
+            peaks = []
+            for order in self._slots(cand, spec):
+                live = peak = 0.0
+                for lone, keys in order:
+                    if lone:  # an overlapped pair interleaves its pieces: only its end is sure
+                        if live + during[keys[0]] > peak:
+                            peak = live + during[keys[0]]
+                    for k in keys:
+                        live += delta[k]
+                    if live > peak:
+                        peak = live
+                peaks.append(peak)
+            self._act_peaks[key] = peaks
+        return self._act_peaks[key]
+
+    def _slots(self, cand: Candidate, spec: Any) -> list[list[tuple[bool, tuple]]]:
+        """Per rank, its slots as (a lone action?, its actions' (stage, kind))."""
+        key = (cand.schedule, cand.pp, cand.microbatches, cand.v)
+        hit = self._spec_slots.get(key)
+        if hit is None:
+            hit = self._spec_slots[key] = [[(len(slot) == 1, tuple((a.stage, a.kind) for a in slot))
+                                                 for slot in order] for order in spec.orders]
+        return hit
+
+    def _static(self, cand: Candidate, spec: Any, mbs: int, ctx: Any, rank: int) -> float:
+        """Model-state bytes of a pipeline rank (`compiler.static_memory`), shared by the
+        candidates that differ in recompute only."""
+        from piper_sim.compiler import static_memory
+
+        key = (cand.schedule, cand.pp, cand.microbatches, cand.v, cand.tp, cand.sp, cand.cp, mbs, cand.dp, cand.ep,
+               cand.zero, rank)
+        if key not in self._statics:
+            self._statics[key] = sum(static_memory(ctx, rank, cand.zero).values())
+        return self._statics[key]
+
+    def __call__(self, cand: Candidate) -> tuple[float, float, str]:
+        from piper_sim.ir import Context
+        from piper_sim.plan import Layout
+
+        mbs = self.settings["global_batch"] // (cand.dp * cand.microbatches)
+        try:
+            spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
+            stages = self._stage_costs(cand.tp, cand.sp, mbs, spec.num_stages, cand.pp > 1, cand.cp)
+            act = self._activation_peaks(cand, spec, mbs)
+        except (ScheduleError, StrategyError, ValueError) as e:
+            return 0.0, 0.0, str(e)
+        layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp, cp=cand.cp)
+        ctx = Context(setup=None, stages=stages, layout=layout,  # type: ignore[arg-type]
+                      dtype_bytes=DTYPE_BYTES[self.dtype])
+        spec_key = (cand.schedule, cand.pp, cand.microbatches, cand.v)
+        counts = self._mb_counts.get(spec_key)
+        if counts is None:  # micro-batches per (rank, stage)
+            counts = {}
+            for s in spec.stage_ranks:
+                for mb in range(cand.microbatches):
+                    counts[spec.rank_of(s, mb), s] = counts.get((spec.rank_of(s, mb), s), 0) + 1
+            self._mb_counts[spec_key] = counts
+        mem = time_lb = 0.0
+        for r in range(cand.pp):
+            held = [s for s, ranks in spec.stage_ranks.items() if r in ranks]
+            mem = max(mem, self._static(cand, spec, mbs, ctx, r) + act[r])
+            busy = 0.0
+            for s in held:
+                busy += counts.get((r, s), 0) * self._stage_numbers(cand, mbs, spec.num_stages, s)[2]
+            time_lb = max(time_lb, busy)
+        return mem, time_lb, ""
 
 
-def _compute_lower_bound(cm, segments, recompute: bool, ep: int) -> float:
+def _compute_lower_bound(cm, segments, recompute: bool, ep: int, prices: dict | None = None) -> float:
     """Seconds of one micro-batch's F + B of these segments: their kernels as the simulator
-    prices them (it can only add slowdowns), or a roofline of their flops."""
+    prices them (it can only add slowdowns), or a roofline of their flops. ``prices``: a
+    cache of table prices by table (identical layers share their profile's tables)."""
     from piper_sim import kernels
+
+    def price(t):
+        if prices is None:
+            return cm.kernels_time(t)
+        hit = prices.get(id(t))
+        if hit is None:  # the table is kept with its price: its id stays its own
+            hit = prices[id(t)] = (t, cm.kernels_time(t))
+        return hit[1]
 
     total = 0.0
     for x in segments:
         tables = [x.kernels_f] * (2 if recompute else 1) + [x.kernels_bi, x.kernels_bw]
         if x.is_expert and ep > 1:
             tables = [kernels.regroup(t, ep) for t in tables]
-        priced = [cm.kernels_time(t) for t in tables if t]
+        priced = [price(t) for t in tables if t]
         if priced and all(p is not None for p in priced):
             total += sum(priced)
         else:
@@ -348,54 +478,92 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     workers = workers or os.cpu_count() or 1
     rows: list[Row] = []
     queue = []
-    for i, cand in enumerate(candidates):
-        mem, bound, err = screen(cand, settings, cm)
-        if progress:
-            progress("screen", i + 1, len(candidates))
+    for cand, (mem, bound, err) in zip(candidates, _screen_all(Screener(settings, cm), candidates, progress)):
         if err:
             rows.append(Row(cand, "invalid", reason=err))
         elif prune and not fits(mem, hbm):
             rows.append(Row(cand, "oom", peak_memory_bytes=mem, lower_bound_s=bound,
-                            reason=f"model states + one micro-batch need {mem / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
+                            reason=f"model states + the activations its schedule holds need {mem / 1e9:.1f} GB "
+                                   f"> {hbm / 1e9:.0f} GB"))
         else:
             queue.append((bound, cand.short(), cand))
     queue.sort()
     bounds = {c: b for b, _, c in queue}
     best = float("inf")
     done = 0
+
+    def record(cand: Candidate, res: tuple | None, err: str) -> None:
+        nonlocal best, done
+        done += 1
+        if progress:
+            progress("simulate", done, len(queue))
+        if res is None:
+            rows.append(Row(cand, "invalid", reason=err))
+            return
+        step, tps, mfu, bubble, peak, fit = res  # fit: the simulator's verdict (costmodel.memory.fits)
+        if not fit:
+            rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand],
+                            reason=f"peak {peak / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
+            return
+        rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bounds[cand]))
+        best = min(best, step)
+
     with (_pool(workers, use_ray) if workers > 1 else _Serial()) as pool:
-        i = 0
-        while i < len(queue):
-            batch = []
-            while i < len(queue) and len(batch) < workers:
-                bound, _, cand = queue[i]
-                i += 1
-                if prune and bound >= best:
-                    rows.append(Row(cand, "pruned", lower_bound_s=bound,
-                                    reason=f"compute alone takes >= {bound:.4g} s, best is {best:.4g} s"))
-                    done += 1  # decided without simulating: the progress still reaches len(queue)
-                    if progress:
-                        progress("simulate", done, len(queue))
-                    continue
-                batch.append((cand, settings))
-            for cand, res, err in pool.imap(_compile_and_simulate, batch):
-                done += 1
+        for cand, res, err in _stream(pool, workers, queue, lambda bound: prune and bound >= best, settings):
+            if res == "pruned":
+                bound = bounds[cand]
+                rows.append(Row(cand, "pruned", lower_bound_s=bound,
+                                reason=f"compute alone takes >= {bound:.4g} s, best is {best:.4g} s"))
+                done += 1  # decided without simulating: the progress still reaches len(queue)
                 if progress:
                     progress("simulate", done, len(queue))
-                if res is None:
-                    rows.append(Row(cand, "invalid", reason=err))
-                    continue
-                step, tps, mfu, bubble, peak, fit = res  # fit: the simulator's verdict (costmodel.memory.fits)
-                if not fit:
-                    rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand],
-                                    reason=f"peak {peak / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
-                    continue
-                rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bounds[cand]))
-                best = min(best, step)
+                continue
+            record(cand, res, err)
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.status] = counts.get(r.status, 0) + 1
     return ExploreResult(rows=rows, settings=settings, wall_s=time.perf_counter() - t0, counts=counts)
+
+
+@gc_paused
+def _screen_all(screener: Screener, candidates: list[Candidate],
+                progress: Callable[[str, int, int], None] | None) -> list[tuple[float, float, str]]:
+    """`Screener` bounds of every candidate, in order."""
+    out = []
+    for i, cand in enumerate(candidates):
+        out.append(screener(cand))
+        if progress:
+            progress("screen", i + 1, len(candidates))
+    return out
+
+
+def _stream(pool: Any, workers: int, queue: list, pruned: Callable[[float], bool],
+            settings: dict[str, Any]) -> Iterable[tuple]:
+    """Compile and simulate the queue (sorted by bound) on the pool, keeping every worker busy:
+    a new candidate goes out as soon as one finishes (not batch by batch, where each batch
+    waits for its slowest). A candidate is checked against ``pruned`` (the best so far) when
+    it would be sent. Yields (candidate, result, error) in completion order, and
+    (candidate, "pruned", "") for those skipped."""
+    import queue as queue_mod
+
+    results: queue_mod.SimpleQueue = queue_mod.SimpleQueue()
+    in_flight, i = 0, 0
+    while i < len(queue) or in_flight:
+        while i < len(queue) and in_flight < workers:  # one each: few sent before the best is known
+            bound, _, cand = queue[i]
+            i += 1
+            if pruned(bound):
+                yield cand, "pruned", ""
+                continue
+            pool.apply_async(_compile_and_simulate, ((cand, settings),), callback=results.put,
+                             error_callback=lambda e: results.put((None, e, "")))
+            in_flight += 1
+        if in_flight:
+            cand, res, err = results.get()
+            in_flight -= 1
+            if isinstance(res, BaseException):  # a bug, not a bad candidate: as the serial run would
+                raise res
+            yield cand, res, err
 
 
 class _Serial:
@@ -407,8 +575,8 @@ class _Serial:
     def __exit__(self, *exc):
         return False
 
-    def imap(self, fn, items):
-        return map(fn, items)
+    def apply_async(self, fn, args, callback, error_callback=None):
+        callback(fn(*args))
 
 
 def format_table(result: ExploreResult, top: int = 10) -> str:

@@ -40,15 +40,23 @@ This module imports only the standard library.
 
 from __future__ import annotations
 
+import functools
+import gc
 import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 PLAN_FORMAT = "piper-sim-plan"
 PLAN_VERSION = 2  # 2: typed fields (direction, bucket, experts, block, round, name) instead of parsing op ids
-READABLE_VERSIONS = (1, 2)  # version 1 plans are upgraded on load (`_upgrade_v1`)
+# The file form (`Plan.dumps`, `Plan.save`): version 2's content, each instruction an array
+# [shape, values...] under a shared table of field names (``"fields"``), its stream left out
+# (the stream it is listed under): a third of the size at 16K ranks. The hash is the content's.
+FILE_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # version 1 plans are upgraded on load (`_upgrade_v1`), 3 unpacked (`_unpack`)
 
 PASS_KINDS = ("F", "B", "BI", "BW")  # compute of a forward / backward pass (OPT is not)
 COMPUTE_KINDS = PASS_KINDS + ("OPT",)
@@ -59,6 +67,23 @@ WEIGHT_GRAD_KINDS = ("B", "BW")  # produce the weight gradients
 P2P_KINDS = ("SEND", "RECV")
 COLLECTIVE_KINDS = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 ALL_KINDS = COMPUTE_KINDS + P2P_KINDS + COLLECTIVE_KINDS
+
+
+def gc_paused(fn: _F) -> _F:
+    """``fn`` run with Python's cyclic garbage collector paused (then resumed as it was). A
+    compile, a simulation or a plan's JSON makes hundreds of thousands of objects that stay
+    alive, and every full collection on the way walks all of them: a third of the time at
+    16K ranks. What is garbage is collected after."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return run  # type: ignore[return-value]
 
 
 class PlanError(ValueError):
@@ -424,11 +449,18 @@ class Plan:
         return _hash(self.body_json())
 
     def to_json(self) -> dict[str, Any]:
+        """The plan as version 2 JSON: every instruction an object (what the hash covers)."""
         body = self.body_json()
         return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "hash": _hash(body), **body}
 
+    def to_file_json(self) -> dict[str, Any]:
+        """The plan as written to files (`FILE_VERSION`): the same content, packed."""
+        body = self.body_json()
+        return {"format": PLAN_FORMAT, "version": FILE_VERSION, "hash": _hash(body), **_pack(body)}
+
+    @gc_paused
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), separators=(",", ":"))
+        return json.dumps(self.to_file_json(), separators=(",", ":"))
 
     def save(self, path: str) -> None:
         """Write atomically: a killed save leaves the previous file, never a partial one."""
@@ -437,6 +469,7 @@ class Plan:
         write_text(path, self.dumps())
 
     @classmethod
+    @gc_paused
     def from_json(cls, d: dict[str, Any], check_hash: bool = True) -> "Plan":
         if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
             raise PlanError("not a piper-sim plan file (missing format 'piper-sim-plan'); "
@@ -444,6 +477,11 @@ class Plan:
         if d.get("version") not in READABLE_VERSIONS:
             raise PlanError(f"plan format version {d.get('version')} is not supported (this piper-sim reads "
                             f"versions {', '.join(map(str, READABLE_VERSIONS))}); recompile the strategy")
+        if d["version"] == FILE_VERSION:
+            try:
+                d = {**d, **_unpack(d)}
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                raise PlanError(f"malformed plan file ({type(e).__name__}: {e}); recompile the strategy") from None
         body = {k: d[k] for k in ("kernels", "layout", "meta", "classes") if k in d}
         if check_hash and _hash(body) != d.get("hash"):
             raise PlanError("plan content hash mismatch: the file was edited after compiling; "
@@ -488,6 +526,45 @@ class Plan:
 
 def _hash(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def _pack(body: dict[str, Any]) -> dict[str, Any]:
+    """A version 2 body in the file form: instructions as [shape, values...] rows, a shape
+    being an index into ``fields`` (their field names, without ``stream`` when it is the
+    stream the row is listed under)."""
+    shapes: dict[tuple[str, ...], int] = {}
+    classes = []
+    for c in body["classes"]:
+        streams = {}
+        for name, lst in c["streams"].items():
+            rows = []
+            for ins in lst:
+                keys = tuple(k for k in ins if k != "stream" or ins[k] != name)
+                shape = shapes.setdefault(keys, len(shapes))
+                rows.append([shape, *(ins[k] for k in keys)])
+            streams[name] = rows
+        classes.append({**c, "streams": streams})
+    return {**body, "fields": [list(k) for k in shapes], "classes": classes}
+
+
+def _unpack(d: dict[str, Any]) -> dict[str, Any]:
+    """The version 2 ``classes`` of a file-form plan (`_pack` undone)."""
+    fields = [tuple(f) for f in d["fields"]]
+    classes = []
+    for c in d["classes"]:
+        streams = {}
+        for name, rows in c["streams"].items():
+            lst = []
+            for row in rows:
+                keys = fields[row[0]]
+                if len(row) != len(keys) + 1:
+                    raise ValueError(f"an instruction of stream {name!r} has {len(row) - 1} values for "
+                                     f"{len(keys)} fields")
+                ins = {"stream": name, **dict(zip(keys, row[1:]))}
+                lst.append(ins)
+            streams[name] = lst
+        classes.append({**c, "streams": streams})
+    return {"classes": classes}
 
 
 def _compress_ranks(ranks: list[int]) -> list[list[int]]:

@@ -40,7 +40,7 @@ from costmodel.memory import fits as memory_fits
 from costmodel.model import CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
 from piper_sim import trace
-from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan, p2p_partner_id
+from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan, gc_paused, p2p_partner_id
 from piper_sim.validate import check_layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -767,6 +767,7 @@ def _overlapped_pairs(plan: Plan) -> dict[tuple[int, str], int]:
     return out
 
 
+@gc_paused
 def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bool = True) -> SimResult:
     """Simulate one training step of `plan` (a Plan or a plan JSON path).
 

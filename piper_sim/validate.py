@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, PASS_KINDS, Plan, PlanError, p2p_partner_id
+from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, PASS_KINDS, Plan, PlanError, gc_paused, p2p_partner_id
 
 
 class PlanValidationError(ValueError):
@@ -94,6 +94,7 @@ def load_valid_plan(path: str, check_hash: bool = True) -> Plan:
     return plan
 
 
+@gc_paused
 def validate_plan(plan: Plan) -> None:
     """Raise `PlanValidationError` if the plan cannot run; return quietly otherwise."""
     check_layout(plan)
