@@ -122,7 +122,7 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
         why = f"its embedding (stage {stages.get('embed')}) and head (stage {stages.get('head')}) are on two stages"
     elif plan.meta.get("zero") == 3:
         why = "ZeRO-3 gathers the head's unit without the embedding it reuses"
-    elif any(i.id.startswith("BW") for c in plan.classes for i in c.instructions()):
+    elif any(i.kind == "BW" for c in plan.classes for i in c.instructions()):
         why = f"schedule {plan.meta.get('schedule')} splits the backward (BI/BW) of the head's piece"
     if why:
         raise PlanError(f"{path}: model {plan.meta['model']} ties its embeddings (tie_embeddings) and {why}; "

@@ -468,7 +468,7 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: obje
             stages=[s for s, rs in layout.stage_ranks.items() if pp_rank in rs]))
     meta = {
         "strategy": strategy.to_json(),
-        **(plan_model_meta(cfg) if isinstance(cfg, ModelConfig) else {"model": cfg.name}), "cluster": strategy.cluster, "schedule": ctx.setup.schedule,
+        **plan_model_meta(cfg), "cluster": strategy.cluster, "schedule": ctx.setup.schedule,
         "global_batch": strategy.global_batch, "seq_len": strategy.seq_len,
         "microbatches": ctx.setup.microbatches,
         "micro_batch_size": strategy.global_batch // (layout.dp * ctx.setup.microbatches),

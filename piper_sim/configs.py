@@ -337,8 +337,10 @@ def check_config(cfg: ModelConfig, where: str = "model") -> None:
 def plan_model_meta(cfg: ModelConfig) -> dict[str, Any]:
     """What a plan's meta says about its model: ``model`` (the name) and, unless it is the
     built-in zoo model of that name, ``model_spec`` (its fields: the executor rebuilds the model
-    from the plan alone). Zoo models' plans stay as they were (byte-identical)."""
-    if BUILTIN_ZOO.get(cfg.name) == cfg:
+    from the plan alone). Zoo models' plans stay as they were (byte-identical). A user's
+    nn.Module (`piper_sim.annotate.UserModel`) gives its name only: the compiler adds its
+    factory as ``meta["user_model"]``."""
+    if not isinstance(cfg, ModelConfig) or BUILTIN_ZOO.get(cfg.name) == cfg:
         return {"model": cfg.name}
     return {"model": cfg.name, "model_spec": config_to_dict(cfg)}
 

@@ -238,12 +238,6 @@ def _schedule(name: str, pp: int, m: int, v: int):
     return build_schedule(name, pp, m, stages_per_rank=v)
 
 
-def screen(cand: Candidate, settings: dict[str, Any], cm: Any) -> tuple[float, float, str]:
-    """Bounds without compiling: (memory lower bound bytes, step-time lower bound s, error).
-    `Screener` does the work (and caches what candidates share); this screens one."""
-    return Screener(settings, cm)(cand)
-
-
 class Screener:
     """Exact bounds of candidates without compiling them, from the compiler's own accounting.
 

@@ -66,12 +66,9 @@ def resolve_model(source: Any) -> ModelConfig:
 def _python_model(source: str):
     """The single dispatch point for ``py:module:function`` user model factories: the
     factory's annotated nn.Module as a `piper_sim.annotate.UserModel` (imports torch)."""
-    from piper_sim.annotate import AnnotationError, load_user_model
+    from piper_sim.annotate import load_user_model  # its AnnotationError is a ValueError
 
-    try:
-        return load_user_model(source)
-    except AnnotationError as e:
-        raise ValueError(str(e)) from None
+    return load_user_model(source)
 
 
 def register_model(name: str, spec: Any) -> ModelConfig:
