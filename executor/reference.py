@@ -17,15 +17,17 @@ from piper_sim.plan import Plan
 
 
 def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu",
-                       clip_grad_norm: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+                       clip_grad_norm: float | None = None,
+                       first_grads: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train the plan's model for ``steps`` steps on the full global batch in one process
     (gradients clipped to ``clip_grad_norm`` by global norm, as the executor does);
-    returns its parameters by name and the loss of every step."""
+    returns its parameters by name and the loss of every step. ``first_grads``: filled
+    with the first step's gradients by name (before clipping and the optimizer)."""
     meta = plan.meta
     if "user_model" in meta:
         from executor.user_stage import user_reference_training
 
-        return user_reference_training(plan, steps, device, torch_dtype(meta["dtype"]), clip_grad_norm)
+        return user_reference_training(plan, steps, device, torch_dtype(meta["dtype"]), clip_grad_norm, first_grads)
     cfg = config_from_meta(meta)
     model = build_model(cfg, device=device, dtype=torch_dtype(meta["dtype"]), seed=meta["seed"])
     opt = make_optimizer(list(model.parameters()))
@@ -35,12 +37,19 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
         tokens, targets = data.batch(step)
         loss = lm_loss(model(tokens.to(device)), targets.to(device))
         loss.backward()
+        keep_first_grads(first_grads, step, model.named_parameters())
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+def keep_first_grads(out: dict[str, torch.Tensor] | None, step: int, named) -> None:
+    """Copy the gradients of step 0 into ``out`` (when given)."""
+    if out is not None and step == 0:
+        out.update({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
 
 
 def full_parameters(fp: FlatParams, comms) -> torch.Tensor:
@@ -78,3 +87,33 @@ def compare(flats: dict, comms, ref: dict[str, torch.Tensor], view=None) -> tupl
             rel = (mine.float() - want.float()).norm().item() / max(want.float().norm().item(), 1e-30)
             max_rel = max(max_rel, rel)
     return max_abs, max_rel
+
+
+def full_gradients(fp: FlatParams, grad: torch.Tensor, comms) -> torch.Tensor:
+    """The full flat gradient of a group from what this rank stepped (``grad``: the flat
+    gradient, or under ZeRO its shard, all-gathered bucket by bucket from the group)."""
+    if fp.shard is None:
+        return grad
+    pg = comms.group(fp.stream, "ranks:" + ",".join(map(str, fp.group)))
+    full = torch.empty(fp.total_len, dtype=grad.dtype, device=grad.device)
+    pieces = [grad[o:o + n] for o, n in zip(fp.piece_offsets, fp.piece_lens)]
+    works = [all_gather(full[fp.offsets[b]:fp.offsets[b] + fp.lens[b]], pieces[b], group=pg, async_op=True)
+             for b in range(fp.n_buckets)]
+    for w in works:
+        w.wait(timeout=timedelta(seconds=120))
+    return full
+
+
+def compare_grads(flats: dict, stepped: dict, comms, ref: dict[str, torch.Tensor], view=None) -> float:
+    """Largest per-tensor relative L2 difference of the first step's gradients (what each
+    optimizer stepped, ``Runtime.stepped_grads``) from the reference's (``first_grads`` of
+    `reference_training`): the strategy's arithmetic without Adam's amplification of
+    round-off, so fp32 holds it to 1e-5 (`executor.worker.CHECK_GRAD_TOLERANCE`)."""
+    max_rel = 0.0
+    for key, fp in sorted(flats.items()):
+        full = full_gradients(fp, stepped[key], comms)
+        for name, mine in fp.named_views(full).items():
+            want = (view(name, ref[name]) if view else ref[name]).to(mine.device, mine.dtype)
+            rel = (mine.float() - want.float()).norm().item() / max(want.float().norm().item(), 1e-30)
+            max_rel = max(max_rel, rel)
+    return max_rel

@@ -200,6 +200,7 @@ class Runtime:
         self.completions = Completions()
         self.step_index = 0
         self.captured_grads: dict[str, torch.Tensor] = {}
+        self.stepped_grads: dict[tuple[int, str], torch.Tensor] = {}  # what each optimizer stepped (capture)
 
     # ------------------------------------------------------------------ set-up
     def _setup_grad_overlap(self) -> None:
@@ -615,11 +616,15 @@ class Runtime:
         self._step_stage(ins)
 
     def _step_stage(self, ins: Instruction) -> None:
-        for fp in self.stage_flats(ins.stage):
+        for key, fp in sorted(self.flats.items()):
+            if key[0] != ins.stage:
+                continue
+            if self.capture:  # before clipping, as the reference keeps them (`reference.compare_grads`)
+                self.stepped_grads[key] = fp.stepped_grad().detach().clone()
+                if fp.sync != "shard":
+                    self.captured_grads.update({n: p.grad.detach().clone() for n, p in zip(fp.names, fp.params)})
             if self.clip_coef is not None and self.clip_coef < 1.0:
                 fp.stepped_grad().mul_(self.clip_coef)
-            if self.capture and fp.sync != "shard":
-                self.captured_grads.update({n: p.grad.detach().clone() for n, p in zip(fp.names, fp.params)})
             fp.step()
 
     def _grads_for(self, s: int, parts) -> None:

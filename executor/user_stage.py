@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from executor.reference import keep_first_grads
 from executor.stage import Piece, Record, _leaf, make_optimizer
 from piper_sim.annotate import AnnotationError, UserModel, load_user_model
 from piper_sim.plan import Plan, PlanError
@@ -113,7 +114,8 @@ class UserStage:
 
 
 def user_reference_training(plan: Plan, steps: int, device: torch.device | str, dtype: torch.dtype,
-                            clip_grad_norm: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+                            clip_grad_norm: float | None = None,
+                            first_grads: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """`executor.reference.reference_training` for a user model: all its units in one
     process, on the whole global batch."""
     meta = plan.meta
@@ -128,6 +130,7 @@ def user_reference_training(plan: Plan, steps: int, device: torch.device | str, 
         inputs, targets = data.batch(step)
         loss = model.loss(model.run(units, inputs.to(device)), targets.to(device))
         loss.backward()
+        keep_first_grads(first_grads, step, named)
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         opt.step()

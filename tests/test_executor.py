@@ -20,9 +20,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipe", "dualpipev"]
 V = {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
-from executor.worker import CHECK_TOLERANCE
+from executor.worker import CHECK_GRAD_TOLERANCE, CHECK_TOLERANCE
 
 TOL = CHECK_TOLERANCE["fp32"]  # what --check itself enforces for fp32 (README)
+GRAD_TOL = CHECK_GRAD_TOLERANCE["fp32"]  # and on the first step's gradients: 1e-5
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -112,7 +113,7 @@ def test_check_two_ranks_dp_zero_pp2_schedules_ep(tmp_path):
     res = check_all(tmp_path, 2, configs)
     assert set(res) == set(configs)
     for name, row in res.items():
-        assert row["max_rel_param_diff"] <= TOL, (name, row)
+        assert row["max_rel_param_diff"] <= TOL and row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
         assert row["max_abs_param_diff"] <= 1e-4, (name, row)
         assert row["within_tolerance"] is True and row["tolerance"] == TOL and row["dtype"] == "fp32", row
     # same model, same data: every gpt-tiny strategy reports the same losses
@@ -137,7 +138,7 @@ def test_check_four_ranks_pp4_schedules_pp_dp_dualpipev_ep(tmp_path):
     res = check_all(tmp_path, 4, configs)
     assert set(res) == set(configs)
     for name, row in res.items():
-        assert row["max_rel_param_diff"] <= TOL, (name, row)
+        assert row["max_rel_param_diff"] <= TOL and row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
         assert row["max_abs_param_diff"] <= 1e-4, (name, row)
 
 
@@ -160,6 +161,7 @@ def test_clip_grad_norm_global_over_shards_and_stages(tmp_path):
             assert row["grad_norm"] > 0.05  # the clip is active
         if "max_rel_param_diff" in row:
             assert row["max_rel_param_diff"] <= TOL and row["max_abs_param_diff"] <= 1e-4, (name, row)
+            assert row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
     assert set(norms) == set(configs) and all(len(v) == 3 for v in norms.values())
     gpt = [v[0] for k, v in norms.items() if k != "moe-ep2"]  # one model, one first-step gradient
     assert max(gpt) - min(gpt) < 1e-4 * max(gpt)

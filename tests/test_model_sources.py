@@ -356,6 +356,7 @@ def test_executor_runs_hf_models_and_matches_the_reference(tmp_path):
     assert set(checks) == {"llama", "moe", "tied"}
     for name, row in checks.items():
         assert row["max_rel_param_diff"] <= CHECK_TOLERANCE["fp32"] and row["within_tolerance"], (name, row)
+        assert row["max_rel_grad_diff"] <= 1e-5, (name, row)
 
 
 def test_executor_refuses_tied_embeddings_across_stages(tmp_path):

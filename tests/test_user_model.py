@@ -291,13 +291,13 @@ def _torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
 
 
 def _check_rows(r: subprocess.CompletedProcess, n: int) -> list[dict]:
-    from test_executor import TOL, json_lines
+    from test_executor import GRAD_TOL, TOL, json_lines
 
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [x for x in json_lines(r.stdout) if "max_rel_param_diff" in x]
     assert len(rows) == n
     for x in rows:
-        assert x["within_tolerance"] and x["max_rel_param_diff"] < TOL, x
+        assert x["within_tolerance"] and x["max_rel_param_diff"] < TOL and x["max_rel_grad_diff"] <= GRAD_TOL, x
     return rows
 
 
