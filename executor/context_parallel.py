@@ -115,15 +115,20 @@ def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return t if H == kv_heads else t.view(B, kv_heads, H // kv_heads, s, d).sum(2)
 
 
-def _scores(q, k, qpos, kpos, scale) -> torch.Tensor:
+def _scores(q, k, qpos, kpos, scale, window: int) -> torch.Tensor:
+    """Causal scores by true position; with ``window`` a query sees itself and the
+    ``window - 1`` tokens before it (`models.attention`)."""
     s = q @ _expand(k, q.shape[1]).transpose(-1, -2) * scale
-    return s.masked_fill(qpos[:, None] < kpos[None, :], float("-inf"))
+    hidden = qpos[:, None] < kpos[None, :]
+    if window:
+        hidden |= qpos[:, None] - kpos[None, :] >= window
+    return s.masked_fill(hidden, float("-inf"))
 
 
-def partial_attention(q, k, v, qpos, kpos, scale) -> tuple[torch.Tensor, torch.Tensor]:
+def partial_attention(q, k, v, qpos, kpos, scale, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries at ``qpos`` against keys at ``kpos`` (causal): output and log-sum-exp
     ``[B, H, sq, 1]`` (``-inf`` and a zero output for a query that sees none of them)."""
-    s = _scores(q, k, qpos, kpos, scale)
+    s = _scores(q, k, qpos, kpos, scale, window)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = (s - m).exp()
@@ -136,12 +141,12 @@ def merge(out, lse, out2, lse2) -> tuple[torch.Tensor, torch.Tensor]:
     return out * (lse - new).exp() + out2 * (lse2 - new).exp(), new
 
 
-def partial_attention_backward(q, k, v, qpos, kpos, scale, lse, dout, delta):
+def partial_attention_backward(q, k, v, qpos, kpos, scale, lse, dout, delta, window: int = 0):
     """Gradients (dq, dk, dv) of the keys at ``kpos``' share of the attention, given the
     full output's log-sum-exp and ``delta = sum(dout * out)`` (flash-attention backward)."""
     kv_heads = k.shape[1]
     ke, ve = _expand(k, q.shape[1]), _expand(v, q.shape[1])
-    p = (_scores(q, k, qpos, kpos, scale) - lse).exp()
+    p = (_scores(q, k, qpos, kpos, scale, window) - lse).exp()
     dv = p.transpose(-1, -2) @ dout
     ds = p * (dout @ ve.transpose(-1, -2) - delta)
     return ds @ ke * scale, _fold(ds.transpose(-1, -2) @ q * scale, kv_heads), _fold(dv, kv_heads)
@@ -155,12 +160,12 @@ class _GatheredAttention(torch.autograd.Function):
     (or uses the kept gather, ``keep``) and reduce-scatters dK, dV."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPComm, label: str, keep: bool):
+    def forward(ctx, q, k, v, cp: CPComm, label: str, keep: bool, window: int):
         qpos, kpos = cp.positions().to(q.device), cp.all_positions().to(q.device)
         K, V = cp.gather_kv(k, v, f"{label}.kv.ag")
         scale = 1.0 / math.sqrt(q.shape[-1])
-        out, lse = partial_attention(q, K, V, qpos, kpos, scale)
-        ctx.cp, ctx.label, ctx.keep, ctx.scale = cp, label, keep, scale
+        out, lse = partial_attention(q, K, V, qpos, kpos, scale, window)
+        ctx.cp, ctx.label, ctx.keep, ctx.scale, ctx.window = cp, label, keep, scale, window
         ctx.save_for_backward(q, *((K, V) if keep else (k, v)), out, lse, qpos, kpos)
         return out
 
@@ -170,9 +175,9 @@ class _GatheredAttention(torch.autograd.Function):
         cp = ctx.cp
         K, V = (k, v) if ctx.keep else cp.gather_kv(k, v, f"{ctx.label}.kv.ag")
         delta = (dout * out).sum(-1, keepdim=True)
-        dq, dK, dV = partial_attention_backward(q, K, V, qpos, kpos, ctx.scale, lse, dout, delta)
+        dq, dK, dV = partial_attention_backward(q, K, V, qpos, kpos, ctx.scale, lse, dout, delta, ctx.window)
         dk, dv = cp.scatter_kv(dK, dV, f"{ctx.label}.dkv.rs")
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -180,7 +185,7 @@ class _RingAttention(torch.autograd.Function):
     attended; backward passes K/V and the dK/dV accumulated so far, home after ``C`` hops."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: CPComm, label: str, keep: bool):
+    def forward(ctx, q, k, v, cp: CPComm, label: str, keep: bool, window: int):
         C, r = cp.size, cp.index
         qpos = cp.positions().to(q.device)
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -189,13 +194,12 @@ class _RingAttention(torch.autograd.Function):
         t0 = time.perf_counter()
         for t in range(C):
             nxt, works = cp.hop(kv, KV_TAG) if t < C - 1 else (None, [])
-            o, l = partial_attention(q, kv[0], kv[1], qpos, cp.positions((r - t) % C).to(q.device), scale)
+            o, l = partial_attention(q, kv[0], kv[1], qpos, cp.positions((r - t) % C).to(q.device), scale, window)
             out, lse = (o, l) if out is None else merge(out, lse, o, l)
             _wait(works)
             kv = nxt
         cp.record(f"{label}.kv.ag", "ALL_GATHER", t0, time.perf_counter())
-        ctx.cp, ctx.scale = cp, scale
-        ctx.label = label
+        ctx.cp, ctx.scale, ctx.label, ctx.window = cp, scale, label, window
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -213,7 +217,7 @@ class _RingAttention(torch.autograd.Function):
         for t in range(C):
             nxt, works = cp.hop(kv, KV_TAG) if t < C - 1 else (None, [])
             dq_t, dk, dv = partial_attention_backward(q, kv[0], kv[1], qpos, cp.positions((r - t) % C).to(q.device),
-                                                      scale, lse, dout, delta)
+                                                      scale, lse, dout, delta, ctx.window)
             dq += dq_t
             mine = torch.stack([dk, dv])
             dkv = mine if dkv is None else dkv + mine
@@ -228,7 +232,7 @@ class _RingAttention(torch.autograd.Function):
         dkv_t[1] = time.perf_counter()
         cp.record(f"{ctx.label}.kv.ag", "ALL_GATHER", *kv_t)
         cp.record(f"{ctx.label}.dkv.rs", "REDUCE_SCATTER", *dkv_t)
-        return dq, dkv[0], dkv[1], None, None, None
+        return dq, dkv[0], dkv[1], None, None, None, None
 
 
 # --------------------------------------------------------------------------- the attention module
@@ -244,7 +248,7 @@ class CPAttention(nn.Module):
         super().__init__()
         for name, mod in base.named_children():
             setattr(self, name, mod)
-        self.cfg, self.cp, self.label, self.keep = base.cfg, cp, label, keep
+        self.cfg, self.window, self.cp, self.label, self.keep = base.cfg, base.window, cp, label, keep
         self.tp: TPComm | None = base.tp if isinstance(base, TPAttention) else None
         self.tp_label = base.label if isinstance(base, TPAttention) else ""
         self.heads = base.heads if isinstance(base, TPAttention) else base.cfg.local_heads
@@ -269,7 +273,8 @@ class CPAttention(nn.Module):
             cos, sin = rope_cos_sin(self.cp.seq_len, c.head_dim, c.rope_theta, x.device, x.dtype)
             q, k = apply_rope(q, cos[pos], sin[pos]), apply_rope(k, cos[pos], sin[pos])
         fn = _RingAttention if self.cp.style == "ring" else _GatheredAttention
-        o = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.cp, self.label, self.keep)
+        window = self.window if 0 < self.window < self.cp.seq_len else 0
+        o = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.cp, self.label, self.keep, window)
         o = o.transpose(1, 2).reshape(B, s, -1)
         return row(self.tp, o, self.wo, self.tp_label) if self.tp is not None else self.wo(o)
 

@@ -73,8 +73,9 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
 
 
 def refuse_context_parallel(plan: Plan, path: str) -> None:
-    """The executor runs context parallelism (`executor.context_parallel`) for dense zoo
-    transformers with grouped-query attention; one line naming what it cannot run."""
+    """The executor runs context parallelism (`executor.context_parallel`) for transformers
+    of the zoo and model files with grouped-query attention (sliding windows, qk_norm and MoE
+    included); one line naming what it cannot run."""
     cp = plan.layout.cp
     if cp == 1:
         return
@@ -84,14 +85,9 @@ def refuse_context_parallel(plan: Plan, path: str) -> None:
     from piper_sim.configs import config_from_meta
 
     cfg = config_from_meta(plan.meta)
-    split = any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions())
     checks = [
-        (cfg.is_moe, "a MoE model"),
         (cfg.attention == "mla", "multi-head latent attention"),
-        (any(cfg.layer_window(layer) for layer in range(cfg.n_layers)), "sliding-window attention layers"),
         (bool(cfg.dropout), "dropout (per-rank random streams)"),
-        (split and "full" in plan.meta.get("recompute", {}).values(),
-         f"full recomputation and a split backward (BI/BW, schedule {plan.meta.get('schedule')})"),
     ]
     why = next((w for bad, w in checks if bad), "")
     if why:

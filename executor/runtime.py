@@ -279,7 +279,7 @@ class Runtime:
         for name, lst in self.prog.streams.items():
             self.prog.streams[name] = [
                 dataclasses.replace(i, deps=[*i.deps, norms[i.stage]])
-                if i.kind in ("ALLREDUCE", "REDUCE_SCATTER") and not is_tp(i) and i.stage in norms else i
+                if i.kind in ("ALLREDUCE", "REDUCE_SCATTER") and not (is_tp(i) or is_cp(i)) and i.stage in norms else i
                 for i in lst]
 
     def _setup_context_parallel(self) -> None:
