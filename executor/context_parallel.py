@@ -54,7 +54,8 @@ def is_cp(ins) -> bool:
 def cp_positions(seq_len: int, cp: int, index: int) -> torch.Tensor:
     """True positions of the tokens rank ``index`` holds: chunks ``index`` and ``2cp - 1 - index``."""
     c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(index * c, (index + 1) * c), torch.arange((2 * cp - 1 - index) * c, (2 * cp - index) * c)])
+    last = 2 * cp - 1 - index
+    return torch.cat([torch.arange(index * c, (index + 1) * c), torch.arange(last * c, (last + 1) * c)])
 
 
 @dataclass

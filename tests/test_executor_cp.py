@@ -68,7 +68,8 @@ def test_cp2_ring_full_recompute_traces_every_cp_op(tmp_path):
 
 
 def test_cp2_with_data_pipeline_tensor_and_expert_parallel_match_the_reference(tmp_path):
-    configs = {"cp2-dp2-zero1": cp_strategy(dp=2, zero=1), "cp2-dp2-zero3-ring": cp_strategy(dp=2, zero=3, style="ring"),
+    configs = {"cp2-dp2-zero1": cp_strategy(dp=2, zero=1),
+               "cp2-dp2-zero3-ring": cp_strategy(dp=2, zero=3, style="ring"),
                "cp2-pp2": cp_strategy(pp=2, m=4),
                # zero-bubble: BI runs the attention's backward collectives, BW weight gradients only
                "cp2-pp2-zbv-ring-full": cp_strategy(pp=2, m=4, sched="zbv", style="ring", extra=full()),
