@@ -68,11 +68,16 @@ class CPComm(TPComm):
     ranks: tuple[int, ...] = ()
     seq_len: int = 0
 
+    def __post_init__(self) -> None:
+        self._positions = [cp_positions(self.seq_len, self.size, i) for i in range(self.size)] if self.seq_len else []
+
     def positions(self, index: int | None = None) -> torch.Tensor:
-        return cp_positions(self.seq_len, self.size, self.index if index is None else index)
+        """True positions of the tokens of group member ``index`` (default: this rank)."""
+        return self._positions[self.index if index is None else index]
 
     def all_positions(self) -> torch.Tensor:
-        return torch.cat([self.positions(i) for i in range(self.size)])
+        """Every member's positions in group order (the order of an all-gather)."""
+        return torch.cat(self._positions)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's K and V ``[B, h, s/C, d]`` -> ``[B, h, s, d]`` in group order (one all-gather)."""
@@ -183,7 +188,8 @@ class _GatheredAttention(torch.autograd.Function):
 
 class _RingAttention(torch.autograd.Function):
     """``ring``: the K/V chunks travel the group in ``C - 1`` p2p hops while the current one is
-    attended; backward passes K/V and the dK/dV accumulated so far, home after ``C`` hops."""
+    attended; backward passes K/V and the dK/dV accumulated so far, home after ``C`` hops
+    (``keep`` does not apply: the plan has the backward ring pass K/V again)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp: CPComm, label: str, keep: bool, window: int):
@@ -292,8 +298,8 @@ def context_stage(stage, cp: CPComm, keep: bool) -> None:
 
 def reorder_after_pieces(streams: dict[str, list], stage_parts: list[list[list[str]]]) -> None:
     """The plan puts a piece's K/V gathers before it (and a ring beside it); here they run
-    inside it. Each CP op waits for its piece instead, and whatever waited for a CP op before
-    the piece waits for what that op waited for (in place on ``streams``)."""
+    inside it. Each CP op also waits for its piece, and the piece, instead of its own CP ops,
+    waits for what they waited for (in place on ``streams``)."""
     compute = streams.get("compute", [])
     pieces = {(i.kind == "F", i.stage, i.mb, i.part): i.id for i in compute if i.kind in ("F", "B", "BI")}
     cps = {i.id: i for lst in streams.values() for i in lst if is_cp(i)}

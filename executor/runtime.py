@@ -59,7 +59,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from executor.context_parallel import CP_STREAM, CPComm, context_stage, cp_positions, is_cp, reorder_after_pieces
+from executor.context_parallel import CP_STREAM, CPComm, context_stage, is_cp, reorder_after_pieces
 from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
@@ -291,7 +291,6 @@ class Runtime:
         style = meta.get("context_parallel", {}).get("style", "allgather")
         self.cp = CPComm(self.comms.group(CP_STREAM, group), self.layout.cp, ranks.index(self.rank), False,
                          style=style, ranks=ranks, seq_len=self.seq)
-        self.cp_index = torch.as_tensor(cp_positions(self.seq, self.layout.cp, self.cp.index))
         full = {int(s) for s, mode in meta.get("recompute", {}).items() if mode == "full"}
         for s, stage in self.stages.items():
             context_stage(stage, self.cp, keep=s in full)
@@ -551,7 +550,7 @@ class Runtime:
         tokens, targets = self.data.microbatch(self.step_index, self.dp_rank, self.layout.dp, self.microbatches, m,
                                                self.device)
         if self.cp is not None:
-            idx = self.cp_index.to(tokens.device)
+            idx = self.cp.positions().to(tokens.device)
             tokens, targets = tokens[:, idx], targets[:, idx]
         return tokens, targets
 
