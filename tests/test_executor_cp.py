@@ -67,21 +67,27 @@ def test_cp2_ring_full_recompute_traces_every_cp_op(tmp_path):
     assert all(e["dur"] >= 0 for e in events)
 
 
-def test_cp2_with_data_pipeline_tensor_and_expert_parallel_match_the_reference(tmp_path):
+def test_cp2_with_data_pipeline_tensor_and_expert_parallel_and_cp4_match_the_reference(tmp_path):
+    model = tmp_path / "win.json"
+    model.write_text(json.dumps(WINDOWED))
     configs = {"cp2-dp2-zero1": cp_strategy(dp=2, zero=1),
                "cp2-dp2-zero3-ring": cp_strategy(dp=2, zero=3, style="ring"),
                "cp2-pp2": cp_strategy(pp=2, m=4),
                # zero-bubble: BI runs the attention's backward collectives, BW weight gradients only
                "cp2-pp2-zbv-ring-full": cp_strategy(pp=2, m=4, sched="zbv", style="ring", extra=full()),
                "tp2-cp2": cp_strategy(tp=2), "tp2-sp-cp2-ring": cp_strategy(tp=2, sp=True, style="ring"),
+               # four ranks in a ring (windows of 8 span chunks of 4 tokens)
+               "cp4": cp_strategy(cp=4),
+               "cp4-ring-full-win": cp_strategy(cp=4, style="ring", model=str(model), extra=full()),
                "cp2-dp2-ep2-moe": cp_strategy(model="moe-tiny", dp=2, extra=[{"op": "expert_parallel", "degree": 2}])}
     res, _ = run_checks(tmp_path, 4, configs)
-    tp = {k: res.pop(k) for k in ("tp2-cp2", "tp2-sp-cp2-ring")}
-    moe = {"cp2-dp2-ep2-moe": res.pop("cp2-dp2-ep2-moe")}
-    # 4 sequences per step (dp 2 x 2 micro-batches, or 4 micro-batches); TP x CP: 2
+    two = {k: res.pop(k) for k in ("tp2-cp2", "tp2-sp-cp2-ring", "cp4")}
+    own = {k: {k: res.pop(k)} for k in ("cp2-dp2-ep2-moe", "cp4-ring-full-win")}
+    # 4 sequences per step (dp 2 x 2 micro-batches, or 4 micro-batches); TP x CP and CP4: 2
     assert_matches_reference(res, reference_losses(tmp_path, configs["cp2-pp2"]))
-    assert_matches_reference(tp, reference_losses(tmp_path, configs["tp2-cp2"]))
-    assert_matches_reference(moe, reference_losses(tmp_path, configs["cp2-dp2-ep2-moe"]))
+    assert_matches_reference(two, reference_losses(tmp_path, configs["cp4"]))
+    for k, row in own.items():
+        assert_matches_reference(row, reference_losses(tmp_path, configs[k]))
 
 
 # ------------------------------------------------------------------ in process: chunks, attention, ops, refusals
