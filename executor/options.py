@@ -159,10 +159,12 @@ def preflight(args, plans: list[Plan]) -> int:
 
     checkpoint.check_kill_spec()
     layout = plans[0].layout
-    if (layout.tp > 1 or layout.cp > 1) and (args.clip_grad_norm is not None or args.save or args.resume):
-        what = "tensor parallel" if layout.tp > 1 else "context parallel"
-        raise PlanError(f"--clip-grad-norm, --save and --resume do not support {what} plans yet "
-                        f"(tp {layout.tp}, cp {layout.cp}); run without them")
+    if layout.tp > 1 and (args.clip_grad_norm is not None or args.save or args.resume):
+        raise PlanError("--clip-grad-norm, --save and --resume do not support tensor parallel plans yet "
+                        f"(tp {layout.tp}); run without them")
+    if layout.cp > 1 and (args.save or args.resume):
+        raise PlanError(f"--save and --resume do not support context parallel plans yet (cp {layout.cp}); "
+                        "run without them")
     start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size)[1] if args.resume else 0
     if args.end_step is not None and args.end_step <= start:
         raise PlanError(f"--end-step {args.end_step} is not after the resumed step {start}")
