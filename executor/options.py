@@ -48,11 +48,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     """The executor runs tensor parallelism (with or without sequence parallelism) for dense
-    transformer models of the zoo (`executor.tensor_parallel`), not context parallelism:
-    refuse what it cannot run before any process group starts."""
-    if plan.layout.cp > 1:
-        raise PlanError(f"{path}: context parallel plans are simulate-only in this version (cp {plan.layout.cp}); "
-                        "use `piper-sim simulate`")
+    transformer models of the zoo (`executor.tensor_parallel`), and context parallelism
+    (`refuse_context_parallel`): refuse what it cannot run before any process group starts."""
+    refuse_context_parallel(plan, path)
     if plan.layout.tp == 1:
         return
     why = ""
@@ -72,6 +70,29 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     if why:
         raise PlanError(f"{path}: tensor parallel plans (tp {plan.layout.tp}) with {why} are simulate-only in this "
                         "version; use `piper-sim simulate`")
+
+
+def refuse_context_parallel(plan: Plan, path: str) -> None:
+    """The executor runs context parallelism (`executor.context_parallel`) for transformers
+    of the zoo and model files with grouped-query attention (sliding windows, qk_norm and MoE
+    included); one line naming what it cannot run."""
+    cp = plan.layout.cp
+    if cp == 1:
+        return
+    if "user_model" in plan.meta:
+        raise PlanError(f"{path}: context_parallel (cp {cp}) with a user nn.Module model is simulate-only in this "
+                        "version; use `piper-sim simulate`")
+    from piper_sim.configs import config_from_meta
+
+    cfg = config_from_meta(plan.meta)
+    checks = [
+        (cfg.attention == "mla", "multi-head latent attention"),
+        (bool(cfg.dropout), "dropout (per-rank random streams)"),
+    ]
+    why = next((w for bad, w in checks if bad), "")
+    if why:
+        raise PlanError(f"{path}: context_parallel (cp {cp}) with {why} is simulate-only in this version; "
+                        "use `piper-sim simulate`")
 
 
 def tp_unsupported(cfg, meta: dict, ep: int) -> str:
@@ -137,9 +158,13 @@ def preflight(args, plans: list[Plan]) -> int:
     from executor import checkpoint
 
     checkpoint.check_kill_spec()
-    if plans[0].layout.tp > 1 and (args.clip_grad_norm is not None or args.save or args.resume):
+    layout = plans[0].layout
+    if layout.tp > 1 and (args.clip_grad_norm is not None or args.save or args.resume):
         raise PlanError("--clip-grad-norm, --save and --resume do not support tensor parallel plans yet "
-                        f"(tp {plans[0].layout.tp}); run without them")
+                        f"(tp {layout.tp}); run without them")
+    if layout.cp > 1 and (args.save or args.resume):
+        raise PlanError(f"--save and --resume do not support context parallel plans yet (cp {layout.cp}); "
+                        "run without them")
     start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size)[1] if args.resume else 0
     if args.end_step is not None and args.end_step <= start:
         raise PlanError(f"--end-step {args.end_step} is not after the resumed step {start}")

@@ -38,6 +38,10 @@ checkpoints the attention cores only.
                           checks its name and kind and records its measured times
   TP.s{s}.norms           sequence parallel: all-reduce of the stage's replicated gradients (norms)
                           over the TP group; the stage's gradient syncs wait for it
+  CP.F|B|R.s{s}.mb{m}.l{l}.kv.ag|dkv.rs  a context-parallel K/V collective (or ring): performed
+                          by the layer's attention (``executor.context_parallel``) inside its piece,
+                          which the op waits for (the plan issues gathers before the piece); matched
+                          like a TP op
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from executor.context_parallel import CP_STREAM, CPComm, context_stage, is_cp, reorder_after_pieces
 from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
@@ -160,7 +165,8 @@ class Runtime:
         self.dp_rank = self.prog.dp_rank
         self.microbatches = meta["microbatches"]
         self.mbs, self.seq = meta["micro_batch_size"], meta["seq_len"]
-        self.loss_scale = 1.0 / (self.microbatches * self.layout.dp)
+        # a context-parallel rank's loss is the mean of its s / cp tokens: 1 / cp of the sequence's
+        self.loss_scale = 1.0 / (self.microbatches * self.layout.dp * self.layout.cp)
         ep = self.layout.ep
         self.ep_index = self.dp_rank % ep if ep > 1 else 0
         if self.user_model:
@@ -177,6 +183,10 @@ class Runtime:
         self.tp_shards: dict[int, TPShard] = {}
         if self.layout.tp > 1:
             self._setup_tensor_parallel()
+        self.cp: CPComm | None = None
+        if self.layout.cp > 1:
+            self._setup_context_parallel()
+        self.comm_logs = [c for c in (self.tp, self.cp) if c is not None]  # module collectives, logged per pass
         if clip_grad_norm is not None:
             self._setup_clipping()
         self.instructions = [i for lst in self.prog.streams.values() for i in lst]
@@ -270,8 +280,22 @@ class Runtime:
         for name, lst in self.prog.streams.items():
             self.prog.streams[name] = [
                 dataclasses.replace(i, deps=[*i.deps, norms[i.stage]])
-                if i.kind in ("ALLREDUCE", "REDUCE_SCATTER") and not is_tp(i) and i.stage in norms else i
+                if i.kind in ("ALLREDUCE", "REDUCE_SCATTER") and not (is_tp(i) or is_cp(i)) and i.stage in norms else i
                 for i in lst]
+
+    def _setup_context_parallel(self) -> None:
+        """Every stage's attention runs over the plan's ``cp`` group (`executor.context_parallel`);
+        the CP ops wait for the pieces that perform their collectives."""
+        meta = self.plan.meta
+        group = next(i.group for lst in self.prog.streams.values() for i in lst if is_cp(i))
+        ranks = group_ranks(group)
+        style = meta.get("context_parallel", {}).get("style", "allgather")
+        self.cp = CPComm(self.comms.group(CP_STREAM, group), self.layout.cp, ranks.index(self.rank), False,
+                         style=style, ranks=ranks, seq_len=self.seq)
+        full = {int(s) for s, mode in meta.get("recompute", {}).items() if mode == "full"}
+        for s, stage in self.stages.items():
+            context_stage(stage, self.cp, keep=s in full)
+        reorder_after_pieces(self.prog.streams, meta["stage_parts"])
 
     def reference_view(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """The part of a reference parameter this rank holds (its tensor-parallel slice)."""
@@ -386,7 +410,7 @@ class Runtime:
                         issued = True
                         # a matched TP op is done at once and may free a SEND: look at every comm
                         # stream again before the next compute op (which may block in a TP collective)
-                        if name == "compute" or (is_tp(current) and current.id in self.done):
+                        if name == "compute" or ((is_tp(current) or is_cp(current)) and current.id in self.done):
                             break
                 if not issued and len(self.done) < total:
                     token, t_end, err = self._wait_any(streams, ptr)
@@ -406,8 +430,9 @@ class Runtime:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.t0
         leftovers = [k for k in (self.envs, self.received, self.input_grads, self.inflight, self.releases) if k]
-        if self.tp is not None and (extra := self.tp.leftover()):
-            leftovers.append(f"tensor-parallel collectives the plan does not list: {extra[:3]}")
+        for log in self.comm_logs:
+            if extra := log.leftover():
+                leftovers.append(f"{log.WHAT} collectives the plan does not list: {extra[:3]}")
         if leftovers:
             raise InstructionError(self.rank, step, None, f"state left over after the step: {leftovers}")
         return StepResult(step, float(loss), elapsed, self._events(), self.grad_norm)
@@ -430,7 +455,7 @@ class Runtime:
             self._inject(ins)
         self.times[ins.id] = [self._now()]
         with self._on_stream(ins, first=True), self._range(ins):
-            out = self._tp_op(ins) if is_tp(ins) else self._handlers[ins.kind](ins)
+            out = self._tp_op(ins) if is_tp(ins) else self._cp_op(ins) if is_cp(ins) else self._handlers[ins.kind](ins)
         if isinstance(out, Logged):  # a collective a module performed: its measured times
             self.times[ins.id][0] = out.start - self.t0
             self._finish(ins, out.end)
@@ -522,8 +547,13 @@ class Runtime:
 
     # ------------------------------------------------------------------ compute
     def _microbatch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data.microbatch(self.step_index, self.dp_rank, self.layout.dp, self.microbatches, m,
-                                    self.device)
+        """Tokens and targets of micro-batch ``m`` (a context-parallel rank: its chunks of them)."""
+        tokens, targets = self.data.microbatch(self.step_index, self.dp_rank, self.layout.dp, self.microbatches, m,
+                                               self.device)
+        if self.cp is not None:
+            idx = self.cp.positions().to(tokens.device)
+            tokens, targets = tokens[:, idx], targets[:, idx]
+        return tokens, targets
 
     def _forward(self, ins: Instruction) -> None:
         s, m, part = ins.stage, ins.mb, ins.part
@@ -538,8 +568,8 @@ class Runtime:
             if stage.is_last:
                 env.targets = self._microbatch(m)[1]
         env = self.envs[(s, m)]
-        if self.tp is not None:
-            self.tp.phase = ("F", s, m)
+        for log in self.comm_logs:
+            log.phase = ("F", s, m)
         rec = stage.forward_piece(part, env.vals, env.meta, env.targets, self.loss_scale,
                                   checkpoint=self.recompute.get(s) == "full")
         env.records[f"p{part}"] = rec
@@ -568,8 +598,8 @@ class Runtime:
         s, m, part = ins.stage, ins.mb, ins.part
         env = self._backward_env(s, m)
         split = ins.kind == "BI"
-        if self.tp is not None:
-            self.tp.phase = ("B", s, m)
+        for log in self.comm_logs:
+            log.phase = ("B", s, m)
         rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
         if split and self.recompute.get(s) == "full":  # run the forward again; BW uses this graph
             rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.meta, env.targets, self.loss_scale)
@@ -650,7 +680,8 @@ class Runtime:
 
     def _recv(self, ins: Instruction) -> Posted:
         key = (ins.direction, ins.stage, ins.mb)  # ("F" | "B", sender's stage, mb)
-        seq = self.seq // self.layout.tp if self.tp is not None and self.tp.sp else self.seq  # SP: the shard
+        seq = self.seq // self.layout.cp  # CP: the rank's tokens
+        seq = seq // self.layout.tp if self.tp is not None and self.tp.sp else seq  # SP: their shard
         shape, dtype = (self.mbs, seq, self.cfg.hidden), self.dtype
         if self.user_model:  # the boundary tensor after the sending stage (F) or before it (B)
             b = self.plan.meta["user_model"]["boundaries"][ins.stage - (key[0] == "B")]
@@ -676,6 +707,12 @@ class Runtime:
         def then():
             torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
         return Posted(work, then)
+
+    def _cp_op(self, ins: Instruction) -> Logged:
+        """A plan CP op: the next collective the stage's attention performed in that pass
+        (``R``: a full recompute's, inside the B pass), which must be this one."""
+        pas = "B" if ins.direction == "R" else ins.direction
+        return self.cp.take((pas, ins.stage, ins.mb), ins.name, ins.kind)
 
     def _sync(self, ins: Instruction) -> Posted:
         fp = self.flats[(ins.stage, flat_tag(ins))]

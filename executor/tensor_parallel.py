@@ -74,6 +74,7 @@ class Logged:
 class TPComm:
     """This rank's tensor-parallel group and the log of the collectives it ran."""
 
+    WHAT = "tensor parallel"  # names the parallelism in errors (executor.context_parallel.CPComm)
     group: Any
     size: int
     index: int
@@ -84,17 +85,21 @@ class TPComm:
     def _run(self, name: str, kind: str, fn) -> None:
         t0 = time.perf_counter()
         fn()
-        self.log.setdefault(self.phase or ("?", -1, -1), deque()).append(Logged(name, kind, t0, time.perf_counter()))
+        self.record(name, kind, t0, time.perf_counter())
+
+    def record(self, name: str, kind: str, start: float, end: float) -> None:
+        """Log one collective (or a ring of p2p steps standing for one) of the running pass."""
+        self.log.setdefault(self.phase or ("?", -1, -1), deque()).append(Logged(name, kind, start, end))
 
     def take(self, key: tuple[str, int, int], name: str, kind: str) -> Logged:
         """The next collective logged in pass ``key``; it must be ``name`` of ``kind``."""
         q = self.log.get(key)
         if not q:
-            raise RuntimeError(f"tensor parallel: the plan expects {name} ({kind}) but the modules performed no "
+            raise RuntimeError(f"{self.WHAT}: the plan expects {name} ({kind}) but the modules performed no "
                                "further collective in this pass")
         got = q.popleft()
         if (got.name, got.kind) != (name, kind):
-            raise RuntimeError(f"tensor parallel: the plan expects {name} ({kind}) but the modules performed "
+            raise RuntimeError(f"{self.WHAT}: the plan expects {name} ({kind}) but the modules performed "
                                f"{got.name} ({got.kind}), then {[x.name for x in list(q)[:4]]}")
         return got
 

@@ -1,7 +1,7 @@
 """Context parallelism: the cp mesh axis, the directive and its errors, every schedule family
 and its composition with TP, ZeRO, EP and recompute, per-rank attention and other compute, the
 K/V communication's closed form, activation memory per rank, a long-context case only CP
-fits, the explorer's CP candidates, and the executor's refusal."""
+fits, the explorer's CP candidates, and what the executor refuses (tests/test_executor_cp.py runs it)."""
 
 from __future__ import annotations
 
@@ -314,10 +314,13 @@ def test_explorer_adds_cp_candidates_for_long_sequences():
     assert plan.layout.cp == 2 and "cp2" in c.short()
 
 
-def test_executor_refuses_cp_plans_before_any_process_group(tmp_path):
-    path = str(tmp_path / "cp.json")
-    compile(strategy(cp=2, pp=1, m=1, seq=64, cluster="cpu:2", world=2)).save(path)
+def test_executor_refuses_unsupported_cp_plans_before_any_process_group(tmp_path):
+    path, model = str(tmp_path / "cp.json"), tmp_path / "drop.json"
+    model.write_text('{"name": "drop", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 256, '
+                     '"dropout": 0.1}')
+    compile(strategy(model=str(model), cp=2, pp=1, m=1, seq=64, cluster="cpu:2", world=2)).save(path)
     r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", path], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 2 and "context parallel plans are simulate-only in this version" in r.stderr
+    assert r.returncode == 2 and "context_parallel (cp 2) with dropout (per-rank random streams) is simulate-only" \
+        in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "torch.distributed" not in r.stderr
