@@ -17,12 +17,12 @@ log = logging.getLogger("piper_sim.cli")
 
 def cmd_models(args: argparse.Namespace) -> None:
     """The zoo (and a folder's model files) as a table, or one resolved model as JSON (torch-free)."""
-    from piper_sim.configs import ZOO, config_to_dict
+    from piper_sim.configs import ZOO, ModelConfig, config_to_dict
     from piper_sim.sources import model_files, resolve_model
 
     if args.json:
         cfg = resolve_model(args.json)
-        if not hasattr(cfg, "active_param_count"):  # a user's nn.Module (py:): every parameter is active
+        if not isinstance(cfg, ModelConfig):  # a user's nn.Module (py:, `annotate.UserModel`): all params active
             print(json.dumps({"source": args.json, "name": cfg.name, "params": cfg.param_count(),
                               "active_params": cfg.param_count(), "units": list(cfg.units)}, indent=1))
             return
