@@ -9,7 +9,7 @@ import torch
 
 from executor.collectives import all_gather
 from executor.data import SyntheticData
-from executor.stage import FlatParams, make_optimizer
+from executor.stage import FlatParams, keep_first_grads, make_optimizer
 from costmodel.dtypes import torch_dtype
 from piper_sim.models import build_model, config_from_meta, lm_loss
 from piper_sim.plan import Plan
@@ -44,12 +44,6 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return {n: p.detach() for n, p in model.named_parameters()}, losses
-
-
-def keep_first_grads(out: dict[str, torch.Tensor] | None, step: int, named) -> None:
-    """Copy the gradients of step 0 into ``out`` (when given)."""
-    if out is not None and step == 0:
-        out.update({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
 
 
 def full_parameters(fp: FlatParams, comms) -> torch.Tensor:

@@ -60,6 +60,12 @@ def optimizer_impl(params: list[torch.Tensor]) -> str:
     return "fused" if ok and params else "foreach"
 
 
+def keep_first_grads(out: dict[str, torch.Tensor] | None, step: int, named) -> None:
+    """Copy the gradients of step 0 into ``out`` (when given)."""
+    if out is not None and step == 0:
+        out.update({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+
+
 def make_optimizer(params: list[torch.Tensor]) -> torch.optim.AdamW:
     """AdamW with the executor's fixed hyperparameters (fused or foreach, see
     `optimizer_impl`; the single-process reference and the torch baselines use the same)

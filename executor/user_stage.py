@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from executor.reference import keep_first_grads
-from executor.stage import Piece, Record, _leaf, make_optimizer
+from executor.stage import Piece, Record, _leaf, keep_first_grads, make_optimizer
 from piper_sim.annotate import AnnotationError, UserModel, load_user_model
 from piper_sim.plan import Plan, PlanError
 
