@@ -5,6 +5,13 @@
 ``shard``, ``shard_tensor``, ``shard_sequence`` and ``order`` directives. Low-level directives written by the user are kept and win over what a
 helper generated (a user ``order`` for pipeline rank 2 replaces the schedule's row).
 ``resolve(directives)`` then reads the low-level list into a `Setup` the IR passes use.
+
+``shard_tensor`` may select segments (``layers``, ``embedding``, ``head``; `Setup.tp_sharded`):
+a selected layer is sharded with Megatron's column -> row pairing (q/k/v and the first MLP
+linears by column, the attention output and last MLP linear by row), so each block needs one
+all-reduce per pass; a free row/column choice per linear is not offered because any other
+pairing needs a collective between the two linears (gather a column output, or split a
+replicated input), which costs more and no system uses. Unselected segments are replicated.
 """
 
 from __future__ import annotations
