@@ -116,3 +116,24 @@ def test_executor_half_the_layers_sharded_matches_the_reference(tmp_path):
                                                            "embedding": False}])}
     res, _ = run_checks(tmp_path, 2, configs)
     assert_matches_reference(res, reference_losses(tmp_path, configs["tp2-l0-3-head-whole"]))
+
+
+@pytest.mark.parametrize("s", [
+    strategy("gpt-tiny", tp=2, pp=2, dp=2, zero=3, m=4, seq=64,
+             extra=[{"op": "shard_tensor", "degree": 2, "layers": "2-5", "embedding": False}]),
+    strategy("moe-tiny", tp=2, pp=2, dp=2, zero=1, m=4, seq=64,
+             extra=[{"op": "expert_parallel", "degree": 2}, {"op": "shard_tensor", "degree": 2, "layers": [1, 3]}]),
+], ids=["tp2-pp2-dp2-z3", "moe-tp2-ep2"])
+def test_partial_plans_fold_exactly(s):
+    from piper_sim.compiler import compile_strategy, compile_unfolded
+
+    folded = compile_strategy(s).plan
+    expanded, unfolded = folded.expand(), compile_unfolded(s)
+    for a, b in zip(expanded, unfolded):
+        for name in a.streams:
+            assert [i.to_json() for i in a.streams[name]] == [i.to_json() for i in b.streams[name]]
+    tp_layers = {i.name.split(".")[0] for c in folded.classes for i in c.instructions()
+                 if i.stream == "tp" and i.name.startswith("l")}
+    chosen = s["directives"][-1]["layers"]
+    assert tp_layers == ({f"l{i}" for i in range(2, 6)} if chosen == "2-5" else {"l1", "l3"})
+    assert simulate(folded).step_time_s == pytest.approx(simulate(folded, fold=False).step_time_s, rel=1e-9)
