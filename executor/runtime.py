@@ -64,7 +64,7 @@ from executor.collectives import Comms, Completions, all_gather, group_ranks, re
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
 from costmodel.dtypes import torch_dtype
-from executor.tensor_parallel import TP_STREAM, Logged, TPComm, TPShard, is_tp, shard_stage
+from executor.tensor_parallel import TP_STREAM, Logged, TPComm, TPShard, is_tp, shard_stage, sharded_units
 from executor.user_stage import UserData, UserStage, user_model_of
 from piper_sim.models import config_from_meta
 from piper_sim.plan import BACKWARD_KINDS, COMPUTE_KINDS, Instruction, Plan, PlanError, missing_fields
@@ -269,11 +269,14 @@ class Runtime:
         gradient syncs also wait for its ``TP.s{S}.norms`` all-reduce, which adds into the
         same gradient buffer (Megatron reduces them before the data-parallel sync)."""
         tp_ops = [i for lst in self.prog.streams.values() for i in lst if is_tp(i)]
+        if not tp_ops:  # shard_tensor selected none of this rank's units: they all run whole
+            return
         sp = bool(self.plan.meta.get("tensor_parallel", {}).get("sequence_parallel"))
         group = tp_ops[0].group
         self.tp = TPComm(self.comms.group(TP_STREAM, group), self.layout.tp, group_ranks(group).index(self.rank), sp)
+        sharded = sharded_units(self.plan.meta)
         for s, stage in self.stages.items():
-            self.tp_shards[s] = shard_stage(stage, self.tp)
+            self.tp_shards[s] = shard_stage(stage, self.tp, sharded)
         norms = {i.stage: i.id for i in tp_ops if not i.direction}
         if not norms:
             return

@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -371,14 +371,31 @@ def _columns(shard: TPShard, tp: TPComm, prefix: str, lin: Linear) -> None:
     _take(shard, tp, prefix, lin, "bias", 0)
 
 
-def shard_stage(stage, tp: TPComm) -> TPShard:
+def sharded_units(meta: dict) -> Callable[[str], bool]:
+    """Which units the plan shards (``shard_tensor``'s selection, `piper_sim.directives.Setup.tp_sharded`):
+    every one unless the plan's ``tensor_parallel`` meta lists ``layers``/``embedding``/``head``."""
+    tp = meta.get("tensor_parallel", {})
+    if "layers" not in tp:
+        return lambda unit: True
+    layers = set(tp["layers"])
+    return lambda unit: tp["embedding"] if unit == "embed" else tp["head"] if unit == "head" else \
+        int(unit.split(".")[1]) in layers
+
+
+def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None) -> TPShard:
     """Replace ``stage``'s units (built with the full model's weights) by this rank's
-    tensor-parallel shard of them; sets the stage's loss to the vocabulary-parallel one."""
+    tensor-parallel shard of them; sets the stage's loss to the vocabulary-parallel one.
+    ``sharded`` (default: every unit) selects the units to shard; the others stay whole and
+    replicated (every member of the group runs them on the same tokens, with identical
+    gradients: no collective)."""
     shard = TPShard()
     units = stage.units
     stage.recompute_early_stop = False
+    sharded = sharded or (lambda unit: True)
     for name in units.unit_names():
         unit = units[name]
+        if not sharded(name):
+            continue
         if name == "embed":
             _take(shard, tp, "embed", unit, "weight", 0)
             units["embed"] = TPEmbedding(unit, tp, shard.slices["embed.weight"][1])
@@ -406,9 +423,11 @@ def shard_stage(stage, tp: TPComm) -> TPShard:
             _take(shard, tp, f"{name}.mlp.{last}", getattr(mlp, last), "weight", 1)
             block.mlp = TPMLP(mlp, tp, f"{label}.mlp")
     stage.collect_piece_params()  # the pieces' parameters are the shards now
-    if any(u.startswith("layers.") and units[u].is_moe for u in units.unit_names()):
-        stage.expert_input = lambda h, layer: _CopyToTP.apply(h, tp, f"l{layer}.moe.ar")
-        stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"l{layer}.moe.ar")
+    if any(u.startswith("layers.") and units[u].is_moe and sharded(u) for u in units.unit_names()):
+        stage.expert_input = lambda h, layer: _CopyToTP.apply(h, tp, f"l{layer}.moe.ar") \
+            if sharded(f"layers.{layer}") else h
+        stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"l{layer}.moe.ar") \
+            if sharded(f"layers.{layer}") else y
     return shard
 
 

@@ -20,7 +20,7 @@ from piper_sim.context_parallel import context_edges, context_pass, cp_error, cp
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memory_pass, grad_bucket_memory, \
     is_cp, is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
     tensor_pass, unit_buckets
-from piper_sim.memory import model_memory
+from piper_sim.memory import SegmentMemory, model_memory
 from piper_sim.configs import ModelConfig, plan_model_meta, tp_divisibility_error, tp_shard
 from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram, gc_paused
 from piper_sim.profiling import SegmentCost, profile_model
@@ -193,6 +193,8 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
     setup = resolve(expand(strategy))
     held = {r for copies in setup.placement.values() for r, _, _ in copies}
     empty = sorted(set(range(setup.pp)) - held)
+    if setup.tp > 1 and setup.tp_partial:
+        _check_tp_selection(cfg, setup)
     if isinstance(cfg, UserModel):
         if setup.cp > 1:
             raise StrategyError(f"context_parallel: model {cfg.name} is a user nn.Module, whose attention piper-sim "
@@ -251,6 +253,52 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
     return cfg, setup, layout, int(mbs)
 
 
+def _check_tp_selection(cfg: ModelConfig | UserModel, setup: Setup) -> None:
+    """``shard_tensor`` with a selection of segments: the layers exist, something is selected,
+    and nothing needs every segment sharded (sequence parallelism, context parallelism, user
+    models). A selection of every segment is the plain directive (``setup.tp_layers`` None)."""
+    if isinstance(cfg, UserModel):
+        raise StrategyError(f"shard_tensor: fields 'layers'/'embedding'/'head' need a zoo, model-file or hf: "
+                            f"transformer; user model {cfg.name} shards what its annotations say; drop the fields")
+    layers = setup.tp_layers
+    if layers is not None:
+        bad = [i for i in layers if i >= cfg.n_layers]
+        if bad:
+            raise StrategyError(f"shard_tensor: field 'layers' names layer(s) {bad}, but {cfg.name} has "
+                                f"{cfg.n_layers} layers (0..{cfg.n_layers - 1})")
+        if set(layers) == set(range(cfg.n_layers)):
+            setup.tp_layers = layers = None
+    if not setup.tp_partial:
+        return
+    if not layers and layers is not None and not setup.tp_embed and not setup.tp_head:
+        raise StrategyError("shard_tensor: fields 'layers', 'embedding' and 'head' select no segment; select one "
+                            "or drop the directive")
+    if setup.sp:
+        raise StrategyError("shard_tensor: field 'sequence_parallel' needs every segment sharded (a replicated "
+                            "segment would need the sequence shard gathered at each of its boundaries); set it "
+                            "false or drop 'layers'/'embedding'/'head'")
+    if setup.cp > 1:
+        raise StrategyError("shard_tensor: fields 'layers'/'embedding'/'head' (a partial selection) are not "
+                            "supported with context_parallel; drop them or the context parallelism")
+
+
+def _tp_segments(cfg: ModelConfig, setup: Setup, mbs: int, seq: int,
+                 dtype: str) -> tuple[list[SegmentCost], dict[str, SegmentMemory]]:
+    """The segments one tensor-parallel rank runs and their memory: each sharded segment
+    profiled on the rank's shard of the config (`tp_shard`), each unselected one on the whole
+    config (replicated over the TP group: whole parameters, whole GEMMs)."""
+    shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
+    segments = profile_model(shard, mbs, seq, dtype)
+    memory = model_memory(shard, segments, mbs, seq, dtype)
+    if not setup.tp_partial:
+        return segments, memory
+    whole = profile_model(cfg, mbs, seq, dtype)
+    whole_memory = model_memory(cfg, whole, mbs, seq, dtype)
+    keep = [setup.tp_sharded(x.unit) for x in segments]
+    return ([x if k else y for x, y, k in zip(segments, whole, keep)],
+            {**memory, **{y.name: whole_memory[y.name] for y, k in zip(whole, keep) if not k}})
+
+
 def build_dag(strategy: Strategy, folded: bool = True,
               model: object = None) -> tuple[TrainingDAG, Context, ModelConfig | UserModel]:
     """Run every pass; the result is the global training DAG (folded or per rank).
@@ -269,8 +317,9 @@ def build_dag(strategy: Strategy, folded: bool = True,
     else:
         shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
         # one context-parallel rank's share: seq / cp tokens, attention against the whole sequence
-        segments = cp_segments(profile_model(shard, mbs, seq, dtype), cp)
-        memory = cp_memory(model_memory(shard, segments, mbs, seq, dtype), cp)
+        tp_segs, tp_memory = _tp_segments(cfg, setup, mbs, seq, dtype)
+        segments = cp_segments(tp_segs, cp)
+        memory = cp_memory(tp_memory, cp)
         if cp > 1:
             kv_bytes = gathered_kv_bytes(shard, mbs, strategy.seq_len, DTYPE_BYTES[strategy.dtype])
     gpu = parse_cluster(strategy.cluster).gpu
@@ -489,6 +538,10 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: obje
         meta["context_parallel"] = {"degree": layout.cp, "style": ctx.setup.cp_style}
     if layout.tp > 1:
         meta["tensor_parallel"] = {"degree": layout.tp, "sequence_parallel": ctx.setup.sp}
+        if ctx.setup.tp_partial:  # only these segments are sharded; the others replicated (whole)
+            meta["tensor_parallel"].update(layers=list(ctx.setup.tp_layers if ctx.setup.tp_layers is not None
+                                                       else range(cfg.n_layers)),
+                                           embedding=ctx.setup.tp_embed, head=ctx.setup.tp_head)
     if cfg.is_moe:  # what the cost model's expert all-to-all traffic depends on (costmodel.moe)
         meta["moe"] = {"top_k": cfg.top_k, "n_experts": cfg.n_experts}
     if ctx.setup.zero == 3:  # the segments of each gathered bucket, per stage and sync group

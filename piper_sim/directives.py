@@ -5,6 +5,13 @@
 ``shard``, ``shard_tensor``, ``shard_sequence`` and ``order`` directives. Low-level directives written by the user are kept and win over what a
 helper generated (a user ``order`` for pipeline rank 2 replaces the schedule's row).
 ``resolve(directives)`` then reads the low-level list into a `Setup` the IR passes use.
+
+``shard_tensor`` may select segments (``layers``, ``embedding``, ``head``; `Setup.tp_sharded`):
+a selected layer is sharded with Megatron's column -> row pairing (q/k/v and the first MLP
+linears by column, the attention output and last MLP linear by row), so each block needs one
+all-reduce per pass; a free row/column choice per linear is not offered because any other
+pairing needs a collective between the two linears (gather a column output, or split a
+replicated input), which costs more and no system uses. Unselected segments are replicated.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 
 from piper_sim.schedules import (SCHEDULES, Action, ScheduleError, Slot, build_schedule, canonical_schedule,
                                  default_schedule, format_slot, known_names)
-from piper_sim.strategy import Strategy, StrategyError
+from piper_sim.strategy import Strategy, StrategyError, tp_layers
 
 _ACTION_RE = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
 DEFAULT_STREAMS = {"SEND": "send", "RECV": "recv", "ALLREDUCE": "dp", "REDUCE_SCATTER": "dp",
@@ -46,6 +53,10 @@ class Setup:
     layers_per_stage: list[int] | str | None = None  # None: equal layer counts; "balanced": equal time
     tp: int = 1  # tensor-parallel degree (shard_tensor)
     sp: bool = False  # sequence parallelism inside the tensor-parallel group
+    # shard_tensor's selection (`tp_sharded`): the layers (None: all), the embedding, the head
+    tp_layers: tuple[int, ...] | None = None
+    tp_embed: bool = True
+    tp_head: bool = True
     cp: int = 1  # context-parallel degree (shard_sequence): each rank holds seq_len / cp tokens
     cp_style: str = "allgather"  # "allgather" (K/V all-gather, Llama 3) or "ring" (ring attention)
 
@@ -61,6 +72,22 @@ class Setup:
         """ZeRO-2/3 reduce-scatter each micro-batch's gradients right after its backward
         (the unsharded gradients are freed, the shard accumulates); ZeRO-0/1 never do."""
         return self.zero >= 2 and self.reduce == "per_microbatch"
+
+    @property
+    def tp_partial(self) -> bool:
+        """``shard_tensor`` selects only some segments (the others replicated over the TP group)."""
+        return self.tp > 1 and (self.tp_layers is not None or not (self.tp_embed and self.tp_head))
+
+    def tp_sharded(self, unit: str) -> bool:
+        """Whether a unit (``embed``, ``layers.{i}``, ``head``) is Megatron-sharded over the TP
+        group; an unselected one is replicated: every TP rank runs it whole on the same tokens."""
+        if self.tp == 1:
+            return False
+        if unit == "embed":
+            return self.tp_embed
+        if unit == "head":
+            return self.tp_head
+        return self.tp_layers is None or int(unit.split(".")[1]) in self.tp_layers
 
     def stage_ranks(self) -> dict[int, list[int]]:
         return {s: sorted({r for r, _, _ in copies}) for s, copies in self.placement.items()}
@@ -124,10 +151,17 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
         d = by_op["data_parallel"]
         out.append({"op": "replicate", "degree": d["degree"], "zero": d.get("zero", 0),
                     **{k: d[k] for k in ("bucket_mb", "reduce") if k in d}})
+    user_tp = by_op.get("shard_tensor")
     if "tensor_parallel" in by_op:
         d = by_op["tensor_parallel"]
-        out.append({"op": "shard_tensor", "degree": d["degree"],
-                    "sequence_parallel": bool(d.get("sequence_parallel", False))})
+        if user_tp is not None and user_tp["degree"] != d["degree"]:
+            raise StrategyError(f"shard_tensor: field 'degree' {user_tp['degree']} differs from tensor_parallel's "
+                                f"degree {d['degree']}; give both the same degree or drop one")
+        if user_tp is None:
+            out.append({"op": "shard_tensor", "degree": d["degree"],
+                        "sequence_parallel": bool(d.get("sequence_parallel", False))})
+        else:  # the user's selection wins; sequence_parallel comes from tensor_parallel unless it says
+            user_tp = {"sequence_parallel": bool(d.get("sequence_parallel", False)), **user_tp}
     if "context_parallel" in by_op:
         d = by_op["context_parallel"]
         out.append({"op": "shard_sequence", "degree": d["degree"], "style": d.get("style", "allgather")})
@@ -139,7 +173,7 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
     for d in strategy.directives:
         if d["op"] not in ("pipeline", "data_parallel", "expert_parallel", "tensor_parallel", "context_parallel",
                            "schedule"):
-            out.append(dict(d))
+            out.append(dict(user_tp) if d is by_op.get("shard_tensor") and user_tp is not None else dict(d))
     return out
 
 
@@ -150,6 +184,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     orders: dict[int, list[Slot]] = {}
     dp, zero, bucket_mb, ep, reduce, tp, sp = 1, 0, None, 1, "per_microbatch", 1, False
     cp, cp_style = 1, "allgather"
+    tp_sel: tuple[tuple[int, ...] | None, bool, bool] = (None, True, True)
     recompute: dict[int, str] = {}
     recompute_all: str | None = None
     streams = dict(DEFAULT_STREAMS)
@@ -177,6 +212,8 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
             ep = d["degree"]
         elif op == "shard_tensor":
             tp, sp = d["degree"], bool(d.get("sequence_parallel", False))
+            tp_sel = (tp_layers(d["layers"], where) if "layers" in d else None, d.get("embedding", True),
+                      d.get("head", True))
         elif op == "shard_sequence":
             cp, cp_style = d["degree"], d.get("style", "allgather")
         elif op == "recompute":  # a later directive wins for the stages it names
@@ -222,4 +259,5 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     return Setup(pp=pp, dp=dp, ep=ep, zero=zero, bucket_mb=bucket_mb, microbatches=m,
                  num_stages=num_stages, placement=placement, orders=orders, recompute=recompute,
                  streams=streams, schedule=schedule, reduce=reduce, layers_per_stage=layers_per_stage, tp=tp,
-                 sp=sp and tp > 1, cp=cp, cp_style=cp_style)
+                 sp=sp and tp > 1, cp=cp, cp_style=cp_style, tp_layers=tp_sel[0], tp_embed=tp_sel[1],
+                 tp_head=tp_sel[2])

@@ -481,7 +481,8 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     collectives first (``TP.R.`` ops). With a BI/BW split the weight pass waits for the
     ``.regather`` all-gathers, issued after the stage's input-gradient pass. With sequence
     parallelism the norms' weight gradients (computed on a sequence shard) are all-reduced
-    over the TP group before the optimizer step (``TP.s{S}.norms``)."""
+    over the TP group before the optimizer step (``TP.s{S}.norms``). Segments ``shard_tensor``
+    did not select (`Setup.tp_sharded`) are replicated and have no collectives."""
     if ctx.layout.tp == 1:
         return
     sp = ctx.setup.sp
@@ -510,6 +511,8 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                                               direction=pas, name=name))
 
             for seg in segs:
+                if not ctx.setup.tp_sharded(seg.unit):
+                    continue  # replicated (shard_tensor's selection): run whole, no TP collective
                 if ins.kind != "F" and full and ctx.memory[seg.name].recomputed:
                     chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss)]
                 for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss):

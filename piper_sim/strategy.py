@@ -23,6 +23,7 @@ Every error is a `StrategyError` with one line that names the directive and fiel
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "place": ({"stage", "pp_rank"}, {"microbatches", "from"}),
     "replicate": ({"degree"}, {"zero", "bucket_mb", "reduce"}),
     "shard": ({"degree"}, set()),
-    "shard_tensor": ({"degree"}, {"sequence_parallel"}),
+    "shard_tensor": ({"degree"}, {"sequence_parallel", "layers", "embedding", "head"}),
     "shard_sequence": ({"degree"}, {"style"}),
     "order": ({"pp_rank", "slots"}, {"from"}),
     "recompute": (set(), {"stages", "mode"}),
@@ -178,11 +179,32 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
                             f"layer counts, one per stage (got {d['layers_per_stage']!r})")
     if "sequence_parallel" in d and not isinstance(d["sequence_parallel"], bool):
         raise StrategyError(f"{where} field 'sequence_parallel' must be true or false (got {d['sequence_parallel']!r})")
+    for key in ("embedding", "head"):
+        if key in d and not isinstance(d[key], bool):
+            raise StrategyError(f"{where} field '{key}' must be true or false (got {d[key]!r})")
+    if "layers" in d:
+        tp_layers(d["layers"], where)
     if "style" in d and d["style"] not in CP_STYLES:
         raise StrategyError(f"{where} field 'style' must be 'allgather' or 'ring' (got {d['style']!r})")
     if "mode" in d and d["mode"] not in RECOMPUTE_MODES:
         raise StrategyError(f"{where} field 'mode' must be 'full' or 'selective' (got {d['mode']!r})")
     return d
+
+
+def tp_layers(value: Any, where: str) -> tuple[int, ...]:
+    """``shard_tensor``'s ``layers``: a list of layer indices or an inclusive range ``"a-b"``."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", value)
+        if not m or int(m.group(1)) > int(m.group(2)):
+            raise StrategyError(f"{where} field 'layers' must be a list of layer indices or a range "
+                                f"\"first-last\" like \"0-15\" (got {value!r})")
+        return tuple(range(int(m.group(1)), int(m.group(2)) + 1))
+    if not isinstance(value, list):
+        raise StrategyError(f"{where} field 'layers' must be a list of layer indices or a range "
+                            f"\"first-last\" like \"0-15\" (got {value!r})")
+    for x in value:
+        _check_int(x, f"{where} field 'layers' entry", minimum=0)
+    return tuple(sorted(set(value)))
 
 
 def _check_model_source(model: dict[str, Any]) -> None:

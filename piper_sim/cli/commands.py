@@ -109,7 +109,24 @@ def _tp(plan) -> str:
     tp = plan.meta.get("tensor_parallel")
     cp = plan.meta.get("context_parallel")
     out = f" cp={cp['degree']} ({cp['style']})" if cp else ""
-    return out + (f" tp={tp['degree']}" + (" (sequence parallel)" if tp["sequence_parallel"] else "") if tp else "")
+    return out + (f" tp={tp['degree']}" + (" (sequence parallel)" if tp["sequence_parallel"] else "")
+                  + _tp_selection(tp) if tp else "")
+
+
+def _tp_selection(tp: dict) -> str:
+    """shard_tensor's partial selection, e.g. `` sharded: embed, layers 0-3 (others replicated)``."""
+    if "layers" not in tp:
+        return ""
+    runs: list[list[int]] = []
+    for i in tp["layers"]:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    layers = ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+    parts = (["embed"] if tp["embedding"] else []) + ([f"layers {layers}"] if layers else []) \
+        + (["head"] if tp["head"] else [])
+    return f" sharded: {', '.join(parts)} (others replicated)"
 
 
 def _span(ranks: list[int]) -> str:
