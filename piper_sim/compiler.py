@@ -27,7 +27,7 @@ from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
 from piper_sim.schedules import SCHEDULE_TABLE, canonical_schedule, default_schedule, stages_per_rank
 from piper_sim.sources import resolve_model
-from piper_sim.strategy import Strategy, StrategyError, parse_strategy
+from piper_sim.strategy import Strategy, StrategyError, format_layers, parse_strategy
 
 
 
@@ -193,7 +193,7 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
     setup = resolve(expand(strategy))
     held = {r for copies in setup.placement.values() for r, _, _ in copies}
     empty = sorted(set(range(setup.pp)) - held)
-    if setup.tp > 1 and setup.tp_partial:
+    if setup.tp_layers is not None or not (setup.tp_embed and setup.tp_head):  # shard_tensor selects segments
         _check_tp_selection(cfg, setup)
     if isinstance(cfg, UserModel):
         if setup.cp > 1:
@@ -254,9 +254,10 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
 
 
 def _check_tp_selection(cfg: ModelConfig | UserModel, setup: Setup) -> None:
-    """``shard_tensor`` with a selection of segments: the layers exist, something is selected,
-    and nothing needs every segment sharded (sequence parallelism, context parallelism, user
-    models). A selection of every segment is the plain directive (``setup.tp_layers`` None)."""
+    """``shard_tensor`` with a selection of segments (at any degree): the layers exist; with
+    tensor parallelism, something is selected and nothing needs every segment sharded
+    (sequence parallelism, context parallelism, user models). A selection of every segment is
+    the plain directive (``setup.tp_layers`` None)."""
     if isinstance(cfg, UserModel):
         raise StrategyError(f"shard_tensor: fields 'layers'/'embedding'/'head' need a zoo, model-file or hf: "
                             f"transformer; user model {cfg.name} shards what its annotations say; drop the fields")
@@ -264,8 +265,8 @@ def _check_tp_selection(cfg: ModelConfig | UserModel, setup: Setup) -> None:
     if layers is not None:
         bad = [i for i in layers if i >= cfg.n_layers]
         if bad:
-            raise StrategyError(f"shard_tensor: field 'layers' names layer(s) {bad}, but {cfg.name} has "
-                                f"{cfg.n_layers} layers (0..{cfg.n_layers - 1})")
+            raise StrategyError(f"shard_tensor: field 'layers' names layer(s) {format_layers(bad)}, but {cfg.name} "
+                                f"has {cfg.n_layers} layers (0..{cfg.n_layers - 1})")
         if set(layers) == set(range(cfg.n_layers)):
             setup.tp_layers = layers = None
     if not setup.tp_partial:

@@ -207,6 +207,17 @@ def tp_layers(value: Any, where: str) -> tuple[int, ...]:
     return tuple(sorted(set(value)))
 
 
+def format_layers(layers) -> str:
+    """Layer indices as runs, e.g. ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
 def _check_model_source(model: dict[str, Any]) -> None:
     """A user model given as ``{"source": "py:...", "kwargs": {...}}`` (piper_sim.annotate)."""
     unknown = model.keys() - {"source", "kwargs"}

@@ -90,14 +90,16 @@ def test_selection_of_every_segment_is_the_plain_directive(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("select,sp,message", [
-    ({"layers": [3, 8]}, False, "field 'layers' names layer(s) [8], but gpt-tiny has 8 layers (0..7)"),
+    ({"layers": [3, 8]}, False, "field 'layers' names layer(s) 8, but gpt-tiny has 8 layers (0..7)"),
+    # a long range is named as runs, not listed index by index
+    ({"layers": "0-99"}, False, "field 'layers' names layer(s) 8-99, but gpt-tiny has 8 layers (0..7)"),
     ({"layers": "0-3"}, True, "shard_tensor: field 'sequence_parallel' needs every segment sharded"),
     ({"layers": "3-1"}, False, "field 'layers' must be a list of layer indices or a range"),
     ({"layers": [0, -1]}, False, "field 'layers' entry must be"),
     ({"head": "no"}, False, "field 'head' must be true or false"),
     ({"layers": [], "embedding": False, "head": False}, False, "select no segment"),
     ({"degree": 4, "layers": [0]}, False, "shard_tensor: field 'degree' 4 differs from tensor_parallel's degree 2"),
-], ids=["out-of-range", "sp", "range", "negative", "head-type", "empty", "degree"])
+], ids=["out-of-range", "out-of-range-runs", "sp", "range", "negative", "head-type", "empty", "degree"])
 def test_bad_selections_are_one_line_errors_naming_the_field(select, sp, message):
     s = tiny(select, sp=sp)
     if "degree" in select:
@@ -105,6 +107,17 @@ def test_bad_selections_are_one_line_errors_naming_the_field(select, sp, message
     with pytest.raises(StrategyError) as e:
         compile(s)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_selection_at_degree_1_is_checked_too():
+    """``shard_tensor`` of degree 1 shards nothing, but a layer that does not exist is still an error."""
+    s = tiny(None, tp=1)
+    s["directives"] = [d for d in s["directives"] if d["op"] != "tensor_parallel"]
+    s["directives"].append({"op": "shard_tensor", "degree": 1, "layers": [2, 30, 31]})
+    with pytest.raises(StrategyError, match=r"field 'layers' names layer\(s\) 30-31, but gpt-tiny has 8 layers"):
+        compile(s)
+    s["directives"][-1]["layers"] = [2, 7]
+    assert "tensor_parallel" not in compile(s).meta
 
 
 def test_executor_half_the_layers_sharded_matches_the_reference(tmp_path):

@@ -117,13 +117,9 @@ def _tp_selection(tp: dict) -> str:
     """shard_tensor's partial selection, e.g. `` sharded: embed, layers 0-3 (others replicated)``."""
     if "layers" not in tp:
         return ""
-    runs: list[list[int]] = []
-    for i in tp["layers"]:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    layers = ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+    from piper_sim.strategy import format_layers
+
+    layers = format_layers(tp["layers"])
     parts = (["embed"] if tp["embedding"] else []) + ([f"layers {layers}"] if layers else []) \
         + (["head"] if tp["head"] else [])
     return f" sharded: {', '.join(parts)} (others replicated)"
