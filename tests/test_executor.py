@@ -376,3 +376,17 @@ def test_data_split_follows_the_plan():
 
 if __name__ == "__main__":
     _peer_worker(sys.argv[1:])
+
+
+def test_check_failures_name_only_what_exceeds_its_tolerance():
+    """--check's verdict: each measure beyond its tolerance named once; a resumed run (no
+    first-step gradients, -1) is judged on its parameters only; NaN fails."""
+    from executor.worker import check_failures
+
+    assert check_failures(TOL / 2, GRAD_TOL / 2, "fp32") == []
+    assert check_failures(TOL * 2, -1.0, "fp32") == [f"max_rel_param_diff {TOL * 2:.3e} exceeds the fp32 tolerance "
+                                                     f"{TOL:g}"]
+    (only,) = check_failures(TOL / 2, GRAD_TOL * 2, "fp32")
+    assert only.startswith("first-step max_rel_grad_diff") and "param" not in only
+    assert len(check_failures(float("nan"), float("nan"), "fp32")) == 2
+    assert check_failures(1e-3, 1e-3, "bf16") == []  # bf16's own tolerances
