@@ -46,18 +46,27 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
     return {n: p.detach() for n, p in model.named_parameters()}, losses
 
 
-def full_parameters(fp: FlatParams, comms) -> torch.Tensor:
-    """The full flat parameters of a group (all-gathered from the shards under ZeRO-3)."""
-    if fp.materialised():
-        return fp.full_flat()
+def _gather_flat(fp: FlatParams, comms, piece, like: torch.Tensor) -> torch.Tensor:
+    """A full flat buffer of the group, bucket ``b`` all-gathered from every rank's ``piece(b)``."""
     pg = comms.group(fp.stream, "ranks:" + ",".join(map(str, fp.group)))
-    like = fp.params[0]
     full = torch.empty(fp.total_len, dtype=like.dtype, device=like.device)
-    works = [all_gather(full[fp.offsets[b]:fp.offsets[b] + fp.lens[b]], fp.shard_piece(b), group=pg, async_op=True)
+    works = [all_gather(full[fp.offsets[b]:fp.offsets[b] + fp.lens[b]], piece(b), group=pg, async_op=True)
              for b in range(fp.n_buckets)]
     for w in works:
         w.wait(timeout=timedelta(seconds=120))
     return full
+
+
+def _rel(mine: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative L2 difference ``||mine - want|| / ||want||`` (in fp32)."""
+    return (mine.float() - want.float()).norm().item() / max(want.float().norm().item(), 1e-30)
+
+
+def full_parameters(fp: FlatParams, comms) -> torch.Tensor:
+    """The full flat parameters of a group (all-gathered from the shards under ZeRO-3)."""
+    if fp.materialised():
+        return fp.full_flat()
+    return _gather_flat(fp, comms, fp.shard_piece, fp.params[0])
 
 
 def compare(flats: dict, comms, ref: dict[str, torch.Tensor], view=None) -> tuple[float, float]:
@@ -78,8 +87,7 @@ def compare(flats: dict, comms, ref: dict[str, torch.Tensor], view=None) -> tupl
             want = (view(name, ref[name]) if view else ref[name]).to(mine.device, mine.dtype)
             diff = (mine.float() - want.float()).abs().max().item()
             max_abs = max(max_abs, diff)
-            rel = (mine.float() - want.float()).norm().item() / max(want.float().norm().item(), 1e-30)
-            max_rel = max(max_rel, rel)
+            max_rel = max(max_rel, _rel(mine, want))
     return max_abs, max_rel
 
 
@@ -88,14 +96,7 @@ def full_gradients(fp: FlatParams, grad: torch.Tensor, comms) -> torch.Tensor:
     gradient, or under ZeRO its shard, all-gathered bucket by bucket from the group)."""
     if fp.shard is None:
         return grad
-    pg = comms.group(fp.stream, "ranks:" + ",".join(map(str, fp.group)))
-    full = torch.empty(fp.total_len, dtype=grad.dtype, device=grad.device)
-    pieces = [grad[o:o + n] for o, n in zip(fp.piece_offsets, fp.piece_lens)]
-    works = [all_gather(full[fp.offsets[b]:fp.offsets[b] + fp.lens[b]], pieces[b], group=pg, async_op=True)
-             for b in range(fp.n_buckets)]
-    for w in works:
-        w.wait(timeout=timedelta(seconds=120))
-    return full
+    return _gather_flat(fp, comms, lambda b: grad[fp.piece_offsets[b]:fp.piece_offsets[b] + fp.piece_lens[b]], grad)
 
 
 def compare_grads(flats: dict, stepped: dict, comms, ref: dict[str, torch.Tensor], view=None) -> float:
@@ -108,6 +109,5 @@ def compare_grads(flats: dict, stepped: dict, comms, ref: dict[str, torch.Tensor
         full = full_gradients(fp, stepped[key], comms)
         for name, mine in fp.named_views(full).items():
             want = (view(name, ref[name]) if view else ref[name]).to(mine.device, mine.dtype)
-            rel = (mine.float() - want.float()).norm().item() / max(want.float().norm().item(), 1e-30)
-            max_rel = max(max_rel, rel)
+            max_rel = max(max_rel, _rel(mine, want))
     return max_rel
