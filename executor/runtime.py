@@ -264,8 +264,9 @@ class Runtime:
         return _Running(self, op_id, {id(p) for p in params} if self.bucket_members else set())
 
     def _setup_tensor_parallel(self) -> None:
-        """Each stage becomes this rank's tensor-parallel shard (`executor.tensor_parallel`),
-        its collectives on the plan's ``tp`` group. Under sequence parallelism the stage's
+        """Each stage's units that ``shard_tensor`` selected (all by default) become this rank's
+        tensor-parallel shard of them (`executor.tensor_parallel`), their collectives on the
+        plan's ``tp`` group; the others run whole. Under sequence parallelism the stage's
         gradient syncs also wait for its ``TP.s{S}.norms`` all-reduce, which adds into the
         same gradient buffer (Megatron reduces them before the data-parallel sync)."""
         tp_ops = [i for lst in self.prog.streams.values() for i in lst if is_tp(i)]

@@ -1,7 +1,8 @@
 """Real tensor (and sequence) parallelism for transformer stages of the zoo, Megatron-style.
 
-Each tensor-parallel rank takes its shard of the stage's units *after* they are built with
-the single-process model's weights (`shard_stage`): q/k/v and the first MLP linears are
+Each tensor-parallel rank takes its shard of the stage's units (those ``shard_tensor``
+selected, `sharded_units`; every one by default, the others stay whole and replicated) *after*
+they are built with the single-process model's weights (`shard_stage`): q/k/v and the first MLP linears are
 column-parallel (rows ``[r·n/T, (r+1)·n/T)`` of their weights and biases), the attention
 output and the last MLP linear row-parallel (the same columns; a bias is added once, after
 the reduction), the embedding and head vocabulary-parallel (rows of the vocabulary); norms
