@@ -374,10 +374,6 @@ def test_data_split_follows_the_plan():
     assert not (d.batch(6)[0] == tokens).all()
 
 
-if __name__ == "__main__":
-    _peer_worker(sys.argv[1:])
-
-
 def test_check_failures_name_only_what_exceeds_its_tolerance():
     """--check's verdict: each measure beyond its tolerance named once; a resumed run (no
     first-step gradients, -1) is judged on its parameters only; NaN fails."""
@@ -390,3 +386,7 @@ def test_check_failures_name_only_what_exceeds_its_tolerance():
     assert only.startswith("first-step max_rel_grad_diff") and "param" not in only
     assert len(check_failures(float("nan"), float("nan"), "fp32")) == 2
     assert check_failures(1e-3, 1e-3, "bf16") == []  # bf16's own tolerances
+
+
+if __name__ == "__main__":
+    _peer_worker(sys.argv[1:])
