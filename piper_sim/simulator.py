@@ -690,33 +690,6 @@ class _Engine:
 # ----------------------------------------------------------------------------- results
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if e <= s:
-            continue
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def _exposed(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
-    """Length of the comm intervals not covered by compute (both as unions)."""
-    total, j = 0.0, 0
-    for s, e in comm:
-        covered = 0.0
-        while j < len(compute) and compute[j][1] <= s:
-            j += 1
-        k = j
-        while k < len(compute) and compute[k][0] < e:
-            covered += min(e, compute[k][1]) - max(s, compute[k][0])
-            k += 1
-        total += (e - s) - covered
-    return total
-
-
 def _peak_flops(plan: Plan, cm: CostModel) -> float:
     gpu = getattr(cm, "gpu", None)
     dtype = getattr(cm, "dtype", None) or plan.meta.get("dtype", "bf16")
@@ -798,22 +771,17 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
 
     layout = plan.layout
     step = max((row[7] for row in eng.rows), default=0.0)
-    by_rank: dict[int, tuple[list, list]] = {r: ([], []) for r in eng.ranks}
     compute_s = dict.fromkeys(eng.ranks, 0.0)
     for row in eng.rows:
-        r, kind, s, e = row[0], row[3], row[6], row[7]
-        if kind in COMPUTE_KINDS:
-            compute_s[r] += e - s
-            by_rank[r][0].append((s, e))
-        else:
-            by_rank[r][1].append((s, e))
+        if row[3] in COMPUTE_KINDS:
+            compute_s[row[0]] += row[7] - row[6]
+    exposed_of = trace.exposed_comm((row[0], row[3], row[6], row[7]) for row in eng.rows)
     per_rank = []
     capacity = _memory_capacity(plan, cm)
     for r in eng.ranks:
         cls = eng.class_of[r]
         static = cls.static_memory
-        comp, comm = by_rank[r]
-        exposed = _exposed(_union(comm), _union(comp))
+        exposed = exposed_of.get(r, 0.0)
         bubble = step - compute_s[r]
         sm = sum(float(v) for k, v in static.items() if k.endswith("_bytes") and k != "total_bytes")
         per_rank.append(RankStats(
