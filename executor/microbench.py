@@ -478,7 +478,7 @@ def _phases(g: _Group, spec: dict, allreduce_s: float, tick: Tick) -> dict:
 
     iters = iterations()
     k = min(2000, math.ceil(3 * iters * g.max(_loop_seconds(mm, 1, dev)) / max(allreduce_s, 1e-7)) + 2)
-    alone = together = overlapped = math.inf
+    alone = together = overlapped = comm_under = math.inf
     covered = True
     for r in range(reps):
         alone = min(alone, loop(iters, ranks=(0,)))
@@ -487,14 +487,18 @@ def _phases(g: _Group, spec: dict, allreduce_s: float, tick: Tick) -> dict:
         works = [dist.all_reduce(x, async_op=True) for _ in range(k)]
         t = _loop_seconds(mm, iters, dev) / iters
         covered &= not works[-1].is_completed()
+        finished = sum(w.is_completed() for w in works)  # in issue order: the ones done while computing
         for w in works:
             w.wait()
         overlapped = min(overlapped, g.max(t))
+        # all-reduces done per second while the ranks compute, as seconds per all-reduce
+        comm_under = min(comm_under, g.max(t * iters / max(finished, 0.5)))
         tick(f"overlap / contention n={g.world} round {r + 1}/{reps}", 1 / reps)
     out = {"matmul": m, "dtype": spec["dtype"], "threads": torch.get_num_threads(), "iters": iters,
            "alone_s": g.max(alone if g.rank == 0 else 0.0), "together_s": together,
            "overlap_s": overlapped, "overlap_allreduce_bytes": spec["overlap_bytes"],
-           "overlap_allreduces": k, "overlap_covered": g.max(0.0 if covered else 1.0) == 0.0}
+           "overlap_allreduces": k, "overlap_covered": g.max(0.0 if covered else 1.0) == 0.0,
+           "allreduce_alone_s": allreduce_s, "allreduce_computing_s": comm_under}
     if dev.type == "cpu" and spec["cores"] != spec["threads"]:
         torch.set_num_threads(spec["cores"])
         iters = iterations()

@@ -8,8 +8,9 @@ reached it. Comm transfers share links: each transfer asks for its solo rate on 
 link it uses (`CostModel.links`), and a link asked for more than its bandwidth slows
 all its transfers in proportion (finish times are recomputed whenever a transfer starts
 or ends). Compute runs `comm_compute_slowdown` times slower while a transfer is active on
-its rank. Memory per rank: the class's static model states, plus ``alloc`` when an op
-starts, minus ``free`` when it ends.
+its rank, and a transfer `comm_overlap_slowdown` times slower while one of its ranks
+computes (a CPU's gloo thread shares the cores; 1 on accelerators). Memory per rank: the
+class's static model states, plus ``alloc`` when an op starts, minus ``free`` when it ends.
 
 Folding: the data-parallel replicas and context- and tensor-parallel peers of a pipeline rank run the
 same program, so when the cluster is symmetric over them (every collective and p2p
@@ -300,6 +301,9 @@ class _Engine:
         self.layout = plan.layout
         self.env = simpy.Environment()
         self.slow = float(getattr(cm, "comm_compute_slowdown", 1.0) or 1.0)
+        # comm runs `comm_slow` times slower while any of its ranks computes (CPU: shared cores)
+        self.comm_slow = float(getattr(cm, "comm_overlap_slowdown", 1.0) or 1.0)
+        self.comm_jobs: dict[int, dict[_Job, None]] = {}
         # CPU clusters: ranks' compute shares the machine's cores (processor sharing);
         # None for accelerators, where each rank has its own device.
         self.cores = getattr(cm, "compute_slots", None)
@@ -484,11 +488,14 @@ class _Engine:
         if dur <= 0:
             ev.succeed()
             return
-        if not links and self.slow == 1.0:
+        if not links and self.slow == 1.0 and self.comm_slow == 1.0:
             self.env.timeout(dur).callbacks.append(lambda _e: ev.succeed())
             return
         job = _Job(dur, ev, links, ranks)
         job.t = self.env.now
+        if self.comm_slow != 1.0:
+            for r in ranks:
+                self.comm_jobs.setdefault(r, {})[job] = None
         affected: dict[_Job, None] = {job: None}
         for link, demand in links:
             on = self.on_link.setdefault(link, {})
@@ -505,7 +512,11 @@ class _Engine:
     def _run_compute(self, rank: int, dur: float) -> simpy.Event:
         job = _Job(dur, self.env.event(), (), (rank,), compute=True)
         job.t = self.env.now
+        first = not self.compute_jobs[rank]
         self.compute_jobs[rank][job] = None
+        if first and self.comm_slow != 1.0:
+            for j in list(self.comm_jobs.get(rank, ())):
+                self._rerate(j)
         if self.cores:
             self.cpu_jobs[job] = self.represents[rank]
             for j in self.cpu_jobs:
@@ -521,6 +532,8 @@ class _Engine:
                 rate *= min(1.0, self.cores / sum(self.cpu_jobs.values()))
             return rate
         rate = 1.0
+        if self.comm_slow != 1.0 and any(self.compute_jobs.get(r) for r in job.ranks):
+            rate = 1.0 / self.comm_slow
         for link, _ in job.links:
             load = sum(self.on_link[link].values())
             cap = self._bw[link]
@@ -544,7 +557,11 @@ class _Engine:
         if ver != job.ver:
             return  # rescheduled since
         if job.compute:
-            del self.compute_jobs[job.ranks[0]][job]
+            rank = job.ranks[0]
+            del self.compute_jobs[rank][job]
+            if not self.compute_jobs[rank] and self.comm_slow != 1.0:
+                for j in list(self.comm_jobs.get(rank, ())):
+                    self._rerate(j)
             if self.cores:
                 del self.cpu_jobs[job]
                 for j in self.cpu_jobs:
@@ -557,6 +574,7 @@ class _Engine:
             del on[job]
             affected.update(dict.fromkeys(on))
         for r in job.ranks:
+            self.comm_jobs.get(r, {}).pop(job, None)
             self.active[r] -= 1
             if self.active[r] == 0 and self.slow != 1.0:
                 affected.update(self.compute_jobs.get(r, {}))
@@ -635,7 +653,7 @@ class _Engine:
                 op.start = env.now
                 if op.started is not None:
                     op.started.succeed()
-                if (self.slow != 1.0 or self.cores) and op.dur > 0:
+                if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores) and op.dur > 0:
                     yield self._run_compute(rank, op.dur)
                 elif op.dur > 0:
                     yield env.timeout(op.dur)

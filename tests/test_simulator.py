@@ -213,6 +213,19 @@ def test_compute_slows_down_while_comm_runs():
     assert ev.loc["F.s0.mb0", "end"] == pytest.approx(5)  # 2 s at half speed, then 3 s
 
 
+def test_comm_slows_down_while_its_rank_computes():
+    """commslowdown=2: an all-reduce of 2 s posted with a 1 s forward runs at half speed for
+    1 s (on either member: rank 1 computes only), then at full speed: it ends at 2.5 s."""
+    plan = hand_plan([{"compute": [Instruction(id="F.s0.mb0", kind="F", stream="compute", stage=0, mb=0)],
+                       "dp": [Instruction(id="AR", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0")]}],
+                     dp=2, cluster="cpu:2")
+    ev = simulate(plan, "unit:F=1,comm=2,commslowdown=2", fold=False).events
+    assert ev[ev["op_id"] == "AR"]["end"].tolist() == pytest.approx([2.5, 2.5])
+    assert ev[ev["op_id"] == "F.s0.mb0"]["end"].tolist() == pytest.approx([1, 1])
+    alone = simulate(plan, "unit:F=1,comm=2", fold=False).events
+    assert alone[alone["op_id"] == "AR"]["end"].tolist() == pytest.approx([2, 2])
+
+
 def test_expert_pieces_share_their_stage_time_by_flops():
     plan = compile({"model": "moe-tiny", "cluster": "cpu:4", "global_batch": 8, "seq_len": 32, "microbatches": 2,
                     "directives": [{"op": "expert_parallel", "degree": 4}]})
