@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from costmodel.dtypes import torch_dtype
+from executor.collectives import reduce_scatter_flat
 
 KIB, MIB = 1 << 10, 1 << 20
 COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
@@ -390,10 +391,9 @@ def _collective(kind: str, nbytes: int, world: int, device: torch.device):
     if kind == "ALLREDUCE":
         x = zeros(n)
         return (lambda: dist.all_reduce(x)), 4 * n
-    if kind == "REDUCE_SCATTER":
-        inp, out = zeros(n), zeros(part)
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return (lambda: rs(out, inp)), 4 * n
+    if kind == "REDUCE_SCATTER":  # as the executor runs it (an all-reduce on gloo)
+        inp = zeros(n)
+        return (lambda: reduce_scatter_flat(inp, dist.get_rank(), world)), 4 * n
     if kind == "ALL_GATHER":
         inp, out = zeros(part), zeros(n)
         ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
