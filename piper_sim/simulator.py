@@ -260,7 +260,7 @@ class _Op:
     """One instruction placed on one simulated rank."""
 
     __slots__ = ("ins", "rank", "stream", "deps", "dur", "peer", "group", "cost", "done", "event",
-                 "posted", "start", "end", "started")
+                 "posted", "start", "end", "started", "job")
 
     def __init__(self, ins: Instruction, rank: int, stream: str):
         self.ins = ins
@@ -277,12 +277,13 @@ class _Op:
         self.start = 0.0
         self.end = 0.0
         self.started: simpy.Event | None = None  # for ops waiting on part of this one
+        self.job: _Job | None = None  # a compute op's rate-shared work, while it runs
 
 
 class _Job:
     """Work (seconds at full rate) whose rate changes with link load or comm activity."""
 
-    __slots__ = ("left", "rate", "t", "ver", "ev", "links", "ranks", "compute")
+    __slots__ = ("left", "rate", "t", "ver", "ev", "links", "ranks", "compute", "watch")
 
     def __init__(self, work: float, ev: simpy.Event, links: tuple, ranks: tuple, compute: bool = False):
         self.left = work
@@ -293,6 +294,7 @@ class _Job:
         self.links = links  # ((link_id, demand bytes/s), ...)
         self.ranks = ranks
         self.compute = compute
+        self.watch: list[tuple[float, simpy.Event]] = []  # (work left, event when it is reached)
 
 
 class _Engine:
@@ -509,7 +511,7 @@ class _Engine:
         for j in affected:
             self._rerate(j, j is job)
 
-    def _run_compute(self, rank: int, dur: float) -> simpy.Event:
+    def _run_compute(self, rank: int, dur: float) -> _Job:
         job = _Job(dur, self.env.event(), (), (rank,), compute=True)
         job.t = self.env.now
         first = not self.compute_jobs[rank]
@@ -523,7 +525,7 @@ class _Engine:
                 if j is not job:
                     self._rerate(j)
         self._rerate(job, True)
-        return job.ev
+        return job
 
     def _rate(self, job: _Job) -> float:
         if job.compute:
@@ -552,11 +554,24 @@ class _Engine:
         job.ver += 1
         ver = job.ver
         self.env.timeout(max(job.left, 0.0) / rate).callbacks.append(lambda _e: self._job_end(job, ver))
+        for left, ev in job.watch:
+            self._watch(job, ver, left, ev)
+
+    def _watch(self, job: _Job, ver: int, left: float, ev: simpy.Event) -> None:
+        """Trigger `ev` when `job` has `left` work left, unless re-rated before then."""
+        def fire(_e):
+            if ver == job.ver and not ev.triggered:
+                ev.succeed()
+        now_left = job.left - job.rate * (self.env.now - job.t)
+        self.env.timeout(max(now_left - left, 0.0) / job.rate).callbacks.append(fire)
 
     def _job_end(self, job: _Job, ver: int) -> None:
         if ver != job.ver:
             return  # rescheduled since
         if job.compute:
+            for _, ev in job.watch:
+                if not ev.triggered:
+                    ev.succeed()
             rank = job.ranks[0]
             del self.compute_jobs[rank][job]
             if not self.compute_jobs[rank] and self.comm_slow != 1.0:
@@ -623,6 +638,24 @@ class _Engine:
             self.mem_peak[rank] = cur
         self.mem_samples.append((rank, self.env.now, cur))
 
+    def _progress(self, dep: _Op, share: float):
+        """Wait until `share` of compute op `dep`'s work is done (its rate changes with comm
+        overlap and shared cores)."""
+        env = self.env
+        job = dep.job
+        if job is None:  # runs at full rate
+            left = dep.start + share * dep.dur - env.now
+            if left > 0:
+                yield env.timeout(left)
+            return
+        target = (1.0 - share) * dep.dur  # work left when the share is done
+        if job.left - job.rate * (env.now - job.t) <= target:
+            return
+        ev = env.event()
+        job.watch.append((target, ev))
+        self._watch(job, job.ver, target, ev)
+        yield ev
+
     def _stream(self, rank: int, name: str, ops: list[_Op]):
         env = self.env
         key = (rank, name)
@@ -639,9 +672,7 @@ class _Engine:
                         if dep.started is None:
                             dep.started = env.event()
                         yield dep.started
-                    left = dep.start + ins.dep_progress * dep.dur - env.now
-                    if left > 0 and not dep.done:
-                        yield env.timeout(left)
+                    yield from self._progress(dep, ins.dep_progress)
                     continue
                 if dep.event is None:
                     dep.event = env.event()
@@ -654,7 +685,9 @@ class _Engine:
                 if op.started is not None:
                     op.started.succeed()
                 if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores) and op.dur > 0:
-                    yield self._run_compute(rank, op.dur)
+                    op.job = self._run_compute(rank, op.dur)
+                    yield op.job.ev
+                    op.job = None
                 elif op.dur > 0:
                     yield env.timeout(op.dur)
             elif ins.kind in ("SEND", "RECV"):

@@ -226,6 +226,19 @@ def test_comm_slows_down_while_its_rank_computes():
     assert alone[alone["op_id"] == "AR"]["end"].tolist() == pytest.approx([2, 2])
 
 
+def test_partial_dependency_follows_the_work_done_not_the_clock():
+    """A bucket sync waiting for half of a 4 s forward that runs at half speed for its first
+    2 s (an all-reduce overlaps it): half the work is done at 3 s, not at 2 s."""
+    plan = hand_plan([{"compute": [Instruction(id="F.s0.mb0", kind="F", stream="compute", stage=0, mb=0)],
+                       "dp": [Instruction(id="AR0", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0")],
+                       "dp.b": [Instruction(id="AR1", kind="ALLREDUCE", stream="dp.b", bytes=1.0, group="stage:0",
+                                            deps=["F.s0.mb0"], dep_progress=0.5)]}], dp=2, cluster="cpu:2")
+    ev = simulate(plan, UnitCostModel(F=4, comm=2, slowdown=2)).events.set_index("op_id")
+    assert ev.loc["AR1", "posted"] == pytest.approx(3)
+    # 1 unit of work in 2 s at half speed, 1 in 1 s, 1 in 2 s at half speed again (AR1), 1 in 1 s
+    assert ev.loc["F.s0.mb0", "end"] == pytest.approx(6)
+
+
 def test_expert_pieces_share_their_stage_time_by_flops():
     plan = compile({"model": "moe-tiny", "cluster": "cpu:4", "global_batch": 8, "seq_len": 32, "microbatches": 2,
                     "directives": [{"op": "expert_parallel", "degree": 4}]})
