@@ -795,10 +795,11 @@ def _group_size(ctx: Context, ins: Instruction) -> int:
 def _bucket_ready(segs: list, buckets: list[float]) -> list[float]:
     """The share of a stage's backward done when each gradient bucket is complete. Buckets
     are equal slices of the parameters in model order; the backward runs the segments in
-    reverse, so bucket b is complete once it has run the segment holding b's first byte:
-    the backward flops of that segment and all later ones, over the total (a tied
-    embedding's bucket waits for the embedding's backward, the last). Uniform shares when
-    the profile has no backward flops."""
+    reverse (and, roughly, a segment's parameters too), so bucket b is complete once it
+    reached b's first byte: the backward flops of the later segments plus the part of that
+    segment's from the byte to the segment's end, over the total (a tied embedding's
+    bucket waits for the embedding's backward, the last). Uniform shares when the profile
+    has no backward flops."""
     flops = [x.bwd_flops for x in segs]
     total = sum(flops)
     if total <= 0:
@@ -812,9 +813,10 @@ def _bucket_ready(segs: list, buckets: list[float]) -> list[float]:
     out, lo = [], 0.0
     for nbytes in buckets:
         j = next((i for i, e in enumerate(ends) if e * scale > lo and segs[i].param_bytes > 0), len(segs) - 1)
+        inside = min(1.0, (ends[j] * scale - lo) / (segs[j].param_bytes * scale)) if segs[j].param_bytes else 1.0
         # strictly decreasing in b, so buckets ready together go out last first, and only
         # bucket 0 waits for the end of the backward
-        out.append(min(1.0, sum(flops[j:]) / total) - 1e-6 * len(out))
+        out.append(min(1.0, (sum(flops[j + 1:]) + inside * flops[j]) / total) - 1e-6 * len(out))
         lo += nbytes
     return out
 
