@@ -17,6 +17,7 @@ Schema (JSON; every key but "kind" optional; seconds, bytes, bytes/s)::
       },
       "p2p": {"alpha_s": 3e-5, "bw_Bps": 2e9},       # or {"intra": {...}, "inter": {...}}
       "overlap_slowdown": 1.15,            # compute slowdown while a comm kernel runs
+      "comm_overlap_slowdown": 1.0,        # comm slowdown while its rank computes (CPU: shared cores)
       "meta": {...}                        # free-form: host, date, tool version
     }
 
@@ -40,7 +41,7 @@ from costmodel.collectives import KINDS
 
 CALIBRATION_KEYS = {"kind", "device", "dtype", "peak_flops", "efficiency_table", "launch_s", "hbm_bw",
                     "memory_bw_table",
-                    "collectives", "p2p", "overlap_slowdown", "meta"}
+                    "collectives", "p2p", "overlap_slowdown", "comm_overlap_slowdown", "meta"}
 
 
 def load_calibration(path: str) -> dict:

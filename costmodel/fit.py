@@ -16,6 +16,8 @@ calibration dict (schema in `costmodel.calibration`).
 - `collectives` / `p2p`: `t = alpha_s + S / bw_Bps` per kind and group size, by
   least squares on *relative* error (`fit_alpha_bw`; plain least squares would let the
   largest messages decide alpha).
+- `comm_overlap_slowdown`: seconds per all-reduce while every rank runs matmuls (all-reduces
+  queued, counted as they finish) / alone: on a CPU gloo's thread shares the cores.
 - `overlap_slowdown`: matmul time while each rank's own async all-reduces run / without,
   every rank computing in both cases; `meta.contention`: matmul time with every rank
   computing / one rank alone (slowest rank; see traces/calibration/README.md).
@@ -158,6 +160,8 @@ def phase_factors(phases: dict) -> dict:
     out = {"contention": together / phases["alone_s"],
            "overlap_slowdown": _mean(phases["overlap_s"]) / together,
            "overlap_covered": phases["overlap_covered"]}
+    if phases.get("allreduce_computing_s"):  # files before it kept no such measurement
+        out["comm_overlap_slowdown"] = phases["allreduce_computing_s"] / phases["allreduce_alone_s"]
     d = phases.get("default_threads")
     if d:
         out["default_threads"] = {"threads": d["threads"], "contention": _mean(d["together_s"]) / d["alone_s"]}
@@ -208,6 +212,8 @@ def build_calibration(raw: dict) -> dict:
         "collectives": coll,
         **({"p2p": p2p} if p2p else {}),
         **({"overlap_slowdown": max(1.0, factors[smallest]["overlap_slowdown"])} if smallest else {}),
+        **({"comm_overlap_slowdown": max(1.0, factors[smallest]["comm_overlap_slowdown"])}
+           if smallest and "comm_overlap_slowdown" in factors[smallest] else {}),
     }
     contention = {"threads_per_rank": cfg["threads"], "matmul": raw["comm"][smallest]["phases"]["matmul"],
                   "factor": {"1": 1.0, **{w: f["contention"] for w, f in factors.items()}}} if smallest else {}
@@ -283,6 +289,10 @@ def _merge_comm(results: list[dict]) -> dict:
                   "overlap_covered": all(p["overlap_covered"] for p in phases)}
         for key in ("together_s", "overlap_s"):
             merged[key] = min(_mean(p[key]) for p in phases)
+        under = [p for p in phases if p.get("allreduce_computing_s")]  # older runs lack it
+        if under:
+            merged["allreduce_alone_s"] = min(p["allreduce_alone_s"] for p in under)
+            merged["allreduce_computing_s"] = min(p["allreduce_computing_s"] for p in under)
         if "default_threads" in phases[0]:
             d = [p["default_threads"] for p in phases]
             merged["default_threads"] = {**d[0], "alone_s": min(x["alone_s"] for x in d),

@@ -75,6 +75,9 @@ class GPU:
     intra_alpha_s: float = NVLINK_ALPHA_S
     inter_alpha_s: float = NIC_ALPHA_S
     overlap_slowdown: float = GPU_OVERLAP_SLOWDOWN  # compute slowdown while a comm kernel shares the device
+    # comm slowdown while its rank computes: 1 where comm has its own engine; on a CPU the
+    # comm thread (gloo) shares the cores with the compute thread
+    comm_overlap_slowdown: float = 1.0
     # expert-parallel all-to-all (DeepEP-style, see costmodel.moe); 0 = this GPU's
     # nvlink_bw / nic_bw times DEEPEP_NVLINK_SHARE / DEEPEP_NIC_SHARE
     ep_nvlink_bw: float = 0.0

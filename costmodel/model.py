@@ -25,10 +25,12 @@ COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
 
 class CostModel:
     """Base class. `comm_compute_slowdown` (>= 1) multiplies compute time while a comm
-    kernel runs on the same device."""
+    kernel runs on the same device; `comm_overlap_slowdown` (>= 1) multiplies comm time
+    while its rank computes."""
 
     name: str = "costmodel"
     comm_compute_slowdown: float = 1.0
+    comm_overlap_slowdown: float = 1.0
 
     def compute_time(self, kind: str, flops: float, mem_bytes: float = 0.0,
                      gemm: tuple[int, int, int] | None = None) -> float:
@@ -73,7 +75,8 @@ class AnalyticCostModel(CostModel):
     number for `dtype`), "dtype" (default "bf16"), "algorithm" (collective algorithm,
     default "auto"), "comm_compute_slowdown", "moe" (costmodel.moe.MoEOptions fields, over
     the cluster's, e.g. {"moe": {"imbalance": 1.1, "fp8_dispatch": True}}), and the
-    calibration keys "efficiency_table", "collectives", "p2p", "overlap_slowdown".
+    calibration keys "efficiency_table", "collectives", "p2p", "overlap_slowdown",
+    "comm_overlap_slowdown".
     """
 
     KEYS = GPU_FIELDS | {"dtype", "gemm_dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives",
@@ -119,10 +122,16 @@ class AnalyticCostModel(CostModel):
         self.gpu.peak(self.dtype)  # fail early on a dtype the device lacks
         if self.comm_compute_slowdown < 1:
             raise ValueError(f"comm_compute_slowdown must be >= 1, got {self.comm_compute_slowdown}")
+        if self.comm_overlap_slowdown < 1:
+            raise ValueError(f"comm_overlap_slowdown must be >= 1, got {self.comm_overlap_slowdown}")
 
     @property
     def comm_compute_slowdown(self) -> float:
         return self.gpu.overlap_slowdown
+
+    @property
+    def comm_overlap_slowdown(self) -> float:
+        return self.gpu.comm_overlap_slowdown
 
     def compute_time(self, kind, flops, mem_bytes=0.0, gemm=None):
         if kind == "OPT":
@@ -174,19 +183,23 @@ class AnalyticCostModel(CostModel):
 
 class UnitCostModel(CostModel):
     """Constant times: F, BI, BW, B (default BI+BW), OPT (default 0) per compute op; `comm`
-    per collective; `p2p` per send/recv (default `comm`); `slowdown` while overlapping."""
+    per collective; `p2p` per send/recv (default `comm`); `slowdown` of compute while comm
+    runs; `commslowdown` of comm while its rank computes."""
 
-    UNIT_FORMS = "unit[:F=1,BI=1,BW=1,B=2,OPT=0,comm=0,p2p=0,slowdown=1]"
+    UNIT_FORMS = "unit[:F=1,BI=1,BW=1,B=2,OPT=0,comm=0,p2p=0,slowdown=1,commslowdown=1]"
 
-    def __init__(self, F=1.0, BI=1.0, BW=1.0, B=None, OPT=0.0, comm=0.0, p2p=None, slowdown=1.0):
+    def __init__(self, F=1.0, BI=1.0, BW=1.0, B=None, OPT=0.0, comm=0.0, p2p=None, slowdown=1.0,
+                 commslowdown=1.0):
         self.times = {"F": F, "BI": BI, "BW": BW, "B": BI + BW if B is None else B, "OPT": OPT}
         self.comm = comm
         self.p2p = comm if p2p is None else p2p
         self.comm_compute_slowdown = slowdown
-        if min(*self.times.values(), self.comm, self.p2p) < 0 or slowdown < 1:
-            raise ValueError("unit cost model needs times >= 0 and slowdown >= 1")
+        self.comm_overlap_slowdown = commslowdown
+        if min(*self.times.values(), self.comm, self.p2p) < 0 or min(slowdown, commslowdown) < 1:
+            raise ValueError("unit cost model needs times >= 0 and slowdown, commslowdown >= 1")
+        items = [*self.times.items(), ("comm", comm), ("p2p", self.p2p), ("slowdown", slowdown)]
         self.name = "unit:" + ",".join(f"{k}={v:g}" for k, v in
-                                       [*self.times.items(), ("comm", comm), ("p2p", self.p2p), ("slowdown", slowdown)])
+                                       items + ([("commslowdown", commslowdown)] if commslowdown != 1 else []))
 
     @classmethod
     def parse(cls, spec: str) -> "UnitCostModel":
@@ -198,7 +211,7 @@ class UnitCostModel(CostModel):
             key, eq, value = item.partition("=")
             key = key.strip()
             key = key.upper() if key.upper() in COMPUTE_KINDS else key.lower()
-            if not eq or key not in COMPUTE_KINDS + ("comm", "p2p", "slowdown"):
+            if not eq or key not in COMPUTE_KINDS + ("comm", "p2p", "slowdown", "commslowdown"):
                 raise ValueError(f"bad unit cost model {spec!r} at {item!r}; expected {cls.UNIT_FORMS}")
             try:
                 kwargs[key] = float(value)

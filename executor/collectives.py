@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from piper_sim.plan import COLLECTIVE_KINDS, P2P_KINDS, Plan, PlanError, RankProgram
@@ -26,6 +27,19 @@ from piper_sim.plan import COLLECTIVE_KINDS, P2P_KINDS, Plan, PlanError, RankPro
 # torch 2.13 renamed the flat-tensor collectives; older versions only have the old names
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_flat(inp: torch.Tensor, index: int, size: int, group=None, async_op: bool = False):
+    """Reduce-scatter of a flat tensor whose ``size`` equal pieces go to the group's members:
+    (work, this rank's reduced piece, valid once the work is done). ``inp`` is consumed. On
+    gloo, an in-place all-reduce and a view of the piece: gloo's reduce-scatter takes 1.3-2x
+    an all-reduce of the same input (2 ranks, 3.8 MB: 10.6-17.0 ms vs 7.9-9.2 ms, paired
+    runs on the 2-core VM), and in the ring all-reduce's first half *is* a reduce-scatter."""
+    piece = inp.view(size, -1)[index] if inp.numel() else inp
+    if dist.get_backend(group) == "gloo":
+        return dist.all_reduce(inp, group=group, async_op=async_op), piece
+    out = torch.empty_like(piece)
+    return reduce_scatter(out, inp, group=group, async_op=async_op), out
 
 
 def group_ranks(group: str) -> tuple[int, ...]:

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from executor.context_parallel import CP_STREAM, CPComm, context_stage, is_cp, reorder_after_pieces
-from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter
+from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter_flat
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
 from costmodel.dtypes import torch_dtype
@@ -727,8 +727,7 @@ class Runtime:
         # the bucket's gradients so far go (the bucket restarts from zero); their reduced
         # shard is added to the shard's gradient, which sums the step's micro-batches
         send = self._take_grads_in_compute_order(ins, fp, b)
-        out = torch.empty_like(fp.shard_grad_piece(b))
-        work = reduce_scatter(out, send, group=pg, async_op=True)
+        work, out = reduce_scatter_flat(send, fp.index, len(fp.group), group=pg, async_op=True)
         return Posted(work, lambda: fp.add_shard_grad(b, out))
 
     def _take_grads_in_compute_order(self, ins: Instruction, fp: FlatParams, b: int) -> torch.Tensor:

@@ -679,11 +679,10 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                 _zero3_per_unit(ctx, dag, where, s, nodes, tag, unit_buckets(ctx, s)[tag], size, group, opt)
                 continue
             buckets = _buckets(param_bytes, setup.bucket_mb, len({x.unit for x in segs}))
-            n_b = len(buckets)
+            readiness = _bucket_ready(segs, buckets)
             rounds = _reduce_rounds(ctx, dag, s, nodes) if zero == 2 else [(-1, -1, last_backward)]
             for b, nbytes in enumerate(buckets):
-                # bucket b (in parameter order) has its gradients once the backward reached it
-                ready = (n_b - b) / n_b
+                ready = readiness[b]
                 for rnd, mb, producers in rounds:
                     kind = "ALLREDUCE" if zero == 0 else "REDUCE_SCATTER"
                     sync = make_op(kind, stream[kind], stage=s, mb=mb, round=rnd, bytes=nbytes, group=group,
@@ -794,6 +793,35 @@ def _group_size(ctx: Context, ins: Instruction) -> int:
         return ctx.layout.axes[ins.group]
     copies = len(ctx.layout.stage_ranks[ins.stage]) * ctx.layout.dp * ctx.layout.cp
     return copies // ctx.layout.ep if ins.group.endswith(":edp") else copies
+
+
+def _bucket_ready(segs: list, buckets: list[float]) -> list[float]:
+    """The share of a stage's backward done when each gradient bucket is complete. Buckets
+    are equal slices of the parameters in model order; the backward runs the segments in
+    reverse (and, roughly, a segment's parameters too), so bucket b is complete once it
+    reached b's first byte: the backward flops of the later segments plus the part of that
+    segment's from the byte to the segment's end, over the total (a tied embedding's
+    bucket waits for the embedding's backward, the last). Uniform shares when the profile
+    has no backward flops."""
+    flops = [x.bwd_flops for x in segs]
+    total = sum(flops)
+    if total <= 0:
+        n = len(buckets)
+        return [(n - b) / n for b in range(n)]
+    ends, acc = [], 0.0
+    for x in segs:
+        acc += x.param_bytes
+        ends.append(acc)
+    scale = sum(buckets) / acc if acc else 1.0  # bucket bytes are per expert-parallel rank
+    out, lo = [], 0.0
+    for nbytes in buckets:
+        j = next((i for i, e in enumerate(ends) if e * scale > lo and segs[i].param_bytes > 0), len(segs) - 1)
+        inside = min(1.0, (ends[j] * scale - lo) / (segs[j].param_bytes * scale)) if segs[j].param_bytes else 1.0
+        # strictly decreasing in b, so buckets ready together go out last first, and only
+        # bucket 0 waits for the end of the backward
+        out.append(min(1.0, (sum(flops[j + 1:]) + inside * flops[j]) / total) - 1e-6 * len(out))
+        lo += nbytes
+    return out
 
 
 def _buckets(param_bytes: float, bucket_mb: float | None, n_units: int) -> list[float]:

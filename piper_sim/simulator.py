@@ -8,8 +8,9 @@ reached it. Comm transfers share links: each transfer asks for its solo rate on 
 link it uses (`CostModel.links`), and a link asked for more than its bandwidth slows
 all its transfers in proportion (finish times are recomputed whenever a transfer starts
 or ends). Compute runs `comm_compute_slowdown` times slower while a transfer is active on
-its rank. Memory per rank: the class's static model states, plus ``alloc`` when an op
-starts, minus ``free`` when it ends.
+its rank, and a transfer `comm_overlap_slowdown` times slower while one of its ranks
+computes (a CPU's gloo thread shares the cores; 1 on accelerators). Memory per rank: the
+class's static model states, plus ``alloc`` when an op starts, minus ``free`` when it ends.
 
 Folding: the data-parallel replicas and context- and tensor-parallel peers of a pipeline rank run the
 same program, so when the cluster is symmetric over them (every collective and p2p
@@ -259,7 +260,7 @@ class _Op:
     """One instruction placed on one simulated rank."""
 
     __slots__ = ("ins", "rank", "stream", "deps", "dur", "peer", "group", "cost", "done", "event",
-                 "posted", "start", "end", "started")
+                 "posted", "start", "end", "started", "job")
 
     def __init__(self, ins: Instruction, rank: int, stream: str):
         self.ins = ins
@@ -276,12 +277,13 @@ class _Op:
         self.start = 0.0
         self.end = 0.0
         self.started: simpy.Event | None = None  # for ops waiting on part of this one
+        self.job: _Job | None = None  # a compute op's rate-shared work, while it runs
 
 
 class _Job:
     """Work (seconds at full rate) whose rate changes with link load or comm activity."""
 
-    __slots__ = ("left", "rate", "t", "ver", "ev", "links", "ranks", "compute")
+    __slots__ = ("left", "rate", "t", "ver", "ev", "links", "ranks", "compute", "watch")
 
     def __init__(self, work: float, ev: simpy.Event, links: tuple, ranks: tuple, compute: bool = False):
         self.left = work
@@ -292,6 +294,7 @@ class _Job:
         self.links = links  # ((link_id, demand bytes/s), ...)
         self.ranks = ranks
         self.compute = compute
+        self.watch: list[tuple[float, simpy.Event]] = []  # (work left, event when it is reached)
 
 
 class _Engine:
@@ -300,6 +303,9 @@ class _Engine:
         self.layout = plan.layout
         self.env = simpy.Environment()
         self.slow = float(getattr(cm, "comm_compute_slowdown", 1.0) or 1.0)
+        # comm runs `comm_slow` times slower while any of its ranks computes (CPU: shared cores)
+        self.comm_slow = float(getattr(cm, "comm_overlap_slowdown", 1.0) or 1.0)
+        self.comm_jobs: dict[int, dict[_Job, None]] = {}
         # CPU clusters: ranks' compute shares the machine's cores (processor sharing);
         # None for accelerators, where each rank has its own device.
         self.cores = getattr(cm, "compute_slots", None)
@@ -484,11 +490,14 @@ class _Engine:
         if dur <= 0:
             ev.succeed()
             return
-        if not links and self.slow == 1.0:
+        if not links and self.slow == 1.0 and self.comm_slow == 1.0:
             self.env.timeout(dur).callbacks.append(lambda _e: ev.succeed())
             return
         job = _Job(dur, ev, links, ranks)
         job.t = self.env.now
+        if self.comm_slow != 1.0:
+            for r in ranks:
+                self.comm_jobs.setdefault(r, {})[job] = None
         affected: dict[_Job, None] = {job: None}
         for link, demand in links:
             on = self.on_link.setdefault(link, {})
@@ -502,17 +511,21 @@ class _Engine:
         for j in affected:
             self._rerate(j, j is job)
 
-    def _run_compute(self, rank: int, dur: float) -> simpy.Event:
+    def _run_compute(self, rank: int, dur: float) -> _Job:
         job = _Job(dur, self.env.event(), (), (rank,), compute=True)
         job.t = self.env.now
+        first = not self.compute_jobs[rank]
         self.compute_jobs[rank][job] = None
+        if first and self.comm_slow != 1.0:
+            for j in list(self.comm_jobs.get(rank, ())):
+                self._rerate(j)
         if self.cores:
             self.cpu_jobs[job] = self.represents[rank]
             for j in self.cpu_jobs:
                 if j is not job:
                     self._rerate(j)
         self._rerate(job, True)
-        return job.ev
+        return job
 
     def _rate(self, job: _Job) -> float:
         if job.compute:
@@ -521,6 +534,8 @@ class _Engine:
                 rate *= min(1.0, self.cores / sum(self.cpu_jobs.values()))
             return rate
         rate = 1.0
+        if self.comm_slow != 1.0 and any(self.compute_jobs.get(r) for r in job.ranks):
+            rate = 1.0 / self.comm_slow
         for link, _ in job.links:
             load = sum(self.on_link[link].values())
             cap = self._bw[link]
@@ -539,12 +554,29 @@ class _Engine:
         job.ver += 1
         ver = job.ver
         self.env.timeout(max(job.left, 0.0) / rate).callbacks.append(lambda _e: self._job_end(job, ver))
+        for left, ev in job.watch:
+            self._watch(job, ver, left, ev)
+
+    def _watch(self, job: _Job, ver: int, left: float, ev: simpy.Event) -> None:
+        """Trigger `ev` when `job` has `left` work left, unless re-rated before then."""
+        def fire(_e):
+            if ver == job.ver and not ev.triggered:
+                ev.succeed()
+        now_left = job.left - job.rate * (self.env.now - job.t)
+        self.env.timeout(max(now_left - left, 0.0) / job.rate).callbacks.append(fire)
 
     def _job_end(self, job: _Job, ver: int) -> None:
         if ver != job.ver:
             return  # rescheduled since
         if job.compute:
-            del self.compute_jobs[job.ranks[0]][job]
+            for _, ev in job.watch:
+                if not ev.triggered:
+                    ev.succeed()
+            rank = job.ranks[0]
+            del self.compute_jobs[rank][job]
+            if not self.compute_jobs[rank] and self.comm_slow != 1.0:
+                for j in list(self.comm_jobs.get(rank, ())):
+                    self._rerate(j)
             if self.cores:
                 del self.cpu_jobs[job]
                 for j in self.cpu_jobs:
@@ -557,6 +589,7 @@ class _Engine:
             del on[job]
             affected.update(dict.fromkeys(on))
         for r in job.ranks:
+            self.comm_jobs.get(r, {}).pop(job, None)
             self.active[r] -= 1
             if self.active[r] == 0 and self.slow != 1.0:
                 affected.update(self.compute_jobs.get(r, {}))
@@ -605,6 +638,24 @@ class _Engine:
             self.mem_peak[rank] = cur
         self.mem_samples.append((rank, self.env.now, cur))
 
+    def _progress(self, dep: _Op, share: float):
+        """Wait until `share` of compute op `dep`'s work is done (its rate changes with comm
+        overlap and shared cores)."""
+        env = self.env
+        job = dep.job
+        if job is None:  # runs at full rate
+            left = dep.start + share * dep.dur - env.now
+            if left > 0:
+                yield env.timeout(left)
+            return
+        target = (1.0 - share) * dep.dur  # work left when the share is done
+        if job.left - job.rate * (env.now - job.t) <= target:
+            return
+        ev = env.event()
+        job.watch.append((target, ev))
+        self._watch(job, job.ver, target, ev)
+        yield ev
+
     def _stream(self, rank: int, name: str, ops: list[_Op]):
         env = self.env
         key = (rank, name)
@@ -621,9 +672,7 @@ class _Engine:
                         if dep.started is None:
                             dep.started = env.event()
                         yield dep.started
-                    left = dep.start + ins.dep_progress * dep.dur - env.now
-                    if left > 0 and not dep.done:
-                        yield env.timeout(left)
+                    yield from self._progress(dep, ins.dep_progress)
                     continue
                 if dep.event is None:
                     dep.event = env.event()
@@ -635,8 +684,10 @@ class _Engine:
                 op.start = env.now
                 if op.started is not None:
                     op.started.succeed()
-                if (self.slow != 1.0 or self.cores) and op.dur > 0:
-                    yield self._run_compute(rank, op.dur)
+                if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores) and op.dur > 0:
+                    op.job = self._run_compute(rank, op.dur)
+                    yield op.job.ev
+                    op.job = None
                 elif op.dur > 0:
                     yield env.timeout(op.dur)
             elif ins.kind in ("SEND", "RECV"):
@@ -688,33 +739,6 @@ class _Engine:
 
 
 # ----------------------------------------------------------------------------- results
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if e <= s:
-            continue
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def _exposed(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
-    """Length of the comm intervals not covered by compute (both as unions)."""
-    total, j = 0.0, 0
-    for s, e in comm:
-        covered = 0.0
-        while j < len(compute) and compute[j][1] <= s:
-            j += 1
-        k = j
-        while k < len(compute) and compute[k][0] < e:
-            covered += min(e, compute[k][1]) - max(s, compute[k][0])
-            k += 1
-        total += (e - s) - covered
-    return total
 
 
 def _peak_flops(plan: Plan, cm: CostModel) -> float:
@@ -798,22 +822,17 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
 
     layout = plan.layout
     step = max((row[7] for row in eng.rows), default=0.0)
-    by_rank: dict[int, tuple[list, list]] = {r: ([], []) for r in eng.ranks}
     compute_s = dict.fromkeys(eng.ranks, 0.0)
     for row in eng.rows:
-        r, kind, s, e = row[0], row[3], row[6], row[7]
-        if kind in COMPUTE_KINDS:
-            compute_s[r] += e - s
-            by_rank[r][0].append((s, e))
-        else:
-            by_rank[r][1].append((s, e))
+        if row[3] in COMPUTE_KINDS:
+            compute_s[row[0]] += row[7] - row[6]
+    exposed_of = trace.exposed_comm((row[0], row[3], row[6], row[7]) for row in eng.rows)
     per_rank = []
     capacity = _memory_capacity(plan, cm)
     for r in eng.ranks:
         cls = eng.class_of[r]
         static = cls.static_memory
-        comp, comm = by_rank[r]
-        exposed = _exposed(_union(comm), _union(comp))
+        exposed = exposed_of.get(r, 0.0)
         bubble = step - compute_s[r]
         sm = sum(float(v) for k, v in static.items() if k.endswith("_bytes") and k != "total_bytes")
         per_rank.append(RankStats(

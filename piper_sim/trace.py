@@ -63,6 +63,50 @@ def events_to_dataframe(rows: Iterable[Sequence[Any] | dict[str, Any]],
     return df.sort_values(["rank", "start", "end"], kind="stable").reset_index(drop=True)
 
 
+def union_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time (empty ones dropped)."""
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def uncovered_time(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
+    """Length of the ``comm`` intervals not covered by ``compute`` (both unions, as
+    `union_intervals` returns them)."""
+    total, j = 0.0, 0
+    for s, e in comm:
+        covered = 0.0
+        while j < len(compute) and compute[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < e:
+            covered += min(e, compute[k][1]) - max(s, compute[k][0])
+            k += 1
+        total += (e - s) - covered
+    return total
+
+
+def exposed_comm(rows: Iterable[tuple[int, str, float, float]]) -> dict[int, float]:
+    """Exposed communication per rank: the time some communication op (any kind outside
+    `COMPUTE_KINDS`) is in flight while no compute op runs on that rank — the union of the
+    comm intervals less the union of the compute intervals. ``rows``: ``(rank, kind, start,
+    end)``. The one definition for simulated (`SimResult.rank_stats`) and measured
+    (executor trace) steps."""
+    comp: dict[int, list[tuple[float, float]]] = {}
+    comm: dict[int, list[tuple[float, float]]] = {}
+    for rank, kind, start, end in rows:
+        comp.setdefault(rank, [])
+        comm.setdefault(rank, [])
+        (comp if kind in COMPUTE_KINDS else comm)[rank].append((start, end))
+    return {r: uncovered_time(union_intervals(comm[r]), union_intervals(comp[r])) for r in comp}
+
+
 def memory_to_dataframe(samples: Iterable[tuple[int, float, float]]) -> "pd.DataFrame":
     import pandas as pd
 

@@ -213,6 +213,32 @@ def test_compute_slows_down_while_comm_runs():
     assert ev.loc["F.s0.mb0", "end"] == pytest.approx(5)  # 2 s at half speed, then 3 s
 
 
+def test_comm_slows_down_while_its_rank_computes():
+    """commslowdown=2: an all-reduce of 2 s posted with a 1 s forward runs at half speed for
+    1 s (on either member: rank 1 computes only), then at full speed: it ends at 2.5 s."""
+    plan = hand_plan([{"compute": [Instruction(id="F.s0.mb0", kind="F", stream="compute", stage=0, mb=0)],
+                       "dp": [Instruction(id="AR", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0")]}],
+                     dp=2, cluster="cpu:2")
+    ev = simulate(plan, "unit:F=1,comm=2,commslowdown=2", fold=False).events
+    assert ev[ev["op_id"] == "AR"]["end"].tolist() == pytest.approx([2.5, 2.5])
+    assert ev[ev["op_id"] == "F.s0.mb0"]["end"].tolist() == pytest.approx([1, 1])
+    alone = simulate(plan, "unit:F=1,comm=2", fold=False).events
+    assert alone[alone["op_id"] == "AR"]["end"].tolist() == pytest.approx([2, 2])
+
+
+def test_partial_dependency_follows_the_work_done_not_the_clock():
+    """A bucket sync waiting for half of a 4 s forward that runs at half speed for its first
+    2 s (an all-reduce overlaps it): half the work is done at 3 s, not at 2 s."""
+    plan = hand_plan([{"compute": [Instruction(id="F.s0.mb0", kind="F", stream="compute", stage=0, mb=0)],
+                       "dp": [Instruction(id="AR0", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0")],
+                       "dp.b": [Instruction(id="AR1", kind="ALLREDUCE", stream="dp.b", bytes=1.0, group="stage:0",
+                                            deps=["F.s0.mb0"], dep_progress=0.5)]}], dp=2, cluster="cpu:2")
+    ev = simulate(plan, UnitCostModel(F=4, comm=2, slowdown=2)).events.set_index("op_id")
+    assert ev.loc["AR1", "posted"] == pytest.approx(3)
+    # 1 unit of work in 2 s at half speed, 1 in 1 s, 1 in 2 s at half speed again (AR1), 1 in 1 s
+    assert ev.loc["F.s0.mb0", "end"] == pytest.approx(6)
+
+
 def test_expert_pieces_share_their_stage_time_by_flops():
     plan = compile({"model": "moe-tiny", "cluster": "cpu:4", "global_batch": 8, "seq_len": 32, "microbatches": 2,
                     "directives": [{"op": "expert_parallel", "degree": 4}]})

@@ -95,3 +95,23 @@ def test_plan_module_stays_light():
             "print(sorted(m for m in ('simpy', 'pandas', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_exposed_comm_counts_comm_not_under_compute():
+    """Rank 0: an all-reduce 2..5 partly under a backward 0..3, a gather 4..6 overlapping
+    it (counted once) and an optimizer 5.5..7: exposed 3..5.5. Rank 1 computes only;
+    rank 2 only communicates (two overlapping p2p ops: 1..1.5)."""
+    rows = [(0, "B", 0.0, 3.0), (0, "ALLREDUCE", 2.0, 5.0), (0, "ALL_GATHER", 4.0, 6.0), (0, "OPT", 5.5, 7.0),
+            (1, "F", 0.0, 1.0), (2, "SEND", 1.0, 1.25), (2, "RECV", 1.0, 1.5)]
+    got = trace.exposed_comm(rows)
+    assert got == pytest.approx({0: 2.5, 1: 0.0, 2: 0.5})
+    assert trace.union_intervals([(3, 4), (0, 1), (0.5, 2), (5, 5)]) == [(0, 2), (3, 4)]
+
+
+def test_simulator_exposed_comm_is_the_trace_definition(results):
+    """The simulator's per-rank exposed time is `trace.exposed_comm` of its own events."""
+    r = results["analytic-moe"]
+    ev = r.events
+    want = trace.exposed_comm(zip(ev["rank"], ev["kind"], ev["start"], ev["end"]))
+    assert {s.rank: s.comm_exposed_s for s in r.rank_stats} == pytest.approx(want)
+    assert max(want.values()) > 0
