@@ -46,3 +46,15 @@ def test_single_rank_runs_get_one_thread_unless_told(monkeypatch):
     assert "PIPER_VERBOSE" not in launch_env() and launch_env(verbose=True)["PIPER_VERBOSE"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert launch_env()["OMP_NUM_THREADS"] == "2"
+
+
+def test_rounds_keep_each_strategys_fastest_round_and_its_trace(tmp_path):
+    """A real (tiny, single-rank) executor run measured twice: the row keeps the faster round."""
+    from piper_sim.cli.validation import _s, validate
+
+    tiny = _s("tiny one rank", "gpt-tiny", "cpu:1", [], m=1, batch=2, seq=32)
+    summary = validate([tiny], CALIBRATIONS[0], steps=2, warmup=1, out_dir=str(tmp_path), rounds=2)
+    row = summary["rows"][0]
+    assert summary["rounds"] == 2 and len(row["rounds_s"]) == 2
+    assert row["measured_s"] == min(row["rounds_s"])
+    assert sorted(p.name for p in tmp_path.glob("*.measured.json")) == ["tiny_one_rank.measured.json"]

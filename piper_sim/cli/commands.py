@@ -132,7 +132,8 @@ def cmd_validate(args: argparse.Namespace) -> None:
         log.info(f"  {row.name}: predicted {row.predicted_s * 1e3:.1f} ms, measured {row.measured_s * 1e3:.1f} ms "
                  f"({row.error_pct:+.1f}%)")
 
-    summary = validate(strategies, costmodel, steps=args.steps, warmup=args.warmup, out_dir=args.out, progress=show)
+    summary = validate(strategies, costmodel, steps=args.steps, warmup=args.warmup, out_dir=args.out, progress=show,
+                       rounds=args.rounds)
     print(format_report(summary))
     print(f"wrote {args.out}/validation.csv, validation.json, overlay.png and the plans and measured traces")
 
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--costmodel", help="default: traces/calibration/cpu-2core.json when present")
     v.add_argument("--steps", type=arg_int(1), default=6, help="measured training steps per strategy (default 6)")
     v.add_argument("--warmup", type=arg_int(0), default=2, help="steps left out of the measured median")
+    v.add_argument("--rounds", type=arg_int(1), default=1,
+                   help="measure the list this many times, round after round; each strategy keeps its fastest "
+                        "round (a machine shared with other jobs: the least disturbed one; default 1)")
     v.add_argument("--out", default="validation", metavar="DIR",
                    help="folder for the report, plans and measured traces (default: validation)")
     v.set_defaults(func=cmd_validate)
