@@ -133,18 +133,20 @@ def _span(ranks: list[int]) -> str:
 
 def cmd_validate(args: argparse.Namespace) -> None:
     from piper_sim.cli.demo import CALIBRATION
-    from piper_sim.cli.validation import format_report, suite, validate
+    from piper_sim.cli.validation import format_report, spread_suite, suite, validate
 
-    strategies = list(args.strategies) + (suite() if args.suite else [])
+    strategies = (list(args.strategies) + (suite() if args.suite else [])
+                  + (spread_suite() if args.spread_suite else []))
     if not strategies:
-        raise ValueError("validate: give strategy files, or --suite for the built-in validation suite")
+        raise ValueError("validate: give strategy files, or --suite / --spread-suite for a built-in suite")
     costmodel = args.costmodel or (CALIBRATION if os.path.exists(CALIBRATION) else "analytic")
 
     def show(row) -> None:
         log.info(f"  {row.name}: predicted {row.predicted_s * 1e3:.1f} ms, measured {row.measured_s * 1e3:.1f} ms "
                  f"({row.error_pct:+.1f}%)")
 
-    summary = validate(strategies, costmodel, steps=args.steps, warmup=args.warmup, out_dir=args.out, progress=show)
+    summary = validate(strategies, costmodel, steps=args.steps, warmup=args.warmup, out_dir=args.out, progress=show,
+                       rounds=args.rounds)
     print(format_report(summary))
     print(f"wrote {args.out}/validation.csv, validation.json, overlay.png and the plans and measured traces")
 
@@ -194,9 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="simulate and execute strategies; report predicted vs measured")
     v.add_argument("strategies", nargs="*", metavar="STRATEGY.json", help="strategy files to validate")
     v.add_argument("--suite", action="store_true", help="add the built-in suite (10 strategies on cpu:2/cpu:4)")
+    v.add_argument("--spread-suite", action="store_true",
+                   help="add the spread suite (9 strategies on cpu:1/cpu:2 whose step times differ by more "
+                        "than the machine's noise: the ranking check)")
     v.add_argument("--costmodel", help="default: traces/calibration/cpu-2core.json when present")
     v.add_argument("--steps", type=arg_int(1), default=6, help="measured training steps per strategy (default 6)")
     v.add_argument("--warmup", type=arg_int(0), default=2, help="steps left out of the measured median")
+    v.add_argument("--rounds", type=arg_int(1), default=1,
+                   help="measure the list this many times, round after round; each strategy keeps its fastest "
+                        "round (a machine shared with other jobs: the least disturbed one; default 1)")
     v.add_argument("--out", default="validation", metavar="DIR",
                    help="folder for the report, plans and measured traces (default: validation)")
     v.set_defaults(func=cmd_validate)

@@ -111,6 +111,19 @@ def torchrun_command(args, plan: Plan) -> list[str]:
     return cmd
 
 
+def launch_env(verbose: bool = False) -> dict[str, str]:
+    """The workers' environment: this one, with one intra-op thread per rank unless
+    $OMP_NUM_THREADS says otherwise. torchrun sets that only when it starts more than one
+    process, so a single-rank run took every core (10x slower than one thread per rank on this
+    busy 2-core VM, from OpenMP threads spinning against other processes) and did not match the
+    calibration, which measures one thread per rank (`executor.microbench.make_config`)."""
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if verbose:
+        env["PIPER_VERBOSE"] = "1"
+    return env
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     from executor import lifetime
     from piper_sim.validate import load_valid_plan
@@ -124,8 +137,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         if not args.save:
             raise PlanError("--max-restarts needs --save DIR: restarted workers resume from its checkpoints")
         args.end_step = args.end_step or start + args.steps
-    env = {**os.environ, "PIPER_VERBOSE": "1"} if args.verbose else None
-    rc = lifetime.run_launcher(torchrun_command(args, plan), env=env)
+    rc = lifetime.run_launcher(torchrun_command(args, plan), env=launch_env(args.verbose))
     if rc:
         raise SystemExit(rc)
 
