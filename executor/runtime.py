@@ -201,6 +201,7 @@ class Runtime:
         # CUDA the backward's hooks run on autograd's device thread: off until tested there
         self.overlap_grads = os.environ.get("PIPER_OVERLAP_GRADS", "0" if self.cuda else "1") == "1"
         self._setup_grad_overlap()
+        self._setup_param_gates()
         self._handlers: dict[str, Callable[[Instruction], Any]] = {
             "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
             "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv, "ALLREDUCE": self._sync,
@@ -239,6 +240,80 @@ class Runtime:
             for p in fp.params:
                 if id(p) in self.param_buckets:
                     p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _setup_param_gates(self) -> None:
+        """ZeRO-1/2 with overlapped parameter gathers (plan ALL_GATHERs with ``needed_by``): the
+        step starts by gathering the shards the previous step's optimizer updated, and the
+        forward waits for a bucket's gather just before the first module using it (a zoo
+        stage's per-layer hook; other stages wait for all of them before their first forward).
+        After the last step (and before a check or checkpoint) `gather_parameters` does the
+        gathers the next step would have done."""
+        self.gate_ids: dict[str, list[str]] = {}  # compute op id -> the gathers it waits for
+        self.param_gates: dict[int, list[str]] = {}  # id(parameter) -> gathers writing it
+        self.params_stale = False
+        self.gates_open: set[str] = set()  # gathers waited for this step (CUDA: by the compute stream)
+        for ins in self.instructions:
+            if ins.kind != "ALL_GATHER" or not ins.needed_by:
+                continue
+            self.gate_ids.setdefault(ins.needed_by, []).append(ins.id)
+            fp = self.flats[(ins.stage, flat_tag(ins))]
+            lo, hi = fp.offsets[ins.bucket], fp.offsets[ins.bucket] + fp.lens[ins.bucket]
+            for p, off in zip(fp.params, fp.param_offsets):
+                if off < hi and off + p.numel() > lo:
+                    self.param_gates.setdefault(id(p), []).append(ins.id)
+        self.n_gates = sum(len(ids) for ids in self.gate_ids.values())
+        self.gated_stages = {s for s, stage in self.stages.items() if hasattr(stage, "before_step")}
+        if self.param_gates:
+            for s in self.gated_stages:
+                self.stages[s].before_step = self._await_params
+
+    def _await_params(self, params) -> None:
+        """Before a forward step: wait for the gathers of these parameters (issuing them if
+        their stream has not yet)."""
+        if len(self.gates_open) == self.n_gates:
+            return
+        self._await_gathers({g for p in params for g in self.param_gates.get(id(p), ())})
+
+    def _await_gathers(self, ids: set[str]) -> None:
+        ids = ids - self.gates_open
+        if not ids:
+            return
+        self._issue_gathers(ids)
+        while any(g not in self.done for g in ids):
+            token, t_end, err = self._wait_any(self.prog.streams, self.ptr)
+            self._completed(token, t_end, err)
+        if self.cuda:  # the compute stream waits for the gathers' streams
+            for g in ids:
+                torch.cuda.current_stream(self.device).wait_event(self.cuda_events[g][1])
+        self.gates_open |= ids
+
+    def _issue_gathers(self, ids: set[str] = frozenset()) -> None:
+        """Issue the gathers in ``ids`` and every other overlapped gather heading its stream
+        (all in flight at once: later buckets arrive while the forward runs)."""
+        for name in sorted({i.stream for i in self.instructions if i.id in ids or i.needed_by}):
+            lst = self.prog.streams[name]
+            while self.ptr[name] < len(lst) and name not in self.busy:
+                head = lst[self.ptr[name]]
+                if not (head.id in ids or head.needed_by) or any(d not in self.done for d in head.deps):
+                    break
+                self.ptr[name] += 1
+                self._issue(head)
+
+    def gather_parameters(self) -> None:
+        """Bring the full parameters up to date after a step whose gathers are overlapped
+        with the next step's forward (no-op otherwise): every gated bucket all-gathered now,
+        in plan order on every rank."""
+        if not self.params_stale:
+            return
+        works = []
+        for ins in self.instructions:
+            if ins.kind == "ALL_GATHER" and ins.needed_by:
+                fp = self.flats[(ins.stage, flat_tag(ins))]
+                pg = self.comms.group(ins.stream, ins.group)
+                works.append(all_gather(fp.bucket(ins.bucket), fp.shard_piece(ins.bucket), group=pg, async_op=True))
+        for w in works:
+            w.wait()
+        self.params_stale = False
 
     def _grad_ready(self, p) -> None:
         """A parameter's gradient is final for the running backward op: issue the head of
@@ -386,6 +461,7 @@ class Runtime:
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.clip_coef: float | None = None
         self.grad_norm: float | None = None
+        self.gates_open = set()
         for fp in self.flats.values():
             fp.zero_grad()
         if self.cuda:
@@ -400,6 +476,8 @@ class Runtime:
         total = sum(len(lst) for lst in streams.values())
         current: Instruction | None = None
         try:
+            if self.gate_ids:  # the previous step's parameter gathers go out before any compute
+                self._issue_gathers()
             while len(self.done) < total:
                 for token, t_end, err in self.completions.poll():
                     current = self.inflight[token[1]][0]
@@ -421,6 +499,7 @@ class Runtime:
                     current = self.inflight[token[1]][0]
                     self._completed(token, t_end, err)
             current = None
+            self.params_stale = bool(self.gate_ids)  # this step's updates are gathered by the next
             loss = self.loss_sum.clone()
             dist.all_reduce(loss)
             loss /= self.layout.tp  # every member of a tensor-parallel group computes the loss
@@ -457,6 +536,8 @@ class Runtime:
         if self.fault and self.fault.rank == self.rank and self.fault.step == self.step_index \
                 and self.fault.op_id == ins.id:
             self._inject(ins)
+        if ins.id in self.gate_ids and ins.stage not in self.gated_stages:
+            self._await_gathers(set(self.gate_ids[ins.id]))  # a stage without per-module hooks
         self.times[ins.id] = [self._now()]
         with self._on_stream(ins, first=True), self._range(ins):
             out = self._tp_op(ins) if is_tp(ins) else self._cp_op(ins) if is_cp(ins) else self._handlers[ins.kind](ins)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -332,6 +332,7 @@ class Piece:
     steps: list[tuple[str, int]]   # ("embed"|"layer"|"pre"|"experts"|"head", layer index)
     inputs: list[str]
     params: list[nn.Parameter] = field(default_factory=list)
+    step_params: list[list[nn.Parameter]] = field(default_factory=list)  # per step, in order
 
 
 def _layer(segment: str) -> int:
@@ -373,6 +374,8 @@ class Stage:
         # full recomputation stops once backward has what it needs; tensor parallelism re-runs
         # the whole forward, so its collectives recur in the plan's order (TP.R ops)
         self.recompute_early_stop = True
+        # called with a step's parameters before it runs (the runtime waits there for overlapped gathers)
+        self.before_step: Callable[[list[nn.Parameter]], None] | None = None
         # tensor parallel MoE (executor.tensor_parallel): f before the experts, g after them
         self.expert_input = self.expert_output = lambda t, layer: t
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
@@ -395,7 +398,8 @@ class Stage:
     def collect_piece_params(self) -> None:
         """Each piece's parameters (again after its modules are replaced, e.g. tensor-parallel shards)."""
         for piece in self.pieces:
-            piece.params = [p for kind, layer in piece.steps for p in self._step_params(kind, layer)]
+            piece.step_params = [self._step_params(kind, layer) for kind, layer in piece.steps]
+            piece.params = [p for params in piece.step_params for p in params]
 
     # parameters
     def _block(self, layer: int) -> Block:
@@ -451,7 +455,9 @@ class Stage:
 
         with torch.enable_grad():
             x = inputs.get("x")
-            for kind, layer in piece.steps:
+            for (kind, layer), params in zip(piece.steps, piece.step_params):
+                if self.before_step is not None:
+                    self.before_step(params)
                 if kind == "embed":
                     x = self.units["embed"](inputs["tokens"])
                 elif kind == "layer":

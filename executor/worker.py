@@ -103,6 +103,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
                      f"{path}: step {step}: loss {result.loss:.6f}  step time {result.time_s * 1e3:.1f} ms")
             done = step + 1
             if args.save and (done == end or (args.save_every and done % args.save_every == 0)):
+                rt.gather_parameters()  # overlapped ZeRO-1/2 gathers: the full parameters of this step
                 checkpoint.save(rt, args.save, done, keep=args.keep)
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -111,6 +112,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
     if (args.trace or args.timeline or args.kineto) and result is not None:
         write_trace(result.events, rank, args.trace, args.timeline, f"{path} step {result.step}",
                     kineto=args.kineto, step=result.step, dtype=plan.meta.get("dtype", "fp32"))
+    rt.gather_parameters()
     if args.check:
         first: dict[str, torch.Tensor] = {}
         ref, _ = reference_training(plan, end, device, clip_grad_norm=args.clip_grad_norm, first_grads=first)

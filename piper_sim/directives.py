@@ -50,6 +50,9 @@ class Setup:
     # ZeRO-2/3: reduce-scatter each micro-batch's gradients ("per_microbatch", FSDP's and
     # DeepSpeed's default) or the accumulated ones once per step ("per_step", no_sync-style)
     reduce: str = "per_microbatch"
+    # ZeRO-1/2: all-gather the updated parameters during the next step's forward, each bucket
+    # waited for where it is first used (Megatron's overlap_param_gather), not after the optimizer
+    overlap_param_gather: bool = True
     layers_per_stage: list[int] | str | None = None  # None: equal layer counts; "balanced": equal time
     tp: int = 1  # tensor-parallel degree (shard_tensor)
     sp: bool = False  # sequence parallelism inside the tensor-parallel group
@@ -150,7 +153,7 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
     if "data_parallel" in by_op:
         d = by_op["data_parallel"]
         out.append({"op": "replicate", "degree": d["degree"], "zero": d.get("zero", 0),
-                    **{k: d[k] for k in ("bucket_mb", "reduce") if k in d}})
+                    **{k: d[k] for k in ("bucket_mb", "reduce", "overlap_param_gather") if k in d}})
     user_tp = by_op.get("shard_tensor")
     if "tensor_parallel" in by_op:
         d = by_op["tensor_parallel"]
@@ -183,6 +186,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     placement: dict[int, list[tuple[int, int, int]]] = {}
     orders: dict[int, list[Slot]] = {}
     dp, zero, bucket_mb, ep, reduce, tp, sp = 1, 0, None, 1, "per_microbatch", 1, False
+    overlap_gather = True
     cp, cp_style = 1, "allgather"
     tp_sel: tuple[tuple[int, ...] | None, bool, bool] = (None, True, True)
     recompute: dict[int, str] = {}
@@ -208,6 +212,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
         elif op == "replicate":
             dp, zero, bucket_mb = d["degree"], d.get("zero", 0), d.get("bucket_mb")
             reduce = d.get("reduce", "per_microbatch")
+            overlap_gather = d.get("overlap_param_gather", True)
         elif op == "shard":
             ep = d["degree"]
         elif op == "shard_tensor":
@@ -258,6 +263,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
                       "it is ignored", stacklevel=2)
     return Setup(pp=pp, dp=dp, ep=ep, zero=zero, bucket_mb=bucket_mb, microbatches=m,
                  num_stages=num_stages, placement=placement, orders=orders, recompute=recompute,
-                 streams=streams, schedule=schedule, reduce=reduce, layers_per_stage=layers_per_stage, tp=tp,
+                 streams=streams, schedule=schedule, reduce=reduce, overlap_param_gather=overlap_gather,
+                 layers_per_stage=layers_per_stage, tp=tp,
                  sp=sp and tp > 1, cp=cp, cp_style=cp_style, tp_layers=tp_sel[0], tp_embed=tp_sel[1],
                  tp_head=tp_sel[2])

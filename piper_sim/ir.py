@@ -692,10 +692,46 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                         if dag.ins(n).kind in WEIGHT_GRAD_KINDS:
                             dag.edge(n, sn)
                     dag.edge(sn, opt)
-                if zero in (1, 2):
+            if zero in (1, 2):
+                gates = _param_gates(ctx, dag, s, nodes, segs, buckets) if setup.overlap_param_gather else None
+                for b, nbytes in enumerate(buckets):
+                    needed_by, needed_at = gates[b] if gates else ("", 0.0)
                     ag = dag.add(where, make_op("ALL_GATHER", stream["ALL_GATHER"], stage=s, bytes=nbytes,
-                                                group=group, bucket=b, experts=bool(tag)))
-                    dag.edge(opt, ag)
+                                                group=group, bucket=b, experts=bool(tag), needed_by=needed_by,
+                                                needed_at=needed_at))
+                    if gates:  # the shard it sends is not stepped before it went
+                        dag.edge(ag, opt)
+                    else:  # gathered right after the optimizer step (DeepSpeed ZeRO-1/2)
+                        dag.edge(opt, ag)
+
+
+def _param_gates(ctx: Context, dag: TrainingDAG, s: int, nodes: list[Node], segs: list,
+                 buckets: list[float]) -> list[tuple[str, float]]:
+    """ZeRO-1/2 with ``overlap_param_gather``: for each parameter bucket (equal slices of
+    ``segs``' parameters in model order), the stage's first forward piece on this rank that
+    uses the bucket's first byte, and the share of that piece's forward work done before
+    the segment holding it starts (where the forward must wait for the bucket's gather)."""
+    forwards = [n for n in nodes if dag.ins(n).kind == "F"]
+    first = min(dag.ins(n).mb for n in forwards)
+    piece_of = {dag.ins(n).part: n[1] for n in forwards if dag.ins(n).mb == first}
+    before: dict[str, tuple[int, float]] = {}  # segment -> (part, share of the part's forward before it)
+    for i, part in enumerate(ctx.parts(s)):
+        total, acc = sum(x.fwd_flops for x in part), 0.0
+        for x in part:
+            before[x.name] = (i, acc / total if total > 0 else 0.0)
+            acc += x.fwd_flops
+    ends, acc = [], 0.0
+    for x in segs:
+        acc += x.param_bytes
+        ends.append(acc)
+    scale = sum(buckets) / acc if acc else 1.0  # bucket bytes are per expert-parallel rank
+    out, lo = [], 0.0
+    for nbytes in buckets:
+        j = next((i for i, e in enumerate(ends) if e * scale > lo and segs[i].param_bytes > 0), len(segs) - 1)
+        part, share = before[segs[j].name]
+        out.append((piece_of[part], share))
+        lo += nbytes
+    return out
 
 
 def _reduce_rounds(ctx: Context, dag: TrainingDAG, s: int, nodes: list[Node]) -> list[tuple[int, int, list[Node]]]:

@@ -147,6 +147,12 @@ class Instruction:
              i-th forward / backward of the stage on this rank; -1 otherwise.
     name:    tensor-parallel collectives only: which one (``l3.attn.ag``, ``head.loss.max``,
              ``norms``).
+    needed_by, needed_at: a ZeRO-1/2 parameter ALL_GATHER overlapped with the next step's
+             forward (Megatron's ``overlap_param_gather``): it gathers the shards the previous
+             step's optimizer updated, and compute op ``needed_by`` (the stage's first forward
+             piece using the bucket) may run ``needed_at`` of its work (where its first
+             parameter is used) before it waits for this gather. Not a dependency: the
+             gather has none, and the compute op does not list it.
     """
 
     id: str
@@ -178,6 +184,8 @@ class Instruction:
     block: int = -1
     round: int = -1
     name: str = ""
+    needed_by: str = ""
+    needed_at: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS

@@ -260,7 +260,7 @@ class _Op:
     """One instruction placed on one simulated rank."""
 
     __slots__ = ("ins", "rank", "stream", "deps", "dur", "peer", "group", "cost", "done", "event",
-                 "posted", "start", "end", "started", "job")
+                 "posted", "start", "end", "started", "job", "gates")
 
     def __init__(self, ins: Instruction, rank: int, stream: str):
         self.ins = ins
@@ -278,6 +278,7 @@ class _Op:
         self.end = 0.0
         self.started: simpy.Event | None = None  # for ops waiting on part of this one
         self.job: _Job | None = None  # a compute op's rate-shared work, while it runs
+        self.gates: list[tuple[float, _Op]] = []  # compute: (share of its work, gather it then waits for)
 
 
 class _Job:
@@ -437,6 +438,13 @@ class _Engine:
                             raise SimulationError(f"rank {r}: op {op.ins.id} depends on {dep}, which this rank "
                                                   "does not run")
                         op.deps.append(by_id[dep])
+                    if op.ins.needed_by:
+                        user = by_id.get(op.ins.needed_by)
+                        if user is None or user.dur is None:
+                            raise SimulationError(f"rank {r}: op {op.ins.id} field 'needed_by' names "
+                                                  f"{op.ins.needed_by!r}, which is no compute op of this rank")
+                        user.gates.append((op.ins.needed_at, op))
+                        user.gates.sort(key=lambda g: g[0])
             self.streams[r] = streams
 
     # --- comm costs ------------------------------------------------------------------
@@ -656,6 +664,29 @@ class _Engine:
         self._watch(job, job.ver, target, ev)
         yield ev
 
+    def _run_for(self, rank: int, op: _Op, dur: float):
+        """Run ``dur`` seconds of compute op ``op``'s work (stretched by overlap and shared cores)."""
+        if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores) and dur > 0:
+            op.job = self._run_compute(rank, dur)
+            yield op.job.ev
+            op.job = None
+        elif dur > 0:
+            yield self.env.timeout(dur)
+
+    def _run_gated(self, rank: int, op: _Op):
+        """A compute op that waits part-way for parameter gathers (``needed_by``): run up to
+        each gather's share of the work, wait for it there, go on."""
+        done = 0.0
+        for share, gate in op.gates:
+            if share > done:
+                yield from self._run_for(rank, op, (share - done) * op.dur)
+                done = share
+            if not gate.done:
+                if gate.event is None:
+                    gate.event = self.env.event()
+                yield gate.event
+        yield from self._run_for(rank, op, (1.0 - done) * op.dur)
+
     def _stream(self, rank: int, name: str, ops: list[_Op]):
         env = self.env
         key = (rank, name)
@@ -684,12 +715,10 @@ class _Engine:
                 op.start = env.now
                 if op.started is not None:
                     op.started.succeed()
-                if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores) and op.dur > 0:
-                    op.job = self._run_compute(rank, op.dur)
-                    yield op.job.ev
-                    op.job = None
-                elif op.dur > 0:
-                    yield env.timeout(op.dur)
+                if op.gates:
+                    yield from self._run_gated(rank, op)
+                else:
+                    yield from self._run_for(rank, op, op.dur)
             elif ins.kind in ("SEND", "RECV"):
                 yield self._p2p(op)
             else:
@@ -718,6 +747,9 @@ class _Engine:
         if op.posted is None:
             missing = [d.ins.id for d in op.deps if not d.done]
             return "waits for " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
+        if op.dur is not None:
+            missing = [g.ins.id for _, g in op.gates if not g.done]
+            return "waits part-way for " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
         if ins.kind in ("SEND", "RECV"):
             return f"waits for {p2p_partner_id(ins)} on rank {op.peer}"
         entry = self.coll_pending.get((ins.id, op.cost[3]))

@@ -39,7 +39,7 @@ class StrategyError(ValueError):
 DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # high level
     "pipeline": ({"degree"}, {"stages_per_rank", "placement", "layers_per_stage"}),
-    "data_parallel": ({"degree"}, {"zero", "bucket_mb", "reduce"}),
+    "data_parallel": ({"degree"}, {"zero", "bucket_mb", "reduce", "overlap_param_gather"}),
     "expert_parallel": ({"degree"}, set()),
     "tensor_parallel": ({"degree"}, {"sequence_parallel"}),
     "context_parallel": ({"degree"}, {"style"}),
@@ -47,7 +47,7 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # low level
     "split": ({"microbatches"}, set()),
     "place": ({"stage", "pp_rank"}, {"microbatches", "from"}),
-    "replicate": ({"degree"}, {"zero", "bucket_mb", "reduce"}),
+    "replicate": ({"degree"}, {"zero", "bucket_mb", "reduce", "overlap_param_gather"}),
     "shard": ({"degree"}, set()),
     "shard_tensor": ({"degree"}, {"sequence_parallel", "layers", "embedding", "head"}),
     "shard_sequence": ({"degree"}, {"style"}),
@@ -162,6 +162,9 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
     if "bucket_mb" in d:
         checks.number(d["bucket_mb"], f"{where} field 'bucket_mb' (MB)", error=StrategyError)
     _check_values(d, where)
+    if "overlap_param_gather" in d and not isinstance(d["overlap_param_gather"], bool):
+        raise StrategyError(f"{where} field 'overlap_param_gather' must be true or false "
+                            f"(got {d['overlap_param_gather']!r})")
     if "reduce" in d:
         if d["reduce"] not in REDUCE_MODES:
             raise StrategyError(f"{where} field 'reduce' must be 'per_microbatch' or 'per_step' (got {d['reduce']!r})")

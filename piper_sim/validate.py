@@ -135,6 +135,15 @@ def validate_plan(plan: Plan) -> None:
                         raise PlanValidationError(f"rank class {c.pp_rank}: op {ins.id} depends on {dep}, "
                                                   "which this rank does not run")
                     g.add_edge((c.pp_rank, dep), node)
+                if ins.needed_by:  # a parameter gather the compute op waits for part-way through
+                    user = ops.get((c.pp_rank, ins.needed_by))
+                    if user is None or user.kind not in PASS_KINDS:
+                        raise PlanValidationError(f"rank class {c.pp_rank}: op {ins.id} field 'needed_by' names "
+                                                  f"{ins.needed_by!r}, which is no compute pass this rank runs")
+                    if not 0.0 <= ins.needed_at <= 1.0:
+                        raise PlanValidationError(f"rank class {c.pp_rank}: op {ins.id} field 'needed_at' "
+                                                  f"{ins.needed_at} is not a share in [0, 1]")
+                    g.add_edge(node, (c.pp_rank, ins.needed_by))
                 if ins.kind in P2P_KINDS:
                     partner = p2p_partner_id(ins)
                     peer_op = ops.get((ins.peer, partner))
