@@ -43,6 +43,12 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="auto: CUDA for GPU clusters when available, else CPU")
     p.add_argument("--clip-grad-norm", type=float, metavar="X",
                    help="clip gradients to global L2 norm X over all shards and stages (as clip_grad_norm_)")
+    p.add_argument("--lr", type=arg_float(0.0), help="peak learning rate (default: the optimizer's, 1e-3)")
+    p.add_argument("--warmup-steps", type=arg_int(0), default=0, metavar="N", help="linear warm-up over the first N steps")
+    p.add_argument("--lr-decay", choices=("constant", "linear", "cosine"), default="constant",
+                   help="after warm-up: constant, or a decay to --min-lr-ratio x the peak at --decay-steps")
+    p.add_argument("--decay-steps", type=arg_int(0), default=0, metavar="N", help="the step the decay ends at")
+    p.add_argument("--min-lr-ratio", type=arg_float(0.0), default=0.1, help="final / peak learning rate (0.1)")
     p.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
 
 
@@ -158,6 +164,9 @@ def preflight(args, plans: list[Plan]) -> int:
     from executor import checkpoint
 
     checkpoint.check_kill_spec()
+    if args.lr_decay != "constant" and args.decay_steps <= args.warmup_steps:
+        raise PlanError(f"--lr-decay {args.lr_decay} needs --decay-steps after --warmup-steps ({args.warmup_steps}); "
+                        f"got --decay-steps {args.decay_steps}")
     layout = plans[0].layout
     if layout.tp > 1 and (args.clip_grad_norm is not None or args.save or args.resume):
         raise PlanError("--clip-grad-norm, --save and --resume do not support tensor parallel plans yet "

@@ -9,7 +9,7 @@ import torch
 
 from executor.collectives import all_gather
 from executor.data import SyntheticData
-from executor.stage import FlatParams, keep_first_grads, make_optimizer
+from executor.stage import FlatParams, LRSchedule, keep_first_grads, make_optimizer, set_lr
 from costmodel.dtypes import torch_dtype
 from piper_sim.models import build_model, config_from_meta, lm_loss
 from piper_sim.plan import Plan
@@ -18,16 +18,19 @@ from piper_sim.plan import Plan
 
 def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu",
                        clip_grad_norm: float | None = None,
-                       first_grads: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+                       first_grads: dict[str, torch.Tensor] | None = None,
+                       lr_schedule: LRSchedule | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Train the plan's model for ``steps`` steps on the full global batch in one process
     (gradients clipped to ``clip_grad_norm`` by global norm, as the executor does);
     returns its parameters by name and the loss of every step. ``first_grads``: filled
-    with the first step's gradients by name (before clipping and the optimizer)."""
+    with the first step's gradients by name (before clipping and the optimizer);
+    ``lr_schedule``: the learning rate of each step (the executor's ``--lr`` options)."""
     meta = plan.meta
     if "user_model" in meta:
         from executor.user_stage import user_reference_training
 
-        return user_reference_training(plan, steps, device, torch_dtype(meta["dtype"]), clip_grad_norm, first_grads)
+        return user_reference_training(plan, steps, device, torch_dtype(meta["dtype"]), clip_grad_norm, first_grads,
+                                       lr_schedule)
     cfg = config_from_meta(meta)
     model = build_model(cfg, device=device, dtype=torch_dtype(meta["dtype"]), seed=meta["seed"])
     opt = make_optimizer(list(model.parameters()))
@@ -40,6 +43,8 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
         keep_first_grads(first_grads, step, model.named_parameters())
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        if lr_schedule is not None:
+            set_lr([opt], lr_schedule(step))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -62,7 +62,8 @@ import torch.distributed as dist
 from executor.context_parallel import CP_STREAM, CPComm, context_stage, is_cp, reorder_after_pieces
 from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter_flat
 from executor.data import SyntheticData
-from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight)
+from executor.stage import (FlatParams, LRSchedule, Record, Stage, backward_full, backward_input, backward_weight,
+                            set_lr)
 from costmodel.dtypes import torch_dtype
 from executor.tensor_parallel import TP_STREAM, Logged, TPComm, TPShard, is_tp, shard_stage, sharded_units
 from executor.user_stage import UserData, UserStage, user_model_of
@@ -147,9 +148,11 @@ class Runtime:
     record_ops = False
 
     def __init__(self, plan: Plan, rank: int, comms: Comms, device: torch.device,
-                 timeout_s: float = 60.0, fault: Fault | None = None, clip_grad_norm: float | None = None):
+                 timeout_s: float = 60.0, fault: Fault | None = None, clip_grad_norm: float | None = None,
+                 lr_schedule: LRSchedule | None = None):
         self.plan, self.rank, self.comms, self.device = plan, rank, comms, device
         self.clip_grad_norm = clip_grad_norm
+        self.lr_schedule = lr_schedule  # the learning rate of each step (None: the optimizer's own)
         self.timeout_s, self.fault = timeout_s, fault
         self.cuda = device.type == "cuda"
         self.prog = plan.program(rank)
@@ -462,6 +465,8 @@ class Runtime:
         self.clip_coef: float | None = None
         self.grad_norm: float | None = None
         self.gates_open = set()
+        if self.lr_schedule is not None:
+            set_lr([fp.optimizer for fp in self.flats.values()], self.lr_schedule(step))
         for fp in self.flats.values():
             fp.zero_grad()
         if self.cuda:

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from executor.stage import Piece, Record, _leaf, keep_first_grads, make_optimizer
+from executor.stage import LRSchedule, Piece, Record, _leaf, keep_first_grads, make_optimizer, set_lr
 from piper_sim.annotate import AnnotationError, UserModel, load_user_model
 from piper_sim.plan import Plan, PlanError
 
@@ -114,7 +114,8 @@ class UserStage:
 
 def user_reference_training(plan: Plan, steps: int, device: torch.device | str, dtype: torch.dtype,
                             clip_grad_norm: float | None = None,
-                            first_grads: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+                            first_grads: dict[str, torch.Tensor] | None = None,
+                            lr_schedule: LRSchedule | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """`executor.reference.reference_training` for a user model: all its units in one
     process, on the whole global batch."""
     meta = plan.meta
@@ -132,6 +133,8 @@ def user_reference_training(plan: Plan, steps: int, device: torch.device | str, 
         keep_first_grads(first_grads, step, named)
         if clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        if lr_schedule is not None:
+            set_lr([opt], lr_schedule(step))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())

@@ -25,6 +25,7 @@ from executor.collectives import Comms
 from executor.lifetime import die_with_parent
 from executor.reference import compare, compare_grads, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
+from executor.stage import ADAMW, LRSchedule
 from piper_sim.files import atomic_path
 from piper_sim.plan import Plan, PlanError
 from piper_sim.validate import load_valid_plan
@@ -70,13 +71,21 @@ def _say(args, obj: dict, text: str) -> None:
     print(json.dumps(obj) if args.json else text, flush=True)
 
 
+def lr_schedule(args) -> LRSchedule | None:
+    """The ``--lr`` options as a schedule (None: every step at the optimizer's own rate)."""
+    if args.lr is None and args.warmup_steps == 0 and args.lr_decay == "constant":
+        return None
+    return LRSchedule(ADAMW["lr"] if args.lr is None else args.lr, args.warmup_steps, args.lr_decay,
+                      args.decay_steps, args.min_lr_ratio)
+
+
 def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> None:
     comms = Comms.create(plan, args.timeout)
     # a worker restarted by torchrun (--max-restarts) resumes from the newest checkpoint it saved;
     # injected faults fire in the first attempt only
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     rt = Runtime(plan, rank, comms, device, timeout_s=args.timeout, fault=None if restarted else Fault.from_env(),
-                 clip_grad_norm=args.clip_grad_norm)
+                 clip_grad_norm=args.clip_grad_norm, lr_schedule=lr_schedule(args))
     rt.record_ops = bool(args.profile)  # record_function(op_id) around every plan op
     heartbeat.start(rt)
     resume = args.save if restarted and args.save and checkpoint.complete_steps(args.save) else args.resume
@@ -115,7 +124,8 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
     rt.gather_parameters()
     if args.check:
         first: dict[str, torch.Tensor] = {}
-        ref, _ = reference_training(plan, end, device, clip_grad_norm=args.clip_grad_norm, first_grads=first)
+        ref, _ = reference_training(plan, end, device, clip_grad_norm=args.clip_grad_norm, first_grads=first,
+                                    lr_schedule=lr_schedule(args))
         # the first step's gradients, when this run made it (not resumed past it)
         g = compare_grads(rt.flats, rt.stepped_grads, comms, first, rt.reference_view) if start == 0 else -1.0
         diffs = torch.tensor([*compare(rt.flats, comms, ref, rt.reference_view), g], dtype=torch.float64,
@@ -192,7 +202,7 @@ def check_same_everywhere(args, plans: list[Plan]) -> None:
             "check": args.check, "save": bool(args.save), "save_every": args.save_every, "keep": args.keep,
             "resume": bool(args.resume), "trace": bool(args.trace or args.timeline or args.kineto),
             "profile": bool(args.profile), "device": args.device,
-            "clip": args.clip_grad_norm}
+            "clip": args.clip_grad_norm, "lr": repr(lr_schedule(args))}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for r, theirs in enumerate(everyone):

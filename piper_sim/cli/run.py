@@ -97,6 +97,11 @@ def torchrun_command(args, plan: Plan) -> list[str]:
             "--timeout", str(args.timeout), "--device", args.device]
     if getattr(args, "clip_grad_norm", None) is not None:
         cmd += ["--clip-grad-norm", str(args.clip_grad_norm)]
+    if getattr(args, "lr", None) is not None:
+        cmd += ["--lr", repr(args.lr)]
+    for flag in ("warmup_steps", "lr_decay", "decay_steps", "min_lr_ratio"):
+        if hasattr(args, flag):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     for flag in ("trace", "timeline", "kineto", "save", "resume", "profile"):
         value = getattr(args, flag)
         if value:

@@ -1,0 +1,50 @@
+"""The executor's learning-rate schedule (--lr, --warmup-steps, --lr-decay, --decay-steps,
+--min-lr-ratio): its values, and training under it against the reference under the same one."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from executor.stage import LRSchedule
+from test_executor import ROOT, json_lines, save_plan, strategy, torchrun
+
+
+def test_warmup_then_cosine_or_linear_decay_to_the_floor():
+    cos = LRSchedule(lr=1.0, warmup_steps=4, decay="cosine", decay_steps=14, min_ratio=0.1)
+    assert [cos(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cos(4) == 1.0 and cos(9) == pytest.approx(0.1 + 0.9 * 0.5) and cos(14) == pytest.approx(0.1)
+    assert cos(100) == pytest.approx(0.1)  # held at the floor
+    lin = LRSchedule(lr=2.0, decay="linear", decay_steps=10, min_ratio=0.0)
+    assert [lin(s) for s in (0, 5, 10)] == pytest.approx([2.0, 1.0, 0.0])
+    assert LRSchedule(lr=3e-4)(123) == 3e-4
+    assert all(a >= b for a, b in zip([cos(s) for s in range(4, 20)], [cos(s) for s in range(5, 21)]))
+    assert math.isclose(LRSchedule(warmup_steps=2)(1), LRSchedule().lr)
+
+
+def test_scheduled_training_matches_the_reference_under_the_same_schedule(tmp_path):
+    paths = [save_plan(tmp_path, "z1", strategy(dp=2, zero=1, m=2, mbs=2)),
+             save_plan(tmp_path, "pp2", strategy(pp=2, sched="zb1p", m=4, mbs=2))]
+    sched = ["--lr", "3e-3", "--warmup-steps", "1", "--lr-decay", "cosine", "--decay-steps", "3"]
+    r = torchrun(2, [*paths, "--steps", "3", "--check", "--json", *sched])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json_lines(r.stdout)
+    checks = [x for x in rows if "max_rel_param_diff" in x]
+    assert len(checks) == 2 and all(x["within_tolerance"] for x in checks), checks
+    plain = torchrun(2, [paths[0], "--steps", "3", "--json"])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    scheduled = [x["loss"] for x in rows if "loss" in x and x["plan"] == paths[0]]
+    constant = [x["loss"] for x in json_lines(plain.stdout) if "loss" in x]
+    assert scheduled[0] == pytest.approx(constant[0]) and scheduled[2] != pytest.approx(constant[2], rel=1e-6)
+
+
+def test_a_decay_without_its_end_is_a_one_line_error(tmp_path):
+    path = save_plan(tmp_path, "dp2", strategy(dp=2, m=2))
+    r = subprocess.run([sys.executable, "-m", "piper_sim", "run", path, "--steps", "1", "--lr-decay", "cosine",
+                        "--warmup-steps", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "--lr-decay cosine needs --decay-steps after --warmup-steps (2); got --decay-steps 0")
