@@ -1,7 +1,7 @@
 """Executor speed against PyTorch on the same model, data and machine, in one run:
 
 * DP2 (ZeRO-0, bucketed all-reduce)       vs  torch DDP
-* DP2 ZeRO-1 (reduce-scatter, all-gather) vs  torch DDP
+* DP2 ZeRO-1 (reduce-scatter, all-gather during the next forward) vs  torch DDP
 * PP2 GPipe / 1F1B / interleaved 1F1B     vs  torch.distributed.pipelining's class of each
 * DP2 ZeRO-3 (per-unit gathers)           vs  FSDP2 ``fully_shard`` (one unit per layer)
 
@@ -66,7 +66,8 @@ def worker(args) -> None:
     dp = lambda zero: [{"op": "data_parallel", "degree": 2, "zero": zero}]
     cases = {
         "dp2": (dp(0), lambda plan: TorchDDP(plan, rank), "DDP"),
-        "zero1": (dp(1), lambda plan: TorchDDP(plan, rank), "DDP"),
+        # parameter gathers overlapped with the next forward (Megatron's --overlap-param-gather)
+        "zero1": ([{**dp(1)[0], "overlap_param_gather": True}], lambda plan: TorchDDP(plan, rank), "DDP"),
         "pp2-gpipe": (pp("gpipe"), lambda plan: TorchPipeline(plan, rank), "pipelining ScheduleGPipe"),
         "pp2-1f1b": (pp("1f1b"), lambda plan: TorchPipeline(plan, rank), "pipelining Schedule1F1B"),
         "pp2-interleaved": (pp("interleaved_1f1b"), lambda plan: TorchPipeline(plan, rank),

@@ -51,8 +51,9 @@ class Setup:
     # DeepSpeed's default) or the accumulated ones once per step ("per_step", no_sync-style)
     reduce: str = "per_microbatch"
     # ZeRO-1/2: all-gather the updated parameters during the next step's forward, each bucket
-    # waited for where it is first used (Megatron's overlap_param_gather), not after the optimizer
-    overlap_param_gather: bool = True
+    # waited for where it is first used (Megatron's --overlap-param-gather); off by default, as in
+    # Megatron and DeepSpeed: right after the optimizer step
+    overlap_param_gather: bool = False
     layers_per_stage: list[int] | str | None = None  # None: equal layer counts; "balanced": equal time
     tp: int = 1  # tensor-parallel degree (shard_tensor)
     sp: bool = False  # sequence parallelism inside the tensor-parallel group
@@ -186,7 +187,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     placement: dict[int, list[tuple[int, int, int]]] = {}
     orders: dict[int, list[Slot]] = {}
     dp, zero, bucket_mb, ep, reduce, tp, sp = 1, 0, None, 1, "per_microbatch", 1, False
-    overlap_gather = True
+    overlap_gather = False
     cp, cp_style = 1, "allgather"
     tp_sel: tuple[tuple[int, ...] | None, bool, bool] = (None, True, True)
     recompute: dict[int, str] = {}
@@ -212,7 +213,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
         elif op == "replicate":
             dp, zero, bucket_mb = d["degree"], d.get("zero", 0), d.get("bucket_mb")
             reduce = d.get("reduce", "per_microbatch")
-            overlap_gather = d.get("overlap_param_gather", True)
+            overlap_gather = d.get("overlap_param_gather", False)
         elif op == "shard":
             ep = d["degree"]
         elif op == "shard_tensor":

@@ -15,7 +15,7 @@ from piper_sim.validate import PlanValidationError, validate_plan
 from test_executor import json_lines, save_plan, strategy, torchrun
 
 
-def zero_strategy(zero: int = 1, overlap: bool | None = None, pp: int = 1, m: int = 2) -> dict:
+def zero_strategy(zero: int = 1, overlap: bool | None = True, pp: int = 1, m: int = 2) -> dict:
     dp = {"op": "data_parallel", "degree": 2, "zero": zero}
     if overlap is not None:
         dp["overlap_param_gather"] = overlap
