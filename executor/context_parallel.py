@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from executor.collectives import all_gather, reduce_scatter
+from executor.collectives import all_gather, reduce_scatter_flat
 from executor.tensor_parallel import TPAttention, TPComm, column, row
 from piper_sim.models import GQAttention, apply_rope, rope_cos_sin
 
@@ -88,11 +88,15 @@ class CPComm(TPComm):
         return full[0], full[1]
 
     def scatter_kv(self, dk: torch.Tensor, dv: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum over the group of full-sequence dK, dV (group order), this rank's part (one reduce-scatter)."""
+        """Sum over the group of full-sequence dK, dV (group order), this rank's part (one reduce-scatter,
+        on gloo an all-reduce and a view: `executor.collectives.reduce_scatter_flat`)."""
         full = torch.stack([dk, dv]).movedim(3, 0).contiguous()
-        out = full.new_empty(full.shape[0] // self.size, *full.shape[1:])
-        self._run(name, "REDUCE_SCATTER", lambda: reduce_scatter(out, full, group=self.group))
-        mine = out.movedim(0, 3)
+        got = {}
+
+        def scatter():
+            got["piece"] = reduce_scatter_flat(full.view(-1), self.index, self.size, group=self.group)[1]
+        self._run(name, "REDUCE_SCATTER", scatter)
+        mine = got["piece"].view(full.shape[0] // self.size, *full.shape[1:]).movedim(0, 3)
         return mine[0], mine[1]
 
     def hop(self, t: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:

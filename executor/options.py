@@ -44,7 +44,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad-norm", type=float, metavar="X",
                    help="clip gradients to global L2 norm X over all shards and stages (as clip_grad_norm_)")
     p.add_argument("--lr", type=arg_float(0.0), help="peak learning rate (default: the optimizer's, 1e-3)")
-    p.add_argument("--warmup-steps", type=arg_int(0), default=0, metavar="N", help="linear warm-up over the first N steps")
+    p.add_argument("--warmup-steps", type=arg_int(0), default=0, metavar="N",
+                   help="linear warm-up over the first N steps")
     p.add_argument("--lr-decay", choices=("constant", "linear", "cosine"), default="constant",
                    help="after warm-up: constant, or a decay to --min-lr-ratio x the peak at --decay-steps")
     p.add_argument("--decay-steps", type=arg_int(0), default=0, metavar="N", help="the step the decay ends at")
