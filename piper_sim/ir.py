@@ -720,17 +720,10 @@ def _param_gates(ctx: Context, dag: TrainingDAG, s: int, nodes: list[Node], segs
         for x in part:
             before[x.name] = (i, acc / total if total > 0 else 0.0)
             acc += x.fwd_flops
-    ends, acc = [], 0.0
-    for x in segs:
-        acc += x.param_bytes
-        ends.append(acc)
-    scale = sum(buckets) / acc if acc else 1.0  # bucket bytes are per expert-parallel rank
-    out, lo = [], 0.0
-    for nbytes in buckets:
-        j = next((i for i, e in enumerate(ends) if e * scale > lo and segs[i].param_bytes > 0), len(segs) - 1)
+    out = []
+    for j, _ in _first_bytes(segs, buckets):
         part, share = before[segs[j].name]
         out.append((piece_of[part], share))
-        lo += nbytes
     return out
 
 
@@ -844,6 +837,18 @@ def _bucket_ready(segs: list, buckets: list[float]) -> list[float]:
     if total <= 0:
         n = len(buckets)
         return [(n - b) / n for b in range(n)]
+    out = []
+    for j, inside in _first_bytes(segs, buckets):
+        # strictly decreasing in b, so buckets ready together go out last first, and only
+        # bucket 0 waits for the end of the backward
+        out.append(min(1.0, (sum(flops[j + 1:]) + inside * flops[j]) / total) - 1e-6 * len(out))
+    return out
+
+
+def _first_bytes(segs: list, buckets: list[float]) -> list[tuple[int, float]]:
+    """For each bucket (equal slices of ``segs``' parameters laid end to end in model order):
+    the index of the segment holding its first byte, and the share of that segment's
+    parameters from the byte to the segment's end."""
     ends, acc = [], 0.0
     for x in segs:
         acc += x.param_bytes
@@ -853,9 +858,7 @@ def _bucket_ready(segs: list, buckets: list[float]) -> list[float]:
     for nbytes in buckets:
         j = next((i for i, e in enumerate(ends) if e * scale > lo and segs[i].param_bytes > 0), len(segs) - 1)
         inside = min(1.0, (ends[j] * scale - lo) / (segs[j].param_bytes * scale)) if segs[j].param_bytes else 1.0
-        # strictly decreasing in b, so buckets ready together go out last first, and only
-        # bucket 0 waits for the end of the backward
-        out.append(min(1.0, (sum(flops[j + 1:]) + inside * flops[j]) / total) - 1e-6 * len(out))
+        out.append((j, inside))
         lo += nbytes
     return out
 
