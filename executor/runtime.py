@@ -233,12 +233,10 @@ class Runtime:
             if fp.sync == "none" or fp.per_bucket:
                 continue
             for b in range(fp.n_buckets):
-                lo, hi = fp.offsets[b], fp.offsets[b] + fp.lens[b]
-                members = {id(p) for p, off in zip(fp.params, fp.param_offsets) if off < hi and off + p.numel() > lo}
-                self.bucket_members[(s, tag, b)] = members
-                for p in fp.params:
-                    if id(p) in members:
-                        self.param_buckets.setdefault(id(p), []).append(((s, tag, b), fp))
+                members = fp.params_in_bucket(b)
+                self.bucket_members[(s, tag, b)] = {id(p) for p in members}
+                for p in members:
+                    self.param_buckets.setdefault(id(p), []).append(((s, tag, b), fp))
         for fp in self.flats.values():
             for p in fp.params:
                 if id(p) in self.param_buckets:
@@ -251,20 +249,16 @@ class Runtime:
         stage's per-layer hook; other stages wait for all of them before their first forward).
         After the last step (and before a check or checkpoint) `gather_parameters` does the
         gathers the next step would have done."""
+        self.gates = [i for i in self.instructions if i.kind == "ALL_GATHER" and i.needed_by]
+        self.gate_streams = sorted({i.stream for i in self.gates})
         self.gate_ids: dict[str, list[str]] = {}  # compute op id -> the gathers it waits for
         self.param_gates: dict[int, list[str]] = {}  # id(parameter) -> gathers writing it
         self.params_stale = False
         self.gates_open: set[str] = set()  # gathers waited for this step (CUDA: by the compute stream)
-        for ins in self.instructions:
-            if ins.kind != "ALL_GATHER" or not ins.needed_by:
-                continue
+        for ins in self.gates:
             self.gate_ids.setdefault(ins.needed_by, []).append(ins.id)
-            fp = self.flats[(ins.stage, flat_tag(ins))]
-            lo, hi = fp.offsets[ins.bucket], fp.offsets[ins.bucket] + fp.lens[ins.bucket]
-            for p, off in zip(fp.params, fp.param_offsets):
-                if off < hi and off + p.numel() > lo:
-                    self.param_gates.setdefault(id(p), []).append(ins.id)
-        self.n_gates = sum(len(ids) for ids in self.gate_ids.values())
+            for p in self.flats[(ins.stage, flat_tag(ins))].params_in_bucket(ins.bucket):
+                self.param_gates.setdefault(id(p), []).append(ins.id)
         self.gated_stages = {s for s, stage in self.stages.items() if hasattr(stage, "before_step")}
         if self.param_gates:
             for s in self.gated_stages:
@@ -273,7 +267,7 @@ class Runtime:
     def _await_params(self, params) -> None:
         """Before a forward step: wait for the gathers of these parameters (issuing them if
         their stream has not yet)."""
-        if len(self.gates_open) == self.n_gates:
+        if len(self.gates_open) == len(self.gates):
             return
         self._await_gathers({g for p in params for g in self.param_gates.get(id(p), ())})
 
@@ -281,7 +275,7 @@ class Runtime:
         ids = ids - self.gates_open
         if not ids:
             return
-        self._issue_gathers(ids)
+        self._issue_gathers()
         while any(g not in self.done for g in ids):
             token, t_end, err = self._wait_any(self.prog.streams, self.ptr)
             self._completed(token, t_end, err)
@@ -290,14 +284,14 @@ class Runtime:
                 torch.cuda.current_stream(self.device).wait_event(self.cuda_events[g][1])
         self.gates_open |= ids
 
-    def _issue_gathers(self, ids: set[str] = frozenset()) -> None:
-        """Issue the gathers in ``ids`` and every other overlapped gather heading its stream
-        (all in flight at once: later buckets arrive while the forward runs)."""
-        for name in sorted({i.stream for i in self.instructions if i.id in ids or i.needed_by}):
+    def _issue_gathers(self) -> None:
+        """Issue every overlapped gather heading its stream (all in flight at once: later
+        buckets arrive while the forward runs)."""
+        for name in self.gate_streams:
             lst = self.prog.streams[name]
             while self.ptr[name] < len(lst) and name not in self.busy:
                 head = lst[self.ptr[name]]
-                if not (head.id in ids or head.needed_by) or any(d not in self.done for d in head.deps):
+                if not head.needed_by or any(d not in self.done for d in head.deps):
                     break
                 self.ptr[name] += 1
                 self._issue(head)
@@ -308,14 +302,8 @@ class Runtime:
         in plan order on every rank."""
         if not self.params_stale:
             return
-        works = []
-        for ins in self.instructions:
-            if ins.kind == "ALL_GATHER" and ins.needed_by:
-                fp = self.flats[(ins.stage, flat_tag(ins))]
-                pg = self.comms.group(ins.stream, ins.group)
-                works.append(all_gather(fp.bucket(ins.bucket), fp.shard_piece(ins.bucket), group=pg, async_op=True))
-        for w in works:
-            w.wait()
+        for posted in [self._gather(ins) for ins in self.gates]:
+            posted.work.wait()
         self.params_stale = False
 
     def _grad_ready(self, p) -> None:

@@ -200,6 +200,12 @@ class FlatParams:
             self.optimizer = make_optimizer([self.flat])
 
     # buckets and shards
+    def params_in_bucket(self, b: int) -> list[nn.Parameter]:
+        """The parameters with elements in bucket ``b``'s slice of the flat buffer (equal
+        slices: a parameter may straddle two buckets)."""
+        lo, hi = self.offsets[b], self.offsets[b] + self.lens[b]
+        return [p for p, off in zip(self.params, self.param_offsets) if off < hi and off + p.numel() > lo]
+
     def bucket(self, b: int) -> torch.Tensor:
         return self.bufs[b]
 

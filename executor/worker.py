@@ -125,7 +125,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
     if args.check:
         first: dict[str, torch.Tensor] = {}
         ref, _ = reference_training(plan, end, device, clip_grad_norm=args.clip_grad_norm, first_grads=first,
-                                    lr_schedule=lr_schedule(args))
+                                    lr_schedule=rt.lr_schedule)
         # the first step's gradients, when this run made it (not resumed past it)
         g = compare_grads(rt.flats, rt.stepped_grads, comms, first, rt.reference_view) if start == 0 else -1.0
         diffs = torch.tensor([*compare(rt.flats, comms, ref, rt.reference_view), g], dtype=torch.float64,
