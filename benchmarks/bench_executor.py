@@ -93,21 +93,30 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_run_args(p: argparse.ArgumentParser, steps: int) -> None:
+    """The model and batch options of the two-rank benchmarks (this one, bench_exposed_comm)."""
     p.add_argument("--model", default="gpt-small")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--mb", type=int, default=4)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--cases", help="comma-separated subset of: dp2, zero1, pp2-gpipe, pp2-1f1b, pp2-interleaved, zero3")
-    args = p.parse_args()
+    p.add_argument("--steps", type=int, default=steps)
+
+
+def run_on_two_ranks(script: str, worker, args) -> int:
+    """Inside torchrun: ``worker(args)``; else launch ``script`` again under torchrun (2 ranks)."""
     if "RANK" in os.environ:
         worker(args)
         return 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           os.path.abspath(__file__), *sys.argv[1:]]
+           os.path.abspath(script), *sys.argv[1:]]
     return subprocess.call(cmd)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p, steps=10)
+    p.add_argument("--cases", help="comma-separated subset of: dp2, zero1, pp2-gpipe, pp2-1f1b, pp2-interleaved, zero3")
+    return run_on_two_ranks(__file__, worker, p.parse_args())
 
 
 if __name__ == "__main__":

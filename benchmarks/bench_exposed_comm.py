@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import warnings
 from dataclasses import dataclass, fields
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_executor import strategy  # noqa: E402
+from bench_executor import add_run_args, run_on_two_ranks, strategy  # noqa: E402
 from executor.collectives import Comms  # noqa: E402
 from executor.runtime import Runtime, align_comm_starts  # noqa: E402
 from piper_sim.api import compile  # noqa: E402
@@ -144,11 +143,7 @@ def worker(args) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt-small")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--mb", type=int, default=4)
-    p.add_argument("--steps", type=int, default=5)
+    add_run_args(p, steps=5)
     p.add_argument("--cases", default="dp2,zero1", help="comma-separated subset of: " + ", ".join(CASES))
     p.add_argument("--costmodel", help="calibration JSON of this machine (`piper-sim calibrate -o ...`; default: "
                                         "this machine's cached calibration, measured on first use as the demo does)")
@@ -165,12 +160,7 @@ def main() -> int:
         sys.argv += ["--costmodel", args.costmodel]
     if not os.path.isfile(args.costmodel):
         p.error(f"--costmodel: no file {args.costmodel!r}; make one with `piper-sim calibrate -o PATH.json`")
-    if "RANK" in os.environ:
-        worker(args)
-        return 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone",
-           os.path.abspath(__file__), *sys.argv[1:]]
-    return subprocess.call(cmd)
+    return run_on_two_ranks(__file__, worker, args)
 
 
 if __name__ == "__main__":
