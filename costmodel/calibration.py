@@ -12,10 +12,12 @@ Schema (JSON; every key but "kind" optional; seconds, bytes, bytes/s)::
       "hbm_bw": 2e10,                      # memory bandwidth (bytes moved / s) of memory-bound ops
       "memory_bw_table": [[bytes, bw], ...], # that bandwidth by bytes moved per op (caches), optional
       "collectives": {                     # t = alpha_s + S / bw_Bps, S as in costmodel.collectives
-        "ALLREDUCE": {"2": {"alpha_s": 5e-5, "bw_Bps": 1.5e9}, "4": {...}},
+        "ALLREDUCE": {"2": {"alpha_s": 5e-5, "bw_Bps": 1.5e9,
+                            "table": [[S, t], ...]}, # measured points, optional (`fit_time`)
+                      "4": {...}},
         "ALL_TO_ALL": {...}
       },
-      "p2p": {"alpha_s": 3e-5, "bw_Bps": 2e9},       # or {"intra": {...}, "inter": {...}}
+      "p2p": {"alpha_s": 3e-5, "bw_Bps": 2e9},       # or {"intra": {...}, "inter": {...}}; "table" too
       "overlap_slowdown": 1.15,            # compute slowdown while a comm kernel runs
       "comm_overlap_slowdown": 1.0,        # comm slowdown while its rank computes (CPU: shared cores)
       "meta": {...}                        # free-form: host, date, tool version
@@ -27,7 +29,12 @@ many ranks of one host compute at once, vs one alone), "overlap", "residuals" an
 (the measurements). See traces/calibration/README.md.
 
 A collective fit is used for its group size; another size takes the nearest fitted one,
-keeping its busbw and scaling alpha by the ring step count (2(n−1) or n−1).
+keeping its busbw and scaling alpha by the ring step count (2(n−1) or n−1). A fit's
+optional "table" holds the measured points: between the smallest and largest measured S
+the time is interpolated linearly between neighbouring points, outside them the
+alpha-beta line holds (`fit_time`). Measured curves are not one line: on a CPU a message
+that fits the caches moves faster per byte than a larger one, NCCL switches protocols and
+algorithms with size; one alpha-beta line through 4 KiB..64 MiB misses a 4 MiB gather by 2x.
 `fit_alpha_beta` turns (bytes, seconds) samples into one such entry.
 """
 
@@ -81,6 +88,26 @@ def check_calibration(data: dict, where: str = "calibration") -> None:
 def _check_fit(fit, where: str) -> None:
     if not isinstance(fit, dict) or fit.get("bw_Bps", 0) <= 0 or fit.get("alpha_s", -1) < 0:
         raise ValueError(f"{where} needs alpha_s >= 0 and bw_Bps > 0, got {fit!r}")
+    table = fit.get("table")
+    if table is None:
+        return
+    ok = isinstance(table, list) and len(table) >= 2 and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, (int, float)) and x > 0 for x in p)
+        for p in table)
+    if not ok or any(a[0] >= b[0] for a, b in zip(table, table[1:])):
+        raise ValueError(f"{where}: table must be [[bytes, seconds], ...], at least two points, bytes strictly "
+                         f"ascending, all positive; got {table!r}")
+
+
+def fit_time(fit: dict, nbytes: float) -> float:
+    """Seconds of one transfer of `nbytes` (S) under a collective or p2p fit: its measured
+    "table" interpolated linearly where S lies within it, else `alpha_s + S / bw_Bps`."""
+    table = fit.get("table")
+    if table and table[0][0] <= nbytes <= table[-1][0]:
+        for (s0, t0), (s1, t1) in zip(table, table[1:]):
+            if nbytes <= s1:
+                return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
+    return fit["alpha_s"] + nbytes / fit["bw_Bps"]
 
 
 def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> dict[str, float]:

@@ -15,7 +15,8 @@ calibration dict (schema in `costmodel.calibration`).
 - `hbm_bw`: mean copy/add bandwidth at the largest size; `launch_s`: a trivial op.
 - `collectives` / `p2p`: `t = alpha_s + S / bw_Bps` per kind and group size, by
   least squares on *relative* error (`fit_alpha_bw`; plain least squares would let the
-  largest messages decide alpha).
+  largest messages decide alpha), and the measured points as the fit's "table": within
+  the measured sizes the simulator interpolates them, the line holds outside.
 - `comm_overlap_slowdown`: seconds per all-reduce while every rank runs matmuls (all-reduces
   queued, counted as they finish) / alone: on a CPU gloo's thread shares the cores.
 - `overlap_slowdown`: matmul time while each rank's own async all-reduces run / without,
@@ -60,6 +61,21 @@ def fit_alpha_bw(nbytes, seconds) -> dict[str, float]:
     return {"alpha_s": alpha, "bw_Bps": 1.0 / beta}
 
 
+def measured_table(points) -> list[list[float]]:
+    """(bytes, seconds) points as a fit's "table" (`costmodel.calibration.fit_time`): sorted
+    by size, one point per size (the fastest), each no slower than any larger message's (a
+    bigger message cannot take less time; a small message that did was disturbed, by other
+    work on a shared machine, and the larger one's time bounds it)."""
+    best: dict = {}
+    for s, t in points:
+        best[float(s)] = min(float(t), best.get(float(s), math.inf))
+    table, bound = [], math.inf
+    for s in sorted(best, reverse=True):
+        bound = min(bound, best[s])
+        table.append([s, bound])
+    return table[::-1]
+
+
 def relative_errors(fit: dict, points) -> list[float]:
     """predicted / measured - 1 for each (bytes, seconds) point."""
     return [(fit["alpha_s"] + s / fit["bw_Bps"]) / t - 1 for s, t in points]
@@ -71,11 +87,11 @@ def fit_comm(comm: dict) -> tuple[dict, dict | None, dict]:
     resid: dict = {}
     for world, res in sorted(comm.items(), key=lambda kv: int(kv[0])):
         for kind, pts in res["collectives"].items():
-            fit = fit_alpha_bw(*zip(*pts))
+            fit = {**fit_alpha_bw(*zip(*pts)), "table": measured_table(pts)}
             coll.setdefault(kind, {})[str(world)] = fit
             resid.setdefault(kind, {})[str(world)] = _rounded(relative_errors(fit, pts))
     p2p_pts = next((res["p2p"] for _, res in sorted(comm.items(), key=lambda kv: int(kv[0])) if res.get("p2p")), [])
-    p2p = fit_alpha_bw(*zip(*p2p_pts)) if len(p2p_pts) >= 2 else None
+    p2p = {**fit_alpha_bw(*zip(*p2p_pts)), "table": measured_table(p2p_pts)} if len(p2p_pts) >= 2 else None
     if p2p:
         resid["p2p"] = _rounded(relative_errors(p2p, p2p_pts))
     return coll, p2p, resid

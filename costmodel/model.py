@@ -15,7 +15,7 @@ import os
 
 from costmodel import collectives as coll
 from costmodel import compute, operators
-from costmodel.calibration import load_calibration
+from costmodel.calibration import fit_time, load_calibration
 from costmodel.hardware import CPU, GPU_FIELDS, Cluster
 from costmodel.moe import MoEOptions, Routing
 
@@ -151,9 +151,13 @@ class AnalyticCostModel(CostModel):
             self.cluster.node_of(r)
         n = len(group)
         m = min(fits, key=lambda s: (abs(math.log(s / n)), s))  # nearest fitted group size
+        measured = fit_time(fits[m], nbytes)
+        if m == n:
+            return measured
         alpha = fits[m]["alpha_s"] * coll.ring_steps(kind, n) / coll.ring_steps(kind, m)
         bw = fits[m]["bw_Bps"] * coll.busbw_factor(kind, m) / coll.busbw_factor(kind, n)
-        return alpha + nbytes / bw
+        # the group-size scaling of the alpha-beta line, applied to the measured time
+        return measured * (alpha + nbytes / bw) / (fits[m]["alpha_s"] + nbytes / fits[m]["bw_Bps"])
 
     def all_to_all_time(self, nbytes, ranks, direction="dispatch", routing=None):
         if coll.a2a_algorithm(self.moe, self.cluster) == "nccl":
@@ -169,7 +173,7 @@ class AnalyticCostModel(CostModel):
         fit = self.p2p_fits.get("intra" if self.cluster.same_node((src, dst)) else "inter")
         if fit is None or src == dst:
             return coll.p2p_time(nbytes, src, dst, self.cluster)
-        return fit["alpha_s"] + nbytes / fit["bw_Bps"]
+        return fit_time(fit, nbytes)
 
     def links(self, kind, ranks):
         return coll.links_used(kind, ranks, self.cluster)

@@ -50,6 +50,11 @@ from executor.collectives import reduce_scatter_flat
 KIB, MIB = 1 << 10, 1 << 20
 COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 
+# Bump when what a calibration measures or holds changes: cached calibrations of an older
+# method are measured again (`fingerprint`). 2: collective fits carry their measured points
+# (the "table" of costmodel.calibration), the quick sweep a point every 4x in size.
+METHOD = 2
+
 
 class CalibrationError(ValueError):
     """Bad calibration input or a failed benchmark run (the CLI prints one line)."""
@@ -131,7 +136,7 @@ def _sweeps(quick: bool, gpu: bool) -> dict:
         squares = [256, 1024, 4096] if gpu else [64, 256, 512, 1024]
         rect = [(1024, 4096, 1024)] if gpu else [(128, 256, 64), (1024, 256, 64)]
         other = [1024, 4096] if gpu else [256]
-        sizes = [4 * KIB * 16 ** i for i in range(4)]  # 4 KiB .. 16 MiB
+        sizes = [4 * KIB * 4 ** i for i in range(7)]  # 4 KiB .. 16 MiB, a point every 4x
         batches = {"gpt-tiny": ((1, 16), (4, 128)), "moe-tiny": ((2, 128),)}
         out = dict(segment_batches=batches, memory_mib=(256,) if gpu else (64,),
                    overlap_bytes=(16 if gpu else 1) * MIB)
@@ -187,6 +192,7 @@ class Progress:
                 pass
 
     def __call__(self, label: str = "", steps: float = 1.0) -> None:
+        steps = max(0.0, min(steps, self.total - self.n))  # float rounding must not overrun tqdm
         self.n += steps
         if self.bar is not None:
             self.bar.set_postfix_str(label, refresh=False)
@@ -632,12 +638,13 @@ def machine_info(cfg: BenchConfig) -> dict:
 
 def fingerprint(device: str = "cpu", threads: int | None = None) -> dict:
     """What a calibration of this machine depends on: processor model, usable cores, torch
-    version and intra-op threads per rank (default as `make_config`: $OMP_NUM_THREADS, else 1)."""
+    version, intra-op threads per rank (default as `make_config`: $OMP_NUM_THREADS, else 1)
+    and the measuring method (`METHOD`)."""
     if threads is None:
         threads = _int_env("OMP_NUM_THREADS", 1)
     name = torch.cuda.get_device_name(0) if device == "cuda" else _cpu_name()
     return {"device": device, "device_name": name, "cores": _cores(), "torch": torch.__version__,
-            "threads": threads}
+            "threads": threads, "method": METHOD}
 
 
 def _cpu_name() -> str:

@@ -83,6 +83,10 @@ def test_quick_run_loads_and_predicts_allreduce(quick_calibration):
     assert data["meta"]["contention"]["factor"]["2"] > 0
     assert data["meta"]["raw"]["segments"] and data["meta"]["residuals"]["segments_summary"]
     cm = get_costmodel(str(quick_calibration), parse_cluster("cpu:2"))
+    table = data["collectives"]["ALL_GATHER"]["2"]["table"]  # the measured points, 4 KiB .. 16 MiB
+    assert len(table) == 7 and [s for s, _ in table] == sorted(s for s, _ in table)
+    size, seconds = table[4]
+    assert cm.collective_time("ALL_GATHER", size, [0, 1]) == pytest.approx(seconds)
     nbytes = 1 << 20
     predicted = cm.collective_time("ALLREDUCE", nbytes, [0, 1])
     # other processes on a small shared machine can disturb one measurement: allow 3 tries

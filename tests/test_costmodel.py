@@ -240,6 +240,35 @@ def test_calibration_file(tmp_path):
     assert m.p2p_time(2e9, 0, 1) == pytest.approx(2e-5 + 1.0)
 
 
+def test_calibration_table_interpolates_measured_points(tmp_path):
+    """Within a fit's measured points the time is interpolated between neighbours; outside,
+    the alpha-beta line holds; another group size scales the measured time like the line."""
+    fit = {"alpha_s": 1e-4, "bw_Bps": 1e9, "table": [[1e6, 1e-3], [4e6, 8e-3], [16e6, 20e-3]]}
+    calib = {"kind": "calibration", "collectives": {"ALL_GATHER": {"2": fit}},
+             "p2p": {"alpha_s": 2e-5, "bw_Bps": 2e9, "table": [[1e3, 1e-4], [1e6, 3e-4]]}}
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps(calib))
+    m = get_costmodel(str(path), parse_cluster("cpu:4"))
+    assert m.collective_time("ALL_GATHER", 2.5e6, [0, 1]) == pytest.approx(4.5e-3)
+    assert m.collective_time("ALL_GATHER", 4e6, [0, 1]) == pytest.approx(8e-3)
+    assert m.collective_time("ALL_GATHER", 10e6, [0, 1]) == pytest.approx(14e-3)
+    assert m.collective_time("ALL_GATHER", 32e6, [0, 1]) == pytest.approx(1e-4 + 32e-3)  # beyond: the line
+    assert m.collective_time("ALL_GATHER", 1e3, [0, 1]) == pytest.approx(1e-4 + 1e-6)
+    line2, line4 = 1e-4 + 2.5e6 / 1e9, 3e-4 + 2.5e6 * busbw_factor("ALL_GATHER", 4) / (
+        1e9 * busbw_factor("ALL_GATHER", 2))
+    assert m.collective_time("ALL_GATHER", 2.5e6, [0, 1, 2, 3]) == pytest.approx(4.5e-3 * line4 / line2)
+    assert m.p2p_time(5.005e5, 0, 1) == pytest.approx(2e-4)
+
+
+@pytest.mark.parametrize("table", [[[1e6, 1e-3]], [[4e6, 1e-3], [1e6, 2e-3]], [[1e6, 0], [2e6, 1e-3]], "x"])
+def test_calibration_table_errors(tmp_path, table):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"kind": "calibration", "collectives": {
+        "ALLREDUCE": {"2": {"alpha_s": 0, "bw_Bps": 1e9, "table": table}}}}))
+    with pytest.raises(ValueError, match=r"ALLREDUCE\[2\]: table must be"):
+        get_costmodel(str(path), parse_cluster("cpu:2"))
+
+
 @pytest.mark.parametrize("bad", [
     {"kind": "profile"},
     {"kind": "calibration", "colectives": {}},
@@ -329,3 +358,11 @@ def test_catalog_numbers_are_sane():
         assert gpu.nvlink_bw > gpu.nic_bw > 0 and 0 < gpu.mamf_eff < 1 and gpu.peak("bf16") > 0
         assert math.isfinite(gpu.hbm_bw) and gpu.intra_alpha_s < gpu.inter_alpha_s
     assert isinstance(parse_cluster("cpu:2"), Cluster)
+
+
+def test_measured_table_keeps_fastest_and_is_monotone():
+    from costmodel.fit import measured_table
+
+    # 16 B was disturbed (slower than 64 B): the larger message's time bounds it
+    assert measured_table([(16, 1.6e-3), (4, 1e-3), (64, 3e-4), (256, 5e-4), (64, 2e-4)]) == [
+        [4.0, 2e-4], [16.0, 2e-4], [64.0, 2e-4], [256.0, 5e-4]]
