@@ -1,7 +1,8 @@
 """Executor speed against PyTorch on the same model, data and machine, in one run:
 
 * DP2 (ZeRO-0, bucketed all-reduce)       vs  torch DDP
-* DP2 ZeRO-1 (reduce-scatter, all-gather during the next forward) vs  torch DDP
+* DP2 ZeRO-1 (reduce-scatter, all-gather during the next forward) vs  torch DDP, and vs
+  DDP + ``ZeroRedundancyOptimizer`` (torch's own ZeRO-1)
 * PP2 GPipe / 1F1B / interleaved 1F1B     vs  torch.distributed.pipelining's class of each
 * DP2 ZeRO-3 (per-unit gathers)           vs  FSDP2 ``fully_shard`` (one unit per layer)
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from executor.baselines import TorchDDP, TorchFSDP2, TorchPipeline  # noqa: E402
+from executor.baselines import TorchDDP, TorchFSDP2, TorchPipeline, TorchZeRO1  # noqa: E402
 from executor.collectives import Comms  # noqa: E402
 from executor.runtime import Runtime  # noqa: E402
 from piper_sim.api import compile  # noqa: E402
@@ -68,6 +69,8 @@ def worker(args) -> None:
         "dp2": (dp(0), lambda plan: TorchDDP(plan, rank), "DDP"),
         # parameter gathers overlapped with the next forward (Megatron's --overlap-param-gather)
         "zero1": ([{**dp(1)[0], "overlap_param_gather": True}], lambda plan: TorchDDP(plan, rank), "DDP"),
+        "zero1-zro": ([{**dp(1)[0], "overlap_param_gather": True}], lambda plan: TorchZeRO1(plan, rank),
+                      "DDP+ZeroRedundancyOptimizer"),
         "pp2-gpipe": (pp("gpipe"), lambda plan: TorchPipeline(plan, rank), "pipelining ScheduleGPipe"),
         "pp2-1f1b": (pp("1f1b"), lambda plan: TorchPipeline(plan, rank), "pipelining Schedule1F1B"),
         "pp2-interleaved": (pp("interleaved_1f1b"), lambda plan: TorchPipeline(plan, rank),
@@ -115,7 +118,8 @@ def run_on_two_ranks(script: str, worker, args) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p, steps=10)
-    p.add_argument("--cases", help="comma-separated subset of: dp2, zero1, pp2-gpipe, pp2-1f1b, pp2-interleaved, zero3")
+    p.add_argument("--cases", help="comma-separated subset of: dp2, zero1, zero1-zro, pp2-gpipe, pp2-1f1b, "
+                                   "pp2-interleaved, zero3")
     return run_on_two_ranks(__file__, worker, p.parse_args())
 
 

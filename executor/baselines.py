@@ -1,6 +1,6 @@
 """PyTorch's own ways of running the same model and data, as peers for the executor:
-``torch.distributed.pipelining`` schedules (gradient oracle, speed baseline) and DDP
-(speed baseline). Same weights (``build_units``/``build_model``), same micro-batches, same
+``torch.distributed.pipelining`` schedules (gradient oracle, speed baseline), DDP (alone
+and with ``ZeroRedundancyOptimizer``, torch's ZeRO-1) and FSDP2 (speed baselines). Same weights (``build_units``/``build_model``), same micro-batches, same
 AdamW, so numbers and gradients are directly comparable."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from costmodel.dtypes import torch_dtype
 from executor.data import SyntheticData
-from executor.stage import make_optimizer
+from executor.stage import ADAMW, make_optimizer, optimizer_impl
 from piper_sim.models import build_model, build_units, config_from_meta, lm_loss, run_units
 from piper_sim.plan import Plan
 from piper_sim.schedules import SCHEDULE_TABLE
@@ -84,7 +84,7 @@ class TorchDDP:
         cfg = config_from_meta(meta)
         model = build_model(cfg, device=device, dtype=torch_dtype(meta["dtype"]), seed=meta["seed"])
         self.model = self.wrap(model)
-        self.optimizer = make_optimizer(list(model.parameters()))
+        self.optimizer = self.build_optimizer(list(model.parameters()))
         self.meta, self.dp_rank, self.dp = meta, rank, dist.get_world_size()
         self.data = SyntheticData(cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
 
@@ -93,6 +93,10 @@ class TorchDDP:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model)
+
+    @staticmethod
+    def build_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return make_optimizer(params)
 
     def step(self, step: int) -> None:
         m = self.meta["microbatches"]
@@ -103,6 +107,20 @@ class TorchDDP:
                 (lm_loss(self.model(tokens), targets) / m).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+
+class TorchZeRO1(TorchDDP):
+    """DDP with torch's ZeRO-1: ``ZeroRedundancyOptimizer`` around the same AdamW; each rank
+    steps the parameters of its partition and broadcasts them to the others."""
+
+    @staticmethod
+    def build_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        impl = optimizer_impl(params)
+        kw = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}[impl]
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=True,
+                                       **kw, **ADAMW)
 
 
 class TorchFSDP2(TorchDDP):

@@ -45,14 +45,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from costmodel.dtypes import torch_dtype
-from executor.collectives import reduce_scatter_flat
+from executor.collectives import all_gather_flat, reduce_scatter_flat
 
 KIB, MIB = 1 << 10, 1 << 20
 COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 
 # Bump when what a calibration measures or holds changes: cached calibrations of an older
 # method are measured again (`fingerprint`). 2: collective fits carry their measured points
-# (the "table" of costmodel.calibration), the quick sweep a point every 4x in size.
+# (the "table" of costmodel.calibration), the quick sweep a point every 4x in size; gloo
+# all-gathers as the executor runs them (`all_gather_flat`).
 METHOD = 2
 
 
@@ -400,10 +401,9 @@ def _collective(kind: str, nbytes: int, world: int, device: torch.device):
     if kind == "REDUCE_SCATTER":  # as the executor runs it (an all-reduce on gloo)
         inp = zeros(n)
         return (lambda: reduce_scatter_flat(inp, dist.get_rank(), world)), 4 * n
-    if kind == "ALL_GATHER":
+    if kind == "ALL_GATHER":  # as the executor runs it (broadcasts on gloo)
         inp, out = zeros(part), zeros(n)
-        ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: ag(out, inp)), 4 * n
+        return (lambda: all_gather_flat(out, inp, dist.get_rank(), world)), 4 * n
     if kind == "ALL_TO_ALL":
         inp, out = zeros(n), zeros(n)
         return (lambda: dist.all_to_all_single(out, inp)), 4 * n

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from executor.context_parallel import CP_STREAM, CPComm, context_stage, is_cp, reorder_after_pieces
-from executor.collectives import Comms, Completions, all_gather, group_ranks, reduce_scatter_flat
+from executor.collectives import Comms, Completions, all_gather_flat, group_ranks, reduce_scatter_flat
 from executor.data import SyntheticData
 from executor.stage import (FlatParams, LRSchedule, Record, Stage, backward_full, backward_input, backward_weight,
                             set_lr)
@@ -826,7 +826,8 @@ class Runtime:
             last = users[-1] if ins.direction == "F" else users[0]
             self.releases.setdefault((ins.direction, s, ins.mb, last), []).append((fp, b))  # mb: the consumer's
         pg = self.comms.group(ins.stream, ins.group)
-        return Posted(all_gather(fp.bucket(b), fp.shard_piece(b), group=pg, async_op=True))
+        return Posted(all_gather_flat(fp.bucket(b), fp.shard_piece(b), fp.index, len(fp.group), group=pg,
+                                      async_op=True))
 
     def _all_to_all(self, ins: Instruction):
         direction, s, mb, e = ins.direction, ins.stage, ins.mb, ins.block
