@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from executor.collectives import all_gather, reduce_scatter_flat
+from executor.collectives import all_gather_flat, reduce_scatter_flat
 from executor.tensor_parallel import TPAttention, TPComm, column, row
 from piper_sim.models import GQAttention, apply_rope, rope_cos_sin
 
@@ -83,7 +83,7 @@ class CPComm(TPComm):
         """Every rank's K and V ``[B, h, s/C, d]`` -> ``[B, h, s, d]`` in group order (one all-gather)."""
         kv = torch.stack([k, v]).movedim(3, 0).contiguous()  # [s/C, 2, B, h, d]
         out = kv.new_empty(kv.shape[0] * self.size, *kv.shape[1:])
-        self._run(name, "ALL_GATHER", lambda: all_gather(out, kv, group=self.group))
+        self._run(name, "ALL_GATHER", lambda: all_gather_flat(out, kv, self.index, self.size, group=self.group))
         full = out.movedim(0, 3)
         return full[0], full[1]
 

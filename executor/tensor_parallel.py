@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from executor.collectives import all_gather, reduce_scatter
+from executor.collectives import all_gather_flat, reduce_scatter_flat
 from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, SwiGLU, apply_rope, \
     attention_core, rope_cos_sin
 
@@ -119,14 +119,20 @@ class TPComm:
         """``[B, s/T, ...]`` shards -> ``[B, s, ...]`` (rank order along the sequence)."""
         shard = x.transpose(0, 1).contiguous()
         out = shard.new_empty(shard.shape[0] * self.size, *shard.shape[1:])
-        self._run(name, "ALL_GATHER", lambda: all_gather(out, shard, group=self.group))
+        self._run(name, "ALL_GATHER", lambda: all_gather_flat(out, shard, self.index, self.size, group=self.group))
         return out.transpose(0, 1).contiguous()
 
     def scatter_seq(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Sum over the group of ``[B, s, ...]``, this rank's ``[B, s/T, ...]`` shard of it."""
         full = x.transpose(0, 1).contiguous()
-        out = full.new_empty(full.shape[0] // self.size, *full.shape[1:])
-        self._run(name, "REDUCE_SCATTER", lambda: reduce_scatter(out, full, group=self.group))
+        if full.data_ptr() == x.data_ptr():  # the reduction runs in place: never on the caller's tensor
+            full = full.clone()
+        got = {}
+
+        def scatter():
+            got["piece"] = reduce_scatter_flat(full.view(-1), self.index, self.size, group=self.group)[1]
+        self._run(name, "REDUCE_SCATTER", scatter)
+        out = got["piece"].view(full.shape[0] // self.size, *full.shape[1:])
         return out.transpose(0, 1).contiguous()
 
 
