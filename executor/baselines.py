@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from costmodel.dtypes import torch_dtype
 from executor.data import SyntheticData
-from executor.stage import ADAMW, make_optimizer, optimizer_impl
+from executor.lr import ADAMW
+from executor.stage import make_optimizer, optimizer_impl
 from piper_sim.models import build_model, build_units, config_from_meta, lm_loss, run_units
 from piper_sim.plan import Plan
 from piper_sim.schedules import SCHEDULE_TABLE

@@ -6,7 +6,7 @@ the same tensor (data-parallel peers, DualPipe's two copies of a stage) write it
 
 ``--save DIR`` keeps one folder per saved step, the newest ``keep`` of them::
 
-    DIR/step-00000004/   DCP files + piper_meta.json (plan hash, step, world size)
+    DIR/step-00000004/   DCP files + piper_meta.json (plan hash, step, world size, LR schedule)
     DIR/step-00000006/
 
 A save writes into ``DIR/.step-N.tmp``; when every rank has written its files rank 0
@@ -23,6 +23,7 @@ functions only, so ``piper-sim run`` checks a checkpoint without it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -96,7 +97,7 @@ def save(rt, root: str, step: int, keep: int = 2) -> str:
     if dist.get_rank() == 0:
         with atomic_write(os.path.join(tmp, META)) as f:
             json.dump({"plan_hash": rt.plan.content_hash(), "step": step, "world_size": dist.get_world_size(),
-                       "model": rt.plan.meta["model"]}, f)
+                       "model": rt.plan.meta["model"], "lr_schedule": schedule_dict(rt.lr_schedule)}, f)
         fsync_dir(tmp)
         _kill_point(step, "marker")
         if os.path.exists(final):  # saved this step before (a rerun): set the old one aside first
@@ -121,9 +122,24 @@ def complete_steps(root: str) -> list[int]:
     return sorted(s for s in steps if os.path.isfile(os.path.join(step_dir(root, s), META)))
 
 
-def find(path: str, plan_hash: str, world_size: int) -> tuple[str, int]:
+def schedule_dict(schedule) -> dict | None:
+    """A learning-rate schedule (`executor.stage.LRSchedule`) as stored in ``piper_meta.json``."""
+    return None if schedule is None else dataclasses.asdict(schedule)
+
+
+def _describe(schedule: dict | None) -> str:
+    if schedule is None:
+        return "none (the optimizer's own rate)"
+    return ", ".join(f"{k}={v}" for k, v in schedule.items())
+
+
+def find(path: str, plan_hash: str, world_size: int, lr_schedule: dict | None = None,
+         override_lr_schedule: bool = False) -> tuple[str, int]:
     """The checkpoint folder to resume from (``path`` itself, or its newest complete
-    step folder) and its step; raises PlanError naming what does not match."""
+    step folder) and its step; raises PlanError naming what does not match. A run resumes
+    under the learning-rate schedule it was saved with (``lr_schedule``: this run's, as
+    `schedule_dict`) unless ``override_lr_schedule`` (as Megatron's
+    ``--override-opt_param-scheduler``); checkpoints older than the stored schedule pass."""
     if os.path.isfile(os.path.join(path, META)):
         folder = path
     else:
@@ -142,6 +158,10 @@ def find(path: str, plan_hash: str, world_size: int) -> tuple[str, int]:
                         f"{plan_hash}; resume with the plan that wrote it")
     if meta.get("world_size", world_size) != world_size:
         raise PlanError(f"--resume {folder} was saved by {meta['world_size']} ranks, not {world_size}")
+    if "lr_schedule" in meta and meta["lr_schedule"] != lr_schedule and not override_lr_schedule:
+        raise PlanError(f"--resume {folder} was saved under learning-rate schedule {_describe(meta['lr_schedule'])}; "
+                        f"this run's is {_describe(lr_schedule)}: pass the same --lr/--warmup-steps/--lr-decay/"
+                        f"--decay-steps/--min-lr-ratio, or --override-lr-schedule to continue under this run's")
     step = meta.get("step")
     m = STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
     if not isinstance(step, int) or isinstance(step, bool) or step < 0 or (m and int(m[1]) != step):
@@ -151,7 +171,7 @@ def find(path: str, plan_hash: str, world_size: int) -> tuple[str, int]:
     return folder, step
 
 
-def load(rt, path: str) -> int:
+def load(rt, path: str, override_lr_schedule: bool = False) -> int:
     """Collective: restore the state in place; returns the number of steps already done.
     Rank 0 picks and checks the folder, so every rank loads the same one or fails alike."""
     import torch.distributed as dist
@@ -160,7 +180,8 @@ def load(rt, path: str) -> int:
     found: list = [None]
     if dist.get_rank() == 0:
         try:
-            found[0] = find(path, rt.plan.content_hash(), dist.get_world_size())
+            found[0] = find(path, rt.plan.content_hash(), dist.get_world_size(), schedule_dict(rt.lr_schedule),
+                            override_lr_schedule)
         except PlanError as e:
             found[0] = str(e)
     dist.broadcast_object_list(found, src=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from executor.lr import ADAMW, LRSchedule
 from piper_sim.checks import arg_float, arg_int
 from piper_sim.plan import Plan, PlanError
 
@@ -50,6 +51,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="after warm-up: constant, or a decay to --min-lr-ratio x the peak at --decay-steps")
     p.add_argument("--decay-steps", type=arg_int(0), default=0, metavar="N", help="the step the decay ends at")
     p.add_argument("--min-lr-ratio", type=arg_float(0.0), default=0.1, help="final / peak learning rate (0.1)")
+    p.add_argument("--override-lr-schedule", action="store_true",
+                   help="--resume under this run's learning-rate options, not the ones the checkpoint was saved with")
     p.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
 
 
@@ -157,6 +160,14 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
                         "the executor cannot share that weight: simulate it, or untie the model")
 
 
+def lr_schedule(args) -> LRSchedule | None:
+    """The ``--lr`` options as a schedule (None: every step at the optimizer's own rate)."""
+    if args.lr is None and args.warmup_steps == 0 and args.lr_decay == "constant":
+        return None
+    return LRSchedule(ADAMW["lr"] if args.lr is None else args.lr, args.warmup_steps, args.lr_decay,
+                      args.decay_steps, args.min_lr_ratio)
+
+
 def preflight(args, plans: list[Plan]) -> int:
     """What a launch needs beyond valid plans, checked by ``piper-sim run`` before torchrun
     and by every worker before its process group: the checkpoint to resume, and that the
@@ -175,7 +186,9 @@ def preflight(args, plans: list[Plan]) -> int:
     if layout.cp > 1 and (args.save or args.resume):
         raise PlanError(f"--save and --resume do not support context parallel plans yet (cp {layout.cp}); "
                         "run without them")
-    start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size)[1] if args.resume else 0
+    start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size,
+                            checkpoint.schedule_dict(lr_schedule(args)), args.override_lr_schedule)[1] \
+        if args.resume else 0
     if args.end_step is not None and args.end_step <= start:
         raise PlanError(f"--end-step {args.end_step} is not after the resumed step {start}")
     if not os.environ.get("PIPER_FAULT"):

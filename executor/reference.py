@@ -9,7 +9,8 @@ import torch
 
 from executor.collectives import all_gather
 from executor.data import SyntheticData
-from executor.stage import FlatParams, LRSchedule, keep_first_grads, make_optimizer, set_lr
+from executor.lr import LRSchedule
+from executor.stage import FlatParams, keep_first_grads, make_optimizer, set_lr
 from costmodel.dtypes import torch_dtype
 from piper_sim.models import build_model, config_from_meta, lm_loss
 from piper_sim.plan import Plan

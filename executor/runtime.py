@@ -62,7 +62,8 @@ import torch.distributed as dist
 from executor.context_parallel import CP_STREAM, CPComm, context_stage, is_cp, reorder_after_pieces
 from executor.collectives import Comms, Completions, all_gather_flat, group_ranks, reduce_scatter_flat
 from executor.data import SyntheticData
-from executor.stage import (FlatParams, LRSchedule, Record, Stage, backward_full, backward_input, backward_weight,
+from executor.lr import LRSchedule
+from executor.stage import (FlatParams, Record, Stage, backward_full, backward_input, backward_weight,
                             set_lr)
 from costmodel.dtypes import torch_dtype
 from executor.tensor_parallel import TP_STREAM, Logged, TPComm, TPShard, is_tp, shard_stage, sharded_units

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from executor.stage import LRSchedule, Piece, Record, _leaf, keep_first_grads, make_optimizer, set_lr
+from executor.lr import LRSchedule
+from executor.stage import Piece, Record, _leaf, keep_first_grads, make_optimizer, set_lr
 from piper_sim.annotate import AnnotationError, UserModel, load_user_model
 from piper_sim.plan import Plan, PlanError
 

@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 
 from executor import checkpoint, heartbeat
-from executor.options import add_run_options, preflight, refuse_tensor_parallel, refuse_tied_embeddings
+from executor.options import add_run_options, lr_schedule, preflight, refuse_tensor_parallel, refuse_tied_embeddings
 from executor.collectives import Comms
 from executor.lifetime import die_with_parent
 from executor.reference import compare, compare_grads, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
-from executor.stage import ADAMW, LRSchedule
 from piper_sim.files import atomic_path
 from piper_sim.plan import Plan, PlanError
 from piper_sim.validate import load_valid_plan
@@ -71,14 +70,6 @@ def _say(args, obj: dict, text: str) -> None:
     print(json.dumps(obj) if args.json else text, flush=True)
 
 
-def lr_schedule(args) -> LRSchedule | None:
-    """The ``--lr`` options as a schedule (None: every step at the optimizer's own rate)."""
-    if args.lr is None and args.warmup_steps == 0 and args.lr_decay == "constant":
-        return None
-    return LRSchedule(ADAMW["lr"] if args.lr is None else args.lr, args.warmup_steps, args.lr_decay,
-                      args.decay_steps, args.min_lr_ratio)
-
-
 def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> None:
     comms = Comms.create(plan, args.timeout)
     # a worker restarted by torchrun (--max-restarts) resumes from the newest checkpoint it saved;
@@ -89,7 +80,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
     rt.record_ops = bool(args.profile)  # record_function(op_id) around every plan op
     heartbeat.start(rt)
     resume = args.save if restarted and args.save and checkpoint.complete_steps(args.save) else args.resume
-    start = checkpoint.load(rt, resume) if resume else 0
+    start = checkpoint.load(rt, resume, args.override_lr_schedule) if resume else 0
     end = args.end_step or start + args.steps
     if rank == 0 and restarted:
         print(f"piper-sim executor: restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming at step {start}",

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from executor.stage import LRSchedule
+from executor.lr import LRSchedule
 from test_executor import ROOT, json_lines, save_plan, strategy, torchrun
 
 
@@ -48,3 +48,29 @@ def test_a_decay_without_its_end_is_a_one_line_error(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1].endswith(
         "--lr-decay cosine needs --decay-steps after --warmup-steps (2); got --decay-steps 0")
+
+
+def test_resume_keeps_the_schedule_it_was_saved_under(tmp_path):
+    """A checkpoint stores its learning-rate schedule: resuming under the same options gives
+    the uninterrupted run's losses bit for bit; other options are a one-line error before
+    any worker starts, unless --override-lr-schedule."""
+    plan = save_plan(tmp_path, "dp2z1", strategy(dp=2, zero=1, m=2, mbs=2))
+    sched = ["--lr", "3e-3", "--warmup-steps", "1", "--lr-decay", "cosine", "--decay-steps", "4"]
+    full = torchrun(2, [plan, "--steps", "4", "--json", *sched])
+    assert full.returncode == 0, full.stderr[-3000:]
+    losses = [row["loss"] for row in json_lines(full.stdout) if "loss" in row]
+    ck = str(tmp_path / "ck")
+    first = torchrun(2, [plan, "--steps", "2", "--save", ck, "--json", *sched])
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = subprocess.run([sys.executable, "-m", "piper_sim", "run", plan, "--steps", "2", "--resume", ck,
+                            "--lr", "1e-3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2
+    last = other.stderr.strip().splitlines()[-1]
+    assert "was saved under learning-rate schedule lr=0.003, warmup_steps=1, decay=cosine" in last
+    assert "this run's is lr=0.001, warmup_steps=0, decay=constant" in last and "--override-lr-schedule" in last
+    resumed = torchrun(2, [plan, "--steps", "2", "--resume", ck, "--json", *sched])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [row["loss"] for row in json_lines(resumed.stdout) if "loss" in row] == losses[2:]  # bit for bit
+    overridden = torchrun(2, [plan, "--steps", "1", "--resume", ck, "--json", "--lr", "1e-3",
+                              "--override-lr-schedule"])
+    assert overridden.returncode == 0, overridden.stderr[-3000:]
