@@ -31,8 +31,8 @@ many ranks of one host compute at once, vs one alone), "overlap", "residuals" an
 A collective fit is used for its group size; another size takes the nearest fitted one,
 keeping its busbw and scaling alpha by the ring step count (2(n−1) or n−1). A fit's
 optional "table" holds the measured points: between the smallest and largest measured S
-the time is interpolated linearly between neighbouring points, outside them the
-alpha-beta line holds (`fit_time`). Measured curves are not one line: on a CPU a message
+the time is interpolated linearly between neighbouring points, outside them it follows
+the line's slope from the nearest end point (`fit_time`). Measured curves are not one line: on a CPU a message
 that fits the caches moves faster per byte than a larger one, NCCL switches protocols and
 algorithms with size; one alpha-beta line through 4 KiB..64 MiB misses a 4 MiB gather by 2x.
 `fit_alpha_beta` turns (bytes, seconds) samples into one such entry.
@@ -40,6 +40,7 @@ algorithms with size; one alpha-beta line through 4 KiB..64 MiB misses a 4 MiB g
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import tempfile
@@ -100,14 +101,22 @@ def _check_fit(fit, where: str) -> None:
 
 
 def fit_time(fit: dict, nbytes: float) -> float:
-    """Seconds of one transfer of `nbytes` (S) under a collective or p2p fit: its measured
-    "table" interpolated linearly where S lies within it, else `alpha_s + S / bw_Bps`."""
+    """Seconds of one transfer of `nbytes` (S) under a collective or p2p fit: without a
+    "table", `alpha_s + S / bw_Bps`; with one, its points interpolated linearly where S lies
+    within them, and outside them the line's slope `1 / bw_Bps` from the nearest end point,
+    below the first not under `alpha_s` (continuous, and never faster for more bytes when
+    the table is monotone)."""
     table = fit.get("table")
-    if table and table[0][0] <= nbytes <= table[-1][0]:
-        for (s0, t0), (s1, t1) in zip(table, table[1:]):
-            if nbytes <= s1:
-                return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
-    return fit["alpha_s"] + nbytes / fit["bw_Bps"]
+    if not table:
+        return fit["alpha_s"] + nbytes / fit["bw_Bps"]
+    (first_s, first_t), (last_s, last_t) = table[0], table[-1]
+    if nbytes >= last_s:
+        return last_t + (nbytes - last_s) / fit["bw_Bps"]
+    if nbytes <= first_s:  # down to the line's latency, at most the first point's time
+        return min(first_t, max(fit["alpha_s"], first_t - (first_s - nbytes) / fit["bw_Bps"]))
+    i = bisect.bisect_left([s for s, _ in table], nbytes)
+    (s0, t0), (s1, t1) = table[i - 1], table[i]
+    return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
 
 
 def fit_alpha_beta(nbytes: list[float], seconds: list[float]) -> dict[str, float]:

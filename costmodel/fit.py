@@ -16,7 +16,8 @@ calibration dict (schema in `costmodel.calibration`).
 - `collectives` / `p2p`: `t = alpha_s + S / bw_Bps` per kind and group size, by
   least squares on *relative* error (`fit_alpha_bw`; plain least squares would let the
   largest messages decide alpha), and the measured points as the fit's "table": within
-  the measured sizes the simulator interpolates them, the line holds outside.
+  the measured sizes the simulator interpolates them, outside it follows the line's slope
+  from the nearest point. `meta.residuals` are the line's, against the points.
 - `comm_overlap_slowdown`: seconds per all-reduce while every rank runs matmuls (all-reduces
   queued, counted as they finish) / alone: on a CPU gloo's thread shares the cores.
 - `overlap_slowdown`: matmul time while each rank's own async all-reduces run / without,

@@ -157,7 +157,8 @@ class AnalyticCostModel(CostModel):
         alpha = fits[m]["alpha_s"] * coll.ring_steps(kind, n) / coll.ring_steps(kind, m)
         bw = fits[m]["bw_Bps"] * coll.busbw_factor(kind, m) / coll.busbw_factor(kind, n)
         # the group-size scaling of the alpha-beta line, applied to the measured time
-        return measured * (alpha + nbytes / bw) / (fits[m]["alpha_s"] + nbytes / fits[m]["bw_Bps"])
+        line_m = fits[m]["alpha_s"] + nbytes / fits[m]["bw_Bps"]
+        return measured * (alpha + nbytes / bw) / line_m if line_m > 0 else alpha + nbytes / bw
 
     def all_to_all_time(self, nbytes, ranks, direction="dispatch", routing=None):
         if coll.a2a_algorithm(self.moe, self.cluster) == "nccl":

@@ -1,7 +1,8 @@
 """PyTorch's own ways of running the same model and data, as peers for the executor:
 ``torch.distributed.pipelining`` schedules (gradient oracle, speed baseline), DDP (alone
-and with ``ZeroRedundancyOptimizer``, torch's ZeRO-1) and FSDP2 (speed baselines). Same weights (``build_units``/``build_model``), same micro-batches, same
-AdamW, so numbers and gradients are directly comparable."""
+and with ``ZeroRedundancyOptimizer``, torch's ZeRO-1) and FSDP2 (speed baselines). Same
+weights (``build_units``/``build_model``), same micro-batches, same AdamW, so numbers and
+gradients are directly comparable."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import torch.nn as nn
 
 from costmodel.dtypes import torch_dtype
 from executor.data import SyntheticData
-from executor.lr import ADAMW
-from executor.stage import make_optimizer, optimizer_impl
+from executor.stage import adamw_kwargs, make_optimizer
 from piper_sim.models import build_model, build_units, config_from_meta, lm_loss, run_units
 from piper_sim.plan import Plan
 from piper_sim.schedules import SCHEDULE_TABLE
@@ -118,10 +118,8 @@ class TorchZeRO1(TorchDDP):
     def build_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        impl = optimizer_impl(params)
-        kw = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}[impl]
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=True,
-                                       **kw, **ADAMW)
+                                       **adamw_kwargs(params))
 
 
 class TorchFSDP2(TorchDDP):

@@ -30,6 +30,7 @@ import re
 import shutil
 import signal
 
+from executor.lr import ADAMW
 from piper_sim.files import atomic_write, fsync_dir
 from piper_sim.plan import PlanError
 
@@ -123,8 +124,17 @@ def complete_steps(root: str) -> list[int]:
 
 
 def schedule_dict(schedule) -> dict | None:
-    """A learning-rate schedule (`executor.stage.LRSchedule`) as stored in ``piper_meta.json``."""
-    return None if schedule is None else dataclasses.asdict(schedule)
+    """A learning-rate schedule (`executor.lr.LRSchedule`) as stored in ``piper_meta.json``,
+    in one form per rate function: None for every step at the optimizer's own rate, no
+    decay fields for a constant schedule."""
+    if schedule is None:
+        return None
+    d = dataclasses.asdict(schedule)
+    if d["decay"] == "constant":
+        del d["decay_steps"], d["min_ratio"]
+        if d["warmup_steps"] == 0 and d["lr"] == ADAMW["lr"]:
+            return None
+    return d
 
 
 def _describe(schedule: dict | None) -> str:

@@ -40,7 +40,6 @@ from executor.lr import ADAMW
 from piper_sim.models import Block, ModelConfig, build_units, lm_loss
 
 
-
 def optimizer_impl(params: list[torch.Tensor]) -> str:
     """``fused`` where this torch has a fused AdamW kernel for the parameters' device and
     dtype (CUDA; CPU too since torch 2.4: one pass over the flat buffer, ~20x faster than
@@ -72,13 +71,19 @@ def keep_first_grads(out: dict[str, torch.Tensor] | None, step: int, named) -> N
         out.update({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
 
 
+def adamw_kwargs(params: list[torch.Tensor]) -> dict:
+    """AdamW's keyword arguments for ``params``: the fixed hyperparameters and the
+    implementation `optimizer_impl` picks."""
+    impl = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}
+    return {**impl[optimizer_impl(params)], **ADAMW}
+
+
 def make_optimizer(params: list[torch.Tensor]) -> torch.optim.AdamW:
     """AdamW with the executor's fixed hyperparameters (fused or foreach, see
     `optimizer_impl`; the single-process reference and the torch baselines use the same)
     and eagerly created state (so a checkpoint can be loaded into it before the first step)."""
     impl = optimizer_impl(params)
-    kw = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}[impl]
-    opt = torch.optim.AdamW(params, **kw, **ADAMW)
+    opt = torch.optim.AdamW(params, **adamw_kwargs(params))
     for p in params:  # fused keeps ``step`` on the parameter's device, the others on the CPU
         opt.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32, device=p.device if impl == "fused" else "cpu"),
                         "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}

@@ -125,15 +125,16 @@ class TPComm:
     def scatter_seq(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Sum over the group of ``[B, s, ...]``, this rank's ``[B, s/T, ...]`` shard of it."""
         full = x.transpose(0, 1).contiguous()
-        if full.data_ptr() == x.data_ptr():  # the reduction runs in place: never on the caller's tensor
+        if full.data_ptr() == x.data_ptr() and dist.get_backend(self.group) == "gloo":  # reduces in place there
             full = full.clone()
         got = {}
 
         def scatter():
             got["piece"] = reduce_scatter_flat(full.view(-1), self.index, self.size, group=self.group)[1]
         self._run(name, "REDUCE_SCATTER", scatter)
-        out = got["piece"].view(full.shape[0] // self.size, *full.shape[1:])
-        return out.transpose(0, 1).contiguous()
+        out = got["piece"].view(full.shape[0] // self.size, *full.shape[1:]).transpose(0, 1).contiguous()
+        # on gloo the piece is a view of the whole reduced buffer: keep only the piece alive
+        return out.clone() if out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() else out
 
 
 # --------------------------------------------------------------------------- autograd functions

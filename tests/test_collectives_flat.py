@@ -9,8 +9,9 @@ import datetime
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import pytest
 
-from executor.collectives import all_gather_flat, reduce_scatter_flat
+from executor.collectives import Works, all_gather_flat, reduce_scatter_flat
 from executor.microbench import free_port
 
 WORLD = 4
@@ -39,6 +40,18 @@ def _worker(rank: int, port: int) -> None:
             out.view(size, -1)[index].copy_(piece)
             all_gather_flat(out, out.view(size, -1)[index], index, size, group=group)
             assert torch.equal(out, want)
+            # a non-contiguous 2-d piece; a piece of the wrong size or member index is refused
+            grid = (torch.arange(6, dtype=torch.float32) + 100 * rank).view(2, 3).t()  # 3x2, strided
+            out = torch.zeros(6 * size)
+            all_gather_flat(out, grid, index, size, group=group)
+            assert torch.equal(out.view(size, -1)[index], grid.reshape(-1))
+            for bad in ((torch.zeros(5), index), (piece, (index + 1) % size)):
+                try:
+                    all_gather_flat(torch.zeros(6 * size), *bad, size, group=group)
+                except ValueError as e:
+                    assert "all_gather_flat" in str(e)
+                else:
+                    raise AssertionError(f"accepted {bad}")
             full = torch.arange(4 * size, dtype=torch.float32) * (rank + 1)
             work, mine = reduce_scatter_flat(full.clone(), index, size, group=group, async_op=True)
             work.wait()
@@ -51,3 +64,30 @@ def _worker(rank: int, port: int) -> None:
 
 def test_flat_collectives_match_torch_on_world_and_subgroup():
     mp.start_processes(_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="spawn")
+
+
+class _Handle:
+    """What `Works` takes from a torch.distributed work: its future."""
+
+    def __init__(self, fut: torch.futures.Future):
+        self.fut = fut
+
+    def get_future(self) -> torch.futures.Future:
+        return self.fut
+
+
+def test_works_future_fails_at_the_first_error_and_completes_after_the_last():
+    a, b, c = (torch.futures.Future() for _ in range(3))
+    combined = Works([_Handle(a), _Handle(b), _Handle(c)]).get_future()
+    a.set_result(None)
+    assert not combined.done()
+    b.set_exception(RuntimeError("broadcast 1 failed: peer gone"))
+    assert combined.done()  # not waiting for c
+    with pytest.raises(RuntimeError, match="peer gone"):
+        combined.value()
+    x, y = torch.futures.Future(), torch.futures.Future()
+    ok = Works([_Handle(x), _Handle(y)]).get_future()
+    y.set_result(None)
+    assert not ok.done()
+    x.set_result(None)
+    assert ok.done() and ok.value() is None

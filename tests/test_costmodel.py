@@ -252,12 +252,27 @@ def test_calibration_table_interpolates_measured_points(tmp_path):
     assert m.collective_time("ALL_GATHER", 2.5e6, [0, 1]) == pytest.approx(4.5e-3)
     assert m.collective_time("ALL_GATHER", 4e6, [0, 1]) == pytest.approx(8e-3)
     assert m.collective_time("ALL_GATHER", 10e6, [0, 1]) == pytest.approx(14e-3)
-    assert m.collective_time("ALL_GATHER", 32e6, [0, 1]) == pytest.approx(1e-4 + 32e-3)  # beyond: the line
-    assert m.collective_time("ALL_GATHER", 1e3, [0, 1]) == pytest.approx(1e-4 + 1e-6)
+    # outside: the line's slope from the nearest end point (continuous, monotone)
+    assert m.collective_time("ALL_GATHER", 16e6, [0, 1]) == pytest.approx(20e-3)
+    assert m.collective_time("ALL_GATHER", 32e6, [0, 1]) == pytest.approx(20e-3 + 16e-3)
+    assert m.collective_time("ALL_GATHER", 1e6, [0, 1]) == pytest.approx(1e-3)
+    assert m.collective_time("ALL_GATHER", 0.5e6, [0, 1]) == pytest.approx(1e-3 - 0.5e-3)
+    assert m.collective_time("ALL_GATHER", 0, [0, 1]) == pytest.approx(1e-4)  # not under the latency
+    sizes = [k * 1e5 for k in range(400)]
+    times = [m.collective_time("ALL_GATHER", s, [0, 1]) for s in sizes]
+    assert all(a <= b for a, b in zip(times, times[1:]))
     line2, line4 = 1e-4 + 2.5e6 / 1e9, 3e-4 + 2.5e6 * busbw_factor("ALL_GATHER", 4) / (
         1e9 * busbw_factor("ALL_GATHER", 2))
     assert m.collective_time("ALL_GATHER", 2.5e6, [0, 1, 2, 3]) == pytest.approx(4.5e-3 * line4 / line2)
     assert m.p2p_time(5.005e5, 0, 1) == pytest.approx(2e-4)
+
+
+def test_group_size_scaling_of_a_zero_latency_fit_at_zero_bytes(tmp_path):
+    path = tmp_path / "calib.json"
+    path.write_text(json.dumps({"kind": "calibration", "collectives": {
+        "ALL_GATHER": {"2": {"alpha_s": 0.0, "bw_Bps": 1e9}}}}))
+    m = get_costmodel(str(path), parse_cluster("cpu:4"))
+    assert m.collective_time("ALL_GATHER", 0, [0, 1, 2, 3]) == 0.0
 
 
 @pytest.mark.parametrize("table", [[[1e6, 1e-3]], [[4e6, 1e-3], [1e6, 2e-3]], [[1e6, 0], [2e6, 1e-3]], "x"])

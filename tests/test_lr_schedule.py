@@ -63,14 +63,38 @@ def test_resume_keeps_the_schedule_it_was_saved_under(tmp_path):
     first = torchrun(2, [plan, "--steps", "2", "--save", ck, "--json", *sched])
     assert first.returncode == 0, first.stderr[-3000:]
     other = subprocess.run([sys.executable, "-m", "piper_sim", "run", plan, "--steps", "2", "--resume", ck,
-                            "--lr", "1e-3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                            "--lr", "2e-3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert other.returncode == 2
     last = other.stderr.strip().splitlines()[-1]
     assert "was saved under learning-rate schedule lr=0.003, warmup_steps=1, decay=cosine" in last
-    assert "this run's is lr=0.001, warmup_steps=0, decay=constant" in last and "--override-lr-schedule" in last
+    assert "this run's is lr=0.002, warmup_steps=0, decay=constant" in last and "--override-lr-schedule" in last
     resumed = torchrun(2, [plan, "--steps", "2", "--resume", ck, "--json", *sched])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [row["loss"] for row in json_lines(resumed.stdout) if "loss" in row] == losses[2:]  # bit for bit
-    overridden = torchrun(2, [plan, "--steps", "1", "--resume", ck, "--json", "--lr", "1e-3",
+    overridden = torchrun(2, [plan, "--steps", "2", "--resume", ck, "--json", "--lr", "2e-3",
                               "--override-lr-schedule"])
     assert overridden.returncode == 0, overridden.stderr[-3000:]
+    other_losses = [row["loss"] for row in json_lines(overridden.stdout) if "loss" in row]
+    assert other_losses[0] == losses[2] and other_losses[1] != losses[3]  # step 3 trained under the new rate
+
+
+def test_equal_schedules_are_stored_alike_and_old_checkpoints_resume(tmp_path):
+    import json
+    import os
+
+    from executor import checkpoint
+
+    assert checkpoint.schedule_dict(None) is None
+    assert checkpoint.schedule_dict(LRSchedule(lr=1e-3)) is None  # --lr at the default rate = no flags
+    assert checkpoint.schedule_dict(LRSchedule(lr=2e-3, decay_steps=9, min_ratio=0.5)) == \
+        checkpoint.schedule_dict(LRSchedule(lr=2e-3))  # decay fields of a constant schedule do not count
+    folder = tmp_path / "step-00000002"
+    folder.mkdir()
+    (folder / ".metadata").write_text("")
+    (folder / checkpoint.META).write_text(json.dumps({"plan_hash": "h", "step": 2, "world_size": 2}))
+    assert checkpoint.find(str(tmp_path), "h", 2, {"lr": 0.003})[1] == 2  # saved before schedules were stored
+    meta = json.loads((folder / checkpoint.META).read_text())
+    (folder / checkpoint.META).write_text(json.dumps({**meta, "lr_schedule": None}))
+    with pytest.raises(Exception, match="learning-rate schedule none"):
+        checkpoint.find(str(tmp_path), "h", 2, {"lr": 0.003})
+    assert checkpoint.find(os.fspath(tmp_path), "h", 2, {"lr": 0.003}, override_lr_schedule=True)[1] == 2

@@ -132,7 +132,7 @@ def cached_calibration(quick: bool = True, device: str = "cpu", progress: bool =
                        announce=None) -> tuple[str, bool]:
     """This machine's calibration file, measured (`calibrate --quick`, ~15 s on 2 cores) on
     first use and cached per machine fingerprint (processor, cores, torch version, threads
-    per rank; `executor.microbench.fingerprint`). Returns (path, measured now).
+    per rank, measuring method; `executor.microbench.fingerprint`). Returns (path, measured now).
     `announce(message)` is called before measuring."""
     import hashlib
     import json
