@@ -71,8 +71,10 @@ def test_resume_keeps_the_schedule_it_was_saved_under(tmp_path):
     resumed = torchrun(2, [plan, "--steps", "2", "--resume", ck, "--json", *sched])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [row["loss"] for row in json_lines(resumed.stdout) if "loss" in row] == losses[2:]  # bit for bit
-    overridden = torchrun(2, [plan, "--steps", "2", "--resume", ck, "--json", "--lr", "2e-3",
-                              "--override-lr-schedule"])
+    # through `piper-sim run`, which checks before torchrun and hands the flag to the workers
+    overridden = subprocess.run([sys.executable, "-m", "piper_sim", "run", plan, "--steps", "2", "--resume", ck,
+                                 "--json", "--lr", "2e-3", "--override-lr-schedule"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=300)
     assert overridden.returncode == 0, overridden.stderr[-3000:]
     other_losses = [row["loss"] for row in json_lines(overridden.stdout) if "loss" in row]
     assert other_losses[0] == losses[2] and other_losses[1] != losses[3]  # step 3 trained under the new rate

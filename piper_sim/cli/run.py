@@ -110,7 +110,7 @@ def torchrun_command(args, plan: Plan) -> list[str]:
         cmd += ["--end-step", str(args.end_step)]
     for flag in ("save_every", "keep"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    for flag in ("json", "check", "no_hash_check"):
+    for flag in ("json", "check", "no_hash_check", "override_lr_schedule"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd
