@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from costmodel.dtypes import torch_dtype
 from executor.data import SyntheticData
-from executor.stage import adamw_kwargs, make_optimizer
+from executor.stage import adamw_kwargs, make_optimizer, optimizer_impl
 from piper_sim.models import build_model, build_units, config_from_meta, lm_loss, run_units
 from piper_sim.plan import Plan
 from piper_sim.schedules import SCHEDULE_TABLE
@@ -119,7 +119,7 @@ class TorchZeRO1(TorchDDP):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=True,
-                                       **adamw_kwargs(params))
+                                       **adamw_kwargs(optimizer_impl(params)))
 
 
 class TorchFSDP2(TorchDDP):

@@ -71,11 +71,11 @@ def keep_first_grads(out: dict[str, torch.Tensor] | None, step: int, named) -> N
         out.update({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
 
 
-def adamw_kwargs(params: list[torch.Tensor]) -> dict:
-    """AdamW's keyword arguments for ``params``: the fixed hyperparameters and the
-    implementation `optimizer_impl` picks."""
-    impl = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}
-    return {**impl[optimizer_impl(params)], **ADAMW}
+def adamw_kwargs(impl: str) -> dict:
+    """AdamW's keyword arguments: the fixed hyperparameters and implementation ``impl``
+    (`optimizer_impl`)."""
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "loop": dict(foreach=False)}
+    return {**flags[impl], **ADAMW}
 
 
 def make_optimizer(params: list[torch.Tensor]) -> torch.optim.AdamW:
@@ -83,7 +83,7 @@ def make_optimizer(params: list[torch.Tensor]) -> torch.optim.AdamW:
     `optimizer_impl`; the single-process reference and the torch baselines use the same)
     and eagerly created state (so a checkpoint can be loaded into it before the first step)."""
     impl = optimizer_impl(params)
-    opt = torch.optim.AdamW(params, **adamw_kwargs(params))
+    opt = torch.optim.AdamW(params, **adamw_kwargs(impl))
     for p in params:  # fused keeps ``step`` on the parameter's device, the others on the CPU
         opt.state[p] = {"step": torch.tensor(0.0, dtype=torch.float32, device=p.device if impl == "fused" else "cpu"),
                         "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
