@@ -53,8 +53,9 @@ COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 # Bump when what a calibration measures or holds changes: cached calibrations of an older
 # method are measured again (`fingerprint`). 2: collective fits carry their measured points
 # (the "table" of costmodel.calibration), the quick sweep a point every 4x in size; gloo
-# all-gathers as the executor runs them (`all_gather_flat`).
-METHOD = 2
+# all-gathers as the executor runs them (`all_gather_flat`). 3: gloo reduce-scatters as an
+# exchange of pieces (`reduce_scatter_flat`), no longer an all-reduce.
+METHOD = 3
 
 
 class CalibrationError(ValueError):

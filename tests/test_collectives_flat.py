@@ -1,5 +1,5 @@
 """The executor's flat collectives on gloo (`all_gather_flat` as broadcasts,
-`reduce_scatter_flat` as an all-reduce and a view) give what torch's own collectives give,
+`reduce_scatter_flat` as an exchange of pieces) give what torch's own collectives give,
 on the whole world and on a subgroup whose members are not ranks 0..n-1."""
 
 from __future__ import annotations
@@ -52,11 +52,21 @@ def _worker(rank: int, port: int) -> None:
                     assert "all_gather_flat" in str(e)
                 else:
                     raise AssertionError(f"accepted {bad}")
-            full = torch.arange(4 * size, dtype=torch.float32) * (rank + 1)
-            work, mine = reduce_scatter_flat(full.clone(), index, size, group=group, async_op=True)
-            work.wait()
+            # reduce-scatter: three in flight at once on one group (matched in issue order),
+            # finished through wait (twice: sums once), the future, and the blocking form
             total = sum(r + 1 for r in members)
-            assert torch.equal(mine, torch.arange(4 * size, dtype=torch.float32)[4 * index:4 * index + 4] * total)
+            want = torch.arange(4 * size, dtype=torch.float32)[4 * index:4 * index + 4] * total
+            posted = [reduce_scatter_flat(torch.arange(4 * size, dtype=torch.float32) * (rank + 1) * k,
+                                          index, size, group=group, async_op=True) for k in (1, 2, 3)]
+            posted[2][0].get_future().wait()
+            posted[0][0].wait()
+            posted[0][0].wait()
+            posted[1][0].get_future().wait()
+            for k, (_, mine) in zip((1, 2, 3), posted):
+                assert torch.equal(mine, want * k), (rank, members, k, mine)
+            none, mine = reduce_scatter_flat(torch.arange(4 * size, dtype=torch.float32) * (rank + 1),
+                                             index, size, group=group)
+            assert none is None and torch.equal(mine, want)
         dist.barrier()
     finally:
         dist.destroy_process_group()
