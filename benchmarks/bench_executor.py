@@ -3,6 +3,10 @@
 * DP2 (ZeRO-0, bucketed all-reduce)       vs  torch DDP
 * DP2 ZeRO-1 (reduce-scatter, all-gather during the next forward) vs  torch DDP, and vs
   DDP + ``ZeroRedundancyOptimizer`` (torch's own ZeRO-1)
+  (both with DDP's gradient buckets: 25 MB, torch's default ``bucket_cap_mb``; the plan's
+  own default is one bucket per layer, which on a 2-core CPU costs ZeRO-1 ~1-2 %: gloo's
+  transfers during the backward take the compute cores, and more buckets move the same
+  bytes in more pieces)
 * PP2 GPipe / 1F1B / interleaved 1F1B     vs  torch.distributed.pipelining's class of each
 * DP2 ZeRO-3 (per-unit gathers)           vs  FSDP2 ``fully_shard`` (one unit per layer)
 
@@ -29,7 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from executor.baselines import TorchDDP, TorchFSDP2, TorchPipeline, TorchZeRO1  # noqa: E402
+from executor.baselines import DDP_BUCKET_MB, TorchDDP, TorchFSDP2, TorchPipeline, TorchZeRO1  # noqa: E402
 from executor.collectives import Comms  # noqa: E402
 from executor.runtime import Runtime  # noqa: E402
 from piper_sim.api import compile  # noqa: E402
@@ -64,7 +68,9 @@ def worker(args) -> None:
     results = {}
     pp = lambda name: [{"op": "pipeline", "degree": 2, **({"stages_per_rank": 2} if "interleaved" in name else {})},
                        {"op": "schedule", "name": name}]
-    dp = lambda zero: [{"op": "data_parallel", "degree": 2, "zero": zero}]
+    # DP / ZeRO-1 buckets of DDP's size (torch's default, 25 MB), ZeRO-3 one unit per layer as FSDP2
+    dp = lambda zero: [{"op": "data_parallel", "degree": 2, "zero": zero,
+                        **({"bucket_mb": DDP_BUCKET_MB} if zero < 3 else {})}]
     cases = {
         "dp2": (dp(0), lambda plan: TorchDDP(plan, rank), "DDP"),
         # parameter gathers overlapped with the next forward (Megatron's --overlap-param-gather)

@@ -77,8 +77,14 @@ class TorchPipeline:
                 if p.grad is not None}
 
 
+# torch's DistributedDataParallel default bucket_cap_mb, given explicitly so a comparison can
+# give the executor the same buckets (`benchmarks/bench_executor.py`)
+DDP_BUCKET_MB = 25
+
+
 class TorchDDP:
-    """The whole model under DistributedDataParallel; gradients synced on the last micro-batch."""
+    """The whole model under DistributedDataParallel (``DDP_BUCKET_MB`` buckets); gradients
+    synced on the last micro-batch."""
 
     def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu"):
         meta = plan.meta
@@ -93,7 +99,7 @@ class TorchDDP:
     def wrap(model: torch.nn.Module) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model)
+        return DDP(model, bucket_cap_mb=DDP_BUCKET_MB)
 
     @staticmethod
     def build_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
