@@ -54,7 +54,7 @@ COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 # method are measured again (`fingerprint`). 2: collective fits carry their measured points
 # (the "table" of costmodel.calibration), the quick sweep a point every 4x in size; gloo
 # all-gathers as the executor runs them (`all_gather_flat`). 3: gloo reduce-scatters as an
-# exchange of pieces (`reduce_scatter_flat`), no longer an all-reduce.
+# all-to-all and a sum (`reduce_scatter_flat`), no longer an all-reduce.
 METHOD = 3
 
 

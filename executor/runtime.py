@@ -476,18 +476,23 @@ class Runtime:
                 for token, t_end, err in self.completions.poll():
                     current = self.inflight[token[1]][0]
                     self._completed(token, t_end, err)
-                issued = False
+                issued = stop = False
                 for name in order:
-                    lst, i = streams[name], ptr[name]
-                    if i < len(lst) and name not in self.busy and all(d in self.done for d in lst[i].deps):
+                    lst = streams[name]
+                    # a communication stream issues every ready op before the next compute op
+                    # (which blocks this thread): a gather the plan lets start when a piece
+                    # ends does not wait for one more piece. Compute issues one op.
+                    while not stop and ptr[name] < len(lst) and name not in self.busy \
+                            and all(d in self.done for d in lst[ptr[name]].deps):
+                        current = lst[ptr[name]]
                         ptr[name] += 1
-                        current = lst[i]
                         self._issue(current)
                         issued = True
                         # a matched TP op is done at once and may free a SEND: look at every comm
                         # stream again before the next compute op (which may block in a TP collective)
-                        if name == "compute" or ((is_tp(current) or is_cp(current)) and current.id in self.done):
-                            break
+                        stop = name == "compute" or ((is_tp(current) or is_cp(current)) and current.id in self.done)
+                    if stop:
+                        break
                 if not issued and len(self.done) < total:
                     token, t_end, err = self._wait_any(streams, ptr)
                     current = self.inflight[token[1]][0]
