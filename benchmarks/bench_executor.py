@@ -3,7 +3,8 @@
 * DP2 (ZeRO-0, bucketed all-reduce)       vs  torch DDP
 * DP2 ZeRO-1 (reduce-scatter, all-gather during the next forward) vs  torch DDP, and vs
   DDP + ``ZeroRedundancyOptimizer`` (torch's own ZeRO-1)
-  (both with DDP's gradient buckets: 25 MB, torch's default ``bucket_cap_mb``; the plan's
+  (both with DDP's bucket size: 25 MiB, torch's default ``bucket_cap_mb``, DDP's first
+  bucket being 1 MiB; the plan's
   own default is one bucket per layer, which on a 2-core CPU costs ZeRO-1 ~1-2 %: gloo's
   transfers during the backward take the compute cores, and more buckets move the same
   bytes in more pieces)
@@ -68,7 +69,7 @@ def worker(args) -> None:
     results = {}
     pp = lambda name: [{"op": "pipeline", "degree": 2, **({"stages_per_rank": 2} if "interleaved" in name else {})},
                        {"op": "schedule", "name": name}]
-    # DP / ZeRO-1 buckets of DDP's size (torch's default, 25 MB), ZeRO-3 one unit per layer as FSDP2
+    # DP / ZeRO-1 buckets of DDP's size (torch's default, 25 MiB), ZeRO-3 one unit per layer as FSDP2
     dp = lambda zero: [{"op": "data_parallel", "degree": 2, "zero": zero,
                         **({"bucket_mb": DDP_BUCKET_MB} if zero < 3 else {})}]
     cases = {

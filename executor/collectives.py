@@ -42,6 +42,9 @@ def reduce_scatter_flat(inp: torch.Tensor, index: int, size: int, group=None, as
     thread)."""
     piece = inp.view(size, -1)[index] if inp.numel() else inp
     if dist.get_backend(group) == "gloo":
+        if index != dist.get_rank(group):  # the all-to-all hands this rank the group's copies of that piece
+            raise ValueError(f"reduce_scatter_flat: member index {index} of {size}, but the group's rank "
+                             f"here is {dist.get_rank(group)} (torch orders a group's ranks ascending)")
         if not inp.numel() or size == 1:
             return (Done() if async_op else None), piece
         copies = torch.empty_like(inp)

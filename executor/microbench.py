@@ -399,7 +399,7 @@ def _collective(kind: str, nbytes: int, world: int, device: torch.device):
     if kind == "ALLREDUCE":
         x = zeros(n)
         return (lambda: dist.all_reduce(x)), 4 * n
-    if kind == "REDUCE_SCATTER":  # as the executor runs it (an all-reduce on gloo)
+    if kind == "REDUCE_SCATTER":  # as the executor runs it (an all-to-all and a sum on gloo)
         inp = zeros(n)
         return (lambda: reduce_scatter_flat(inp, dist.get_rank(), world)), 4 * n
     if kind == "ALL_GATHER":  # as the executor runs it (broadcasts on gloo)

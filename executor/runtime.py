@@ -1,8 +1,8 @@
 """The per-rank runtime: replay one rank's instruction lists with torch.distributed.
 
-One issuing thread walks all of the rank's streams and issues the head instruction of any
-stream whose dependencies are done, communication first (it is asynchronous), then one
-compute op, then looks again. Compute runs synchronously on this thread; communication is
+One issuing thread walks all of the rank's streams and issues, in each stream's order, the
+instructions whose dependencies are done: every ready one of each communication stream
+first (they are asynchronous), then one compute op, then looks again. Compute runs synchronously on this thread; communication is
 posted as async work (``isend``/``irecv``, ``all_reduce(async_op=True)``...) and is *done*
 when the backend reports completion, so it overlaps with the compute that follows, like a
 stream. Nothing here knows the schedule's name: the plan's lists and dependencies are the

@@ -125,7 +125,7 @@ class TPComm:
     def scatter_seq(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Sum over the group of ``[B, s, ...]``, this rank's ``[B, s/T, ...]`` shard of it."""
         full = x.transpose(0, 1).contiguous()
-        if full.data_ptr() == x.data_ptr() and dist.get_backend(self.group) == "gloo":  # reduces in place there
+        if full.data_ptr() == x.data_ptr() and dist.get_backend(self.group) == "gloo":  # writes its piece of the input
             full = full.clone()
         got = {}
 

@@ -67,6 +67,21 @@ def _worker(rank: int, port: int) -> None:
             none, mine = reduce_scatter_flat(torch.arange(4 * size, dtype=torch.float32) * (rank + 1),
                                              index, size, group=group)
             assert none is None and torch.equal(mine, want)
+            # bf16 in, bf16 out (small integers: exact); an empty input; a member index that is
+            # not this rank's place in the group is refused, not summed into the wrong piece
+            _, mine = reduce_scatter_flat(torch.ones(4 * size, dtype=torch.bfloat16) * (rank + 1), index, size,
+                                          group=group)
+            assert mine.dtype == torch.bfloat16 and torch.equal(mine, torch.full((4,), float(total),
+                                                                                 dtype=torch.bfloat16))
+            work, mine = reduce_scatter_flat(torch.zeros(0), index, size, group=group, async_op=True)
+            work.get_future().wait()
+            assert mine.numel() == 0
+            try:
+                reduce_scatter_flat(torch.zeros(4 * size), (index + 1) % size, size, group=group)
+            except ValueError as e:
+                assert "reduce_scatter_flat" in str(e)
+            else:
+                raise AssertionError("accepted another member's index")
         dist.barrier()
     finally:
         dist.destroy_process_group()
