@@ -450,6 +450,7 @@ class Runtime:
         self.done: set[str] = set()
         self.busy: dict[str, str] = {}
         self.times: dict[str, list[float]] = {}
+        self.issue_s: dict[str, float] = {}  # async op -> seconds this thread spent posting it
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self.clip_coef: float | None = None
         self.grad_norm: float | None = None
@@ -548,6 +549,7 @@ class Runtime:
             self._advance(ins, out)
         elif isinstance(out, Posted):
             self._post(ins, out.work, ("done", ins.id), out.then)
+            self.issue_s[ins.id] = self._now() - self.times[ins.id][0]
         else:
             self._finish(ins, None)
 
@@ -902,7 +904,8 @@ class Runtime:
             rows.append({"rank": self.rank, "stream": ins.stream, "op_id": ins.id, "kind": ins.kind,
                          "stage": ins.stage, "mb": ins.mb, "start": start, "end": end, "bytes": ins.bytes,
                          "flops": ins.flops, "peer": ins.peer if ins.kind in ("SEND", "RECV") else -1,
-                         "posted": posted, "group": ins.group, "match": ins.match})
+                         "posted": posted, "issue_s": self.issue_s.get(ins.id, 0.0), "group": ins.group,
+                         "match": ins.match})
         return rows
 
 

@@ -209,7 +209,11 @@ def _peer_worker(paths: list[str]) -> None:
         plan = Plan.load(path)
         comms = Comms.create(plan, 60)
         rt = Runtime(plan, rank, comms, torch.device("cpu"), timeout_s=60)
-        rt.run_step(0, capture_grads=True)
+        events = rt.run_step(0, capture_grads=True).events
+        # the issuing thread's time posting each async op is kept (bench_exposed_comm sums it)
+        posts = [e["issue_s"] for e in events if e["kind"] in ("SEND", "RECV")]
+        assert posts and all(0 < t < 10 for t in posts), posts
+        assert all(e["issue_s"] == 0 for e in events if e["kind"] in ("F", "B")), "compute ops post nothing"
         ours = rt.captured_grads
         peer = TorchPipeline(plan, rank)
         peer.step(0, optimizer=False)
