@@ -4,10 +4,9 @@
 * DP2 ZeRO-1 (reduce-scatter, all-gather during the next forward) vs  torch DDP, and vs
   DDP + ``ZeroRedundancyOptimizer`` (torch's own ZeRO-1)
   (both with DDP's bucket size: 25 MiB, torch's default ``bucket_cap_mb``, DDP's first
-  bucket being 1 MiB; the plan's
-  own default is one bucket per layer, which on a 2-core CPU costs ZeRO-1 ~1-2 %: gloo's
-  transfers during the backward take the compute cores, and more buckets move the same
-  bytes in more pieces)
+  bucket being 1 MiB; the plan's own default is one bucket per layer, which on a 2-core
+  CPU costs ZeRO-1 ~1-2 %: gloo's transfers during the backward take the compute cores,
+  and more buckets move the same bytes in more pieces)
 * PP2 GPipe / 1F1B / interleaved 1F1B     vs  torch.distributed.pipelining's class of each
 * DP2 ZeRO-3 (per-unit gathers)           vs  FSDP2 ``fully_shard`` (one unit per layer)
 

@@ -2,12 +2,13 @@
 
 One issuing thread walks all of the rank's streams and issues, in each stream's order, the
 instructions whose dependencies are done: every ready one of each communication stream
-first (they are asynchronous), then one compute op, then looks again. Compute runs synchronously on this thread; communication is
-posted as async work (``isend``/``irecv``, ``all_reduce(async_op=True)``...) and is *done*
-when the backend reports completion, so it overlaps with the compute that follows, like a
-stream. Nothing here knows the schedule's name: the plan's lists and dependencies are the
-whole program. On CUDA each plan stream is a CUDA stream, dependencies are CUDA events and
-communication is done as soon as it is enqueued (its stream waits for it).
+first (they are asynchronous), then one compute op, then looks again. Compute runs
+synchronously on this thread; communication is posted as async work (``isend``/``irecv``,
+``all_reduce(async_op=True)``...) and is *done* when the backend reports completion, so it
+overlaps with the compute that follows, like a stream. Nothing here knows the schedule's
+name: the plan's lists and dependencies are the whole program. On CUDA each plan stream is
+a CUDA stream, dependencies are CUDA events and communication is done as soon as it is
+enqueued (its stream waits for it).
 
 Instruction semantics (op ids from ``piper_sim.ir.op_id``; readable names only: what an op
 does is in its typed fields ``stage``, ``mb``, ``part``, ``direction``, ``bucket``,
