@@ -18,6 +18,8 @@ Schema (JSON; every key but "kind" optional; seconds, bytes, bytes/s)::
         "ALL_TO_ALL": {...}
       },
       "p2p": {"alpha_s": 3e-5, "bw_Bps": 2e9},       # or {"intra": {...}, "inter": {...}}; "table" too
+      "post": {"ALL_GATHER": {"alpha_s": 2e-4, "bw_Bps": 3e9, "table": [...]},  # host seconds the
+               "SEND": {...}, ...},        # call that posts an async op takes (collective kinds, SEND, RECV)
       "overlap_slowdown": 1.15,            # compute slowdown while a comm kernel runs
       "comm_overlap_slowdown": 1.0,        # comm slowdown while its rank computes (CPU: shared cores)
       "meta": {...}                        # free-form: host, date, tool version
@@ -36,6 +38,10 @@ the line's slope from the nearest end point (`fit_time`). Measured curves are no
 that fits the caches moves faster per byte than a larger one, NCCL switches protocols and
 algorithms with size; one alpha-beta line through 4 KiB..64 MiB misses a 4 MiB gather by 2x.
 `fit_alpha_beta` turns (bytes, seconds) samples into one such entry.
+
+"post" is host time, not transfer time: the seconds the calling thread spends in the call
+that posts an async op (gloo copies the rank's own piece of a gather and writes a send on
+the caller's thread). The simulator charges it on the rank's host (`CostModel.post_time`).
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ from costmodel.collectives import KINDS
 
 CALIBRATION_KEYS = {"kind", "device", "dtype", "peak_flops", "efficiency_table", "launch_s", "hbm_bw",
                     "memory_bw_table",
-                    "collectives", "p2p", "overlap_slowdown", "comm_overlap_slowdown", "meta"}
+                    "collectives", "p2p", "post", "overlap_slowdown", "comm_overlap_slowdown", "meta"}
+POST_KINDS = KINDS + ("SEND", "RECV")  # ops whose posting a calibration times ("post")
 
 
 def load_calibration(path: str) -> dict:
@@ -84,6 +91,10 @@ def check_calibration(data: dict, where: str = "calibration") -> None:
             if name not in ("p2p", "intra", "inter"):
                 raise ValueError(f"{where}: p2p keys are alpha_s/bw_Bps or intra/inter, got {name!r}")
             _check_fit(fit, f"{where}: p2p {name}")
+    for kind, fit in data.get("post", {}).items():
+        if kind not in POST_KINDS:
+            raise ValueError(f"{where}: post[{kind!r}]: expected one of {', '.join(POST_KINDS)}")
+        _check_fit(fit, f"{where}: post {kind}")
 
 
 def _check_fit(fit, where: str) -> None:

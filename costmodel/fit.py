@@ -18,6 +18,8 @@ calibration dict (schema in `costmodel.calibration`).
   largest messages decide alpha), and the measured points as the fit's "table": within
   the measured sizes the simulator interpolates them, outside it follows the line's slope
   from the nearest point. `meta.residuals` are the line's, against the points.
+- `post`: per kind (collectives, SEND, RECV) the host seconds of the call that posts the async
+  op, measured in the smallest group: the same line and "table" as a collective's.
 - `comm_overlap_slowdown`: seconds per all-reduce while every rank runs matmuls (all-reduces
   queued, counted as they finish) / alone: on a CPU gloo's thread shares the cores.
 - `overlap_slowdown`: matmul time while each rank's own async all-reduces run / without,
@@ -96,6 +98,13 @@ def fit_comm(comm: dict) -> tuple[dict, dict | None, dict]:
     if p2p:
         resid["p2p"] = _rounded(relative_errors(p2p, p2p_pts))
     return coll, p2p, resid
+
+
+def fit_post(comm: dict) -> dict:
+    """`post` fits from the smallest group's posting times (`executor.microbench.post_times`)."""
+    res = next((res for _, res in sorted(comm.items(), key=lambda kv: int(kv[0])) if res.get("post")), {})
+    return {kind: {**fit_alpha_bw(*zip(*pts)), "table": measured_table(pts)}
+            for kind, pts in res.get("post", {}).items() if len({s for s, _ in pts}) >= 2}
 
 
 def gemm_efficiency(matmul: list[dict], dtype: str) -> tuple[float, list[list]]:
@@ -228,6 +237,7 @@ def build_calibration(raw: dict) -> dict:
         "memory_bw_table": mem_table,
         "collectives": coll,
         **({"p2p": p2p} if p2p else {}),
+        **({"post": post} if (post := fit_post(raw["comm"])) else {}),
         **({"overlap_slowdown": max(1.0, factors[smallest]["overlap_slowdown"])} if smallest else {}),
         **({"comm_overlap_slowdown": max(1.0, factors[smallest]["comm_overlap_slowdown"])}
            if smallest and "comm_overlap_slowdown" in factors[smallest] else {}),
@@ -300,6 +310,8 @@ def _merge_comm(results: list[dict]) -> dict:
 
     out = {"collectives": {k: points([r["collectives"][k] for r in results]) for k in results[0]["collectives"]},
            "p2p": points([r["p2p"] for r in results]) if results[0]["p2p"] else []}
+    if all(r.get("post") for r in results):
+        out["post"] = {k: points([r["post"][k] for r in results]) for k in results[0]["post"]}
     if results[0].get("phases"):
         phases = [r["phases"] for r in results]
         merged = {**phases[0], "alone_s": min(p["alone_s"] for p in phases),

@@ -26,11 +26,19 @@ COMPUTE_KINDS = ("F", "B", "BI", "BW", "OPT")
 class CostModel:
     """Base class. `comm_compute_slowdown` (>= 1) multiplies compute time while a comm
     kernel runs on the same device; `comm_overlap_slowdown` (>= 1) multiplies comm time
-    while its rank computes."""
+    while its rank computes. `host_bound`: compute runs on the thread that also posts
+    communication (a CPU rank), so a comm op is posted only between compute ops, and
+    `post_time` of it delays the next one; on an accelerator the host only launches."""
 
     name: str = "costmodel"
     comm_compute_slowdown: float = 1.0
     comm_overlap_slowdown: float = 1.0
+    host_bound: bool = False
+
+    def post_time(self, kind: str, nbytes: float) -> float:
+        """Host seconds the call that posts an async comm op takes (a collective kind,
+        SEND or RECV); 0 unless measured (a calibration's "post")."""
+        return 0.0
 
     def compute_time(self, kind: str, flops: float, mem_bytes: float = 0.0,
                      gemm: tuple[int, int, int] | None = None) -> float:
@@ -75,12 +83,12 @@ class AnalyticCostModel(CostModel):
     number for `dtype`), "dtype" (default "bf16"), "algorithm" (collective algorithm,
     default "auto"), "comm_compute_slowdown", "moe" (costmodel.moe.MoEOptions fields, over
     the cluster's, e.g. {"moe": {"imbalance": 1.1, "fp8_dispatch": True}}), and the
-    calibration keys "efficiency_table", "collectives", "p2p", "overlap_slowdown",
+    calibration keys "efficiency_table", "collectives", "p2p", "post", "overlap_slowdown",
     "comm_overlap_slowdown".
     """
 
     KEYS = GPU_FIELDS | {"dtype", "gemm_dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives",
-                         "p2p", "compute_slots", "moe", "memory_bw_table"}
+                         "p2p", "post", "compute_slots", "moe", "memory_bw_table"}
 
     def __init__(self, cluster: Cluster, overrides: dict | None = None, name: str = "analytic"):
         ov = dict(overrides or {})
@@ -104,6 +112,7 @@ class AnalyticCostModel(CostModel):
         if "comm_compute_slowdown" in ov:
             ov["overlap_slowdown"] = ov.pop("comm_compute_slowdown")
         self.collective_fits = {k: {int(n): f for n, f in v.items()} for k, v in ov.pop("collectives", {}).items()}
+        self.post_fits = dict(ov.pop("post", None) or {})
         p2p = ov.pop("p2p", None)
         self.p2p_fits = {"intra": p2p, "inter": p2p} if p2p and "alpha_s" in p2p else dict(p2p or {})
         gpu = cluster.gpu
@@ -128,6 +137,14 @@ class AnalyticCostModel(CostModel):
     @property
     def comm_compute_slowdown(self) -> float:
         return self.gpu.overlap_slowdown
+
+    @property
+    def host_bound(self) -> bool:
+        return self.gpu.name == CPU.name
+
+    def post_time(self, kind, nbytes):
+        fit = self.post_fits.get(kind)
+        return fit_time(fit, nbytes) if fit else 0.0
 
     @property
     def comm_overlap_slowdown(self) -> float:
@@ -189,22 +206,28 @@ class AnalyticCostModel(CostModel):
 class UnitCostModel(CostModel):
     """Constant times: F, BI, BW, B (default BI+BW), OPT (default 0) per compute op; `comm`
     per collective; `p2p` per send/recv (default `comm`); `slowdown` of compute while comm
-    runs; `commslowdown` of comm while its rank computes."""
+    runs; `commslowdown` of comm while its rank computes; `post` host time to post each comm
+    op; `host=1`: compute holds the host (`CostModel.host_bound`)."""
 
-    UNIT_FORMS = "unit[:F=1,BI=1,BW=1,B=2,OPT=0,comm=0,p2p=0,slowdown=1,commslowdown=1]"
+    UNIT_FORMS = "unit[:F=1,BI=1,BW=1,B=2,OPT=0,comm=0,p2p=0,slowdown=1,commslowdown=1,post=0,host=0]"
+    EXTRA = ("comm", "p2p", "slowdown", "commslowdown", "post", "host")
 
     def __init__(self, F=1.0, BI=1.0, BW=1.0, B=None, OPT=0.0, comm=0.0, p2p=None, slowdown=1.0,
-                 commslowdown=1.0):
+                 commslowdown=1.0, post=0.0, host=0.0):
         self.times = {"F": F, "BI": BI, "BW": BW, "B": BI + BW if B is None else B, "OPT": OPT}
         self.comm = comm
         self.p2p = comm if p2p is None else p2p
         self.comm_compute_slowdown = slowdown
         self.comm_overlap_slowdown = commslowdown
-        if min(*self.times.values(), self.comm, self.p2p) < 0 or min(slowdown, commslowdown) < 1:
-            raise ValueError("unit cost model needs times >= 0 and slowdown, commslowdown >= 1")
+        self.post = post
+        self.host_bound = bool(host)
+        if min(*self.times.values(), self.comm, self.p2p, post) < 0 or min(slowdown, commslowdown) < 1 \
+                or host not in (0, 1):
+            raise ValueError("unit cost model needs times >= 0, slowdown, commslowdown >= 1 and host 0 or 1")
         items = [*self.times.items(), ("comm", comm), ("p2p", self.p2p), ("slowdown", slowdown)]
-        self.name = "unit:" + ",".join(f"{k}={v:g}" for k, v in
-                                       items + ([("commslowdown", commslowdown)] if commslowdown != 1 else []))
+        items += [(k, v) for k, v in (("commslowdown", commslowdown), ("post", post), ("host", host))
+                  if v != (1 if k == "commslowdown" else 0)]
+        self.name = "unit:" + ",".join(f"{k}={v:g}" for k, v in items)
 
     @classmethod
     def parse(cls, spec: str) -> "UnitCostModel":
@@ -216,7 +239,7 @@ class UnitCostModel(CostModel):
             key, eq, value = item.partition("=")
             key = key.strip()
             key = key.upper() if key.upper() in COMPUTE_KINDS else key.lower()
-            if not eq or key not in COMPUTE_KINDS + ("comm", "p2p", "slowdown", "commslowdown"):
+            if not eq or key not in COMPUTE_KINDS + cls.EXTRA:
                 raise ValueError(f"bad unit cost model {spec!r} at {item!r}; expected {cls.UNIT_FORMS}")
             try:
                 kwargs[key] = float(value)
@@ -237,6 +260,9 @@ class UnitCostModel(CostModel):
 
     def p2p_time(self, nbytes, src, dst):
         return self.p2p if src != dst else 0.0
+
+    def post_time(self, kind, nbytes):
+        return self.post
 
     def optimizer_time(self, param_count):
         return self.times["OPT"]

@@ -35,6 +35,7 @@ import os
 import platform
 import queue as queue_lib
 import socket
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,8 +55,10 @@ COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 # method are measured again (`fingerprint`). 2: collective fits carry their measured points
 # (the "table" of costmodel.calibration), the quick sweep a point every 4x in size; gloo
 # all-gathers as the executor runs them (`all_gather_flat`). 3: gloo reduce-scatters as an
-# all-to-all and a sum (`reduce_scatter_flat`), no longer an all-reduce.
-METHOD = 3
+# all-to-all and a sum (`reduce_scatter_flat`), no longer an all-reduce. 4: the host time of
+# the call that posts each async collective, send and receive (`post_times`, "post").
+METHOD = 4
+POST_CALLS = 10  # posts timed per point (quick: the median of them), 20 in a full run
 
 
 class CalibrationError(ValueError):
@@ -391,23 +394,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _collective(kind: str, nbytes: int, world: int, device: torch.device):
-    """(op, actual S in bytes) for one collective in costmodel.collectives' convention of S."""
+def _collective(kind: str, nbytes: int, world: int, device: torch.device, async_op: bool = False):
+    """(op, actual S in bytes) for one collective in costmodel.collectives' convention of S;
+    with ``async_op`` the op returns its work (what the executor posts)."""
     n = max(world, nbytes // 4 // world * world)  # fp32 elements, divisible by the group
     part = n // world
     zeros = lambda k: torch.zeros(k, device=device)  # noqa: E731 (zeros: repeated sums stay finite)
     if kind == "ALLREDUCE":
         x = zeros(n)
-        return (lambda: dist.all_reduce(x)), 4 * n
+        return (lambda: dist.all_reduce(x, async_op=async_op)), 4 * n
     if kind == "REDUCE_SCATTER":  # as the executor runs it (an all-to-all and a sum on gloo)
         inp = zeros(n)
+        if async_op:
+            return (lambda: reduce_scatter_flat(inp, dist.get_rank(), world, async_op=True)[0]), 4 * n
         return (lambda: reduce_scatter_flat(inp, dist.get_rank(), world)), 4 * n
     if kind == "ALL_GATHER":  # as the executor runs it (broadcasts on gloo)
         inp, out = zeros(part), zeros(n)
-        return (lambda: all_gather_flat(out, inp, dist.get_rank(), world)), 4 * n
+        return (lambda: all_gather_flat(out, inp, dist.get_rank(), world, async_op=async_op)), 4 * n
     if kind == "ALL_TO_ALL":
         inp, out = zeros(n), zeros(n)
-        return (lambda: dist.all_to_all_single(out, inp)), 4 * n
+        return (lambda: dist.all_to_all_single(out, inp, async_op=async_op)), 4 * n
     raise CalibrationError(f"unknown collective {kind!r}; expected one of {', '.join(COLLECTIVES)}")
 
 
@@ -423,6 +429,32 @@ def _ping_pong(nbytes: int, rank: int, device: torch.device):
             dist.recv(buf, 0)
             dist.send(buf, 0)
     return op
+
+
+def post_times(g: "_Group", posts: dict, calls: int) -> dict:
+    """Host seconds of the call that posts each async op (key -> callable returning its
+    work, or None where this rank posts nothing): the median of ``calls`` posts, each
+    waited for before the next, every rank's. Returns key -> [seconds per rank]."""
+    out = {}
+    for key, post in posts.items():
+        times = []
+        for i in range(calls + 2):  # two warm-up posts
+            g.barrier()
+            t = time.perf_counter()
+            work = post()
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+            if work is not None:
+                work.wait()
+        out[key] = g.gather(statistics.median(times))
+    return out
+
+
+def _p2p_posts(nbytes: int, rank: int, device: torch.device) -> dict:
+    """Rank 0's ``isend`` to rank 1 and rank 1's ``irecv`` from 0, as the executor posts them."""
+    buf = torch.zeros(max(1, nbytes // 4), device=device)
+    send = (lambda: dist.isend(buf, 1)) if rank == 0 else (lambda: dist.irecv(buf, 0))
+    return {("p2p", nbytes): send}
 
 
 class _Group:
@@ -554,6 +586,23 @@ def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
                 out["p2p"].append([nbytes[kind, size], t / 2])  # a ping-pong is two transfers
             else:
                 out["collectives"][kind].append([nbytes[kind, size], t])
+        if spec.get("post_calls"):  # the host time of posting each, as the executor does
+            posts = {}
+            for size in spec["p2p_sizes"] if world == 2 else []:
+                posts.update(_p2p_posts(size, rank, device))
+            for kind in spec["kinds"]:
+                for size in spec["sizes"]:
+                    posts[kind, size] = _collective(kind, size, world, device, async_op=True)[0]
+            tick(f"posting n={world}", 0.0)
+            post = post_times(g, posts, spec["post_calls"])
+            out["post"] = {kind: [] for kind in [*spec["kinds"], "SEND", "RECV"]}
+            for (kind, size), per_rank in post.items():
+                if kind == "p2p":
+                    out["post"]["SEND"].append([max(4, size // 4 * 4), per_rank[0]])
+                    out["post"]["RECV"].append([max(4, size // 4 * 4), per_rank[1]])
+                else:
+                    out["post"][kind].append([nbytes[kind, size], max(per_rank)])
+            out["post"] = {k: v for k, v in out["post"].items() if v}
         if spec.get("phases"):
             ar = times.get(("ALLREDUCE", spec["overlap_bytes"])) or times[next(iter(times))]
             out["phases"] = _phases(g, spec, ar, tick)
@@ -611,6 +660,7 @@ def _comm_spec(cfg: BenchConfig) -> dict:
     return {"device": cfg.device, "threads": cfg.threads, "cores": cfg.cores, "dtype": cfg.dtype,
             "kinds": list(COLLECTIVES), "sizes": list(cfg.comm_sizes), "p2p_sizes": list(cfg.comm_sizes),
             "target_s": cfg.target_s, "repeats": cfg.repeats, "timeout_s": cfg.timeout_s, "phases": True,
+            "post_calls": POST_CALLS if cfg.quick else 2 * POST_CALLS,
             "phase_matmul": cfg.phase_matmul, "phase_s": cfg.phase_s, "overlap_bytes": cfg.overlap_bytes}
 
 
@@ -618,7 +668,8 @@ def measure_collective(kind: str, nbytes: int, world: int = 2, quick: bool = Tru
                        threads: int | None = None) -> float:
     """Seconds of one collective of S = nbytes over `world` fresh worker processes."""
     cfg = make_config(quick=quick, nproc=world, threads=threads, device=device)
-    spec = {**_comm_spec(cfg), "kinds": [kind], "sizes": [nbytes], "p2p_sizes": [], "phases": False}
+    spec = {**_comm_spec(cfg), "kinds": [kind], "sizes": [nbytes], "p2p_sizes": [], "phases": False,
+            "post_calls": 0}
     return run_group(world, spec)["collectives"][kind][0][1]
 
 

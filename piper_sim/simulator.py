@@ -12,6 +12,15 @@ its rank, and a transfer `comm_overlap_slowdown` times slower while one of its r
 computes (a CPU's gloo thread shares the cores; 1 on accelerators). Memory per rank: the
 class's static model states, plus ``alloc`` when an op starts, minus ``free`` when it ends.
 
+Host: posting an async comm op takes `CostModel.post_time` seconds of the rank's one issuing
+thread (measured by a calibration; 0 otherwise), during which the transfer has not begun.
+When the cost model is `host_bound` (a CPU rank: compute runs on that same thread, as in
+the executor) a compute op holds the host while it runs, so a comm op is posted between
+compute ops, ahead of the next one; one the plan lets start part-way through a compute op
+(a gradient bucket's ``dep_progress``, a parameter gather the op waits for, ``needed_by``)
+is posted from inside it, as the executor's hooks do, and its post time stalls that op.
+Ops of the tensor- and context-parallel streams are performed inside compute: no posting.
+
 Folding: the data-parallel replicas and context- and tensor-parallel peers of a pipeline rank run the
 same program, so when the cluster is symmetric over them (every collective and p2p
 transfer of replica d, tp rank t costs what replica 0's does), one representative per
@@ -41,6 +50,7 @@ from costmodel.memory import fits as memory_fits
 from costmodel.model import CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
 from piper_sim import trace
+from piper_sim.ir import CP_STREAM, TP_STREAM
 from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan, gc_paused, p2p_partner_id
 from piper_sim.validate import check_layout
 
@@ -260,7 +270,7 @@ class _Op:
     """One instruction placed on one simulated rank."""
 
     __slots__ = ("ins", "rank", "stream", "deps", "dur", "peer", "group", "cost", "done", "event",
-                 "posted", "start", "end", "started", "job", "gates")
+                 "posted", "start", "end", "started", "begun", "job", "gates", "post")
 
     def __init__(self, ins: Instruction, rank: int, stream: str):
         self.ins = ins
@@ -277,8 +287,10 @@ class _Op:
         self.start = 0.0
         self.end = 0.0
         self.started: simpy.Event | None = None  # for ops waiting on part of this one
+        self.begun = False  # a compute op has started running
         self.job: _Job | None = None  # a compute op's rate-shared work, while it runs
         self.gates: list[tuple[float, _Op]] = []  # compute: (share of its work, gather it then waits for)
+        self.post = 0.0  # comm: host seconds to post it
 
 
 class _Job:
@@ -312,6 +324,10 @@ class _Engine:
         self.cores = getattr(cm, "compute_slots", None)
         self.cpu_jobs: dict[_Job, int] = {}
         self.unit = isinstance(cm, UnitCostModel)
+        # compute runs on the thread that posts comm (CPU ranks): it holds the rank's host
+        self.host_bound = bool(getattr(cm, "host_bound", False))
+        self.hosts: dict[int, simpy.PriorityResource] = {}  # rank -> its issuing thread
+        self.on_host: dict[int, _Op] = {}  # rank -> the compute op holding its host
         replicas = self.layout.class_size  # DP replicas x CP and TP peers of a pipeline rank
         self.ranks = [self.layout.rank(c.pp_rank, 0) for c in plan.classes] if folded else \
             list(range(self.layout.world_size))
@@ -429,6 +445,8 @@ class _Engine:
                         op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, ins.a2a)
                     else:
                         raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
+                    if op.dur is None and name not in (TP_STREAM, CP_STREAM):
+                        op.post = float(self.cm.post_time(ins.kind, ins.bytes))
                     ops.append(op)
                 streams.append((name, ops))
             for _, ops in streams:
@@ -446,6 +464,8 @@ class _Engine:
                         user.gates.append((op.ins.needed_at, op))
                         user.gates.sort(key=lambda g: g[0])
             self.streams[r] = streams
+        if self.host_bound or any(op.post > 0 for r in self.ranks for _, ops in self.streams[r] for op in ops):
+            self.hosts = {r: simpy.PriorityResource(self.env, capacity=1) for r in self.ranks}
 
     # --- comm costs ------------------------------------------------------------------
     def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float) -> tuple:
@@ -619,7 +639,7 @@ class _Engine:
         if other_op.ins.kind == ins.kind:
             raise SimulationError(f"rank {op.rank}: {ins.id} and {other_op.ins.id} on rank {other_op.rank} "
                                   f"are both {ins.kind}s with match {ins.match!r}")
-        op.start = other_op.start = self.env.now
+        op.start = other_op.start = max(op.posted, other_op.posted)  # both sides began posting
         dur, links, ranks = (op if send else other_op).cost
         self._transfer(dur, links, ranks, ev)
         return ev
@@ -633,9 +653,9 @@ class _Engine:
         entry[1].append(op)
         if len(entry[1]) == expected:
             del self.coll_pending[key]
-            now = self.env.now
+            start = max(o.posted for o in entry[1])  # the last member began posting
             for o in entry[1]:
-                o.start = now
+                o.start = start
             self._transfer(dur, links, reps, entry[0])
         return entry[0]
 
@@ -666,7 +686,7 @@ class _Engine:
 
     def _run_for(self, rank: int, op: _Op, dur: float):
         """Run ``dur`` seconds of compute op ``op``'s work (stretched by overlap and shared cores)."""
-        if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores) and dur > 0:
+        if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores or self.host_bound) and dur > 0:
             op.job = self._run_compute(rank, dur)
             yield op.job.ev
             op.job = None
@@ -687,6 +707,34 @@ class _Engine:
                 yield gate.event
         yield from self._run_for(rank, op, (1.0 - done) * op.dur)
 
+    def _post(self, rank: int, op: _Op):
+        """Post comm op ``op``: ``op.post`` seconds of the rank's host (module docstring). From
+        inside the compute op holding the host when the plan lets it start there, else
+        between compute ops, ahead of the next one."""
+        env = self.env
+        holder = self.on_host.get(rank)
+        if holder is not None and (op.ins.needed_by or (op.ins.dep_progress < 1.0 and holder in op.deps)):
+            op.posted = env.now
+            self._stall(holder, op.post)
+            if op.post > 0:
+                yield env.timeout(op.post)
+            return
+        with self.hosts[rank].request(priority=0) as req:
+            yield req
+            op.posted = env.now
+            if op.post > 0:
+                yield env.timeout(op.post)
+
+    def _stall(self, op: _Op, seconds: float) -> None:
+        """Compute op ``op`` loses ``seconds`` to a post from inside it: its remaining work,
+        and so each later share a gradient bucket waits for, ends that much later. A post
+        made while it waits for a parameter gather overlaps the wait."""
+        job = op.job
+        if seconds <= 0 or job is None or job.ev.triggered:
+            return
+        job.left += seconds * job.rate - job.rate * (self.env.now - job.t)
+        self._rerate(job, True)
+
     def _stream(self, rank: int, name: str, ops: list[_Op]):
         env = self.env
         key = (rank, name)
@@ -699,7 +747,7 @@ class _Engine:
                     continue
                 if ins.dep_progress < 1.0 and dep.dur is not None:
                     # wait until that share of the compute op ran (e.g. a gradient bucket)
-                    if dep.posted is None:
+                    if not dep.begun:
                         if dep.started is None:
                             dep.started = env.event()
                         yield dep.started
@@ -712,17 +760,26 @@ class _Engine:
             if ins.alloc:
                 self._memory(rank, ins.alloc)
             if op.dur is not None:
-                op.start = env.now
+                req = None
+                if self.host_bound:
+                    yield env.timeout(0)  # comm ops this instant made ready are posted first
+                    req = self.hosts[rank].request(priority=1)
+                    yield req
+                    self.on_host[rank] = op
+                op.start, op.begun = env.now, True
                 if op.started is not None:
                     op.started.succeed()
                 if op.gates:
                     yield from self._run_gated(rank, op)
                 else:
                     yield from self._run_for(rank, op, op.dur)
-            elif ins.kind in ("SEND", "RECV"):
-                yield self._p2p(op)
+                if req is not None:
+                    del self.on_host[rank]
+                    self.hosts[rank].release(req)
             else:
-                yield self._collective(op)
+                if self.hosts and name not in (TP_STREAM, CP_STREAM):
+                    yield from self._post(rank, op)
+                yield self._p2p(op) if ins.kind in ("SEND", "RECV") else self._collective(op)
             op.end = env.now
             if ins.free:
                 self._memory(rank, -ins.free)

@@ -78,8 +78,13 @@ def test_quick_run_loads_and_predicts_allreduce(quick_calibration):
     from executor.microbench import measure_collective
 
     data = json.loads(quick_calibration.read_text())
-    assert {"peak_flops", "efficiency_table", "hbm_bw", "collectives", "p2p", "overlap_slowdown"} <= set(data)
+    assert {"peak_flops", "efficiency_table", "hbm_bw", "collectives", "p2p", "post", "overlap_slowdown"} <= set(data)
     assert set(data["collectives"]) == {"ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL"}
+    # host time of posting each async op: every kind, under the op's own time, a gather's
+    # growing with its size (gloo copies the rank's own piece on the caller's thread)
+    assert set(data["post"]) == set(data["collectives"]) | {"SEND", "RECV"}
+    post = data["post"]["ALL_GATHER"]["table"]
+    assert 0 < post[0][1] <= post[-1][1] < data["collectives"]["ALL_GATHER"]["2"]["table"][-1][1]
     assert data["meta"]["contention"]["factor"]["2"] > 0
     assert data["meta"]["raw"]["segments"] and data["meta"]["residuals"]["segments_summary"]
     cm = get_costmodel(str(quick_calibration), parse_cluster("cpu:2"))
@@ -103,7 +108,7 @@ def test_refit_reproduces_the_parameters(quick_calibration, tmp_path):
     out = tmp_path / "refit.json"
     assert cli_main(["calibrate", "--refit", str(quick_calibration), "-o", str(out)]) == 0
     a, b = json.loads(quick_calibration.read_text()), json.loads(out.read_text())
-    for key in ("peak_flops", "efficiency_table", "hbm_bw", "collectives", "p2p", "overlap_slowdown"):
+    for key in ("peak_flops", "efficiency_table", "hbm_bw", "collectives", "p2p", "post", "overlap_slowdown"):
         assert a[key] == b[key]
 
 
@@ -119,12 +124,14 @@ def test_merge_keeps_each_points_fastest_time(quick_calibration):
     for res in slower["comm"].values():
         res["collectives"] = {k: [[s, 2 * t] for s, t in pts] for k, pts in res["collectives"].items()}
         res["p2p"] = [[s, 2 * t] for s, t in res["p2p"]]
+        res["post"] = {k: [[s, 2 * t] for s, t in pts] for k, pts in res["post"].items()}
     merged = build_calibration(merge_raw([slower, raw]))
     alone = build_calibration(raw)
     assert merged["peak_flops"] == pytest.approx(alone["peak_flops"])
     assert merged["hbm_bw"] == pytest.approx(alone["hbm_bw"])
     for got, want in ((merged["p2p"], alone["p2p"]),
-                      (merged["collectives"]["ALLREDUCE"]["2"], alone["collectives"]["ALLREDUCE"]["2"])):
+                      (merged["collectives"]["ALLREDUCE"]["2"], alone["collectives"]["ALLREDUCE"]["2"]),
+                      (merged["post"]["SEND"], alone["post"]["SEND"])):
         assert set(got) == set(want) == {"alpha_s", "bw_Bps", "table"}
         assert [got["alpha_s"], got["bw_Bps"]] == pytest.approx([want["alpha_s"], want["bw_Bps"]])
         assert sum(got["table"], []) == pytest.approx(sum(want["table"], []))

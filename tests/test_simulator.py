@@ -9,6 +9,8 @@ import math
 import pytest
 
 from costmodel import UnitCostModel, get_costmodel, parse_cluster
+from costmodel.calibration import check_calibration
+from costmodel.model import AnalyticCostModel
 from piper_sim.api import compile
 from piper_sim.models import get_config
 from piper_sim.plan import Instruction, Layout, Plan, RankClass
@@ -422,3 +424,61 @@ def test_dp_traffic_per_step_is_the_zero_formula_with_microbatches(zero, reduce)
         assert got == pytest.approx(want)
     n_rs = (1 if zero < 2 or reduce == "per_step" else m)
     assert want["REDUCE_SCATTER"] == pytest.approx(n_rs * psi * 2)
+
+
+# ----------------------------------------------------------------------------- host posting
+
+
+def _post_plan(dep_progress: float = 1.0) -> Plan:
+    """Two compute ops and two all-reduces on each of 2 ranks: AR1 becomes ready when AR0
+    ends (dep_progress 1) or half-way through the first compute op (dep_progress 0.5)."""
+    compute = [Instruction(id="B.s0.mb0", kind="B", stream="compute", stage=0, mb=0),
+               Instruction(id="F.s0.mb1", kind="F", stream="compute", stage=0, mb=1)]
+    ar1_deps = ["AR0"] if dep_progress == 1.0 else ["B.s0.mb0"]
+    dp = [Instruction(id="AR0", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0"),
+          Instruction(id="AR1", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0", deps=ar1_deps,
+                      dep_progress=dep_progress)]
+    return hand_plan([{"compute": compute, "dp": dp}], dp=2, cluster="cpu:2")
+
+
+def test_host_bound_rank_posts_comm_between_compute_ops():
+    """host=1 (a CPU rank: compute runs on the thread that posts): AR0 is posted first (0.5 s),
+    then B runs; AR1, ready at 1.5 s, waits for B's end (2.5 s) and is posted before F."""
+    ev = simulate(_post_plan(), "unit:B=2,F=2,comm=1,post=0.5,host=1", fold=False).events
+    ev = ev[ev["rank"] == 0].set_index("op_id")
+    assert (ev.loc["AR0", "start"], ev.loc["AR0", "end"]) == pytest.approx((0, 1.5))
+    assert (ev.loc["B.s0.mb0", "start"], ev.loc["B.s0.mb0", "end"]) == pytest.approx((0.5, 2.5))
+    assert (ev.loc["AR1", "posted"], ev.loc["AR1", "start"], ev.loc["AR1", "end"]) == pytest.approx((2.5, 2.5, 4))
+    assert (ev.loc["F.s0.mb1", "start"], ev.loc["F.s0.mb1", "end"]) == pytest.approx((3, 5))
+    # an accelerator's host only posts: comm starts while compute runs, compute never waits
+    ev = simulate(_post_plan(), "unit:B=2,F=2,comm=1,post=0.5", fold=False).events
+    ev = ev[ev["rank"] == 0].set_index("op_id")
+    assert ev.loc["B.s0.mb0", "start"] == 0 and ev.loc["F.s0.mb1", "end"] == pytest.approx(4)
+    assert (ev.loc["AR1", "posted"], ev.loc["AR1", "end"]) == pytest.approx((1.5, 3))
+    # without posting cost nor host the times are the plain unit ones
+    ev = simulate(_post_plan(), "unit:B=2,F=2,comm=1", fold=False).events.set_index("op_id")
+    assert ev.loc["AR1", "end"].tolist() == pytest.approx([2, 2])
+
+
+def test_post_from_inside_a_backward_stalls_it():
+    """A gradient bucket the plan lets start half-way through B is posted from inside it, as
+    the executor's hook does: B loses the 0.5 s of posting, the transfer starts after it."""
+    ev = simulate(_post_plan(dep_progress=0.5), "unit:B=2,F=2,comm=1,post=0.5,host=1", fold=False).events
+    ev = ev[ev["rank"] == 0].set_index("op_id")
+    assert ev.loc["B.s0.mb0", "start"] == pytest.approx(0.5)  # after AR0's post
+    assert (ev.loc["AR1", "posted"], ev.loc["AR1", "end"]) == pytest.approx((1.5, 3))
+    assert ev.loc["B.s0.mb0", "end"] == pytest.approx(3)  # 2 s of work + 0.5 s posting AR1
+    assert ev.loc["F.s0.mb1", "start"] == pytest.approx(3)
+
+
+def test_calibrated_post_time_and_host_bound():
+    post = {"ALL_GATHER": {"alpha_s": 1e-4, "bw_Bps": 1e9}, "SEND": {"alpha_s": 2e-5, "bw_Bps": 4e9}}
+    cpu = AnalyticCostModel(parse_cluster("cpu:2"), {"post": post})
+    assert cpu.host_bound and cpu.post_time("ALL_GATHER", 1e6) == pytest.approx(1.1e-3)
+    assert cpu.post_time("SEND", 4e6) == pytest.approx(1.02e-3) and cpu.post_time("ALLREDUCE", 1e6) == 0
+    gpu = AnalyticCostModel(parse_cluster("h100:1x8"))
+    assert not gpu.host_bound and gpu.post_time("ALL_GATHER", 1e6) == 0
+    with pytest.raises(ValueError, match="post"):
+        check_calibration({"kind": "calibration", "post": {"BROADCAST": post["SEND"]}})
+    with pytest.raises(ValueError, match="host 0 or 1"):
+        get_costmodel("unit:host=2")
