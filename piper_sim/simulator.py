@@ -13,13 +13,18 @@ computes (a CPU's gloo thread shares the cores; 1 on accelerators). Memory per r
 class's static model states, plus ``alloc`` when an op starts, minus ``free`` when it ends.
 
 Host: posting an async comm op takes `CostModel.post_time` seconds of the rank's one issuing
-thread (measured by a calibration; 0 otherwise), during which the transfer has not begun.
-When the cost model is `host_bound` (a CPU rank: compute runs on that same thread, as in
-the executor) a compute op holds the host while it runs, so a comm op is posted between
-compute ops, ahead of the next one; one the plan lets start part-way through a compute op
-(a gradient bucket's ``dep_progress``, a parameter gather the op waits for, ``needed_by``)
-is posted from inside it, as the executor's hooks do, and its post time stalls that op.
-Ops of the tensor- and context-parallel streams are performed inside compute: no posting.
+thread (measured by a calibration; 0 otherwise). A comm op is posted as soon as its
+dependencies are done, in its stream's order, even while the stream's previous op still
+moves data; its transfer follows that op's. When the cost model is `host_bound` (a CPU
+rank: compute runs on that same thread, as in the executor) a compute op holds the host
+while it runs, so a comm op is posted between compute ops, ahead of the next one; one the
+plan lets start part-way through a compute op (a gradient bucket's ``dep_progress``, a
+parameter gather the op waits for, ``needed_by``) is posted from inside it, as the
+executor's hooks do, and the op runs on only once the post is done. Requests made at one
+instant are granted in the executor's order (comm before compute, then stream and list
+order), whatever simpy's wake-up order. Ops of the tensor- and context-parallel streams
+are performed inside compute: no posting. Without a host (no posting cost, not host-bound)
+a stream's comm ops run one after another, posted when the previous one ends.
 
 Folding: the data-parallel replicas and context- and tensor-parallel peers of a pipeline rank run the
 same program, so when the cluster is symmetric over them (every collective and p2p
@@ -33,6 +38,7 @@ If the run cannot finish, `SimulationDeadlock` names the op each blocked stream 
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import Counter
@@ -310,6 +316,45 @@ class _Job:
         self.watch: list[tuple[float, simpy.Event]] = []  # (work left, event when it is reached)
 
 
+class _Host:
+    """A rank's issuing thread: one holder at a time. Requests made at one instant are
+    granted after that instant's other events ran, lowest ``key`` first, so the order does
+    not depend on which simpy process woke first (folded and unfolded runs agree)."""
+
+    GRANT = 2  # simpy event priority after NORMAL (1): the end of the instant
+
+    def __init__(self, env: simpy.Environment):
+        self.env = env
+        self.holder: _Op | None = None
+        self.waiting: list[tuple[tuple, _Op, simpy.Event]] = []
+        self.granting = False
+
+    def request(self, key: tuple, op: _Op) -> simpy.Event:
+        ev = self.env.event()
+        heapq.heappush(self.waiting, (key, op, ev))
+        self._arm()
+        return ev
+
+    def release(self) -> None:
+        self.holder = None
+        self._arm()
+
+    def _arm(self) -> None:
+        if self.holder is None and self.waiting and not self.granting:
+            self.granting = True
+            ev = self.env.event()
+            ev._ok, ev._value = True, None  # triggered, as Event.succeed does, at our priority
+            ev.callbacks.append(self._grant)
+            self.env.schedule(ev, priority=self.GRANT)
+
+    def _grant(self, _ev: simpy.Event) -> None:
+        self.granting = False
+        if self.holder is None and self.waiting:
+            _, op, ev = heapq.heappop(self.waiting)
+            self.holder = op
+            ev.succeed()
+
+
 class _Engine:
     def __init__(self, plan: Plan, cm: CostModel, folded: bool):
         self.plan, self.cm, self.folded = plan, cm, folded
@@ -326,15 +371,14 @@ class _Engine:
         self.unit = isinstance(cm, UnitCostModel)
         # compute runs on the thread that posts comm (CPU ranks): it holds the rank's host
         self.host_bound = bool(getattr(cm, "host_bound", False))
-        self.hosts: dict[int, simpy.PriorityResource] = {}  # rank -> its issuing thread
-        self.on_host: dict[int, _Op] = {}  # rank -> the compute op holding its host
+        self.hosts: dict[int, _Host] = {}  # rank -> its issuing thread
+        self.inside_until: dict[int, float] = {}  # rank -> end of the posts made from inside compute
         replicas = self.layout.class_size  # DP replicas x CP and TP peers of a pipeline rank
         self.ranks = [self.layout.rank(c.pp_rank, 0) for c in plan.classes] if folded else \
             list(range(self.layout.world_size))
         self.class_of = {r: plan.classes[self.layout.coords(r)[0]] for r in self.ranks}
         self.represents = {r: (replicas if folded else 1) for r in self.ranks}
         self.streams: dict[int, list[tuple[str, list[_Op]]]] = {}
-        self.pos: dict[tuple[int, str], int] = {}
         self.rows: list[tuple] = []
         self.mem_cur = {r: 0.0 for r in self.ranks}
         self.mem_peak = {r: 0.0 for r in self.ranks}
@@ -465,7 +509,7 @@ class _Engine:
                         user.gates.sort(key=lambda g: g[0])
             self.streams[r] = streams
         if self.host_bound or any(op.post > 0 for r in self.ranks for _, ops in self.streams[r] for op in ops):
-            self.hosts = {r: simpy.PriorityResource(self.env, capacity=1) for r in self.ranks}
+            self.hosts = {r: _Host(self.env) for r in self.ranks}
 
     # --- comm costs ------------------------------------------------------------------
     def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float) -> tuple:
@@ -705,25 +749,38 @@ class _Engine:
                 if gate.event is None:
                     gate.event = self.env.event()
                 yield gate.event
+                yield from self._inside_posts_done(rank)
         yield from self._run_for(rank, op, (1.0 - done) * op.dur)
 
-    def _post(self, rank: int, op: _Op):
+    def _inside_posts_done(self, rank: int):
+        """Wait until the posts made from inside the rank's compute op are done."""
+        left = self.inside_until.get(rank, 0.0) - self.env.now
+        if left > 0:
+            yield self.env.timeout(left)
+
+    def _post(self, rank: int, op: _Op, key: tuple):
         """Post comm op ``op``: ``op.post`` seconds of the rank's host (module docstring). From
-        inside the compute op holding the host when the plan lets it start there, else
-        between compute ops, ahead of the next one."""
+        inside the compute op holding the host when the plan lets it start there (after the
+        posts already made from inside it), else between compute ops, ahead of the next one."""
         env = self.env
-        holder = self.on_host.get(rank)
-        if holder is not None and (op.ins.needed_by or (op.ins.dep_progress < 1.0 and holder in op.deps)):
-            op.posted = env.now
+        host = self.hosts[rank]
+        holder = host.holder
+        if holder is not None and holder.dur is not None and \
+                (op.ins.needed_by or (op.ins.dep_progress < 1.0 and holder in op.deps)):
+            begin = max(env.now, self.inside_until.get(rank, 0.0))
+            if begin > env.now:
+                yield env.timeout(begin - env.now)
+            op.posted = begin
+            self.inside_until[rank] = begin + op.post
             self._stall(holder, op.post)
             if op.post > 0:
                 yield env.timeout(op.post)
             return
-        with self.hosts[rank].request(priority=0) as req:
-            yield req
-            op.posted = env.now
-            if op.post > 0:
-                yield env.timeout(op.post)
+        yield host.request(key, op)
+        op.posted = env.now
+        if op.post > 0:
+            yield env.timeout(op.post)
+        host.release()
 
     def _stall(self, op: _Op, seconds: float) -> None:
         """Compute op ``op`` loses ``seconds`` to a post from inside it: its remaining work,
@@ -735,12 +792,31 @@ class _Engine:
         job.left += seconds * job.rate - job.rate * (self.env.now - job.t)
         self._rerate(job, True)
 
-    def _stream(self, rank: int, name: str, ops: list[_Op]):
+    def _transfer_after(self, rank: int, name: str, op: _Op, prev: _Op | None):
+        """A posted comm op's transfer, once the previous op of its stream is done."""
+        if prev is not None and not prev.done:
+            if prev.event is None:
+                prev.event = self.env.event()
+            yield prev.event
+        yield self._p2p(op) if op.ins.kind in ("SEND", "RECV") else self._collective(op)
+        self._finish(rank, name, op)
+
+    def _finish(self, rank: int, name: str, op: _Op) -> None:
+        ins = op.ins
+        op.end = self.env.now
+        if ins.free:
+            self._memory(rank, -ins.free)
+        op.done = True
+        if op.event is not None:
+            op.event.succeed()
+        self.rows.append((rank, name, ins.id, ins.kind, ins.stage, ins.mb, op.start, op.end, ins.bytes,
+                          ins.flops, op.peer, op.posted))
+
+    def _stream(self, rank: int, si: int, name: str, ops: list[_Op]):
         env = self.env
-        key = (rank, name)
-        rows = self.rows
+        hosted = bool(self.hosts) and name not in (TP_STREAM, CP_STREAM)
+        prev: _Op | None = None  # the stream's last posted comm op (its transfer may still run)
         for i, op in enumerate(ops):
-            self.pos[key] = i
             ins = op.ins
             for dep in op.deps:
                 if dep.done:
@@ -760,12 +836,8 @@ class _Engine:
             if ins.alloc:
                 self._memory(rank, ins.alloc)
             if op.dur is not None:
-                req = None
                 if self.host_bound:
-                    yield env.timeout(0)  # comm ops this instant made ready are posted first
-                    req = self.hosts[rank].request(priority=1)
-                    yield req
-                    self.on_host[rank] = op
+                    yield self.hosts[rank].request((1, si, i), op)
                 op.start, op.begun = env.now, True
                 if op.started is not None:
                     op.started.succeed()
@@ -773,34 +845,33 @@ class _Engine:
                     yield from self._run_gated(rank, op)
                 else:
                     yield from self._run_for(rank, op, op.dur)
-                if req is not None:
-                    del self.on_host[rank]
-                    self.hosts[rank].release(req)
+                if self.host_bound:
+                    yield from self._inside_posts_done(rank)
+                    self.hosts[rank].release()
+            elif hosted:  # posted now; the transfer follows the stream's previous op
+                yield from self._post(rank, op, (0, si, i))
+                env.process(self._transfer_after(rank, name, op, prev))
+                prev = op
+                continue
             else:
-                if self.hosts and name not in (TP_STREAM, CP_STREAM):
-                    yield from self._post(rank, op)
                 yield self._p2p(op) if ins.kind in ("SEND", "RECV") else self._collective(op)
-            op.end = env.now
-            if ins.free:
-                self._memory(rank, -ins.free)
-            op.done = True
-            if op.event is not None:
-                op.event.succeed()
-            rows.append((rank, name, ins.id, ins.kind, ins.stage, ins.mb, op.start, op.end, ins.bytes,
-                         ins.flops, op.peer, op.posted))
-        self.pos[key] = len(ops)
+            self._finish(rank, name, op)
 
     def run(self) -> None:
         for r in self.ranks:
-            for name, ops in self.streams[r]:
-                self.pos[(r, name)] = 0
-                self.env.process(self._stream(r, name, ops))
+            for si, (name, ops) in enumerate(self.streams[r]):
+                self.env.process(self._stream(r, si, name, ops))
         self.env.run()
         self._check_finished()
 
     # --- deadlock report ----------------------------------------------------------------
     def _waits_on(self, op: _Op) -> str:
         ins = op.ins
+        host = self.hosts.get(op.rank)
+        if host is not None and any(w[1] is op for w in host.waiting):
+            h = host.holder
+            why = f", which {self._waits_on(h)}" if h is not None and h.dur is not None else ""
+            return f"waits for the rank's host (its issuing thread), held by {h.ins.id if h else 'no op'}{why}"
         if op.posted is None:
             missing = [d.ins.id for d in op.deps if not d.done]
             return "waits for " + ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
@@ -819,9 +890,9 @@ class _Engine:
         blocked = []
         for r in self.ranks:
             for name, ops in self.streams[r]:
-                i = self.pos[(r, name)]
-                if i < len(ops):
-                    blocked.append(f"rank {r} {ops[i].ins.id} {self._waits_on(ops[i])}")
+                op = next((o for o in ops if not o.done), None)  # a posted op's transfer may still wait
+                if op is not None:
+                    blocked.append(f"rank {r} {op.ins.id} {self._waits_on(op)}")
         if blocked:
             shown = "; ".join(blocked[:10]) + (f"; (+{len(blocked) - 10} more)" if len(blocked) > 10 else "")
             raise SimulationDeadlock(f"deadlock at t={self.env.now:.6g}s, {len(blocked)} streams blocked: {shown}")

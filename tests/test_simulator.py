@@ -4,6 +4,7 @@ collective costs, link sharing, deadlocks, folding, results and the CLI."""
 from __future__ import annotations
 
 import json
+import os
 import math
 
 import pytest
@@ -482,3 +483,82 @@ def test_calibrated_post_time_and_host_bound():
         check_calibration({"kind": "calibration", "post": {"BROADCAST": post["SEND"]}})
     with pytest.raises(ValueError, match="host 0 or 1"):
         get_costmodel("unit:host=2")
+
+
+def test_comm_is_posted_when_ready_even_while_its_stream_moves_data():
+    """AR1 is ready when B ends (1.1 s, with AR0's post from inside it) while AR0 still moves
+    data: it is posted then, before F (the executor posts every ready op), and its transfer
+    follows AR0's."""
+    compute = [Instruction(id="B.s0.mb0", kind="B", stream="compute", stage=0, mb=0),
+               Instruction(id="F.s0.mb1", kind="F", stream="compute", stage=0, mb=1)]
+    dp = [Instruction(id="AR0", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0", deps=["B.s0.mb0"],
+                      dep_progress=0.5),
+          Instruction(id="AR1", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0", deps=["B.s0.mb0"])]
+    plan = hand_plan([{"compute": compute, "dp": dp}], dp=2, cluster="cpu:2")
+    ev = simulate(plan, "unit:B=1,F=5,comm=1,post=0.1,host=1", fold=False).events
+    ev = ev[ev["rank"] == 0].set_index("op_id")
+    assert ev.loc["AR0", "end"] == pytest.approx(1.6)
+    assert (ev.loc["AR1", "posted"], ev.loc["AR1", "end"]) == pytest.approx((1.1, 2.6))
+    assert (ev.loc["F.s0.mb1", "start"], ev.loc["F.s0.mb1", "end"]) == pytest.approx((1.2, 6.2))
+
+
+class _GatherSlow(UnitCostModel):
+    def collective_time(self, kind, nbytes, ranks):
+        return 1.0 if kind == "ALL_GATHER" else 0.5
+
+
+def test_compute_waiting_at_a_gate_resumes_after_the_posts_made_meanwhile():
+    """F0 waits at its first gather (done at 1.3 s); AG1, ready at 1.1 s, is posted from inside
+    F0 (1.1-1.4 s): F0 runs on at 1.4 s, not 1.3 s."""
+    compute = [Instruction(id="F.s0.mb0", kind="F", stream="compute", stage=0, mb=0)]
+    ag = lambda name, stream, at, deps=(): Instruction(  # noqa: E731
+        id=name, kind="ALL_GATHER", stream=stream, bytes=1.0, group="stage:0", deps=list(deps),
+        needed_by="F.s0.mb0", needed_at=at)
+    streams = {"compute": compute, "g0": [ag("AG0", "g0", 0.0)],
+               "other": [Instruction(id="X", kind="ALLREDUCE", stream="other", bytes=1.0, group="stage:0")],
+               "g1": [ag("AG1", "g1", 1.0, ["X"])]}
+    plan = hand_plan([streams], dp=2, cluster="cpu:2")
+    ev = simulate(plan, _GatherSlow(F=2, post=0.3, host=1), fold=False).events
+    ev = ev[ev["rank"] == 0].set_index("op_id")
+    assert [ev.loc[k, "posted"] for k in ("AG0", "X", "AG1")] == pytest.approx([0, 0.3, 1.1])
+    assert (ev.loc["F.s0.mb0", "start"], ev.loc["F.s0.mb0", "end"]) == pytest.approx((0.6, 3.4))
+
+
+def test_a_gate_behind_an_op_that_needs_the_host_is_a_deadlock_named_plainly():
+    """F1 holds the host waiting for AG, which its stream lists after X, which is ready (after
+    Y) while F1 runs and needs the host (the executor would hang the same way): the error
+    names the host and its holder."""
+    compute = [Instruction(id="F.s0.mb0", kind="F", stream="compute", stage=0, mb=0),
+               Instruction(id="F.s0.mb1", kind="F", stream="compute", stage=0, mb=1)]
+    other = [Instruction(id="Y", kind="ALLREDUCE", stream="other", bytes=1.0, group="stage:0", deps=["F.s0.mb0"])]
+    dp = [Instruction(id="X", kind="ALLREDUCE", stream="dp", bytes=1.0, group="stage:0", deps=["Y"]),
+          Instruction(id="AG", kind="ALL_GATHER", stream="dp", bytes=1.0, group="stage:0", needed_by="F.s0.mb1",
+                      needed_at=0.5)]
+    plan = hand_plan([{"compute": compute, "other": other, "dp": dp}], dp=2, cluster="cpu:2")
+    with pytest.raises(SimulationDeadlock, match="X waits for the rank's host .*held by F.s0.mb1, which waits "
+                                                 "part-way for AG"):
+        simulate(plan, "unit:F=1,comm=0.2,host=1")
+
+
+POST = {"ALLREDUCE": {"alpha_s": 4.55e-05, "bw_Bps": 8.96e11}, "REDUCE_SCATTER": {"alpha_s": 9.47e-05, "bw_Bps": 5.16e10},
+        "ALL_GATHER": {"alpha_s": 1.22e-04, "bw_Bps": 2.18e10}, "ALL_TO_ALL": {"alpha_s": 0.0, "bw_Bps": 2.07e11},
+        "SEND": {"alpha_s": 2.32e-05, "bw_Bps": 1.01e12}, "RECV": {"alpha_s": 0.0, "bw_Bps": 3.5e11}}
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_host_grants_do_not_depend_on_wake_up_order(pp):
+    """DualPipe with ring context parallelism on the committed CPU calibration plus posting
+    times (a 2-core VM's): two transfers of a rank end at one instant and the next ops of both
+    streams ask for the host. Granted in the executor's order, folded equals unfolded (they
+    differed by up to 4e-3 when simpy's wake-up order decided)."""
+    from costmodel.calibration import load_calibration
+
+    cal = load_calibration(os.path.join(os.path.dirname(__file__), "..", "traces", "calibration", "cpu-2core.json"))
+    overrides = {k: v for k, v in cal.items() if k not in ("kind", "device", "meta")}
+    cm = AnalyticCostModel(parse_cluster(f"cpu:{2 * pp}"), {**overrides, "post": POST, "compute_slots": 2})
+    plan = compile({"model": "gpt-tiny", "cluster": f"cpu:{2 * pp}", "global_batch": 10, "seq_len": 8,
+                    "microbatches": 10, "directives": [{"op": "pipeline", "degree": pp},
+                                                       {"op": "schedule", "name": "dualpipe"},
+                                                       {"op": "context_parallel", "degree": 2, "style": "ring"}]})
+    folded, unfolded = simulate(plan, cm), simulate(plan, cm, fold=False)
+    assert folded.folded and folded.step_time_s == pytest.approx(unfolded.step_time_s, rel=1e-12)
