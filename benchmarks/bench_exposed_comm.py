@@ -1,7 +1,7 @@
 """Exposed communication per step, measured by the executor and simulated, on the DP2 plans.
 
     python benchmarks/bench_exposed_comm.py [--model gpt-small] [--seq 128] [--batch 16] [--mb 4]
-                                            [--steps 5] [--cases dp2,zero1,zero3]
+                                            [--steps 5] [--cases dp2,zero1,zero3,dp2-25mb,zero1-overlap]
                                             [--costmodel CALIBRATION.json] [--detail]
 
 Exposed communication is `piper_sim.trace.exposed_comm`: the time a rank has some
@@ -35,6 +35,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench_executor import add_run_args, run_on_two_ranks, strategy  # noqa: E402
+from executor.baselines import DDP_BUCKET_MB  # noqa: E402
 from executor.collectives import Comms  # noqa: E402
 from executor.runtime import Runtime, align_comm_starts  # noqa: E402
 from piper_sim.api import compile  # noqa: E402
@@ -45,7 +46,11 @@ from piper_sim.simulator import simulate  # noqa: E402
 from piper_sim.trace import exposed_comm  # noqa: E402
 
 TARGET = 0.20  # |simulated / measured - 1| (issue 14)
-CASES = {"dp2": 0, "zero1": 1, "zero3": 3}
+# data_parallel directive fields of each case; "-25mb": bench_executor's plans (DDP's bucket
+# size), "zero1-overlap" with the parameter gathers overlapped with the next forward
+CASES = {"dp2": {"zero": 0}, "zero1": {"zero": 1}, "zero3": {"zero": 3},
+         "dp2-25mb": {"zero": 0, "bucket_mb": DDP_BUCKET_MB},
+         "zero1-overlap": {"zero": 1, "bucket_mb": DDP_BUCKET_MB, "overlap_param_gather": True}}
 
 
 @dataclass
@@ -142,7 +147,7 @@ def worker(args) -> None:
     rank = dist.get_rank()
     rows = []
     for name in args.cases.split(","):
-        plan = compile(strategy(args, [{"op": "data_parallel", "degree": 2, "zero": CASES[name]}]))
+        plan = compile(strategy(args, [{"op": "data_parallel", "degree": 2, **CASES[name]}]))
         meas = measure(plan, rank, args.steps, detail=args.detail)
         rows.append((name, meas, simulated(plan, args.costmodel, args.detail) if rank == 0 else None))
     if rank == 0:
