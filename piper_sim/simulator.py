@@ -276,7 +276,7 @@ class _Op:
     """One instruction placed on one simulated rank."""
 
     __slots__ = ("ins", "rank", "stream", "deps", "dur", "peer", "group", "cost", "done", "event",
-                 "posted", "start", "end", "started", "begun", "job", "gates", "post")
+                 "posted", "start", "end", "started", "begun", "job", "gates", "post", "after")
 
     def __init__(self, ins: Instruction, rank: int, stream: str):
         self.ins = ins
@@ -297,6 +297,7 @@ class _Op:
         self.job: _Job | None = None  # a compute op's rate-shared work, while it runs
         self.gates: list[tuple[float, _Op]] = []  # compute: (share of its work, gather it then waits for)
         self.post = 0.0  # comm: host seconds to post it
+        self.after = 0.0  # comm: end of its stream's previous op (it starts no earlier)
 
 
 class _Job:
@@ -683,7 +684,8 @@ class _Engine:
         if other_op.ins.kind == ins.kind:
             raise SimulationError(f"rank {op.rank}: {ins.id} and {other_op.ins.id} on rank {other_op.rank} "
                                   f"are both {ins.kind}s with match {ins.match!r}")
-        op.start = other_op.start = max(op.posted, other_op.posted)  # both sides began posting
+        posted = max(op.posted, other_op.posted)  # both sides began posting, their streams free
+        op.start, other_op.start = max(posted, op.after), max(posted, other_op.after)
         dur, links, ranks = (op if send else other_op).cost
         self._transfer(dur, links, ranks, ev)
         return ev
@@ -697,9 +699,9 @@ class _Engine:
         entry[1].append(op)
         if len(entry[1]) == expected:
             del self.coll_pending[key]
-            start = max(o.posted for o in entry[1])  # the last member began posting
+            posted = max(o.posted for o in entry[1])  # the last member began posting
             for o in entry[1]:
-                o.start = start
+                o.start = max(posted, o.after)  # and its stream is free
             self._transfer(dur, links, reps, entry[0])
         return entry[0]
 
@@ -794,10 +796,12 @@ class _Engine:
 
     def _transfer_after(self, rank: int, name: str, op: _Op, prev: _Op | None):
         """A posted comm op's transfer, once the previous op of its stream is done."""
-        if prev is not None and not prev.done:
-            if prev.event is None:
-                prev.event = self.env.event()
-            yield prev.event
+        if prev is not None:
+            if not prev.done:
+                if prev.event is None:
+                    prev.event = self.env.event()
+                yield prev.event
+            op.after = prev.end
         yield self._p2p(op) if op.ins.kind in ("SEND", "RECV") else self._collective(op)
         self._finish(rank, name, op)
 
