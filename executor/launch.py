@@ -19,6 +19,19 @@ import signal
 import sys
 
 RANK_FAILED = 1
+# signals torchrun itself sends to stop the other workers, not a cause of failure
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def first_failure(failures: dict) -> tuple[int, object]:
+    """(rank, failure) to name: a rank killed by a signal torchrun does not send (SIGKILL from
+    the OOM killer, SIGSEGV, SIGABRT...), since its peers fail only because it vanished, and
+    torchrun's timestamps (whole seconds) can put a peer's error first; else the earliest."""
+    killed = [r for r, f in failures.items() if f.exitcode < 0 and -f.exitcode not in STOP_SIGNALS]
+    if killed:
+        return min(killed), failures[min(killed)]
+    rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+    return rank, failures[rank]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         if verbose:
             raise
-        rank, failure = e.get_first_failure()
+        rank, failure = first_failure(e.failures) if e.failures else e.get_first_failure()
         code = failure.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else \
             f"failed first (exit code {code}; its message is above)"

@@ -102,3 +102,19 @@ def test_a_killed_rank_is_named_and_verbose_shows_torchruns_report(tmp_path):
     assert "Traceback" not in r.stderr
     r, _ = _run(plan, "0:1:F.s0.mb3:kill", "--timeout", "30", "-v")
     assert r.returncode == 1 and "ChildFailedError" in r.stderr
+
+
+def test_the_named_rank_is_one_killed_by_a_signal_torchrun_does_not_send():
+    """torchrun's failure timestamps are whole seconds: a peer's error can look first."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from executor.launch import first_failure
+
+    def failure(rank: int, code: int, t: int) -> ProcessFailure:
+        f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="/nonexistent")
+        f.timestamp = t
+        return f
+
+    assert first_failure({0: failure(0, -9, 11), 1: failure(1, 1, 10)})[0] == 0  # SIGKILL: the cause
+    assert first_failure({0: failure(0, -15, 11), 1: failure(1, 1, 10)})[0] == 1  # SIGTERM: torchrun's stop
+    assert first_failure({0: failure(0, 1, 10), 1: failure(1, 1, 10)})[0] == 0  # a tie: the lower rank
