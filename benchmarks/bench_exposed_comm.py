@@ -40,9 +40,8 @@ from executor.collectives import Comms  # noqa: E402
 from executor.runtime import Runtime, align_comm_starts  # noqa: E402
 from piper_sim.api import compile  # noqa: E402
 from costmodel import get_costmodel, parse_cluster  # noqa: E402
-from piper_sim.ir import CP_STREAM, TP_STREAM  # noqa: E402
 from piper_sim.plan import COMPUTE_KINDS  # noqa: E402
-from piper_sim.simulator import simulate  # noqa: E402
+from piper_sim.simulator import INSIDE_COMPUTE_STREAMS, simulate  # noqa: E402
 from piper_sim.trace import exposed_comm  # noqa: E402
 
 TARGET = 0.20  # |simulated / measured - 1| (issue 14)
@@ -122,7 +121,7 @@ def simulated(plan, costmodel: str, detail: bool = False) -> StepStats:
     exposed = sum(s.comm_exposed_s for s in res.rank_stats) / n
     cm = get_costmodel(costmodel, parse_cluster(plan.meta["cluster"]))
     posting = sum(cm.post_time(i.kind, i.bytes) for i in plan.classes[0].instructions()
-                  if i.kind not in COMPUTE_KINDS and i.stream not in (TP_STREAM, CP_STREAM))
+                  if i.kind not in COMPUTE_KINDS and i.stream not in INSIDE_COMPUTE_STREAMS)
     return StepStats(exposed, exposed, sum(s.compute_s for s in res.rank_stats) / n, res.step_time_s, posting)
 
 

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as e:
         if verbose:
             raise
-        rank, failure = first_failure(e.failures) if e.failures else e.get_first_failure()
+        rank, failure = first_failure(e.failures)
         code = failure.exitcode
         how = f"was killed by {signal.Signals(-code).name}" if code < 0 else \
             f"failed first (exit code {code}; its message is above)"

@@ -450,11 +450,10 @@ def post_times(g: "_Group", posts: dict, calls: int) -> dict:
     return out
 
 
-def _p2p_posts(nbytes: int, rank: int, device: torch.device) -> dict:
+def _p2p_post(nbytes: int, rank: int, device: torch.device) -> Callable[[], object]:
     """Rank 0's ``isend`` to rank 1 and rank 1's ``irecv`` from 0, as the executor posts them."""
     buf = torch.zeros(max(1, nbytes // 4), device=device)
-    send = (lambda: dist.isend(buf, 1)) if rank == 0 else (lambda: dist.irecv(buf, 0))
-    return {("p2p", nbytes): send}
+    return (lambda: dist.isend(buf, 1)) if rank == 0 else (lambda: dist.irecv(buf, 0))
 
 
 class _Group:
@@ -589,7 +588,7 @@ def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
         if spec.get("post_calls"):  # the host time of posting each, as the executor does
             posts = {}
             for size in spec["p2p_sizes"] if world == 2 else []:
-                posts.update(_p2p_posts(size, rank, device))
+                posts["p2p", size] = _p2p_post(size, rank, device)
             for kind in spec["kinds"]:
                 for size in spec["sizes"]:
                     posts[kind, size] = _collective(kind, size, world, device, async_op=True)[0]
@@ -598,8 +597,8 @@ def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
             out["post"] = {kind: [] for kind in [*spec["kinds"], "SEND", "RECV"]}
             for (kind, size), per_rank in post.items():
                 if kind == "p2p":
-                    out["post"]["SEND"].append([max(4, size // 4 * 4), per_rank[0]])
-                    out["post"]["RECV"].append([max(4, size // 4 * 4), per_rank[1]])
+                    out["post"]["SEND"].append([nbytes[kind, size], per_rank[0]])
+                    out["post"]["RECV"].append([nbytes[kind, size], per_rank[1]])
                 else:
                     out["post"][kind].append([nbytes[kind, size], max(per_rank)])
             out["post"] = {k: v for k, v in out["post"].items() if v}

@@ -65,6 +65,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
+# streams whose ops the executor performs inside compute (tensor- and context-parallel
+# collectives): nothing is posted for them
+INSIDE_COMPUTE_STREAMS = (TP_STREAM, CP_STREAM)
+
 __all__ = ["RankStats", "SimResult", "SimulationDeadlock", "SimulationError", "fold_is_exact", "simulate"]
 
 
@@ -490,7 +494,7 @@ class _Engine:
                         op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, ins.a2a)
                     else:
                         raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
-                    if op.dur is None and name not in (TP_STREAM, CP_STREAM):
+                    if op.dur is None and name not in INSIDE_COMPUTE_STREAMS:
                         op.post = float(self.cm.post_time(ins.kind, ins.bytes))
                     ops.append(op)
                 streams.append((name, ops))
@@ -818,7 +822,7 @@ class _Engine:
 
     def _stream(self, rank: int, si: int, name: str, ops: list[_Op]):
         env = self.env
-        hosted = bool(self.hosts) and name not in (TP_STREAM, CP_STREAM)
+        hosted = bool(self.hosts) and name not in INSIDE_COMPUTE_STREAMS
         prev: _Op | None = None  # the stream's last posted comm op (its transfer may still run)
         for i, op in enumerate(ops):
             ins = op.ins
