@@ -73,10 +73,10 @@ def worker(args) -> None:
                         **({"bucket_mb": DDP_BUCKET_MB} if zero < 3 else {})}]
     cases = {
         "dp2": (dp(0), lambda plan: TorchDDP(plan, rank), "DDP"),
+        "zero1": (dp(1), lambda plan: TorchDDP(plan, rank), "DDP"),
+        "zero1-zro": (dp(1), lambda plan: TorchZeRO1(plan, rank), "DDP+ZeroRedundancyOptimizer"),
         # parameter gathers overlapped with the next forward (Megatron's --overlap-param-gather)
-        "zero1": ([{**dp(1)[0], "overlap_param_gather": True}], lambda plan: TorchDDP(plan, rank), "DDP"),
-        "zero1-zro": ([{**dp(1)[0], "overlap_param_gather": True}], lambda plan: TorchZeRO1(plan, rank),
-                      "DDP+ZeroRedundancyOptimizer"),
+        "zero1-overlap": ([{**dp(1)[0], "overlap_param_gather": True}], lambda plan: TorchDDP(plan, rank), "DDP"),
         "pp2-gpipe": (pp("gpipe"), lambda plan: TorchPipeline(plan, rank), "pipelining ScheduleGPipe"),
         "pp2-1f1b": (pp("1f1b"), lambda plan: TorchPipeline(plan, rank), "pipelining Schedule1F1B"),
         "pp2-interleaved": (pp("interleaved_1f1b"), lambda plan: TorchPipeline(plan, rank),
@@ -124,8 +124,8 @@ def run_on_two_ranks(script: str, worker, args) -> int:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p, steps=10)
-    p.add_argument("--cases", help="comma-separated subset of: dp2, zero1, zero1-zro, pp2-gpipe, pp2-1f1b, "
-                                   "pp2-interleaved, zero3")
+    p.add_argument("--cases", help="comma-separated subset of: dp2, zero1, zero1-zro, zero1-overlap, pp2-gpipe, "
+                                   "pp2-1f1b, pp2-interleaved, zero3")
     return run_on_two_ranks(__file__, worker, p.parse_args())
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import os
 import signal
 import sys
@@ -418,6 +419,8 @@ class Runtime:
                 numels = None
                 if zero == 3 and ops:
                     named, numels = _by_bucket(named, unit_buckets[s][tag])
+                elif ops:
+                    numels = _cuts(sum(p.numel() for _, p in named), ops)
                 n_buckets = len({i.bucket for i in ops})  # RS: one per bucket and micro-batch
                 flats[(s, tag)] = FlatParams(
                     key=f"s{s}{tag}" + (f".ep{self.ep_index}" if tag else ""), names=[n for n, _ in named],
@@ -908,6 +911,15 @@ class Runtime:
                          "posted": posted, "issue_s": self.issue_s.get(ins.id, 0.0), "group": ins.group,
                          "match": ins.match})
         return rows
+
+
+def _cuts(numel: int, syncs: list[Instruction]) -> list[int]:
+    """Elements of each gradient bucket, in proportion to the plan's bucket bytes (the
+    compiler's cuts, `piper_sim.ir._buckets`)."""
+    size = {i.bucket: i.bytes for i in syncs}
+    ends = itertools.accumulate(size[b] for b in range(len(size)))
+    bounds = [0, *(round(numel * e / sum(size.values())) for e in ends)]
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _by_bucket(named: list[tuple[str, Any]], buckets: list[list[str]]) -> tuple[list[tuple[str, Any]], list[int]]:

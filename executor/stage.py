@@ -106,7 +106,9 @@ class FlatParams:
     index: int                    # position of this rank in ``group``
     zero: int
     stream: str = "dp"            # plan stream of the sync ops (names the process group)
-    # ZeRO-3: elements of each bucket (whole units, parameters in bucket order); None: equal slices
+    # elements of each bucket. ZeRO-3: whole units, parameters in bucket order, each bucket
+    # padded on its own; else cuts of the parameters laid end to end (a parameter may
+    # straddle two buckets). None: equal slices
     bucket_numels: list[int] | None = None
     flat: nn.Parameter = field(init=False)
     grad: torch.Tensor = field(init=False)
@@ -116,17 +118,20 @@ class FlatParams:
     def __post_init__(self) -> None:
         numel = sum(p.numel() for p in self.params)
         g = len(self.group) if self.sync == "shard" else 1
-        if self.bucket_numels is None:  # equal slices of the parameters laid end to end
-            blen = -(-numel // (self.n_buckets * g)) * g
-            self.lens = [blen] * self.n_buckets
+        if self.bucket_numels is not None and (len(self.bucket_numels) != self.n_buckets
+                                               or sum(self.bucket_numels) != numel):
+            raise ValueError(f"{self.key}: bucket sizes {self.bucket_numels} do not cover the {numel} "
+                             f"parameters in {self.n_buckets} buckets")
+        if self.zero < 3 or self.bucket_numels is None:  # slices of the parameters laid end to end
+            if self.bucket_numels is None:
+                self.lens = [-(-numel // (self.n_buckets * g)) * g] * self.n_buckets
+            else:
+                self.lens = [-(-n // g) * g for n in self.bucket_numels]
             starts = [0] * len(self.params)
             off = 0
             for i, p in enumerate(self.params):
                 starts[i], off = off, off + p.numel()
         else:  # one bucket per unit group: each starts on its own boundary, padded at its end
-            if len(self.bucket_numels) != self.n_buckets or sum(self.bucket_numels) != numel:
-                raise ValueError(f"{self.key}: bucket sizes {self.bucket_numels} do not cover the {numel} "
-                                 f"parameters in {self.n_buckets} buckets")
             self.lens = [-(-n // g) * g for n in self.bucket_numels]
             starts, b, used = [], 0, 0
             for p in self.params:

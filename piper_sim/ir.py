@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import networkx as nx
 
 from costmodel.compute import ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM
+from costmodel.memory import bucket_sizes
 from piper_sim import kernels
 from piper_sim.checks import MAX_BUCKETS_PER_STAGE
 from piper_sim.directives import Setup
@@ -707,7 +708,7 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
 
 def _param_gates(ctx: Context, dag: TrainingDAG, s: int, nodes: list[Node], segs: list,
                  buckets: list[float]) -> list[tuple[str, float]]:
-    """ZeRO-1/2 with ``overlap_param_gather``: for each parameter bucket (equal slices of
+    """ZeRO-1/2 with ``overlap_param_gather``: for each parameter bucket (slices of
     ``segs``' parameters in model order), the stage's first forward piece on this rank that
     uses the bucket's first byte, and the share of that piece's forward work done before
     the segment holding it starts (where the forward must wait for the bucket's gather)."""
@@ -826,7 +827,7 @@ def _group_size(ctx: Context, ins: Instruction) -> int:
 
 def _bucket_ready(segs: list, buckets: list[float]) -> list[float]:
     """The share of a stage's backward done when each gradient bucket is complete. Buckets
-    are equal slices of the parameters in model order; the backward runs the segments in
+    are slices of the parameters in model order; the backward runs the segments in
     reverse (and, roughly, a segment's parameters too), so bucket b is complete once it
     reached b's first byte: the backward flops of the later segments plus the part of that
     segment's from the byte to the segment's end, over the total (a tied embedding's
@@ -846,7 +847,7 @@ def _bucket_ready(segs: list, buckets: list[float]) -> list[float]:
 
 
 def _first_bytes(segs: list, buckets: list[float]) -> list[tuple[int, float]]:
-    """For each bucket (equal slices of ``segs``' parameters laid end to end in model order):
+    """For each bucket (slices of ``segs``' parameters laid end to end in model order):
     the index of the segment holding its first byte, and the share of that segment's
     parameters from the byte to the segment's end."""
     ends, acc = [], 0.0
@@ -864,13 +865,20 @@ def _first_bytes(segs: list, buckets: list[float]) -> list[tuple[int, float]]:
 
 
 def _buckets(param_bytes: float, bucket_mb: float | None, n_units: int) -> list[float]:
-    """Equal gradient buckets: one per layer by default, else of ``bucket_mb`` MB."""
-    n = max(1, n_units) if bucket_mb is None else max(1, math.ceil(param_bytes / (bucket_mb * 2**20)))
-    if n > MAX_BUCKETS_PER_STAGE:
+    """Gradient buckets of a stage's parameters, in model order. By default equal slices,
+    one per layer. With ``bucket_mb``, buckets of that size filled from the model's end,
+    as DDP and Megatron-LM fill them in backward order: the first layers' bucket (the last
+    one reduced and, with overlapped gathers, the first one gathered) holds the rest."""
+    if bucket_mb is None:
+        n = max(1, n_units)
+        sizes = [param_bytes / n] * n
+    else:
+        sizes = bucket_sizes(param_bytes, bucket_mb)[::-1] or [param_bytes]
+    if len(sizes) > MAX_BUCKETS_PER_STAGE:
         raise StrategyError(f"replicate: bucket_mb {bucket_mb:g} cuts a stage's {param_bytes / 2**20:.3g} MB into "
-                            f"{n:,} gradient buckets; the limit is {MAX_BUCKETS_PER_STAGE:,} per stage "
+                            f"{len(sizes):,} gradient buckets; the limit is {MAX_BUCKETS_PER_STAGE:,} per stage "
                             "(piper_sim.checks.MAX_BUCKETS_PER_STAGE): use a larger bucket_mb")
-    return [param_bytes / n] * n
+    return sizes
 
 
 def order_pass(ctx: Context, dag: TrainingDAG) -> dict[int, list[Node]]:

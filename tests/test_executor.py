@@ -167,11 +167,22 @@ def test_clip_grad_norm_global_over_shards_and_stages(tmp_path):
     assert max(gpt) - min(gpt) < 1e-4 * max(gpt)
 
 
-@pytest.mark.parametrize("zero", [0, 1])
-def test_gradient_buckets_reduce_during_the_last_backward(tmp_path, zero):
+@pytest.mark.parametrize("zero,bucket_mb", [(0, None), (1, 0.7)])
+def test_gradient_buckets_reduce_during_the_last_backward(tmp_path, zero, bucket_mb):
     """DDP-style overlap: the plan lets bucket b start once the last backward reached it
-    (``dep_progress``); the executor posts it from the gradient hooks, in plan order."""
-    plan = save_plan(tmp_path, "dp2", strategy(dp=2, zero=zero, m=2, mbs=2))
+    (``dep_progress``); the executor posts it from the gradient hooks, in plan order. With
+    ``bucket_mb`` the buckets are filled from the model's end, so the first one is smaller
+    (2.25 MB: 0.15 + 3 x 0.7), and the executor cuts its flat buffer where the plan does."""
+    s = strategy(dp=2, zero=zero, m=2, mbs=2)
+    if bucket_mb:
+        s["directives"][0]["bucket_mb"] = bucket_mb
+        from piper_sim.api import compile
+
+        dp = compile(s).classes[0].streams["dp"]
+        sizes = sorted((i.bucket, i.bytes) for i in dp if i.kind == "REDUCE_SCATTER")
+        assert [b for b, _ in sizes] == [0, 1, 2, 3] and sizes[0][1] < 0.25 * sizes[1][1]
+        assert {n for _, n in sizes[1:]} == {bucket_mb * 2**20}
+    plan = save_plan(tmp_path, "dp2", s)
     trace = tmp_path / "trace.json"
     r = torchrun(2, [plan, "--steps", "2", "--trace", str(trace), "--check", "--json"])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -332,6 +343,32 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     assert [row["step"] for row in json_lines(second.stdout)] == [2, 3]
     assert losses == pytest.approx(resumed, rel=1e-6, abs=1e-7)
     assert len(losses) == 4 and losses[3] != losses[1]
+
+
+def test_flat_buffer_cut_where_the_plan_cuts_its_buckets():
+    """ZeRO-1/2: the buckets are cuts of the parameters laid end to end, in proportion to
+    the plan's bucket bytes (a parameter may straddle two), each padded to a multiple of
+    the group so every member owns an equal piece."""
+    import torch
+    import torch.nn as nn
+
+    from executor.runtime import _cuts
+    from executor.stage import FlatParams
+    from piper_sim.plan import Instruction
+
+    syncs = [Instruction(id=f"RS.s0.b{b}", kind="REDUCE_SCATTER", stream="dp", bucket=b, bytes=n)
+             for b, n in ((1, 28.0), (0, 8.0))]
+    assert _cuts(9, syncs) == [2, 7]
+    params = [nn.Parameter(torch.arange(3.0)), nn.Parameter(torch.arange(3.0, 5.0)), nn.Parameter(torch.arange(5.0, 9.0))]
+    fp = FlatParams(key="s0", names=["a", "b", "c"], params=params, n_buckets=2, group=(0, 1), sync="shard",
+                    index=1, zero=1, bucket_numels=[2, 7])
+    assert fp.lens == [2, 8] and fp.piece_lens == [1, 4]
+    assert fp.bucket(0).tolist() == [0, 1] and fp.bucket(1).tolist() == [2, 3, 4, 5, 6, 7, 8, 0]
+    assert fp.params_in_bucket(0) == [params[0]] and len(fp.params_in_bucket(1)) == 3  # "a" straddles
+    assert fp.shard_piece(0).tolist() == [1] and fp.shard_piece(1).tolist() == [6, 7, 8, 0]
+    with pytest.raises(ValueError, match="do not cover the 9 parameters"):
+        FlatParams(key="s0", names=["a", "b", "c"], params=params, n_buckets=2, group=(0, 1), sync="shard",
+                   index=0, zero=1, bucket_numels=[2, 6])
 
 
 def test_zero3_gradient_buckets_go_to_their_reduce_scatter():
