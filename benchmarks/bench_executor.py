@@ -1,12 +1,12 @@
 """Executor speed against PyTorch on the same model, data and machine, in one run:
 
 * DP2 (ZeRO-0, bucketed all-reduce)       vs  torch DDP
-* DP2 ZeRO-1 (reduce-scatter, all-gather during the next forward) vs  torch DDP, and vs
-  DDP + ``ZeroRedundancyOptimizer`` (torch's own ZeRO-1)
-  (both with DDP's bucket size: 25 MiB, torch's default ``bucket_cap_mb``, DDP's first
-  bucket being 1 MiB; the plan's own default is one bucket per layer, which on a 2-core
-  CPU costs ZeRO-1 ~1-2 %: gloo's transfers during the backward take the compute cores,
-  and more buckets move the same bytes in more pieces)
+* DP2 ZeRO-1 (reduce-scatter, all-gather after the optimizer step) vs torch DDP, and vs
+  DDP + ``ZeroRedundancyOptimizer`` (torch's own ZeRO-1); ``zero1-overlap``: the gathers
+  during the next forward instead (Megatron's ``--overlap-param-gather``), which on a
+  2-core CPU costs 1-2 %: gloo's transfers then take the cores the forward computes on
+  (all with DDP's bucket size: 25 MiB, torch's default ``bucket_cap_mb``, buckets filled
+  from the model's end as DDP fills them; DDP's first bucket is 1 MiB)
 * PP2 GPipe / 1F1B / interleaved 1F1B     vs  torch.distributed.pipelining's class of each
 * DP2 ZeRO-3 (per-unit gathers)           vs  FSDP2 ``fully_shard`` (one unit per layer)
 
@@ -14,14 +14,16 @@
                                         [--cases dp2,zero1,pp2-1f1b,...]
 
 It launches itself under torchrun (2 ranks, gloo on CPU) and prints the median step time
-of each, executor and torch steps taking turns, and the median of the paired ratios
-executor / torch (target <= 1.00).
+of each, executor and torch steps taking turns, the median of the paired ratios
+executor / torch (target <= 1.00) and that median's 95 % bootstrap interval (how far
+this machine's noise moves it).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -44,9 +46,9 @@ def strategy(args, directives: list[dict]) -> dict:
             "microbatches": args.mb, "dtype": "fp32", "directives": directives}
 
 
-def timed(fns, steps: int, warmup: int = 2) -> tuple[list[float], float]:
+def timed(fns, steps: int, warmup: int = 2) -> tuple[list[float], tuple[float, float, float]]:
     """Median wall time of one step of each function, and the median of the per-step
-    ratios first / second. Steps alternate between the functions (all ranks aligned by
+    ratios first / second with its 95 % interval. Steps alternate between the functions (all ranks aligned by
     barriers), so background load hits both alike."""
     times: list[list[float]] = [[] for _ in fns]
     for k in range(warmup + steps):
@@ -57,8 +59,15 @@ def timed(fns, steps: int, warmup: int = 2) -> tuple[list[float], float]:
             dist.barrier()
             if k >= warmup:
                 times[i].append(time.perf_counter() - t)
-    ratio = statistics.median(a / b for a, b in zip(times[0], times[1]))
-    return [statistics.median(t) for t in times], ratio
+    ratios = [a / b for a, b in zip(times[0], times[1])]
+    return [statistics.median(t) for t in times], (statistics.median(ratios), *bootstrap_interval(ratios))
+
+
+def bootstrap_interval(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of the median of ``xs``."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
 def worker(args) -> None:
@@ -96,9 +105,9 @@ def worker(args) -> None:
     if rank == 0:
         print(f"model {args.model}, global batch {args.batch} x seq {args.seq}, {args.mb} micro-batches, "
               f"2 ranks (gloo, {torch.get_num_threads()} thread(s) each), median of {args.steps} steps")
-        for name, (ours, theirs, torch_name, ratio) in results.items():
+        for name, (ours, theirs, torch_name, (ratio, lo, hi)) in results.items():
             print(f"{name:>15}: executor {ours * 1e3:8.1f} ms   torch {torch_name:<27} {theirs * 1e3:8.1f} ms   "
-                  f"ratio {ratio:5.2f}")
+                  f"ratio {ratio:5.2f} [{lo:.2f}, {hi:.2f}]")
     dist.destroy_process_group()
 
 

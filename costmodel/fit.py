@@ -21,7 +21,9 @@ calibration dict (schema in `costmodel.calibration`).
 - `post`: per kind (collectives, SEND, RECV) the host seconds of the call that posts the async
   op, measured in the smallest group: the same line and "table" as a collective's.
 - `comm_overlap_slowdown`: seconds per all-reduce while every rank runs matmuls (all-reduces
-  queued, counted as they finish) / alone: on a CPU gloo's thread shares the cores.
+  queued, counted as they finish) / the same all-reduces queued while nobody computes (files
+  of METHOD < 5: / one all-reduce alone, which queued ones beat): on a CPU gloo's thread
+  shares the cores.
 - `overlap_slowdown`: matmul time while each rank's own async all-reduces run / without,
   every rank computing in both cases; `meta.contention`: matmul time with every rank
   computing / one rank alone (slowest rank; see traces/calibration/README.md).
@@ -187,7 +189,8 @@ def phase_factors(phases: dict) -> dict:
            "overlap_slowdown": _mean(phases["overlap_s"]) / together,
            "overlap_covered": phases["overlap_covered"]}
     if phases.get("allreduce_computing_s"):  # files before it kept no such measurement
-        out["comm_overlap_slowdown"] = phases["allreduce_computing_s"] / phases["allreduce_alone_s"]
+        alone = phases.get("allreduce_queued_s") or phases["allreduce_alone_s"]
+        out["comm_overlap_slowdown"] = phases["allreduce_computing_s"] / alone
     d = phases.get("default_threads")
     if d:
         out["default_threads"] = {"threads": d["threads"], "contention": _mean(d["together_s"]) / d["alone_s"]}

@@ -56,8 +56,9 @@ COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 # (the "table" of costmodel.calibration), the quick sweep a point every 4x in size; gloo
 # all-gathers as the executor runs them (`all_gather_flat`). 3: gloo reduce-scatters as an
 # all-to-all and a sum (`reduce_scatter_flat`), no longer an all-reduce. 4: the host time of
-# the call that posts each async collective, send and receive (`post_times`, "post").
-METHOD = 4
+# the call that posts each async collective, send and receive (`post_times`, "post"). 5: comm
+# slowed while computing is against all-reduces queued back to back, not one alone.
+METHOD = 5
 POST_CALLS = 10  # posts timed per point (quick: the median of them), 20 in a full run
 
 
@@ -516,9 +517,19 @@ def _phases(g: _Group, spec: dict, allreduce_s: float, tick: Tick) -> dict:
 
     iters = iterations()
     k = min(2000, math.ceil(3 * iters * g.max(_loop_seconds(mm, 1, dev)) / max(allreduce_s, 1e-7)) + 2)
-    alone = together = overlapped = comm_under = math.inf
+    alone = together = overlapped = comm_under = queued = math.inf
     covered = True
     for r in range(reps):
+        # all-reduces posted back to back, no compute: seconds per all-reduce at the same
+        # queue depth as below (comm_overlap_slowdown divides by this, not by one alone)
+        g.barrier()
+        t0 = time.perf_counter()
+        works = [dist.all_reduce(x, async_op=True) for _ in range(max(4, math.ceil(k / 3)))]
+        for w in works:
+            w.wait()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        queued = min(queued, g.max((time.perf_counter() - t0) / len(works)))
         alone = min(alone, loop(iters, ranks=(0,)))
         together = min(together, g.max(loop(iters)))
         g.barrier()
@@ -536,7 +547,7 @@ def _phases(g: _Group, spec: dict, allreduce_s: float, tick: Tick) -> dict:
            "alone_s": g.max(alone if g.rank == 0 else 0.0), "together_s": together,
            "overlap_s": overlapped, "overlap_allreduce_bytes": spec["overlap_bytes"],
            "overlap_allreduces": k, "overlap_covered": g.max(0.0 if covered else 1.0) == 0.0,
-           "allreduce_alone_s": allreduce_s, "allreduce_computing_s": comm_under}
+           "allreduce_alone_s": allreduce_s, "allreduce_queued_s": queued, "allreduce_computing_s": comm_under}
     if dev.type == "cpu" and spec["cores"] != spec["threads"]:
         torch.set_num_threads(spec["cores"])
         iters = iterations()

@@ -21,7 +21,6 @@ Memory (``alloc`` at an op's start, ``free`` at its end) is set by `activation_m
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import networkx as nx
