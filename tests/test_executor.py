@@ -191,7 +191,8 @@ def test_gradient_buckets_reduce_during_the_last_backward(tmp_path, zero, bucket
     # a collective starts when its last member posts it: without overlap that is after the
     # last backward has ended on both ranks, whatever the load
     backward_end = max(e["ts"] + e["dur"] for e in events if e["name"] == "B.s0.mb1")
-    syncs = sorted((e for e in events if e["pid"] == 0 and e["name"].startswith(("AR.s0.b", "RS.s0.b"))),
+    last = ("AR.s0.b", "RS.s0.b", "RS.s0.mb1.b")  # ZeRO-2 reduces each micro-batch: the last one's
+    syncs = sorted((e for e in events if e["pid"] == 0 and e["name"].startswith(last)),
                    key=lambda e: -int(e["name"].rsplit("b", 1)[1]))
     assert len(syncs) > 2
     # the first buckets (last layers) start before that backward ends, in plan order
