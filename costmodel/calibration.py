@@ -41,7 +41,8 @@ algorithms with size; one alpha-beta line through 4 KiB..64 MiB misses a 4 MiB g
 
 "post" is host time, not transfer time: the seconds the calling thread spends in the call
 that posts an async op (gloo copies the rank's own piece of a gather and writes a send on
-the caller's thread). The simulator charges it on the rank's host (`CostModel.post_time`).
+the caller's thread), measured on CPU with every rank computing between posts, as in a
+step. The simulator charges it on the rank's host (`CostModel.post_time`).
 """
 
 from __future__ import annotations

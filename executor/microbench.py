@@ -57,7 +57,8 @@ COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 # all-gathers as the executor runs them (`all_gather_flat`). 3: gloo reduce-scatters as an
 # all-to-all and a sum (`reduce_scatter_flat`), no longer an all-reduce. 4: the host time of
 # the call that posts each async collective, send and receive (`post_times`, "post"). 5: comm
-# slowed while computing is against all-reduces queued back to back, not one alone.
+# slowed while computing is against all-reduces queued back to back, not one alone; on CPU
+# posts are timed with the ranks computing between them, as the executor posts.
 METHOD = 5
 POST_CALLS = 10  # posts timed per point (quick: the median of them), 20 in a full run
 
@@ -432,21 +433,35 @@ def _ping_pong(nbytes: int, rank: int, device: torch.device):
     return op
 
 
-def post_times(g: "_Group", posts: dict, calls: int) -> dict:
+def post_times(g: "_Group", posts: dict, calls: int, load: Callable[[], None] | None = None) -> dict:
     """Host seconds of the call that posts each async op (key -> callable returning its
-    work, or None where this rank posts nothing): the median of ``calls`` posts, each
-    waited for before the next, every rank's. Returns key -> [seconds per rank]."""
+    work, or None where this rank posts nothing): the median of ``calls`` posts, every
+    rank's. Without ``load`` each post is waited for before the next, on idle ranks. With
+    ``load`` (CPU) they are timed as the executor posts them: every rank runs ``load``
+    (compute) after each post, the earlier posts' transfers still going, all waited for
+    at the end; gloo's threads then share the cores, and a post takes 2-5x its idle time
+    (2 ranks, 2-core VM, 4 MiB all-gather: 0.35 ms idle, 0.9-1.8 ms between 20 ms of
+    matmuls). Returns key -> [seconds per rank]."""
     out = {}
     for key, post in posts.items():
-        times = []
+        times, works = [], []
         for i in range(calls + 2):  # two warm-up posts
-            g.barrier()
+            if load is None or i == 0:
+                g.barrier()
             t = time.perf_counter()
             work = post()
             if i >= 2:
                 times.append(time.perf_counter() - t)
             if work is not None:
-                work.wait()
+                works.append(work)
+            if load is not None:
+                load()
+            else:
+                for w in works:
+                    w.wait()
+                works = []
+        for w in works:
+            w.wait()
         out[key] = g.gather(statistics.median(times))
     return out
 
@@ -560,6 +575,18 @@ def _phases(g: _Group, spec: dict, allreduce_s: float, tick: Tick) -> dict:
     return out
 
 
+def _matmul_load(spec: dict, device: torch.device, seconds: float = 0.01) -> Callable[[], None]:
+    """Square matmuls (the overlap phase's size) for ``seconds``: a rank computing."""
+    m = spec["phase_matmul"]
+    a, b = torch.randn(m, m, device=device), torch.randn(m, m, device=device)
+
+    def load() -> None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < seconds:
+            torch.mm(a, b)
+    return load
+
+
 def _warm_up(g: _Group) -> None:
     """Fresh connections are slow at first (buffer allocation, TCP windows): exercise them."""
     for nbytes in (64 * KIB, MIB, 4 * MIB):
@@ -604,7 +631,7 @@ def _comm_worker(rank: int, world: int, port: int, spec: dict, q) -> None:
                 for size in spec["sizes"]:
                     posts[kind, size] = _collective(kind, size, world, device, async_op=True)[0]
             tick(f"posting n={world}", 0.0)
-            post = post_times(g, posts, spec["post_calls"])
+            post = post_times(g, posts, spec["post_calls"], None if cuda else _matmul_load(spec, device))
             out["post"] = {kind: [] for kind in [*spec["kinds"], "SEND", "RECV"]}
             for (kind, size), per_rank in post.items():
                 if kind == "p2p":

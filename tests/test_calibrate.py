@@ -86,6 +86,9 @@ def test_quick_run_loads_and_predicts_allreduce(quick_calibration):
     post = data["post"]["ALL_GATHER"]["table"]
     assert 0 < post[0][1] <= post[-1][1] < data["collectives"]["ALL_GATHER"]["2"]["table"][-1][1]
     assert data["meta"]["contention"]["factor"]["2"] > 0
+    # comm slowed while computing: against the same all-reduces queued while nobody computes
+    phases = data["meta"]["raw"]["comm"]["2"]["phases"]
+    assert phases["allreduce_queued_s"] > 0 and data["comm_overlap_slowdown"] >= 1.0
     assert data["meta"]["raw"]["segments"] and data["meta"]["residuals"]["segments_summary"]
     cm = get_costmodel(str(quick_calibration), parse_cluster("cpu:2"))
     table = data["collectives"]["ALL_GATHER"]["2"]["table"]  # the measured points, 4 KiB .. 16 MiB
