@@ -17,7 +17,8 @@ Target (issue 14, "Done when"): simulated within 20 % of measured on the DP2 cas
 "posting comm ms": the time per step the executor's one issuing thread spent in the calls
 that post communication (mean over ranks; each event's ``issue_s``), time in which it runs
 no compute op; and what the simulator charges for it (`CostModel.post_time` of the plan's
-comm ops: the calibration's "post", measured by posting each collective alone).
+comm ops: the calibration's "post", each collective posted as in a step, the ranks computing
+between posts).
 """
 
 from __future__ import annotations

@@ -433,21 +433,25 @@ def _ping_pong(nbytes: int, rank: int, device: torch.device):
     return op
 
 
-def post_times(g: "_Group", posts: dict, calls: int, load: Callable[[], None] | None = None) -> dict:
+def post_times(g: "_Group", posts: dict, calls: int, load: Callable[[], None] | None = None,
+               depth: int = 2) -> dict:
     """Host seconds of the call that posts each async op (key -> callable returning its
     work, or None where this rank posts nothing): the median of ``calls`` posts, every
     rank's. Without ``load`` each post is waited for before the next, on idle ranks. With
     ``load`` (CPU) they are timed as the executor posts them: every rank runs ``load``
-    (compute) after each post, the earlier posts' transfers still going, all waited for
-    at the end; gloo's threads then share the cores, and a post takes 2-5x its idle time
-    (2 ranks, 2-core VM, 4 MiB all-gather: 0.35 ms idle, 0.9-1.8 ms between 20 ms of
-    matmuls). Returns key -> [seconds per rank]."""
+    (compute) after each post, the earlier posts' transfers still going (at most ``depth``
+    in flight: a post first waits for the one ``depth`` before it); gloo's threads then
+    share the cores, and a post takes 2-5x its idle time (2 ranks, 2-core VM, 4 MiB
+    all-gather: 0.35 ms idle, 0.9-1.8 ms between 20 ms of matmuls). Returns key ->
+    [seconds per rank]."""
     out = {}
     for key, post in posts.items():
         times, works = [], []
         for i in range(calls + 2):  # two warm-up posts
             if load is None or i == 0:
                 g.barrier()
+            while len(works) >= depth:
+                works.pop(0).wait()
             t = time.perf_counter()
             work = post()
             if i >= 2:
@@ -535,8 +539,8 @@ def _phases(g: _Group, spec: dict, allreduce_s: float, tick: Tick) -> dict:
     alone = together = overlapped = comm_under = queued = math.inf
     covered = True
     for r in range(reps):
-        # all-reduces posted back to back, no compute: seconds per all-reduce at the same
-        # queue depth as below (comm_overlap_slowdown divides by this, not by one alone)
+        # all-reduces posted back to back, no compute: seconds per all-reduce in a queue
+        # (a third of the queue below; comm_overlap_slowdown divides by this, not by one alone)
         g.barrier()
         t0 = time.perf_counter()
         works = [dist.all_reduce(x, async_op=True) for _ in range(max(4, math.ceil(k / 3)))]

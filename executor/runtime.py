@@ -221,7 +221,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ set-up
     def _setup_grad_overlap(self) -> None:
-        """Bucket -> the parameters it covers (equal slices of the flat buffer; ZeRO-3's
+        """Bucket -> the parameters it covers (slices of the flat buffer; ZeRO-3's
         per-unit buckets already reduce right after their unit's backward), and a
         post-accumulate hook on each that tells the runtime a gradient is final."""
         self.bucket_members: dict[tuple[int, str, int], set[int]] = {}
@@ -913,10 +913,13 @@ class Runtime:
         return rows
 
 
-def _cuts(numel: int, syncs: list[Instruction]) -> list[int]:
+def _cuts(numel: int, syncs: list[Instruction]) -> list[int] | None:
     """Elements of each gradient bucket, in proportion to the plan's bucket bytes (the
-    compiler's cuts, `piper_sim.ir._buckets`)."""
+    compiler's cuts, `piper_sim.ir._buckets`); None when they are equal (FlatParams' equal
+    slices, the layout of checkpoints saved before uneven buckets)."""
     size = {i.bucket: i.bytes for i in syncs}
+    if len(set(size.values())) == 1:
+        return None
     ends = itertools.accumulate(size[b] for b in range(len(size)))
     bounds = [0, *(round(numel * e / sum(size.values())) for e in ends)]
     return [hi - lo for lo, hi in zip(bounds, bounds[1:])]

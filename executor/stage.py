@@ -8,7 +8,8 @@ a plan cuts it into.
   ``autograd`` over one piece, and all-to-alls sit between pieces.
 * `FlatParams` is one flat, padded buffer per stage and sync group (dense parameters, and
   local experts under EP): parameters are views into it, gradients views into a twin
-  buffer. Bucket ``b`` is the ``b``-th of ``n`` equal slices, or under ZeRO-3 one unit (or
+  buffer. Bucket ``b`` is the ``b``-th cut of the plan's buckets (bytes in proportion; equal
+  slices for equal buckets), or under ZeRO-3 one unit (or
   a few whole units: the plan's ``zero3_buckets``), each padded on its own; under ZeRO
   each member of the sync group owns slice ``index`` of every bucket (its *shard*) and the
   optimizer only steps the shard. ZeRO-3 keeps one storage per bucket and frees it
@@ -108,7 +109,9 @@ class FlatParams:
     stream: str = "dp"            # plan stream of the sync ops (names the process group)
     # elements of each bucket. ZeRO-3: whole units, parameters in bucket order, each bucket
     # padded on its own; else cuts of the parameters laid end to end (a parameter may
-    # straddle two buckets). None: equal slices
+    # straddle two buckets; each bucket's length rounded up to a multiple of the group, so
+    # a later bucket starts up to g-1 elements per bucket before the plan's cut). None:
+    # equal slices
     bucket_numels: list[int] | None = None
     flat: nn.Parameter = field(init=False)
     grad: torch.Tensor = field(init=False)
@@ -188,8 +191,8 @@ class FlatParams:
 
     # buckets and shards
     def params_in_bucket(self, b: int) -> list[nn.Parameter]:
-        """The parameters with elements in bucket ``b``'s slice of the flat buffer (equal
-        slices: a parameter may straddle two buckets)."""
+        """The parameters with elements in bucket ``b``'s slice of the flat buffer (outside
+        ZeRO-3 a parameter may straddle two buckets)."""
         lo, hi = self.offsets[b], self.offsets[b] + self.lens[b]
         return [p for p, off in zip(self.params, self.param_offsets) if off < hi and off + p.numel() > lo]
 

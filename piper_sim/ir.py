@@ -863,6 +863,10 @@ def _first_bytes(segs: list, buckets: list[float]) -> list[tuple[int, float]]:
     return out
 
 
+# a remainder bucket this small (a few elements of a cut at byte precision) joins its neighbour
+MIN_BUCKET_BYTES = 64
+
+
 def _buckets(param_bytes: float, bucket_mb: float | None, n_units: int) -> list[float]:
     """Gradient buckets of a stage's parameters, in model order. By default equal slices,
     one per layer. With ``bucket_mb``, buckets of that size filled from the model's end,
@@ -873,6 +877,8 @@ def _buckets(param_bytes: float, bucket_mb: float | None, n_units: int) -> list[
         sizes = [param_bytes / n] * n
     else:
         sizes = bucket_sizes(param_bytes, bucket_mb)[::-1] or [param_bytes]
+        if len(sizes) > 1 and sizes[0] < MIN_BUCKET_BYTES:  # a few elements left: into the next one
+            sizes = [sizes[0] + sizes[1], *sizes[2:]]
     if len(sizes) > MAX_BUCKETS_PER_STAGE:
         raise StrategyError(f"replicate: bucket_mb {bucket_mb:g} cuts a stage's {param_bytes / 2**20:.3g} MB into "
                             f"{len(sizes):,} gradient buckets; the limit is {MAX_BUCKETS_PER_STAGE:,} per stage "

@@ -284,3 +284,16 @@ def test_cli_compile_show_models(tmp_path):
     assert "compute" in r.stdout and "SEND.F.s0.mb0" in r.stdout
     r = _cli("models")
     assert "deepseek-v3" in r.stdout and "llama3-405b" in r.stdout
+
+
+def test_bucket_mb_fills_buckets_from_the_models_end():
+    """DDP / Megatron-LM order: full buckets from the last layers, the rest in the first
+    layers' bucket (reduced last, gathered first); a remainder of a few bytes (a cut at
+    byte precision) joins its neighbour instead of costing a collective of its own."""
+    from piper_sim.ir import MIN_BUCKET_BYTES, _buckets
+
+    mib = 2**20
+    assert _buckets(2.5 * mib, 1, n_units=4) == [0.5 * mib, mib, mib]
+    assert _buckets(2 * mib + 8, 1, n_units=4) == [mib + 8, mib]
+    assert _buckets(2 * mib + MIN_BUCKET_BYTES, 1, n_units=4) == [MIN_BUCKET_BYTES, mib, mib]
+    assert _buckets(3.0, None, n_units=3) == [1.0, 1.0, 1.0]

@@ -348,8 +348,9 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
 
 def test_flat_buffer_cut_where_the_plan_cuts_its_buckets():
     """ZeRO-1/2: the buckets are cuts of the parameters laid end to end, in proportion to
-    the plan's bucket bytes (a parameter may straddle two), each padded to a multiple of
-    the group so every member owns an equal piece."""
+    the plan's bucket bytes (a parameter may straddle two), each bucket's length rounded up
+    to a multiple of the group so every member owns an equal piece (equal buckets: None,
+    the equal slices of checkpoints saved before)."""
     import torch
     import torch.nn as nn
 
@@ -360,6 +361,8 @@ def test_flat_buffer_cut_where_the_plan_cuts_its_buckets():
     syncs = [Instruction(id=f"RS.s0.b{b}", kind="REDUCE_SCATTER", stream="dp", bucket=b, bytes=n)
              for b, n in ((1, 28.0), (0, 8.0))]
     assert _cuts(9, syncs) == [2, 7]
+    assert _cuts(9, [Instruction(id=f"AR.s0.b{b}", kind="ALLREDUCE", stream="dp", bucket=b, bytes=8.0)
+                     for b in (1, 0)]) is None
     params = [nn.Parameter(torch.arange(3.0)), nn.Parameter(torch.arange(3.0, 5.0)), nn.Parameter(torch.arange(5.0, 9.0))]
     fp = FlatParams(key="s0", names=["a", "b", "c"], params=params, n_buckets=2, group=(0, 1), sync="shard",
                     index=1, zero=1, bucket_numels=[2, 7])
