@@ -7,6 +7,7 @@ and before the executor starts any process group (`load_valid_plan`).
 - every SEND has its RECV on the peer (and back);
 - every collective exists on all members of its group with the same kind and size;
 - each (stage, micro-batch, pass) runs exactly once;
+- gathers a compute op waits for part-way (``needed_by``) head their stream;
 - no deadlock: with stream order, dependencies and rendezvous (send/recv pairs,
   collective members) the wait-for graph is acyclic; a cycle is reported by op id.
 
@@ -124,6 +125,7 @@ def validate_plan(plan: Plan) -> None:
     for c in plan.classes:
         for stream, lst in c.streams.items():
             prev = None
+            ungated = None  # the stream's first op without needed_by
             for ins in lst:
                 node = (c.pp_rank, ins.id)
                 g.add_node(node)
@@ -135,7 +137,14 @@ def validate_plan(plan: Plan) -> None:
                         raise PlanValidationError(f"rank class {c.pp_rank}: op {ins.id} depends on {dep}, "
                                                   "which this rank does not run")
                     g.add_edge((c.pp_rank, dep), node)
-                if ins.needed_by:  # a parameter gather the compute op waits for part-way through
+                if not ins.needed_by:
+                    ungated = ungated or ins
+                else:  # a parameter gather the compute op waits for part-way through
+                    if ungated is not None:  # posted from inside that op: it must head its stream
+                        raise PlanValidationError(
+                            f"rank class {c.pp_rank}: op {ins.id} (needed_by {ins.needed_by}) sits behind "
+                            f"{ungated.id} on stream {stream!r}; a compute op waiting part-way posts only the "
+                            "gathers heading their stream: put every needed_by op first on its stream")
                     user = ops.get((c.pp_rank, ins.needed_by))
                     if user is None or user.kind not in PASS_KINDS:
                         raise PlanValidationError(f"rank class {c.pp_rank}: op {ins.id} field 'needed_by' names "

@@ -73,6 +73,19 @@ def test_plan_check_names_a_gate_on_no_compute_op():
         validate_plan(bad)
 
 
+def test_plan_check_refuses_a_gate_behind_another_op_on_its_stream():
+    """A compute op waiting part-way for a gather posts only the gathers heading their
+    stream (the executor's one thread is inside that op): one listed behind another op
+    would hang the executor and the simulator alike, so the check refuses it."""
+    bad = copy.deepcopy(compile(zero_strategy(1)))
+    dp = bad.classes[0].streams["dp"]
+    first = next(k for k, i in enumerate(dp) if i.kind == "REDUCE_SCATTER")
+    dp.insert(0, dp.pop(first))
+    with pytest.raises(PlanValidationError, match=r"op AG\.s0\.b0 \(needed_by F\.s0\.mb0\) sits behind RS\.s0\.b\d+ "
+                                                   r"on stream 'dp'"):
+        validate_plan(bad)
+
+
 @pytest.mark.parametrize("comm", [0.0, 0.07, 0.25])
 def test_simulated_forward_waits_for_each_bucket_where_it_is_needed(comm):
     """Exact under unit costs: the forward runs until a bucket's share, waits for its gather,
