@@ -4,7 +4,7 @@
 * DP2 ZeRO-1 (reduce-scatter, all-gather after the optimizer step) vs torch DDP, and vs
   DDP + ``ZeroRedundancyOptimizer`` (torch's own ZeRO-1); ``zero1-overlap``: the gathers
   during the next forward instead (Megatron's ``--overlap-param-gather``), which on a
-  2-core CPU costs 1-2 %: gloo's transfers then take the cores the forward computes on
+  2-core CPU is no faster: gloo's transfers then take the cores the forward computes on
   (all with DDP's bucket size: 25 MiB, torch's default ``bucket_cap_mb``, buckets filled
   from the model's end as DDP fills them; DDP's first bucket is 1 MiB)
 * PP2 GPipe / 1F1B / interleaved 1F1B     vs  torch.distributed.pipelining's class of each
