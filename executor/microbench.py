@@ -445,13 +445,14 @@ def post_times(g: "_Group", posts: dict, calls: int, load: Callable[[], None] | 
     all-gather: 0.35 ms idle, 0.9-1.8 ms between 20 ms of matmuls). Returns key ->
     [seconds per rank]."""
     out = {}
+    in_flight = 1 if load is None else depth
     for key, post in posts.items():
         times, works = [], []
         for i in range(calls + 2):  # two warm-up posts
+            while len(works) >= in_flight:
+                works.pop(0).wait()
             if load is None or i == 0:
                 g.barrier()
-            while len(works) >= depth:
-                works.pop(0).wait()
             t = time.perf_counter()
             work = post()
             if i >= 2:
@@ -460,10 +461,6 @@ def post_times(g: "_Group", posts: dict, calls: int, load: Callable[[], None] | 
                 works.append(work)
             if load is not None:
                 load()
-            else:
-                for w in works:
-                    w.wait()
-                works = []
         for w in works:
             w.wait()
         out[key] = g.gather(statistics.median(times))

@@ -920,8 +920,9 @@ def _cuts(numel: int, syncs: list[Instruction]) -> list[int] | None:
     size = {i.bucket: i.bytes for i in syncs}
     if len(set(size.values())) == 1:
         return None
+    total = sum(size.values())
     ends = itertools.accumulate(size[b] for b in range(len(size)))
-    bounds = [0, *(round(numel * e / sum(size.values())) for e in ends)]
+    bounds = [0, *(round(numel * e / total) for e in ends)]
     return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
 
 

@@ -125,17 +125,16 @@ class FlatParams:
                                                or sum(self.bucket_numels) != numel):
             raise ValueError(f"{self.key}: bucket sizes {self.bucket_numels} do not cover the {numel} "
                              f"parameters in {self.n_buckets} buckets")
+        if self.bucket_numels is None:
+            self.lens = [-(-numel // (self.n_buckets * g)) * g] * self.n_buckets
+        else:
+            self.lens = [-(-n // g) * g for n in self.bucket_numels]
         if self.zero < 3 or self.bucket_numels is None:  # slices of the parameters laid end to end
-            if self.bucket_numels is None:
-                self.lens = [-(-numel // (self.n_buckets * g)) * g] * self.n_buckets
-            else:
-                self.lens = [-(-n // g) * g for n in self.bucket_numels]
             starts = [0] * len(self.params)
             off = 0
             for i, p in enumerate(self.params):
                 starts[i], off = off, off + p.numel()
         else:  # one bucket per unit group: each starts on its own boundary, padded at its end
-            self.lens = [-(-n // g) * g for n in self.bucket_numels]
             starts, b, used = [], 0, 0
             for p in self.params:
                 while used == self.bucket_numels[b] and b + 1 < self.n_buckets:
