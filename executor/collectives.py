@@ -29,29 +29,29 @@ reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-# p2p tag of the pieces `reduce_scatter_flat` sends on gloo; plan p2p ops use tags from 1 (`Comms.tags`)
-PIECE_TAG = 0
-
-
 def reduce_scatter_flat(inp: torch.Tensor, index: int, size: int, group=None, async_op: bool = False):
     """Reduce-scatter of a flat tensor whose ``size`` equal pieces go to the group's members:
     (work, this rank's reduced piece, valid once the work is done; work is None unless
-    ``async_op``). ``inp`` is consumed. On gloo, every member sends each other member its
-    copy of that member's piece and receives the group's copies of its own, summed in member
-    order into its piece of ``inp`` (`PieceSum`): each rank sends (n-1)/n of the input, half
-    of an all-reduce's bytes. gloo's own reduce-scatter takes 1.3-2x an all-reduce, and an
-    all-to-all as many bytes (2 ranks, 25 MiB: all-reduce 27.4-35.8 ms, all-to-all and sum
-    29.0-38.6 ms, sends and sum 14.6-15.1 ms; 11 MiB: 10.5-14.4, 12.3-17.3, 6.5-8.2 ms;
-    medians of 21, 4 runs on the 2-core VM). Posting the sends costs the caller 0.2-2.5 ms
-    there (gloo writes what the socket takes on the caller's thread), the all-to-all 0.3-1.9."""
+    ``async_op``). ``inp`` is consumed. On gloo, an all-to-all hands every member the
+    group's copies of its piece, summed in member order into its piece of ``inp``
+    (`SumOfPieces`): each rank sends (n-1)/n of the input, half of an all-reduce's bytes;
+    gloo's own reduce-scatter takes 1.3-2x an all-reduce (2 ranks, 3.8 MB: 10.6-17.0 ms vs
+    7.9-9.2 ms), and issuing the all-to-all costs the issuing thread no more than an
+    all-reduce (ZeRO-3 gpt-small, 2 ranks, 2-core VM: 0.27 ms median per issue; point-to-
+    point sends of the pieces cost 1.1-1.8 ms there, gloo writing them on the caller's
+    thread). Sends of the pieces finish in ~0.5x the all-to-all's time when timed alone
+    (11-25 MiB), but in a step they were no gain: posted from the computing thread or from
+    a thread of their own, ZeRO-3 gpt-small steps took 1.03-1.05x as long, ZeRO-1 0.98-1.00x
+    (paired steps in one job, 2026-12-01)."""
     piece = inp.view(size, -1)[index] if inp.numel() else inp
     if dist.get_backend(group) == "gloo":
-        if index != dist.get_rank(group):  # the pieces sent here are this rank's place in the group
+        if index != dist.get_rank(group):  # the all-to-all hands this rank the group's copies of that piece
             raise ValueError(f"reduce_scatter_flat: member index {index} of {size}, but the group's rank "
                              f"here is {dist.get_rank(group)} (torch orders a group's ranks ascending)")
         if not inp.numel() or size == 1:
             return (Done() if async_op else None), piece
-        work = PieceSum.post(inp, index, size, group)
+        copies = torch.empty_like(inp)
+        work = SumOfPieces(dist.all_to_all_single(copies, inp, group=group, async_op=True), copies, piece, size)
         if not async_op:
             work.wait()
             return None, piece
@@ -60,64 +60,31 @@ def reduce_scatter_flat(inp: torch.Tensor, index: int, size: int, group=None, as
     return reduce_scatter(out, inp, group=group, async_op=async_op), out
 
 
-class PieceSum:
-    """gloo reduce-scatter in flight: this rank's sends of the other members' pieces and its
-    receives of their copies of its own (in ``copies``, member order); once all are done,
-    the sum goes into ``piece`` (once: by ``wait()``, or by the waiter thread of
-    ``get_future()``, whichever runs first). Sends and receives on one group match in issue
-    order, so several may be in flight."""
+class SumOfPieces:
+    """gloo reduce-scatter in flight: an all-to-all filling ``copies`` with every member's
+    copy of this rank's piece, in member order; once it is done, their sum goes into
+    ``piece`` (once: by ``wait()`` or by the future's callback, whichever runs first)."""
 
-    def __init__(self, works: list, copies: torch.Tensor, piece: torch.Tensor, index: int, size: int) -> None:
-        self.works, self.copies, self.piece, self.index, self.size = works, copies, piece, index, size
+    def __init__(self, work, copies: torch.Tensor, piece: torch.Tensor, size: int) -> None:
+        self.work, self.copies, self.piece, self.size = work, copies, piece, size
         self.lock = threading.Lock()
-        self.error: BaseException | None = None
 
-    @classmethod
-    def post(cls, inp: torch.Tensor, index: int, size: int, group) -> "PieceSum":
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        pieces, copies = inp.view(size, -1), torch.empty_like(inp).view(size, -1)
-        works = []
-        for i, r in enumerate(ranks):
-            if i != index:
-                works.append(dist.isend(pieces[i], r, group=group, tag=PIECE_TAG))
-                works.append(dist.irecv(copies[i], r, group=group, tag=PIECE_TAG))
-        return cls(works, copies, pieces[index], index, size)
+    def _sum(self) -> None:
+        with self.lock:
+            if self.copies is not None:
+                torch.sum(self.copies.view(self.size, -1), 0, out=self.piece)
+                self.copies = None
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Waits for the sends and receives once (gloo's receive cannot be waited twice),
-        then sums; later calls return at once, or raise the first call's error."""
-        with self.lock:
-            if self.error is not None:
-                raise self.error
-            if self.copies is None:
-                return True
-            try:
-                for w in self.works:
-                    w.wait() if timeout is None else w.wait(timeout)
-            except BaseException as e:
-                self.error = e
-                raise
-            if self.size == 2:  # a + b: the same in either order
-                self.piece.add_(self.copies[1 - self.index])
-            else:
-                self.copies[self.index].copy_(self.piece)
-                torch.sum(self.copies, 0, out=self.piece)
-            self.copies = self.works = None
-            return True
+        self.work.wait() if timeout is None else self.work.wait(timeout)
+        self._sum()
+        return True
 
     def get_future(self) -> torch.futures.Future:
-        """gloo's sends and receives give no future: a thread waits and completes this one."""
-        fut: torch.futures.Future = torch.futures.Future()
-
-        def wait() -> None:
-            try:
-                self.wait()
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                fut.set_exception(e)
-            else:
-                fut.set_result(None)
-        threading.Thread(target=wait, daemon=True).start()
-        return fut
+        def summed(fut: torch.futures.Future) -> None:
+            fut.value()  # raises the collective's error
+            self._sum()
+        return self.work.get_future().then(summed)
 
 
 class Done:

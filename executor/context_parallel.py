@@ -89,7 +89,7 @@ class CPComm(TPComm):
 
     def scatter_kv(self, dk: torch.Tensor, dv: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum over the group of full-sequence dK, dV (group order), this rank's part (one reduce-scatter,
-        on gloo sends of the pieces and a sum: `executor.collectives.reduce_scatter_flat`)."""
+        on gloo an all-to-all and a sum: `executor.collectives.reduce_scatter_flat`)."""
         full = torch.stack([dk, dv]).movedim(3, 0).contiguous()
         got = {}
 

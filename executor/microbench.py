@@ -58,9 +58,8 @@ COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 # all-to-all and a sum (`reduce_scatter_flat`), no longer an all-reduce. 4: the host time of
 # the call that posts each async collective, send and receive (`post_times`, "post"). 5: comm
 # slowed while computing is against all-reduces queued back to back, not one alone; on CPU
-# posts are timed with the ranks computing between them, as the executor posts. 6: gloo
-# reduce-scatters as sends of the pieces and a sum, no longer an all-to-all.
-METHOD = 6
+# posts are timed with the ranks computing between them, as the executor posts.
+METHOD = 5
 POST_CALLS = 10  # posts timed per point (quick: the median of them), 20 in a full run
 
 
@@ -406,7 +405,7 @@ def _collective(kind: str, nbytes: int, world: int, device: torch.device, async_
     if kind == "ALLREDUCE":
         x = zeros(n)
         return (lambda: dist.all_reduce(x, async_op=async_op)), 4 * n
-    if kind == "REDUCE_SCATTER":  # as the executor runs it (sends of the pieces and a sum on gloo)
+    if kind == "REDUCE_SCATTER":  # as the executor runs it (an all-to-all and a sum on gloo)
         inp = zeros(n)
         if async_op:
             return (lambda: reduce_scatter_flat(inp, dist.get_rank(), world, async_op=True)[0]), 4 * n

@@ -1,5 +1,5 @@
 """The executor's flat collectives on gloo (`all_gather_flat` as broadcasts,
-`reduce_scatter_flat` as sends of the pieces and a sum) give what torch's own collectives give,
+`reduce_scatter_flat` as an all-to-all and a sum) give what torch's own collectives give,
 on the whole world and on a subgroup whose members are not ranks 0..n-1."""
 
 from __future__ import annotations
