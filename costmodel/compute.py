@@ -80,8 +80,10 @@ def efficiency(gpu: GPU, flops: float, gemm: tuple[int, int, int] | None = None,
     size = gemm_flops(*gemm) if gemm is not None else flops
     if size <= 0:
         return gpu.mamf_eff
-    eff = (table or default_table(gpu))(size)
-    return min(eff, gpu.mamf_eff)
+    if table is not None:  # a calibration's measured table: as measured
+        return min(table(size), gpu.mamf_eff)
+    # the sourced (burst) table at the clock a training run sustains (costmodel.hardware)
+    return min(default_table(gpu)(size), gpu.mamf_eff) * gpu.sustained_ratio
 
 
 def compute_time(gpu: GPU, flops: float, mem_bytes: float = 0.0, gemm: tuple[int, int, int] | None = None,
@@ -97,6 +99,21 @@ def compute_time(gpu: GPU, flops: float, mem_bytes: float = 0.0, gemm: tuple[int
 # (3·8), write bf16 param (2) = 28 bytes; ≈12 fp32 FLOPs (assumed). Memory-bound.
 ADAM_BYTES_PER_PARAM = 28.0
 ADAM_FLOPS_PER_PARAM = 12.0
+
+
+# torch's AdamW(foreach=True) moves 84 bytes per fp32 parameter: its step is 8 multi-tensor kernels
+# (lerp_ m, mul_ v, addcmul_ v, mul_ p (weight decay), sqrt v -> tmp, div_ tmp, add_ tmp eps,
+# addcdiv_ p), measured by recording the aten ops of torch 2.13's AdamW step
+# (tests/test_stack.py re-measures it); the fused kernel reads p, g, m, v and writes p, m, v once:
+# 28 bytes. The foreach step moves 3x the bytes of the fused one.
+FOREACH_ADAM_BYTES = 84.0
+FUSED_ADAM_BYTES = 28.0
+OPTIMIZER_BYTES_RATIO = {"fused": 1.0, "foreach": FOREACH_ADAM_BYTES / FUSED_ADAM_BYTES}
+
+
+def optimizer_bytes_ratio(implementation: str) -> float:
+    """Bytes an AdamW implementation moves over the fused kernel's (``costmodel.stack`` optimizer)."""
+    return OPTIMIZER_BYTES_RATIO[implementation]
 
 
 def optimizer_time(gpu: GPU, params: float) -> float:

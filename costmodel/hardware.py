@@ -60,6 +60,22 @@ DEEPEP_NVLINK_SHARE = DEEPEP_H800_NVLINK_BW / 160e9
 DEEPEP_NIC_SHARE = DEEPEP_H800_NIC_BW / 50e9
 
 
+# Sustained / burst tensor-core throughput (shared/reference/stacks-and-clocks.md §1).
+# Hopper: stas00/ml-engineering compute/accelerator/README.md (branch fast-mamf @082816f, lines
+# ~347-387) H200 SXM BF16 MSMF 708.5 vs MAMF 841.9 TFLOP/s (0.842; clock ~1465 vs ~1980 MHz), and the
+# same repo's later benchmarks README, five runs: MSMF 743-746 vs MAMF 843-850 (0.879); the mean of the
+# two measurements. H100 and H800 share H200's tensor cores and clocks (inferred).
+SUSTAINED_HOPPER = 0.86
+# Blackwell: same sources, B200 MSMF 1456.3 vs MAMF 1770.9 (0.822) and 1421-1428 vs 1682-1705 (0.842).
+SUSTAINED_BLACKWELL = 0.83
+# Ampere: NVIDIA's HPL Rpeak uses the clock sustained at the power limit, A100 1305 MHz vs 1410 MHz
+# boost (glennklockwood.com "peak FLOPS" notes): 0.926; throughput scales with the clock (inferred).
+SUSTAINED_AMPERE = 1305 / 1410
+# The spread of the sourced ratios around the values used (0.842-0.879 Hopper, 0.822-0.842
+# Blackwell): part of the uncertainty a prediction carries (piper_sim.bands).
+SUSTAINED_SPREAD = 0.02
+
+
 @dataclass(frozen=True)
 class GPU:
     """One accelerator. `peak_flops` maps dtype ("bf16", "fp8", "fp32") to dense FLOP/s."""
@@ -86,6 +102,10 @@ class GPU:
     # GEMM efficiency by shape: XLA's measured sm_90 table scaled by MAMF (costmodel.operators);
     # False: a flat ``mamf_eff`` (CPU BLAS has no 128-wide tiles to leave empty)
     gemm_by_shape: bool = True
+    # Tensor-core throughput a training run sustains over the burst that MAMF, XLA's table and
+    # the FlashAttention charts measure (clock settled at the power limit vs boost); see the
+    # SUSTAINED_* constants. 1.0: no sourced figure (the burst is used).
+    sustained_ratio: float = 1.0
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -108,6 +128,7 @@ A100 = GPU(
     nvlink_bw=235e9,  # measured nccl-tests all-reduce busbw, ≈80% of 300 GB/s [MLE-N]
     nic_bw=25e9,  # 200 Gb/s HDR IB per GPU [MEG21]
     mamf_eff=0.869,  # 271.2 / 312 [MLE-A]
+    sustained_ratio=SUSTAINED_AMPERE,
 )
 
 H100 = GPU(
@@ -120,6 +141,7 @@ H100 = GPU(
     nvlink_bw=367.6e9,
     nic_bw=NIC_400G_ACHIEVED_BW,  # 400 Gb/s CX7 per GPU [L3 §3.3.1][TT-B], NCCL-achieved (above)
     mamf_eff=0.803,  # 794.5 / 989 [MLE-A]
+    sustained_ratio=SUSTAINED_HOPPER,
 )
 
 H200 = dataclasses.replace(
@@ -152,6 +174,7 @@ B200 = GPU(
     nvlink_bw=720e9,
     nic_bw=50e9,  # 400 Gb/s CX7 [DEP README]
     mamf_eff=0.776,  # 1745 / 2250 [MLE-A]
+    sustained_ratio=SUSTAINED_BLACKWELL,
     # DeepEP V2, SM100, 8K tokens, hidden 7168, top-8, FP8 dispatch [DEP README]: the EP8 row
     # 726 GB/s (NVLink, 64 SMs) and the EP8x2 row 90 GB/s (RDMA, "logical": half of it is the
     # own node's) through link_bw_from_row with DEEPEP_ALPHA_S and 256 experts (inferred)
@@ -167,6 +190,7 @@ MI300X = GPU(
     nvlink_bw=312.9e9,  # xGMI, measured 8×MI300X all-reduce busbw at 4 GB [MLE-N]
     nic_bw=50e9,  # 400 Gb/s (inferred)
     mamf_eff=0.514,  # 668.4 / 1300, ROCm 6.3 [MLE-A]
+    # sustained_ratio: no sourced MI300X sustained-vs-burst figure; the burst is used
 )
 
 # Local CPU ranks (gloo). Rough per-core peak: 2 FMA ports × 8 fp32 lanes × 2 FLOP × 2.5 GHz

@@ -3,13 +3,19 @@
 A segment's profile is a table of kernel rows ``(cls, name, shape, dtype, count, flops,
 bytes)`` (see ``piper_sim.kernels``); :func:`table_time` prices one table on one GPU:
 
-``gemm``      ``flops / (peak · eff(m, n, k))``, eff from XLA's measured sm_90 matmul
-              table [XLA] (``costmodel/data/xla_matmul.csv``), interpolated in log2(m, n, k),
-              capped at the GPU's MAMF [MLE-A]; other GPUs scale it by their MAMF.
+``gemm``      ``max(flops / (peak · eff(m, n, k)), bytes / HBM)``, eff from XLA's measured
+              sm_90 matmul table [XLA] (``costmodel/data/xla_matmul.csv``), interpolated in
+              log2(m, n, k) and clamped at its 256..4096 edges (a skinny GEMM below the table
+              is bounded by the roofline's bytes term, not by a guessed derate), capped at the
+              GPU's MAMF [MLE-A]; other GPUs scale it by their MAMF.
 ``attn_*``    flash-attention throughput by (sequence, head dim, causal) from the
               FlashAttention-2 benchmark on H100 / A100 [FA-repo] (the kernel PyTorch's SDPA
               flash backend runs); the backward's throughput is derived from the fwd+bwd and
-              fwd figures (FA convention: bwd = 2.5 × fwd FLOPs, causal counts half).
+              fwd figures (FA convention: bwd = 2.5 × fwd FLOPs, causal counts half). The row's
+              name is the kernel the stack runs (``costmodel.stack``): ``flash`` (FA2),
+              ``flash3``, ``cudnn``, ``triton``, each FA2 times its measured ratio to FA2.
+sustained     tensor-core work (GEMM, attention) runs at ``GPU.sustained_ratio`` of the burst
+              those benchmarks measure (``costmodel.hardware`` SUSTAINED_*).
 ``mem``       ``bytes / (hbm_bw · mem_bw_eff)``: well-written memory-bound kernels reach
               ≈90% of HBM peak on H100 (Quack RMSNorm/softmax/CE, 3.01 of 3.35 TB/s [Quack]).
 every kernel  ``+ launch_s`` per launch (``count``).
@@ -37,8 +43,9 @@ DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 
 # --- GEMM --------------------------------------------------------------------------------
 
-# Below the table's smallest dimension (256) a tile is partly empty: efficiency falls in
-# proportion to the dimension (assumed; a 128-wide tile at m=64 does half useful work).
+# The table's smallest dimension. Below it the efficiency is the edge's (clamped): a skinny
+# GEMM's time is then bounded by its bytes (``table_time`` takes the roofline's max), which is
+# what measured skinny shapes show; the former d/256 derate priced a k = 96 bmm at 9% of peak.
 GEMM_TABLE_MIN_DIM = 256
 
 
@@ -88,10 +95,10 @@ def _bracket(dims: list[int], x: float) -> tuple[int, int, float]:
 
 
 def gemm_efficiency(gpu: GPU, m: int, n: int, k: int, batch: int = 1) -> float:
-    """Achieved fraction of the GPU's bf16 peak for one (batched) GEMM."""
+    """Achieved fraction of the GPU's bf16 peak for one (batched) GEMM, at sustained clocks."""
     if not gpu.gemm_by_shape:
         return gpu.mamf_eff
-    return _shape_efficiency(m * batch, n, k, gpu.mamf_eff)
+    return _shape_efficiency(m * batch, n, k, gpu.mamf_eff) * gpu.sustained_ratio
 
 
 @functools.lru_cache(maxsize=65536)
@@ -105,9 +112,6 @@ def _shape_efficiency(rows: int, n: int, k: int, mamf_eff: float) -> float:
         for nn, b in ((n0, 1 - wn), (n1, wn)):
             for kk, c in ((k0, 1 - wk), (k1, wk)):
                 eff += a * b * c * grid[(mm, nn, kk)]
-    for d in (rows, n, k):  # partly empty tiles below the table
-        if d < GEMM_TABLE_MIN_DIM:
-            eff *= d / GEMM_TABLE_MIN_DIM
     return min(eff * mamf_eff / H100.mamf_eff, mamf_eff)
 
 
@@ -160,14 +164,62 @@ def _interp_seq(values: tuple, seq: float) -> float:
     return values[i - 1] + w * (values[i] - values[i - 1])
 
 
-def attention_tflops(gpu: GPU, seq: float, head_dim: int, causal: bool, backward: bool) -> float:
-    """Achieved TFLOP/s (FA convention) of the flash-attention forward or backward."""
-    return _attention_tflops(gpu.peak("bf16"), seq, head_dim, causal, backward)
+# Other attention kernels, as their measured throughput over FA2's at the same point (by
+# sequence, ATTN_SEQS), for (forward, backward) x causal. Forward ratios: H100, head dim 128,
+# flash3_fp16_fwd.png [FA-repo] bars of FA3 / cuDNN over the FA2 bars (FA2_H100_FWD).
+_FA2_FWD_NC, _FA2_FWD_C = FA2_H100_FWD[(128, False)], FA2_H100_FWD[(128, True)]
+FA3_FWD = {False: (467, 565, 625, 638, 646, 648), True: (292, 423, 521, 579, 602, 616)}
+CUDNN_FWD = {False: (497, 574, 617, 609, 600, 595), True: (315, 410, 484, 518, 529, 539)}
+# Backward, H100 hd128, arXiv 2407.08608 (FA3 paper) Fig. 6 as transcribed by a third party
+# (subtext.edge.nugit.net; lower confidence, not checked against the PDF): FA2 / cuDNN / FA3 at
+# seq 512..16k. Each kernel's ratio to the figure's own FA2 bars; applied to causal too (inferred).
+FIG6_BWD_FA2 = (214, 260, 291, 310, 318, 322)
+CUDNN_BWD = (305, 408, 465, 499, 518, 516)
+FA3_BWD = (316, 424, 501, 542, 559, 561)
+# Triton flash attention (flash_attn_triton, llm-foundry's attn_impl='triton') over FA2, A100,
+# fwd+bwd, causal, hd128, flash2_a100_fwd_bwd_benchmark.png [FA-repo]: Triton 50/61/68/74/78/80
+# vs FA2 99/133/155/173/182/189 TFLOP/s. Only fwd+bwd is measured: the same ratio for each pass
+# and for non-causal, and on other GPUs (inferred).
+TRITON_FA = (50, 61, 68, 74, 78, 80)
+_FA2_A100_C = FA2_A100_FWD_BWD[(128, True)]
+ATTENTION_KERNEL_NAMES = ("flash", "flash3", "cudnn", "triton")
+
+
+def _ratio(num: tuple, den: tuple) -> tuple:
+    return tuple(a / b for a, b in zip(num, den))
+
+
+def attention_kernel_ratio(kernel: str, seq: float, causal: bool, backward: bool) -> float:
+    """Throughput of ``kernel`` over FA2's at this point (1 for ``flash``, FA2 itself)."""
+    if kernel == "flash":
+        return 1.0
+    if kernel == "triton":
+        return _interp_seq(_ratio(TRITON_FA, _FA2_A100_C), seq)
+    fa2_fwd = _FA2_FWD_C if causal else _FA2_FWD_NC
+    if kernel in ("cudnn", "flash3"):
+        if backward:
+            return _interp_seq(_ratio(CUDNN_BWD if kernel == "cudnn" else FA3_BWD, FIG6_BWD_FA2), seq)
+        return _interp_seq(_ratio((CUDNN_FWD if kernel == "cudnn" else FA3_FWD)[causal], fa2_fwd), seq)
+    raise ValueError(f"unknown attention kernel {kernel!r}; known: {', '.join(ATTENTION_KERNEL_NAMES)}")
+
+
+def attention_tflops(gpu: GPU, seq: float, head_dim: int, causal: bool, backward: bool,
+                     kernel: str = "flash") -> float:
+    """Achieved TFLOP/s (FA convention) of one attention kernel's forward or backward, at
+    sustained clocks; ``kernel`` a profile row's name (``flash`` = FA2)."""
+    return _attention_tflops(gpu.peak("bf16"), seq, head_dim, causal, backward, kernel) * gpu.sustained_ratio
 
 
 @functools.lru_cache(maxsize=4096)
-def _attention_tflops(peak_bf16: float, seq: float, head_dim: int, causal: bool, backward: bool) -> float:
-    """`attention_tflops` on a GPU of this bf16 peak (memoised: few shapes, priced often)."""
+def _attention_tflops(peak_bf16: float, seq: float, head_dim: int, causal: bool, backward: bool,
+                      kernel: str = "flash") -> float:
+    """`attention_tflops` at burst clocks on a GPU of this bf16 peak (memoised)."""
+    return _fa2_tflops(peak_bf16, seq, head_dim, causal, backward) * attention_kernel_ratio(kernel, seq, causal, backward)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fa2_tflops(peak_bf16: float, seq: float, head_dim: int, causal: bool, backward: bool) -> float:
+    """FA2's FLOP/s on a GPU of this bf16 peak, at the benchmark's (burst) clocks."""
     hd = 64 if head_dim <= 64 else 128  # other head dims use the nearest measured one (assumed)
     is_a100 = peak_bf16 < 500e12
     both = _interp_seq((FA2_A100_FWD_BWD if is_a100 else FA2_H100_FWD_BWD)[(hd, causal)], seq)
@@ -184,12 +236,12 @@ def _attention_tflops(peak_bf16: float, seq: float, head_dim: int, causal: bool,
     return tf * 1e12 * peak_bf16 / measured_on_peak  # other GPUs: scaled by their peak (assumed)
 
 
-def attention_time(gpu: GPU, shape: tuple, backward: bool) -> float:
-    """Seconds for one flash-attention call of ``shape = (b, heads, sq, skv, d, causal)``."""
+def attention_time(gpu: GPU, shape: tuple, backward: bool, kernel: str = "flash") -> float:
+    """Seconds for one attention call of ``shape = (b, heads, sq, skv, d, causal)``."""
     b, h, sq, skv, d, causal = shape
     fwd_flops = 4.0 * b * h * sq * skv * d / (2 if causal else 1)
     flops = fwd_flops * (FA_BWD_FLOPS_RATIO if backward else 1.0)
-    return flops / attention_tflops(gpu, skv, d, bool(causal), backward)
+    return flops / attention_tflops(gpu, skv, d, bool(causal), backward, kernel)
 
 
 # --- memory-bound ------------------------------------------------------------------------
@@ -238,7 +290,7 @@ def table_time(gpu: GPU, rows: Iterable, gemm_dtype: str | None = None, gemm_tab
     memory-bound kernels.
     """
     total = 0.0
-    for cls, _name, shape, dtype, count, flops, nbytes in rows:
+    for cls, name, shape, dtype, count, flops, nbytes in rows:
         total += count * gpu.launch_s
         if cls == "gemm":
             m, n, k, b = shape
@@ -253,7 +305,7 @@ def table_time(gpu: GPU, rows: Iterable, gemm_dtype: str | None = None, gemm_tab
                 per_call = flops / count
                 total += count * per_call / (gpu.peak(_peak_dtype(gpu, dtype)) * gemm_table(per_call))
             else:
-                total += count * attention_time(gpu, tuple(shape), cls == "attn_bwd")
+                total += count * attention_time(gpu, tuple(shape), cls == "attn_bwd", name)
         elif mem_bw is not None:
             total += nbytes / mem_bw(nbytes / count)
         else:

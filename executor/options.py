@@ -67,6 +67,9 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     split = any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions())
     if "user_model" in plan.meta:
         why = "a user nn.Module model"
+    elif (plan.meta.get("stack") or {}).get("tp_overlap"):
+        # the executor's TP collectives are synchronous: it would not run what the plan says
+        why = "the stack's tp_overlap (collectives overlapped with the GEMMs; compile with tp_overlap false)"
     elif split and plan.meta["tensor_parallel"].get("sequence_parallel"):
         # the column-parallel backward computes input and weight gradients in one node (BW would re-run it)
         why = f"sequence parallelism and a split backward (BI/BW, schedule {plan.meta.get('schedule')})"

@@ -11,6 +11,7 @@ import networkx as nx
 
 from costmodel import operators
 from costmodel.dtypes import DTYPE_BYTES, torch_dtype
+from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, check_stack_on
 from costmodel.hardware import GPU, H100, parse_cluster
 from costmodel.memory import adam_state_bytes, model_state_bytes
 from piper_sim.annotate import AnnotationError, UserModel, check_user_setup, resolve_user_model
@@ -283,17 +284,17 @@ def _check_tp_selection(cfg: ModelConfig | UserModel, setup: Setup) -> None:
                             "supported with context_parallel; drop them or the context parallelism")
 
 
-def _tp_segments(cfg: ModelConfig, setup: Setup, mbs: int, seq: int,
-                 dtype: str) -> tuple[list[SegmentCost], dict[str, SegmentMemory]]:
+def _tp_segments(cfg: ModelConfig, setup: Setup, mbs: int, seq: int, dtype: str,
+                 stack: Stack) -> tuple[list[SegmentCost], dict[str, SegmentMemory]]:
     """The segments one tensor-parallel rank runs and their memory: each sharded segment
     profiled on the rank's shard of the config (`tp_shard`), each unselected one on the whole
     config (replicated over the TP group: whole parameters, whole GEMMs)."""
     shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
-    segments = profile_model(shard, mbs, seq, dtype)
+    segments = profile_model(shard, mbs, seq, dtype, stack)
     memory = model_memory(shard, segments, mbs, seq, dtype)
     if not setup.tp_partial:
         return segments, memory
-    whole = profile_model(cfg, mbs, seq, dtype)
+    whole = profile_model(cfg, mbs, seq, dtype, stack)
     whole_memory = model_memory(cfg, whole, mbs, seq, dtype)
     keep = [setup.tp_sharded(x.unit) for x in segments]
     return ([x if k else y for x, y, k in zip(segments, whole, keep)],
@@ -318,16 +319,20 @@ def build_dag(strategy: Strategy, folded: bool = True,
     else:
         shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
         # one context-parallel rank's share: seq / cp tokens, attention against the whole sequence
-        tp_segs, tp_memory = _tp_segments(cfg, setup, mbs, seq, dtype)
+        tp_segs, tp_memory = _tp_segments(cfg, setup, mbs, seq, dtype, strategy.stack)
         segments = cp_segments(tp_segs, cp)
         memory = cp_memory(tp_memory, cp)
         if cp > 1:
             kv_bytes = gathered_kv_bytes(shard, mbs, strategy.seq_len, DTYPE_BYTES[strategy.dtype])
     gpu = parse_cluster(strategy.cluster).gpu
+    try:
+        check_stack_on(strategy.stack, gpu)
+    except StackError as e:
+        raise StrategyError(str(e)) from None
     ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage, gpu),
                   layout=layout, dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded,
                   memory=memory,
-                  micro_batch=mbs, seq_len=seq, hidden=cfg.hidden, kv_bytes=kv_bytes)
+                  micro_batch=mbs, seq_len=seq, hidden=cfg.hidden, kv_bytes=kv_bytes, stack=strategy.stack)
     dag = TrainingDAG()
     kinds = split_pass(ctx)
     place_pass(ctx, dag, kinds)
@@ -421,9 +426,10 @@ def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node
                         key[n] = end + (max(preds) if preds else 0.0) / (end + 1)
                     else:
                         # gradient buckets go out as the backward reaches them (last first)
-                        early = (1.0 - dag.ins(n).dep_progress) * 0.5
                         # a layer's TP collectives (tens per compute piece) stay between it and the next
-                        step = 0.001 if is_tp(dag.ins(n)) or is_cp(dag.ins(n)) else 0.1
+                        inside = is_tp(dag.ins(n)) or is_cp(dag.ins(n))
+                        early = 0.0 if inside else (1.0 - dag.ins(n).dep_progress) * 0.5
+                        step = 0.001 if inside else 0.1
                         key[n] = max(forced.get(n, 0.0), max(preds, default=-1.0) + step - early)
                 return key[n]
 
@@ -531,6 +537,8 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: obje
         "model_flops_per_step": _model_flops(ctx, strategy, cfg),
         "tokens_per_step": strategy.global_batch * strategy.seq_len,
     }
+    if strategy.stack != DEFAULT_STACK:  # absent: FA2 and fused kernels (costmodel.stack.DEFAULT)
+        meta["stack"] = strategy.stack.to_json()
     if isinstance(cfg, UserModel):  # what every rank rebuilds it from, and its stages' boundary tensors
         from piper_sim.user_profiling import boundaries
 
@@ -583,7 +591,7 @@ def _model_flops(ctx: Context, strategy: Strategy, cfg: ModelConfig) -> float:
     """Useful training flops of one step (forward + backward, no recompute), all replicas
     (under tensor or context parallelism those of the whole model and sequence, not of a rank's shard)."""
     if ctx.layout.tp > 1 or ctx.layout.cp > 1:
-        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, strategy.dtype)
+        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, strategy.dtype, strategy.stack)
     else:
         segments = [x for sc in ctx.stages for x in sc.segments]
     per_mb = sum(x.fwd_flops + x.bwd_input_flops + x.bwd_weight_flops for x in segments)

@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from costmodel.dtypes import DTYPE_BYTES
+from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, check_stack_on, parse_stack, stack_to_strategy
+from piper_sim.bands import Band
 from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
@@ -65,7 +67,8 @@ class Candidate:
     def v(self) -> int:
         return SCHEDULE_TABLE[self.schedule].stages_per_rank if self.pp > 1 else 1
 
-    def strategy(self, model: str, cluster: str, global_batch: int, seq_len: int) -> dict[str, Any]:
+    def strategy(self, model: str, cluster: str, global_batch: int, seq_len: int,
+                 stack: Stack = DEFAULT_STACK) -> dict[str, Any]:
         pipe: dict[str, Any] = {"op": "pipeline", "degree": self.pp, "stages_per_rank": self.v}
         if self.pp > 1:
             pipe["layers_per_stage"] = "balanced"
@@ -81,8 +84,11 @@ class Candidate:
             d.append({"op": "context_parallel", "degree": self.cp})
         if self.recompute:
             d.append({"op": "recompute"})
-        return {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
-                "microbatches": self.microbatches, "directives": d}
+        out = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
+               "microbatches": self.microbatches, "directives": d}
+        if stack != DEFAULT_STACK:
+            out["stack"] = stack_to_strategy(stack)
+        return out
 
     def short(self) -> str:
         s = f"pp{self.pp} {self.schedule} m{self.microbatches} dp{self.dp} z{self.zero}"
@@ -106,11 +112,13 @@ class Row:
     peak_memory_bytes: float = 0.0
     lower_bound_s: float = 0.0
     reason: str = ""
+    band: Band | None = None  # the 80% band of step_time_s (piper_sim.bands)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["candidate"] = asdict(self.candidate)
         d["strategy"] = self.candidate.short()
+        d["band"] = None if self.band is None else self.band.to_json()
         return d
 
 
@@ -132,7 +140,8 @@ class ExploreResult:
 
     def best_strategy(self) -> dict[str, Any]:
         s = self.settings
-        return self.best.candidate.strategy(s["model"], s["cluster"], s["global_batch"], s["seq_len"])
+        return self.best.candidate.strategy(s["model"], s["cluster"], s["global_batch"], s["seq_len"],
+                                            s.get("stack", DEFAULT_STACK))
 
     @property
     def table(self) -> "pd.DataFrame":
@@ -259,6 +268,7 @@ class Screener:
         self.settings, self.cm = settings, cm
         self.cfg = resolve_model(settings["model"])
         self.dtype = settings.get("dtype", "bf16")
+        self.stack = settings.get("stack", DEFAULT_STACK)
         self.gpu = parse_cluster(settings["cluster"]).gpu
         self._profiles: dict[tuple, tuple] = {}
         self._stages: dict[tuple, list] = {}
@@ -278,7 +288,7 @@ class Screener:
 
             shard = tp_shard(self.cfg, tp, sp)
             seq = self.settings["seq_len"] // cp
-            segments = cp_segments(profile_model(shard, mbs, seq, self.dtype), cp)
+            segments = cp_segments(profile_model(shard, mbs, seq, self.dtype, self.stack), cp)
             self._profiles[key] = (segments, cp_memory(model_memory(shard, segments, mbs, seq, self.dtype), cp))
         return self._profiles[key]
 
@@ -413,8 +423,8 @@ def _compute_lower_bound(cm, segments, recompute: bool, ep: int, prices: dict | 
     total = 0.0
     for x in segments:
         tables = [x.kernels_f] * (2 if recompute else 1) + [x.kernels_bi, x.kernels_bw]
-        if x.is_expert and ep > 1:
-            tables = [kernels.regroup(t, ep) for t in tables]
+        if x.is_expert and ep > 1:  # the last table is the weight gradient's
+            tables = [kernels.regroup(t, ep, weight_grad=i == len(tables) - 1) for i, t in enumerate(tables)]
         priced = [price(t) for t in tables if t]
         if priced and all(p is not None for p in priced):
             total += sum(priced)
@@ -432,12 +442,12 @@ def _compile_and_simulate(task: tuple) -> tuple:
 
     try:
         plan = compile_strategy(cand.strategy(settings["model"], settings["cluster"], settings["global_batch"],
-                                              settings["seq_len"])).plan
+                                              settings["seq_len"], settings.get("stack", DEFAULT_STACK))).plan
     except (StrategyError, ValueError) as e:
         return cand, None, str(e)
     r = simulate(plan, settings["costmodel"])
     peak = max(x.peak_memory_bytes for x in r.rank_stats)
-    return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak, r.fits is not False), ""
+    return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak, r.fits is not False, r.band), ""
 
 
 def _pool(workers: int, use_ray: bool):
@@ -459,11 +469,16 @@ def _pool(workers: int, use_ray: bool):
 def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel: str = "analytic",
             workers: int | None = None, prune: bool = True, use_ray: bool = False,
             candidates: list[Candidate] | None = None,
-            progress: Callable[[str, int, int], None] | None = None, **enum_kw: Any) -> ExploreResult:
-    """Enumerate, screen, and simulate in order of the time bound; rows for every candidate."""
+            progress: Callable[[str, int, int], None] | None = None, stack: Stack | str | dict | None = None,
+            **enum_kw: Any) -> ExploreResult:
+    """Enumerate, screen, and simulate in order of the time bound; rows for every candidate.
+    ``stack``: the training stack every candidate runs (``costmodel.stack``: a preset name, a
+    mapping or a Stack; default FA2 and fused kernels)."""
     t0 = time.perf_counter()
+    stack = parse_stack(stack, "explore stack")
+    check_stack_on(stack, parse_cluster(cluster).gpu, "explore stack")
     settings = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
-                "costmodel": costmodel}
+                "costmodel": costmodel, "stack": stack}
     if candidates is None:
         candidates = enumerate_candidates(model, cluster, global_batch, seq_len, **enum_kw)
     cl = parse_cluster(cluster)
@@ -494,12 +509,12 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
         if res is None:
             rows.append(Row(cand, "invalid", reason=err))
             return
-        step, tps, mfu, bubble, peak, fit = res  # fit: the simulator's verdict (costmodel.memory.fits)
+        step, tps, mfu, bubble, peak, fit, band = res  # fit: the simulator's verdict (costmodel.memory.fits)
         if not fit:
             rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand],
                             reason=f"peak {peak / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
             return
-        rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bounds[cand]))
+        rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bounds[cand], band=band))
         best = min(best, step)
 
     with (_pool(workers, use_ray) if workers > 1 else _Serial()) as pool:
@@ -574,10 +589,17 @@ class _Serial:
 
 
 def format_table(result: ExploreResult, top: int = 10) -> str:
-    lines = [f"{'#':>3} {'tokens/s':>12} {'step s':>9} {'MFU':>6} {'bubble':>7} {'peak GB':>8}  strategy"]
+    lines = [f"{'#':>3} {'tokens/s':>12} {'step s':>9} {'80% band s':>17} {'MFU':>6} {'bubble':>7} {'peak GB':>8}  strategy"]
     for i, r in enumerate(result.ok[:top], 1):
-        lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.step_time_s:>9.4f} {r.mfu:>6.1%} "
+        band = f"{r.band.step_low_s:.4g}-{r.band.step_high_s:.4g}" if r.band else "-"
+        lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.step_time_s:>9.4f} {band:>17} {r.mfu:>6.1%} "
                      f"{r.bubble_fraction:>7.1%} {r.peak_memory_bytes / 1e9:>8.1f}  {r.candidate.short()}")
+    best = result.best
+    if best is not None and best.band is not None:
+        lines.append(f"#1: {best.band.describe(best.step_time_s)}")
+    stack = result.settings.get("stack")
+    if stack is not None:
+        lines.append(f"stack: {stack.describe()}")
     c = result.counts
     lines.append(f"{len(result.rows)} strategies: {c.get('ok', 0)} simulated, {c.get('oom', 0)} out of memory, "
                  f"{c.get('pruned', 0)} pruned (could not win), {c.get('invalid', 0)} invalid; "

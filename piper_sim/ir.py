@@ -25,7 +25,8 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
-from costmodel.compute import ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM
+from costmodel.compute import ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM, optimizer_bytes_ratio
+from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack
 from costmodel.memory import bucket_sizes
 from piper_sim import kernels
 from piper_sim.checks import MAX_BUCKETS_PER_STAGE
@@ -90,6 +91,13 @@ class Context:
     seq_len: int = 0  # tokens of a sequence one rank holds (seq_len / cp under context parallelism)
     hidden: int = 0
     kv_bytes: float = 0.0  # context parallel: one layer's K and V gathered over the cp group, per micro-batch
+    stack: Stack = DEFAULT_STACK  # the kernels the run executes (costmodel.stack)
+
+    @property
+    def grad_reduce_scale(self) -> float:
+        """Bytes a gradient reduction moves per byte of parameters: 2 for bf16 parameters
+        reduced in fp32 (the stack's ``reduce_dtype``)."""
+        return self.stack.reduce_bytes(self.dtype_bytes) / self.dtype_bytes
 
     def kernel_table(self, kind: str, segs: list[SegmentCost], recompute: bool) -> str:
         """Key of the operator-level table of one compute op over ``segs`` (shared by
@@ -103,7 +111,7 @@ class Context:
         def tables(x: SegmentCost) -> dict[str, tuple]:
             t = {"F": x.kernels_f, "BI": x.kernels_bi, "BW": x.kernels_bw}
             if x.is_expert and ep > 1:  # a rank's experts see the tokens of all its EP peers
-                t = {k: kernels.regroup(v, ep) for k, v in t.items()}
+                t = {k: kernels.regroup(v, ep, weight_grad=k == "BW") for k, v in t.items()}
             return t
 
         ts = [tables(x) for x in segs]
@@ -528,6 +536,8 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             dag.g.remove_edges_from([(a, b) for a, b, _ in succs])
             for a, b in zip([n] + chain, chain):
                 dag.edge(a, b)
+            if ctx.stack.tp_overlap:  # overlapped with the layer's GEMMs: the chain starts with the piece
+                dag.ins(chain[0]).dep_progress = 0.0
             for _, q, kind in succs:
                 dag.edge(chain[-1], q, kind)
         for mb, ops in regathers.items():
@@ -685,7 +695,8 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                 ready = readiness[b]
                 for rnd, mb, producers in rounds:
                     kind = "ALLREDUCE" if zero == 0 else "REDUCE_SCATTER"
-                    sync = make_op(kind, stream[kind], stage=s, mb=mb, round=rnd, bytes=nbytes, group=group,
+                    sync = make_op(kind, stream[kind], stage=s, mb=mb, round=rnd, bytes=nbytes * ctx.grad_reduce_scale,
+                                   group=group,
                                    dep_progress=ready, bucket=b, experts=bool(tag))
                     sn = dag.add(where, sync)
                     for n in producers:
@@ -784,7 +795,7 @@ def _zero3_per_unit(ctx: Context, dag: TrainingDAG, where: int, s: int, nodes: l
         for rnd, mb, producers in rounds:
             bws = [n for n in producers if dag.ins(n).kind == "BW"]
             rs = dag.add(where, make_op("REDUCE_SCATTER", stream["REDUCE_SCATTER"], stage=s, mb=mb, round=rnd,
-                                        bytes=nbytes, group=group, dep_progress=(n_b - b) / n_b if bws else 1.0,
+                                        bytes=nbytes * ctx.grad_reduce_scale, group=group, dep_progress=(n_b - b) / n_b if bws else 1.0,
                                         bucket=b, experts=bool(tag)))
             for n in producers:
                 ins = dag.ins(n)
@@ -946,4 +957,4 @@ def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:
             continue
         local = sum(count / (n if zero else 1) for count, n in ctx.param_groups(ins.stage))
         ins.flops = ADAM_FLOPS_PER_PARAM * local
-        ins.bytes = ADAM_BYTES_PER_PARAM * local
+        ins.bytes = ADAM_BYTES_PER_PARAM * local * optimizer_bytes_ratio(ctx.stack.optimizer)

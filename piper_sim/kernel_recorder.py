@@ -111,8 +111,8 @@ class KernelRecorder(TorchDispatchMode):
         if all(_storage(t) in in_stores for t in outs) and not name.endswith("_"):
             return  # a view: no kernel
         nbytes = sum(map(_nbytes, ins)) + sum(_nbytes(t) for t in outs if _storage(t) not in in_stores)
-        if name.endswith("_"):  # in place: the written input counts once more
-            nbytes += _nbytes(ins[0]) if ins else 0
+        if name.endswith("_"):  # in place: the written input (a tensor list for _foreach_*_) counts once more
+            nbytes += sum(map(_nbytes, _tensors(args[0]))) if args else 0
         self.add("mem", name, (int(nbytes),), dtype, self._flops(func, args, kwargs, out), nbytes)
 
     def _conv(self, func, args, dtype: str) -> None:

@@ -88,17 +88,26 @@ def table_key(rows: Iterable[KernelRow]) -> str:
     return "k" + hashlib.sha1(repr(tuple(rows)).encode()).hexdigest()[:10]
 
 
-def regroup(rows: Iterable[KernelRow], factor: int) -> tuple[KernelRow, ...]:
-    """The same work in ``factor``× fewer, ``factor``× bigger calls: expert kernels under
-    expert parallelism, where each rank runs 1/EP of the experts on EP× the tokens each.
-    GEMMs grow in m (tokens), memory-bound calls in bytes; totals are unchanged."""
+def regroup(rows: Iterable[KernelRow], factor: int, weight_grad: bool = False) -> tuple[KernelRow, ...]:
+    """The same work in ``factor``x fewer, ``factor``x bigger calls: expert kernels under
+    expert parallelism, where each rank runs 1/EP of the experts on EP x the tokens each.
+
+    The tokens are a GEMM's m in the forward and the input gradient (``x @ W.T``, ``g @ W``)
+    and its k in the weight gradient (``g.T @ x``: ``weight_grad=True``, the BW table); that
+    dimension grows. A merged GEMM reads each expert weight once: its bytes are those of
+    its new shape, ``(m k + k n + m n) * batch`` elements (the closed form). Memory-bound calls
+    grow in bytes (their total is unchanged); FLOPs are unchanged."""
     out = []
     for cls, name, shape, dtype, count, flops, nbytes in rows:
         n = max(1, round(count / factor))
         grow = count / n
         if cls == "gemm":
             m, nn, k, b = shape
-            shape = (round(m * grow), nn, k, b)
+            elements = (m * k + k * nn + m * nn) * b
+            itemsize = nbytes / count / elements if elements else 0.0
+            m, k = (m, round(k * grow)) if weight_grad else (round(m * grow), k)
+            shape = (m, nn, k, b)
+            nbytes = n * itemsize * (m * k + k * nn + m * nn) * b
         elif cls == "mem":
             shape = (round(shape[0] * grow),)
         else:

@@ -33,12 +33,14 @@ all-gathers and reduce-scatters). Built on a real device only with ``tp == 1``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from costmodel.stack import ProfileKernels
 from piper_sim.kernel_recorder import note_kernel
 
 from piper_sim.configs import (  # noqa: F401  (re-exported: the torch-free half of this module)
@@ -48,6 +50,21 @@ from piper_sim.configs import (  # noqa: F401  (re-exported: the torch-free half
 )
 
 MAX_MATERIALISED_PARAMS = 2_000_000_000  # refuse bigger builds on a real device
+
+# The kernels a meta profile runs (`costmodel.stack.ProfileKernels`: unfused vs flash attention,
+# eager vs fused norms), set for the duration of one profile by :func:`profiling_kernels`.
+_KERNELS = ProfileKernels()
+
+
+@contextlib.contextmanager
+def profiling_kernels(kernels: ProfileKernels):
+    """Profile on meta with these kernels (the training stack's choices)."""
+    global _KERNELS
+    saved, _KERNELS = _KERNELS, kernels
+    try:
+        yield
+    finally:
+        _KERNELS = saved
 
 # --------------------------------------------------------------------------- modules
 
@@ -95,8 +112,10 @@ class RMSNorm(nn.Module):
         self.weight = _empty(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "meta":
+        if x.device.type == "meta" and _KERNELS.norms == "fused":
             return _MetaFusedRMSNorm.apply(x, self.weight)
+        # eager: torch's own decomposition (fp32 upcast, pow, mean, rsqrt, muls), as torchtitan
+        # without torch.compile runs it; on meta the profile records each of its kernels
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -225,15 +244,49 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0) -> torch.Tensor:
+class _MetaFusedSoftmax(torch.autograd.Function):
+    """Meta stand-in for Megatron's fused scale-mask-softmax kernel over the ``s x s`` scores:
+    one kernel reading the scores and writing the probabilities, which it saves for backward."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.empty_like(scores)
+        ctx.save_for_backward(probs)
+        note_kernel("scaled_masked_softmax", 2 * scores.numel() * scores.element_size(), scores.dtype)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        note_kernel("scaled_masked_softmax_backward", 3 * probs.numel() * probs.element_size(), probs.dtype)
+        return torch.empty_like(grad)
+
+
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
+    """Megatron-LM's ``CoreAttention`` on meta: ``q k^T`` (bmm), fused scale-mask-softmax,
+    dropout on the probabilities, ``probs v`` (bmm); the ``s x s`` scores, probabilities and
+    dropout mask are materialised and kept for backward (Korthikanti et al. 2022, §4.1:
+    ``5 a s^2 b`` bytes per layer with dropout). Causal masking computes the full square."""
+    heads = q.shape[1]
+    if k.shape[1] != heads:  # GQA: K/V repeated per query head, as Megatron does before the bmm
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    probs = _MetaFusedSoftmax.apply(torch.matmul(q, k.transpose(-2, -1)))
+    if dropout:
+        probs = _MetaDropout.apply(probs)
+    return torch.matmul(probs, v)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0,
+              dropout: float = 0.0) -> torch.Tensor:
     """Causal attention, ``[B, H, s, d]`` (k/v may have fewer heads: GQA; v may be narrower);
     with ``window`` each query sees itself and the ``window - 1`` tokens before it.
 
     On ``meta`` this calls the flash-attention op directly, so profiling sees what GPU
     training runs (no ``s x s`` matrix saved, backward recomputes scores); a window shorter
     than the sequence is costed as windowed flash attention: each query against ``window``
-    keys (``s x window``, not ``s x s``). Elsewhere it is ``F.scaled_dot_product_attention``
-    (with a band mask for a window).
+    keys (``s x window``, not ``s x s``); under an ``unfused`` stack (`profiling_kernels`) it
+    is :func:`unfused_attention` with attention ``dropout``. Elsewhere it is
+    ``F.scaled_dot_product_attention`` (with a band mask for a window; no attention dropout).
     """
     s = q.shape[-2]
     windowed = 0 < window < s
@@ -244,6 +297,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
         i = torch.arange(s, device=q.device)
         band = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa)
+    if _KERNELS.attention == "unfused":
+        return unfused_attention(q, k, v, dropout)
     dv = v.shape[-1]
     if dv != q.shape[-1]:  # flash kernels need equal head dims: pad v (as MLA implementations do)
         v = F.pad(v, (0, q.shape[-1] - dv))
@@ -254,7 +309,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute: bool = False,
-                   window: int = 0) -> torch.Tensor:
+                   window: int = 0, dropout: float = 0.0) -> torch.Tensor:
     """The attention core (scores, softmax, weighted sum). ``recompute``: selective
     activation recomputation (Korthikanti et al. 2022) — keep only q, k, v and run the core
     again in backward (``torch.utils.checkpoint``). With flash attention the core keeps no
@@ -263,8 +318,8 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute:
     if recompute and torch.is_grad_enabled():
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(attention, q, k, v, window, use_reentrant=False)
-    return attention(q, k, v, window)
+        return checkpoint(attention, q, k, v, window, dropout, use_reentrant=False)
+    return attention(q, k, v, window, dropout)
 
 
 def attention_core_inputs(cfg: "ModelConfig", batch: int, seq: int, device="meta",
@@ -309,7 +364,7 @@ class GQAttention(nn.Module):
         if c.rope:
             cos, sin = rope_cos_sin(s, c.head_dim, c.rope_theta, x.device, x.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attention_core(q, k, v, self.recompute_core, self.window)
+        o = attention_core(q, k, v, self.recompute_core, self.window, c.dropout)
         return self.wo(o.transpose(1, 2).reshape(B, s, -1))
 
 
@@ -347,7 +402,8 @@ class MLAttention(nn.Module):
         cos, sin = rope_cos_sin(s, rope, c.rope_theta, x.device, x.dtype)
         q_pe = apply_rope(q_pe, cos, sin)
         k_pe = apply_rope(k_pe.view(B, 1, s, rope), cos, sin).expand(B, H, s, rope)
-        o = attention_core(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v, self.recompute_core)
+        o = attention_core(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v, self.recompute_core,
+                           dropout=c.dropout)
         return self.wo(o.transpose(1, 2).reshape(B, s, -1))
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from costmodel.dtypes import dtype_name, torch_dtype
+from costmodel.stack import DEFAULT as DEFAULT_STACK, ProfileKernels, Stack
 from piper_sim.profile_cache import on_disk
 from piper_sim import kernels
 from piper_sim.configs import ModelConfig, layer_of_kind, unit_names, unit_segments
@@ -170,10 +171,21 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
 @functools.lru_cache(maxsize=256)
 @on_disk
 def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: str | torch.dtype,
-                 windowed: bool = False) -> SegmentCost:
+                 windowed: bool = False, kernels_run: ProfileKernels = ProfileKernels()) -> SegmentCost:
     """Cost of one segment kind: ``embed``, ``dense`` (layer), ``moe_pre``, ``moe_experts``,
     ``head``; ``windowed``: of a layer with sliding-window attention; ``dtype`` a name
-    (``"bf16"``) or a ``torch.dtype``. Cached; ``name``/``unit`` are set to the kind."""
+    (``"bf16"``) or a ``torch.dtype``; ``kernels_run`` what the training stack runs (unfused
+    attention, eager norms, its dropout). Cached; ``name``/``unit`` are set to the kind."""
+    from piper_sim.models import profiling_kernels
+
+    if kernels_run.dropout is not None:
+        cfg = replace(cfg, dropout=kernels_run.dropout)
+    with profiling_kernels(kernels_run):
+        return _profile_kind(cfg, kind, micro_batch, seq_len, dtype, windowed)
+
+
+def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: str | torch.dtype,
+                  windowed: bool) -> SegmentCost:
     import torch
 
     from piper_sim.models import build_units, lm_loss
@@ -268,22 +280,39 @@ def segment_kind(cfg: ModelConfig, segment: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str) -> tuple[SegmentCost, ...]:
+def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
+                   stack: Stack) -> tuple[SegmentCost, ...]:
     out = []
+    run = stack.profile_key()
     for unit in unit_names(cfg):
         for seg in unit_segments(cfg, unit):
             kind = segment_kind(cfg, seg)
             windowed = kind in ("dense", "moe_pre") and segment_windowed(cfg, seg)
-            cost = profile_kind(cfg, kind, micro_batch, seq_len, dtype, windowed)
+            cost = _name_attention(profile_kind(cfg, kind, micro_batch, seq_len, dtype, windowed, run), stack)
             out.append(replace(cost, name=seg, unit=unit))
     return tuple(out)
 
 
+def _name_attention(cost: SegmentCost, stack: Stack) -> SegmentCost:
+    """Flash-family rows named for the kernel the stack runs (``costmodel.operators`` prices
+    each by its own throughput); profiling them is the same (one cache entry)."""
+    kernel = stack.attention
+    if kernel in ("flash2", "unfused"):
+        return cost
+
+    def named(rows: tuple) -> tuple:
+        return tuple((r[0], kernel, *r[2:]) if r[0] in ("attn_fwd", "attn_bwd") else r for r in rows)
+
+    return replace(cost, kernels_f=named(cost.kernels_f), kernels_bi=named(cost.kernels_bi),
+                   kernels_bw=named(cost.kernels_bw))
+
+
 def profile_model(
-    cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str | torch.dtype = "bf16"
+    cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str | torch.dtype = "bf16", stack: Stack = DEFAULT_STACK,
 ) -> list[SegmentCost]:
     """Segment costs in model order (embed, layer segments..., head), for one micro-batch;
-    ``dtype`` a name (``"bf16"``) or a ``torch.dtype``."""
+    ``dtype`` a name (``"bf16"``) or a ``torch.dtype``; ``stack`` the kernels the run executes
+    (``costmodel.stack``; default FA2 and fused norms)."""
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch and seq_len must be >= 1 (got {micro_batch}, {seq_len})")
-    return list(_profile_model(cfg, micro_batch, seq_len, dtype_name(dtype)))
+    return list(_profile_model(cfg, micro_batch, seq_len, dtype_name(dtype), stack))

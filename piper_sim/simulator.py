@@ -53,7 +53,8 @@ from costmodel.dtypes import DTYPE_BYTES
 from costmodel.hardware import Cluster, parse_cluster
 from costmodel.memory import adam_state_bytes
 from costmodel.memory import fits as memory_fits
-from costmodel.model import CostModel, UnitCostModel, get_costmodel
+from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_costmodel
+from piper_sim.bands import Band, band_for, run_class
 from costmodel.moe import Routing
 from piper_sim import trace
 from piper_sim.ir import CP_STREAM, TP_STREAM
@@ -131,6 +132,8 @@ class SimResult:
     memory_capacity_bytes: float = 0.0
     meta: dict[str, Any] = field(repr=False, default_factory=dict)  # the plan's meta (model, cluster, dtype...)
     pairs: dict[tuple[int, str], int] = field(repr=False, default_factory=dict)  # (pp rank, op id) -> slot
+    # how far to trust step_time_s on a GPU cluster (piper_sim.bands); None off the analytic GPU model
+    band: Band | None = None
 
     @cached_property
     def events(self) -> "pd.DataFrame":
@@ -161,6 +164,7 @@ class SimResult:
             "bubble_fraction": self.bubble_fraction, "num_events": self.num_events,
             "sim_wall_s": self.sim_wall_s, "folded": self.folded, "world_size": self.world_size,
             "costmodel": self.costmodel, "fits": self.fits, "memory_capacity_bytes": self.memory_capacity_bytes,
+            "band": None if self.band is None else self.band.to_json(),
             "per_rank": [asdict(s) for s in self.rank_stats],
         }
 
@@ -1030,4 +1034,13 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
         fits=None if capacity is None else all(s.fits for s in per_rank),
         memory_capacity_bytes=capacity or 0.0,
+        band=_band(plan, cm, step),
     )
+
+
+def _band(plan: Plan, cm: CostModel, step: float) -> Band | None:
+    """The published-runs error band of this step, for the sourced (analytic) model on a GPU."""
+    gpu = getattr(cm, "gpu", None)
+    if not isinstance(cm, AnalyticCostModel) or cm.name != "analytic" or gpu is None or gpu.name == "CPU":
+        return None
+    return band_for(step, run_class(plan.meta, plan.layout.pp, plan.layout.ep, plan.layout.dp))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from costmodel.dtypes import TRAINING_DTYPES
+from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, parse_stack, stack_to_strategy
 from piper_sim import checks
 
 
@@ -58,7 +59,7 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
 }
 HIGH_LEVEL = ("pipeline", "data_parallel", "expert_parallel", "tensor_parallel", "context_parallel", "schedule")
 TOP_LEVEL_FIELDS = {"model", "cluster", "global_batch", "seq_len", "microbatches", "directives",
-                    "dtype", "name", "seed"}
+                    "dtype", "name", "seed", "stack"}
 STREAM_KINDS = ("SEND", "RECV", "ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 DTYPES = TRAINING_DTYPES
 RECOMPUTE_MODES = ("full", "selective")
@@ -77,12 +78,16 @@ class Strategy:
     dtype: str = "bf16"
     name: str = ""
     seed: int = 0
+    stack: Stack = DEFAULT_STACK  # the kernels the run executes (costmodel.stack)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "model": self.model, "cluster": self.cluster,
-                "global_batch": self.global_batch, "seq_len": self.seq_len,
-                "microbatches": self.microbatches, "dtype": self.dtype, "seed": self.seed,
-                "directives": self.directives}
+        out = {"name": self.name, "model": self.model, "cluster": self.cluster,
+               "global_batch": self.global_batch, "seq_len": self.seq_len,
+               "microbatches": self.microbatches, "dtype": self.dtype, "seed": self.seed,
+               "directives": self.directives}
+        if self.stack != DEFAULT_STACK:
+            out["stack"] = stack_to_strategy(self.stack)
+        return out
 
     def short(self) -> str:
         """One-line summary, e.g. ``pp4 1f1b m8 | dp2 z1 | ep2``."""
@@ -262,6 +267,10 @@ def parse_strategy(data: Any) -> Strategy:
     seed = _check_int(data.get("seed", 0), "strategy field 'seed'", minimum=0, maximum=2**63 - 1)
     if not isinstance(data.get("name", ""), str):
         raise StrategyError(f"strategy field 'name' must be a string (got {data['name']!r})")
+    try:
+        stack = parse_stack(data.get("stack"))
+    except StackError as e:
+        raise StrategyError(f"{e}") from None
     directives = [check_directive(d, i) for i, d in enumerate(directives)]
     seen: set[str] = set()
     for i, d in enumerate(directives):
@@ -271,7 +280,7 @@ def parse_strategy(data: Any) -> Strategy:
             seen.add(d["op"])
     return Strategy(model=data["model"], cluster=data["cluster"], global_batch=global_batch,
                     seq_len=seq_len, microbatches=microbatches, directives=directives, dtype=dtype,
-                    name=data.get("name", ""), seed=seed)
+                    name=data.get("name", ""), seed=seed, stack=stack)
 
 
 def load_strategy(path: str) -> Strategy:

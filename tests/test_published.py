@@ -89,26 +89,29 @@ def test_setup_matches_strategy(suite):
 
 
 def test_registered_models_match_published_parameter_counts(suite):
-    """Zoo models' heads are untied; the published counts tie the embedding (one vocab x h)."""
+    """The suite's models as published (tied embeddings, biases); only the learned position
+    table (max_seq x hidden, not modelled) is missing: within 0.3%."""
     from piper_sim.models import get_config
 
     checked = 0
     for name, spec in suite.models.items():
         if "published_params" in spec:
             cfg = get_config(name)
-            ours = cfg.param_count() - cfg.vocab * cfg.hidden
-            assert ours == pytest.approx(spec["published_params"], rel=0.01), name
+            assert cfg.param_count() == pytest.approx(spec["published_params"], rel=0.003), name
+            assert cfg.param_count() + cfg.max_seq * cfg.hidden == spec["published_params"], name
             checked += 1
     assert checked >= 5
 
 
 def _small(strategy: dict) -> dict:
-    """At most 2 x PP micro-batches (every schedule here accepts that), same micro-batch size."""
+    """At most 2 x PP micro-batches (every schedule here accepts that; PP for pipelines of 32
+    stages or more, whose TP collectives make a compile slow), same micro-batch size."""
     s = copy.deepcopy(strategy)
     pp = next((d["degree"] for d in s["directives"] if d["op"] == "pipeline"), 1)
-    if s["microbatches"] > 2 * pp:
-        s["global_batch"] = s["global_batch"] // s["microbatches"] * 2 * pp
-        s["microbatches"] = 2 * pp
+    per = 1 if pp >= 32 else 2
+    if s["microbatches"] > per * pp:
+        s["global_batch"] = s["global_batch"] // s["microbatches"] * per * pp
+        s["microbatches"] = per * pp
     return s
 
 

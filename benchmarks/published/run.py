@@ -84,8 +84,12 @@ METRICS: dict[str, Metric] = {
 }
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
-ENTRY_REQUIRED = {"id", "source", "metric", "published", "precision", "strategy"}
-ENTRY_OPTIONAL = {"setup", "approximations", "notes", "published_memory_gib", "published_memory_gb", "run_options"}
+ENTRY_REQUIRED = {"id", "source", "metric", "published", "precision", "strategy", "stack_source"}
+ENTRY_OPTIONAL = {"setup", "approximations", "notes", "published_memory_gib", "published_memory_gb", "run_options",
+                  "set"}
+# `set`: "original" (default) or "added-later": runs added after the cost model's constants were
+# fixed, reported apart (the out-of-sample test of constants looked up after seeing the others)
+SETS = ("original", "added-later")
 HELD_REQUIRED = {"id", "needs", "source", "metric", "published", "precision"}
 HELD_OPTIONAL = {"setup", "strategy_sketch", "notes"}
 RANKING_REQUIRED = {"id", "source", "faster"}
@@ -180,6 +184,11 @@ def load_suite(path: str | Path = SUITE) -> Suite:
         s = e["strategy"]
         if not isinstance(s, dict) or not isinstance(s.get("model"), str) or not isinstance(s.get("cluster"), str):
             _fail(where, "strategy must be a piper-sim strategy mapping with 'model' and 'cluster' strings")
+        if not isinstance(e["stack_source"], str) or not e["stack_source"].strip():
+            _fail(where, "stack_source must name where the run's stack (attention kernel, norms, optimizer, "
+                         "reduce dtype, compile) comes from: the project's config file and line")
+        if e.get("set", "original") not in SETS:
+            _fail(where, f"set must be one of {', '.join(SETS)} (got {e['set']!r})")
         for key in ("published_memory_gib", "published_memory_gb"):
             if key in e and (isinstance(e[key], bool) or not isinstance(e[key], (int, float)) or e[key] <= 0):
                 _fail(where, f"{key} must be a positive number")
@@ -278,6 +287,8 @@ class Result:
     published_memory_gib: float | None = None
     compile_s: float | None = None
     simulate_s: float | None = None
+    run_class: str = ""  # piper_sim.bands.run_class: moe | tp | pp | fsdp | ddp | single
+    set: str = "original"  # or "added-later"
     status: str = "ok"  # ok | error
     message: str = ""
 
@@ -315,8 +326,11 @@ def run_entry(entry: dict, costmodel: str = "analytic", suite_dir: Path = HERE) 
     from piper_sim.api import compile
     from piper_sim.simulator import simulate
 
+    from piper_sim.bands import run_class
+
     res = Result(id=entry["id"], metric=entry["metric"], published=float(entry["published"]),
-                 precision=entry["precision"], published_memory_gib=_published_memory_gib(entry))
+                 precision=entry["precision"], published_memory_gib=_published_memory_gib(entry),
+                 set=entry.get("set", "original"))
     try:
         strategy = strategy_of(entry, suite_dir)
         t0 = time.perf_counter()
@@ -330,6 +344,7 @@ def run_entry(entry: dict, costmodel: str = "analytic", suite_dir: Path = HERE) 
         res.status, res.message = "error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return res
     peak = float(sim.per_rank["peak_memory_bytes"].max())
+    res.run_class = run_class(plan.meta, plan.layout.pp, plan.layout.ep, plan.layout.dp)
     res.gpus = sim.world_size
     res.simulated = value
     res.error_pct = 100.0 * (value / res.published - 1.0)
@@ -386,7 +401,10 @@ def check_rankings(suite: Suite, results: list[Result]) -> list[RankingCheck]:
 
 
 def summarize(results: list[Result]) -> dict[str, Any]:
-    """Median and max |error| (all runs, and without FP8 runs, which the simulator computes in BF16)."""
+    """Median and max |error| (all runs, without FP8 runs, per run class, and of the runs added
+    later), and how often a run falls inside the 80% band built without it."""
+    from piper_sim.bands import leave_one_out_coverage
+
     def stats(rs):
         errs = [abs(r.error_pct) for r in rs]
         return (statistics.median(errs) if errs else None, max(errs) if errs else None, len(errs))
@@ -394,11 +412,32 @@ def summarize(results: list[Result]) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     med, mx, n = stats(ok)
     med16, mx16, n16 = stats([r for r in ok if r.precision != "fp8"])
+    by_class = {c: stats([r for r in ok if r.run_class == c]) for c in sorted({r.run_class for r in ok})}
+    later = stats([r for r in ok if r.set == "added-later"])
+    inside, total = leave_one_out_coverage(band_rows(ok))
     return {"runs": len(results), "simulated": n, "errors": len(results) - n,
             "median_abs_error_pct": med, "max_abs_error_pct": mx,
             "median_abs_error_pct_no_fp8": med16, "max_abs_error_pct_no_fp8": mx16, "runs_no_fp8": n16,
+            "by_class": by_class, "added_later": later, "band_coverage": (inside, total),
             "not_fitting": [r.id for r in ok if r.fits is False],
             "median_speed_ratio": statistics.median([r.speed_ratio for r in ok]) if ok else None}
+
+
+def band_rows(results: list[Result]) -> list[tuple[str, str, float]]:
+    """(id, class, speed ratio) of the simulated runs: what piper_sim.bands builds bands from."""
+    return [(r.id, r.run_class, r.speed_ratio) for r in results if r.ok and r.speed_ratio]
+
+
+def write_bands(results: list[Result], path: str, suite: Suite) -> None:
+    """Write the error-band data file (piper_sim.bands) atomically."""
+    import json
+
+    from piper_sim.bands import bands_from_results
+    from piper_sim.files import atomic_write
+
+    data = bands_from_results(band_rows(results), f"benchmarks/published/run.py over {suite.path.name}")
+    with atomic_write(path) as f:
+        f.write(json.dumps(data, indent=1) + "\n")
 
 
 def results_frame(results: list[Result]):
@@ -454,6 +493,12 @@ def format_summary(summary: dict[str, Any], checks: list[RankingCheck]) -> str:
         + ("-" if s["median_speed_ratio"] is None else f"{s['median_speed_ratio']:.2f}x"),
         f"do not fit in GPU memory (simulated peak > GPU memory): "
         + (", ".join(s["not_fitting"]) if s["not_fitting"] else "none"),
+        "by run class (|error| median / max, runs): " + ", ".join(
+            f"{c} {pct(m)} / {pct(x)} ({k})" for c, (m, x, k) in s["by_class"].items()),
+        "added later (runs added after the constants were fixed): "
+        + ("none" if not s["added_later"][2] else
+           f"median {pct(s['added_later'][0])}, max {pct(s['added_later'][1])} ({s['added_later'][2]} runs)"),
+        "80% band, leave-one-out: {} of {} runs inside the band built without them".format(*s["band_coverage"]),
         "",
         f"rankings: {sum(c.status == 'PASS' for c in checks)} PASS, {sum(c.status == 'FAIL' for c in checks)} FAIL, "
         f"{sum(c.status == 'SKIP' for c in checks)} SKIP",
@@ -497,6 +542,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", metavar="PATH", help="also write one row per run to this CSV file")
     ap.add_argument("--only", action="append", metavar="ID",
                     help="simulate only these entry ids (comma-separated, or repeat the flag)")
+    ap.add_argument("--write-bands", nargs="?", const="", metavar="PATH",
+                    help="write the error bands that simulate/explore/demo print (default: piper_sim/data/"
+                         "error_bands.json); needs the whole suite (no --only)")
     ap.add_argument("--suite", default=str(SUITE), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
@@ -510,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
                 held = {h["id"] for h in suite.held_back}
                 why = " (held back: not simulated)" if set(unknown) <= held else ""
                 raise SuiteError(f"--only: unknown entry id(s) {', '.join(unknown)}{why}")
+        if args.write_bands is not None and (args.only or args.costmodel != "analytic"):
+            raise SuiteError("--write-bands needs the whole suite with the analytic cost model (no --only, "
+                             "no --costmodel)")
         register_models(suite)
         _check_costmodel(args.costmodel)
     except SuiteError as e:
@@ -533,6 +584,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.csv:
         write_csv(results, args.csv)
         print(f"wrote {args.csv}")
+    if args.write_bands is not None:
+        from piper_sim.bands import BANDS_FILE
+
+        path = args.write_bands or BANDS_FILE
+        write_bands(results, path, suite)
+        print(f"wrote {path}")
     return 0
 
 

@@ -98,6 +98,10 @@ def cmd_show(args: argparse.Namespace) -> None:
     print(f"plan {plan.content_hash()}: {m.get('model')} on {m.get('cluster')}, "
           f"pp={plan.layout.pp} dp={plan.layout.dp} ep={plan.layout.ep}{_tp(plan)}, schedule {m.get('schedule')}, "
           f"{m.get('microbatches')} micro-batches of {m.get('micro_batch_size')}")
+    if isinstance(m.get("stack"), dict):
+        from costmodel.stack import parse_stack
+
+        print(f"stack: {parse_stack(m['stack']).describe()}")
     for r in ranks:
         c = plan.classes[r]
         print(f"\npipeline rank {r} (global ranks {_span(c.ranks)}), stages {c.stages}")

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from costmodel.stack import PRESETS
 from piper_sim.checks import arg_int
 
 
@@ -54,6 +55,16 @@ def emit_best(result, out_dir: str, costmodel: str = "analytic") -> dict[str, st
     return paths
 
 
+def stack_arg(value: str | None):
+    """``--stack``: a preset name or a JSON mapping (costmodel.stack); one-line ValueError when bad."""
+    if value is None or not str(value).strip().startswith("{"):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"--stack: not a preset name or a JSON mapping ({e})") from None
+
+
 def cmd_explore(args: argparse.Namespace) -> None:
     from piper_sim.explore import explore, format_table, plot_pareto, write_csv
 
@@ -69,7 +80,7 @@ def cmd_explore(args: argparse.Namespace) -> None:
     if args.cp:
         kw["cp_degrees"] = [int(c) for c in args.cp.split(",")]
     result = explore(args.model, args.cluster, args.global_batch, args.seq_len, costmodel=args.costmodel,
-                     workers=args.workers, prune=not args.no_prune, use_ray=args.ray,
+                     workers=args.workers, prune=not args.no_prune, use_ray=args.ray, stack=stack_arg(args.stack),
                      progress=progress_printer(not (args.quiet or getattr(args, "log_quiet", 0))), **kw)
     print(format_table(result, args.top))
     if args.csv:
@@ -94,6 +105,9 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     p.add_argument("--seq-len", type=arg_int(1), required="seq_len" not in d, default=d.get("seq_len"),
                    help="tokens per sequence")
     p.add_argument("--costmodel", default="analytic", help="analytic, unit:..., or a calibration JSON")
+    p.add_argument("--stack", default=d.get("stack"),
+                   help="the training stack the run executes: a preset (" + ", ".join(PRESETS) + ") or a JSON "
+                        "mapping, e.g. '{\"preset\": \"torchtitan\", \"compile\": true}' (default: FA2, fused kernels)")
     p.add_argument("--top", type=arg_int(1), default=10, help="rows of the printed table (default 10)")
     p.add_argument("--csv", metavar="OUT.csv", help="write every candidate with its status and numbers")
     p.add_argument("--plot", help="throughput-vs-memory Pareto PNG")

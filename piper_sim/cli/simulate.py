@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 
+from costmodel.stack import parse_stack
+
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -58,6 +60,13 @@ def cmd_simulate(args: argparse.Namespace) -> None:
           f"{'unit' if u == 'u' else 's'}, MFU {100 * result.mfu:.1f}%, "
           f"bubble {100 * result.bubble_fraction:.1f}% "
           f"({result.num_events} events in {result.sim_wall_s:.3f} s, {'folded' if result.folded else 'unfolded'})")
+    if result.band is not None:
+        print(result.band.describe(result.step_time_s))
+    elif u == "s":
+        print("no error band: bands are measured for the analytic cost model on GPU clusters only")
+    stack = m.get("stack")
+    if isinstance(stack, dict):
+        print(f"stack: {parse_stack(stack).describe()}")
     print(f"{'rank':>6} {'x':>5} {'compute ' + u:>11} {'comm exp ' + u:>11} {'idle ' + u:>11} {'peak GB':>9} "
           f"{'states GB':>10} {'act GB':>8}")
     for s in result.rank_stats:

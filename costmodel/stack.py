@@ -1,0 +1,192 @@
+"""The training stack: which kernels a run really executes, as an input of profiling and pricing.
+
+The same model and strategy run at different speeds under different stacks: torchtitan without
+``torch.compile`` runs RMSNorm as torch's eager fp32 decomposition, llm-foundry's benchmarks run
+Triton flash attention, a Megatron-LM fork without ``--use-flash-attn`` runs unfused attention
+with the ``s x s`` scores in memory, Megatron-Core with Transformer Engine runs cuDNN attention.
+A :class:`Stack` names those choices; the profile (``piper_sim.profiling``) records the kernels
+they launch, the cost model (``costmodel.operators``) prices each attention kernel by its own
+measured throughput, and the IR prices the optimizer and gradient reductions they imply.
+
+Fields (``STACK_FIELDS`` below holds each one's choices):
+
+``attention``     ``flash2`` (FlashAttention-2, torch SDPA's flash backend), ``flash3`` (Hopper
+                  only), ``cudnn`` (cuDNN fused attention, TE's default on Hopper), ``triton``
+                  (the Triton flash attention of ``flash_attn_triton``), ``unfused`` (bmm, fused
+                  scale-mask-softmax, dropout, bmm: Megatron-LM's ``CoreAttention``)
+``norms``         ``fused`` (one kernel per norm, as Apex/TE/Inductor) or ``eager`` (torch's own
+                  decomposition of ``F.rms_norm``: an fp32 upcast and ~6 elementwise kernels)
+``compile``       ``torch.compile`` on: norms default to ``fused``
+``dropout``       hidden and attention dropout probability; None keeps the model's own
+``optimizer``     AdamW as ``fused`` (one kernel) or ``foreach`` (torch's multi-tensor ops)
+``reduce_dtype``  dtype of the gradient all-reduce / reduce-scatter (``compute``: the compute
+                  dtype; ``fp32``: FSDP2 ``reduce_dtype=float32``, Megatron ``grad_reduce_in_fp32``)
+``tp_overlap``    tensor-parallel collectives overlapped with the layer's GEMMs (Megatron-Core
+                  ``--tp-comm-overlap`` userbuffers, torchtitan async TP): a layer's collectives
+                  run while it computes (slowing it, ``GPU.overlap_slowdown``), the next layer
+                  waits for them; off: the next GEMM waits for each collective (simulate-only)
+
+Presets (:data:`PRESETS`) are the stacks users run, each field with its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
+NORM_KERNELS = ("fused", "eager")
+OPTIMIZERS = ("fused", "foreach")
+REDUCE_DTYPES = ("compute", "fp32")
+# attention kernels that exist only on Hopper (sm_90): FA3 (arXiv 2407.08608 §1)
+HOPPER_ONLY = ("flash3",)
+
+
+class StackError(ValueError):
+    """A bad ``stack`` value; the message is one line naming the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What kernels a run executes (see the module docstring)."""
+
+    attention: str = "flash2"
+    norms: str = "fused"
+    compile: bool = False
+    dropout: float | None = None
+    optimizer: str = "fused"
+    reduce_dtype: str = "compute"
+    tp_overlap: bool = False
+    preset: str = ""  # the preset it started from ("" for none)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One line for ``show``/``simulate``, e.g. ``torchtitan-eager: attention flash2, norms eager, ...``."""
+        parts = [f"attention {self.attention}", f"norms {self.norms}", f"compile {'on' if self.compile else 'off'}",
+                 f"optimizer {self.optimizer}", f"grad reduce {self.reduce_dtype}"]
+        if self.dropout is not None:
+            parts.append(f"dropout {self.dropout:g}")
+        if self.tp_overlap:
+            parts.append("TP comm overlapped")
+        return (f"{self.preset}: " if self.preset else "") + ", ".join(parts)
+
+    def profile_key(self) -> "ProfileKernels":
+        """The part of the stack that changes the profiled kernels (the profile cache key)."""
+        return ProfileKernels(attention="unfused" if self.attention == "unfused" else "flash", norms=self.norms,
+                              dropout=self.dropout)
+
+    def reduce_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per gradient element the reductions move."""
+        return 4 if self.reduce_dtype == "fp32" else dtype_bytes
+
+
+@dataclass(frozen=True)
+class ProfileKernels:
+    """What profiling on meta must run differently: unfused vs flash attention, eager vs fused
+    norms, the dropout probability (None: the model's)."""
+
+    attention: str = "flash"
+    norms: str = "fused"
+    dropout: float | None = None
+
+
+DEFAULT = Stack()
+
+# Named stacks. Each value names its source (repository file and line, or paper section).
+PRESETS: dict[str, Stack] = {
+    # piper-sim's historical assumption: the best fused kernels everywhere
+    "fused": Stack(preset="fused"),
+    # torchtitan, compile = false: torch SDPA (flash backend) [torchtitan models/attention.py];
+    # RMSNorm as torch's eager decomposition [torchtitan models/norms.py, build_norm("rmsnorm") ->
+    # torch.nn.RMSNorm]; AdamW implementation "foreach" [torchtitan config/job_config.py
+    # Optimizer.implementation]; FSDP2 mixed_precision_reduce = "float32" [job_config.py Training]
+    "torchtitan": Stack(attention="flash2", norms="eager", compile=False, optimizer="foreach",
+                        reduce_dtype="fp32", preset="torchtitan"),
+    # the same with compile = true: Inductor fuses the norms (torchtitan benchmarks/
+    # llama3_h100_202412_torchtitan.md: +15.7% tokens/s from torch.compile)
+    "torchtitan-compile": Stack(attention="flash2", norms="fused", compile=True, optimizer="foreach",
+                                reduce_dtype="fp32", preset="torchtitan-compile"),
+    # Megatron-Core + Transformer Engine: cuDNN fused attention on Hopper (TE attention backend
+    # selection), TE fused norms, Apex/TE fused Adam, grads reduced in fp32
+    # (Megatron-Bridge recipes: grad_reduce_in_fp32 = True)
+    "megatron-te": Stack(attention="cudnn", norms="fused", optimizer="fused", reduce_dtype="fp32",
+                         preset="megatron-te"),
+    # Megatron-LM of 2023 and its forks without --use-flash-attn (Zero Bubble v0.1.0
+    # examples/pretrain_zero_bubble.sh): unfused CoreAttention, Apex fused LayerNorm, fused
+    # Adam, attention and hidden dropout 0.1 (megatron/arguments.py defaults of that era)
+    "megatron-legacy": Stack(attention="unfused", norms="fused", dropout=0.1, optimizer="fused",
+                             preset="megatron-legacy"),
+    # llm-foundry benchmark script: attn_impl defaults to 'triton' [scripts/train/benchmarking/
+    # submit_benchmarks.py @5e85bd62d]; low_precision_layernorm (one fused kernel); FSDP
+    # mixed_precision DEFAULT (Composer: reduce in fp32)
+    "llm-foundry": Stack(attention="triton", norms="fused", optimizer="foreach", reduce_dtype="fp32",
+                         preset="llm-foundry"),
+    # DeepSpeed (Megatron-DeepSpeed): flash attention, fused LayerNorm, fused Adam, fp32 reduce
+    # off by default (communication_data_type = the compute dtype)
+    "deepspeed": Stack(attention="flash2", norms="fused", optimizer="fused", preset="deepspeed"),
+}
+
+STACK_FIELDS: dict[str, tuple] = {
+    "attention": ATTENTION_KERNELS, "norms": NORM_KERNELS, "optimizer": OPTIMIZERS, "reduce_dtype": REDUCE_DTYPES,
+}
+_ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap"}
+
+
+def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
+    """A preset name, a mapping ``{"preset": ..., <field>: ...}``, or a Stack; raises StackError."""
+    if value is None:
+        return DEFAULT
+    if isinstance(value, Stack):
+        return value
+    if isinstance(value, str):
+        value = {"preset": value}
+    if not isinstance(value, dict):
+        raise StackError(f"{where} must be a preset name ({', '.join(PRESETS)}) or a mapping of stack fields")
+    unknown = set(value) - _ALLOWED
+    if unknown:
+        raise StackError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(_ALLOWED))}")
+    preset = value.get("preset", "")
+    if preset and preset not in PRESETS:
+        raise StackError(f"{where}: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    base = PRESETS[preset] if preset else DEFAULT
+    fields: dict[str, Any] = {}
+    for key, choices in STACK_FIELDS.items():
+        if key in value:
+            if value[key] not in choices:
+                raise StackError(f"{where}: {key} must be one of {', '.join(choices)} (got {value[key]!r})")
+            fields[key] = value[key]
+    if "tp_overlap" in value:
+        if not isinstance(value["tp_overlap"], bool):
+            raise StackError(f"{where}: tp_overlap must be true or false (got {value['tp_overlap']!r})")
+        fields["tp_overlap"] = value["tp_overlap"]
+    if "compile" in value:
+        if not isinstance(value["compile"], bool):
+            raise StackError(f"{where}: compile must be true or false (got {value['compile']!r})")
+        fields["compile"] = value["compile"]
+        if value["compile"] and "norms" not in value:
+            fields["norms"] = "fused"  # Inductor fuses the norm's decomposition
+    if "dropout" in value:
+        p = value["dropout"]
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1):
+            raise StackError(f"{where}: dropout must be a probability in [0, 1) or null (got {p!r})")
+        fields["dropout"] = None if p is None else float(p)
+    return dataclasses.replace(base, preset=preset, **fields)
+
+
+def stack_to_strategy(stack: Stack) -> dict[str, Any]:
+    """The strategy form of a stack: its preset and the fields that differ from it."""
+    base = PRESETS[stack.preset] if stack.preset else DEFAULT
+    out: dict[str, Any] = {"preset": stack.preset} if stack.preset else {}
+    out.update({k: v for k, v in stack.to_json().items() if k != "preset" and v != getattr(base, k)})
+    return out
+
+
+def check_stack_on(stack: Stack, gpu, where: str = "strategy field 'stack'") -> None:
+    """Refuse a kernel the cluster's GPU (a ``costmodel.hardware.GPU``) cannot run: FA3 off Hopper."""
+    hopper = gpu.name.upper().startswith(("H100", "H200", "H800", "GH200"))
+    if stack.attention in HOPPER_ONLY and not hopper:
+        raise StackError(f"{where}: attention {stack.attention!r} runs on Hopper GPUs only (H100/H200/H800), "
+                         f"not {gpu.name}; use flash2, cudnn, triton or unfused")
