@@ -164,8 +164,10 @@ def test_band_from_the_published_classes():
                                     + [("m0", "moe", 1.5)], "test")
     b = bands.band_for(2.0, "fsdp", data)
     assert not b.pooled and b.runs == 11
-    assert b.ratio_low == pytest.approx(0.92) and b.ratio_high == pytest.approx(1.08)
-    assert b.step_low_s == pytest.approx(1.84) and b.step_high_s == pytest.approx(2.16)
+    # split-conformal ranks of 11 runs: floor(12 * 0.1) = 1st and ceil(12 * 0.9) = 11th
+    assert b.ratio_low == pytest.approx(0.90) and b.ratio_high == pytest.approx(1.10)
+    assert b.step_low_s == pytest.approx(1.80) and b.step_high_s == pytest.approx(2.20)
+    assert bands.conformal_bounds([float(i) for i in range(1, 40)]) == (4.0, 36.0)  # ranks 4 and 36 of 39
     assert "11 published runs of this class (fsdp)" in b.describe(2.0)
     few = bands.band_for(2.0, "moe", data)  # one run: the band of every run, and it says so
     assert few.pooled and few.runs == 12 and "too few of class moe" in few.describe(2.0)
