@@ -215,3 +215,29 @@ def preflight(args, plans: list[Plan]) -> int:
     if not any(fault.op_id == i.id for p in plans for i in p.class_of(fault.rank).instructions()):
         raise PlanError(f"PIPER_FAULT names op {fault.op_id}, which rank {fault.rank} does not run")
     return start
+
+
+def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
+    """What the executor does with the plan's training stack (``meta.stack``, costmodel.stack):
+    the environment its workers get (AdamW's implementation, ``PIPER_ADAMW``, as the stack
+    says unless already set) and a one-line notice of the stack fields it runs and ignores
+    ("" for a plan without a stack)."""
+    from costmodel.stack import DEFAULT, parse_stack
+
+    raw = plan.meta.get("stack")
+    if not raw:
+        return {}, ""
+    stack = parse_stack(raw, f"{plan.meta.get('model', 'plan')} meta.stack")
+    env = {} if os.environ.get("PIPER_ADAMW") else {"PIPER_ADAMW": stack.optimizer}
+    ignored = []
+    if stack.attention != DEFAULT.attention:
+        ignored.append(f"attention {stack.attention} (torch SDPA runs)")
+    if stack.norms == "eager" or stack.compile:
+        ignored.append(f"norms {stack.norms}, compile {'on' if stack.compile else 'off'} (torch's F.rms_norm runs, eager)")
+    if stack.dropout is not None:
+        ignored.append(f"dropout {stack.dropout:g} (the model's dropout runs)")
+    if stack.reduce_dtype != DEFAULT.reduce_dtype:
+        ignored.append(f"reduce_dtype {stack.reduce_dtype} (gradients are reduced in the plan's dtype)")
+    runs = f"AdamW {os.environ.get('PIPER_ADAMW') or stack.optimizer}"
+    name = f" {stack.preset!r}" if stack.preset else ""
+    return env, f"the plan's stack{name}: runs {runs}; ignores " + ("; ".join(ignored) if ignored else "nothing")

@@ -217,3 +217,23 @@ def test_executor_refuses_tp_overlap_plans(tmp_path):
                     "stack": {"tp_overlap": True}, "directives": [{"op": "tensor_parallel", "degree": 2}]})
     with pytest.raises(PlanError, match="tp_overlap"):
         refuse_tensor_parallel(plan, "plan.json")
+
+
+def test_executor_runs_the_stacks_optimizer_and_names_what_it_ignores(tmp_path, monkeypatch):
+    """A real run on 2 gloo ranks: the stack's foreach AdamW reaches the workers
+    (PIPER_ADAMW), and `piper-sim run` says in one line which stack fields it ignores."""
+    from executor.options import stack_settings
+
+    monkeypatch.delenv("PIPER_ADAMW", raising=False)
+    plan = compile({"model": "gpt-tiny", "cluster": "cpu:2", "global_batch": 4, "seq_len": 32, "stack": "torchtitan",
+                    "directives": [{"op": "data_parallel", "degree": 2, "zero": 1}]})
+    env, notice = stack_settings(plan)
+    assert env == {"PIPER_ADAMW": "foreach"}
+    assert "runs AdamW foreach" in notice and "norms eager" in notice and "reduce_dtype fp32" in notice
+    assert stack_settings(compile(_strategy(cluster="cpu:8"))) == ({}, "")
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    r = subprocess.run([sys.executable, "-m", "piper_sim", "run", str(path), "--steps", "1", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "the plan's stack 'torchtitan': runs AdamW foreach" in r.stderr

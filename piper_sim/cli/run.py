@@ -23,7 +23,7 @@ import os
 import sys
 
 from executor.options import (add_run_options, preflight, refuse_tensor_parallel, refuse_tied_embeddings,
-                              refuse_unbuildable_user_model)
+                              refuse_unbuildable_user_model, stack_settings)
 from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_int
 from piper_sim.plan import Plan, PlanError
 
@@ -142,7 +142,10 @@ def cmd_run(args: argparse.Namespace) -> None:
         if not args.save:
             raise PlanError("--max-restarts needs --save DIR: restarted workers resume from its checkpoints")
         args.end_step = args.end_step or start + args.steps
-    rc = lifetime.run_launcher(torchrun_command(args, plan), env=launch_env(args.verbose))
+    stack_env, notice = stack_settings(plan)
+    if notice:
+        print(f"piper-sim run: {notice}", file=sys.stderr, flush=True)
+    rc = lifetime.run_launcher(torchrun_command(args, plan), env={**launch_env(args.verbose), **stack_env})
     if rc:
         raise SystemExit(rc)
 
