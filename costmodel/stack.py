@@ -143,13 +143,13 @@ def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
         return value
     if isinstance(value, str):
         value = {"preset": value}
-    if not isinstance(value, dict):
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise StackError(f"{where} must be a preset name ({', '.join(PRESETS)}) or a mapping of stack fields")
     unknown = set(value) - _ALLOWED
     if unknown:
         raise StackError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(_ALLOWED))}")
     preset = value.get("preset", "")
-    if preset and preset not in PRESETS:
+    if not isinstance(preset, str) or preset and preset not in PRESETS:
         raise StackError(f"{where}: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     base = PRESETS[preset] if preset else DEFAULT
     fields: dict[str, Any] = {}
@@ -181,6 +181,8 @@ def stack_to_strategy(stack: Stack) -> dict[str, Any]:
     base = PRESETS[stack.preset] if stack.preset else DEFAULT
     out: dict[str, Any] = {"preset": stack.preset} if stack.preset else {}
     out.update({k: v for k, v in stack.to_json().items() if k != "preset" and v != getattr(base, k)})
+    if "compile" in out:  # compile sets the norms unless they are given: give them
+        out["norms"] = stack.norms
     return out
 
 

@@ -291,11 +291,11 @@ def _tp_segments(cfg: ModelConfig, setup: Setup, mbs: int, seq: int, dtype: str,
     config (replicated over the TP group: whole parameters, whole GEMMs)."""
     shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
     segments = profile_model(shard, mbs, seq, dtype, stack)
-    memory = model_memory(shard, segments, mbs, seq, dtype)
+    memory = model_memory(shard, segments, mbs, seq, dtype, stack)
     if not setup.tp_partial:
         return segments, memory
     whole = profile_model(cfg, mbs, seq, dtype, stack)
-    whole_memory = model_memory(cfg, whole, mbs, seq, dtype)
+    whole_memory = model_memory(cfg, whole, mbs, seq, dtype, stack)
     keep = [setup.tp_sharded(x.unit) for x in segments]
     return ([x if k else y for x, y, k in zip(segments, whole, keep)],
             {**memory, **{y.name: whole_memory[y.name] for y, k in zip(whole, keep) if not k}})

@@ -289,7 +289,8 @@ class Screener:
             shard = tp_shard(self.cfg, tp, sp)
             seq = self.settings["seq_len"] // cp
             segments = cp_segments(profile_model(shard, mbs, seq, self.dtype, self.stack), cp)
-            self._profiles[key] = (segments, cp_memory(model_memory(shard, segments, mbs, seq, self.dtype), cp))
+            self._profiles[key] = (segments, cp_memory(model_memory(shard, segments, mbs, seq, self.dtype, self.stack),
+                                                       cp))
         return self._profiles[key]
 
     def _stage_costs(self, tp: int, sp: bool, mbs: int, num_stages: int, balanced: bool, cp: int) -> list:
@@ -598,7 +599,7 @@ def format_table(result: ExploreResult, top: int = 10) -> str:
     if best is not None and best.band is not None:
         lines.append(f"#1: {best.band.describe(best.step_time_s)}")
     stack = result.settings.get("stack")
-    if stack is not None:
+    if stack is not None and stack != DEFAULT_STACK:
         lines.append(f"stack: {stack.describe()}")
     c = result.counts
     lines.append(f"{len(result.rows)} strategies: {c.get('ok', 0)} simulated, {c.get('oom', 0)} out of memory, "

@@ -34,14 +34,16 @@ The fits verdict against a GPU's memory is `costmodel.memory.fits` (simulator an
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from costmodel.dtypes import dtype_bytes, dtype_name, torch_dtype
+from costmodel.stack import DEFAULT as DEFAULT_STACK, ProfileKernels, Stack
 from piper_sim.configs import ModelConfig, layer_of_kind, logits_bytes
 from piper_sim.profile_cache import on_disk
-from piper_sim.profiling import SegmentCost, measure, segment_kind, segment_windowed
+from piper_sim.profiling import SegmentCost, measure, name_attention_rows, segment_kind, segment_windowed
 
 if TYPE_CHECKING:  # torch loads only where a layer is measured (a profile cache miss)
     import torch
@@ -83,9 +85,21 @@ class SegmentMemory:
 @functools.lru_cache(maxsize=64)
 @on_disk
 def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
-                   dtype: str | torch.dtype, windowed: bool = False) -> tuple[int, int, tuple]:
+                   dtype: str | torch.dtype, windowed: bool = False,
+                   kernels_run: ProfileKernels = ProfileKernels()) -> tuple[int, int, tuple]:
     """(saved bytes with the attention core recomputed, attention-core forward flops and
-    kernel rows) of a ``dense`` layer or a MoE ``pre`` segment, measured on ``meta``."""
+    kernel rows) of a ``dense`` layer or a MoE ``pre`` segment, measured on ``meta`` with
+    the kernels the training stack runs (``kernels_run``, as `profiling.profile_kind`)."""
+    from piper_sim.models import profiling_kernels
+
+    if kernels_run.dropout is not None:
+        cfg = dataclasses.replace(cfg, dropout=kernels_run.dropout)
+    with profiling_kernels(kernels_run):
+        return _measure_layer(cfg, kind, micro_batch, seq, dtype, windowed)
+
+
+def _measure_layer(cfg: ModelConfig, kind: str, micro_batch: int, seq: int, dtype: str | torch.dtype,
+                   windowed: bool) -> tuple[int, int, tuple]:
     import torch
 
     from piper_sim.models import attention, attention_core_inputs, build_units
@@ -102,14 +116,15 @@ def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
         fn, params = block.forward_pre, [p for p in block.parameters() if id(p) not in experts]
     saved = measure(fn, [x], params).saved_act_bytes
     window = cfg.layer_window(layer)
-    core = measure(lambda q, k, v: attention(q, k, v, window),
+    core = measure(lambda q, k, v: attention(q, k, v, window, cfg.dropout),
                    list(attention_core_inputs(cfg, micro_batch, seq, dtype=dtype)), [])
     return saved, core.fwd_flops, core.kernels_f
 
 
 def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: int,
-                   dtype: str | torch.dtype) -> SegmentMemory:
-    """``dtype``: a name (``"bf16"``) or a ``torch.dtype``."""
+                   dtype: str | torch.dtype, stack: Stack = DEFAULT_STACK) -> SegmentMemory:
+    """``dtype``: a name (``"bf16"``) or a ``torch.dtype``; ``stack``: the kernels the run
+    executes (what the selectively recomputed attention core keeps and launches)."""
     kind = segment_kind(cfg, seg.name)
     dtype = dtype_name(dtype)
     nbytes = dtype_bytes(dtype)
@@ -119,7 +134,8 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     unit_input = float(micro_batch * cfg.local_seq(seq) * cfg.hidden * nbytes)
     if kind in ("dense", "moe_pre"):
         sel, core_flops, core_kernels = _layer_measure(cfg, kind, micro_batch, seq, dtype,
-                                                       segment_windowed(cfg, seg.name))
+                                                       segment_windowed(cfg, seg.name), stack.profile_key())
+        core_kernels = name_attention_rows(core_kernels, stack)
         selective = float(sel)
         checkpoint = unit_input
     elif kind == "moe_experts":
@@ -133,9 +149,9 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
 
 
 def model_memory(cfg: ModelConfig, segments: list[SegmentCost], micro_batch: int, seq: int,
-                 dtype: str | torch.dtype) -> dict[str, SegmentMemory]:
+                 dtype: str | torch.dtype, stack: Stack = DEFAULT_STACK) -> dict[str, SegmentMemory]:
     """`SegmentMemory` of every segment, by segment name."""
-    return {s.name: segment_memory(cfg, s, micro_batch, seq, dtype) for s in segments}
+    return {s.name: segment_memory(cfg, s, micro_batch, seq, dtype, stack) for s in segments}
 
 
 @dataclass(frozen=True)

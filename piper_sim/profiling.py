@@ -293,18 +293,21 @@ def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
     return tuple(out)
 
 
-def _name_attention(cost: SegmentCost, stack: Stack) -> SegmentCost:
-    """Flash-family rows named for the kernel the stack runs (``costmodel.operators`` prices
-    each by its own throughput); profiling them is the same (one cache entry)."""
+def name_attention_rows(rows: tuple, stack: Stack) -> tuple:
+    """Flash-family attention rows named for the kernel the stack runs (``costmodel.operators``
+    prices each by its own throughput); profiling them is the same (one cache entry)."""
     kernel = stack.attention
     if kernel in ("flash2", "unfused"):
+        return rows
+    return tuple((r[0], kernel, *r[2:]) if r[0] in ("attn_fwd", "attn_bwd") else r for r in rows)
+
+
+def _name_attention(cost: SegmentCost, stack: Stack) -> SegmentCost:
+    if stack.attention in ("flash2", "unfused"):
         return cost
-
-    def named(rows: tuple) -> tuple:
-        return tuple((r[0], kernel, *r[2:]) if r[0] in ("attn_fwd", "attn_bwd") else r for r in rows)
-
-    return replace(cost, kernels_f=named(cost.kernels_f), kernels_bi=named(cost.kernels_bi),
-                   kernels_bw=named(cost.kernels_bw))
+    return replace(cost, kernels_f=name_attention_rows(cost.kernels_f, stack),
+                   kernels_bi=name_attention_rows(cost.kernels_bi, stack),
+                   kernels_bw=name_attention_rows(cost.kernels_bw, stack))
 
 
 def profile_model(

@@ -29,6 +29,13 @@ def test_presets_load_and_parse():
     s = parse_stack({"preset": "torchtitan", "compile": True})
     assert s.compile and s.norms == "fused" and s.optimizer == "foreach"  # compile fuses the norms
     assert parse_stack({"preset": "torchtitan", "compile": True, "norms": "eager"}).norms == "eager"
+    # a strategy keeps its stack through to_json and back, for every preset and mapping
+    from piper_sim.strategy import parse_strategy
+
+    for value in [*PRESETS, {"compile": True}, {"preset": "torchtitan", "compile": True, "norms": "eager"},
+                  {"preset": "megatron-te", "tp_overlap": True, "dropout": 0.1}, {"attention": "unfused", "dropout": None}]:
+        st = parse_strategy({"model": "gpt-tiny", "cluster": "cpu:1", "global_batch": 1, "seq_len": 8, "stack": value})
+        assert parse_strategy(st.to_json()).stack == st.stack, value
 
 
 @pytest.mark.parametrize("value, match", [
@@ -38,6 +45,9 @@ def test_presets_load_and_parse():
     ({"dropout": 1.5}, "dropout must be a probability"),
     ({"compile": "yes"}, "compile must be true or false"),
     (3, "must be a preset name"),
+    ({"preset": ["torchtitan"]}, "unknown preset"),
+    ({"preset": None}, "unknown preset"),
+    ({1: "flash2"}, "must be a preset name"),
 ])
 def test_bad_stack_is_one_line(value, match):
     with pytest.raises(StackError, match=match) as e:
@@ -183,8 +193,12 @@ def test_shipped_bands_file_is_the_suites():
 
 def test_simulated_gpu_step_carries_its_band_and_cpu_does_not():
     gpu = simulate(compile(_strategy()))
-    assert gpu.band is not None and gpu.band.run_class == "fsdp"
-    assert gpu.band.step_low_s <= gpu.step_time_s * max(1.0, gpu.band.ratio_low) and gpu.band.step_high_s > 0
+    assert gpu.band is not None and gpu.band.run_class == "fsdp" and not gpu.band.pooled
+    fsdp = bands.load_bands()["classes"]["fsdp"]["ratios"]
+    assert (gpu.band.ratio_low, gpu.band.ratio_high) == bands.conformal_bounds(fsdp)
+    assert gpu.band.step_low_s == pytest.approx(gpu.step_time_s * gpu.band.ratio_low)
+    assert gpu.band.step_high_s == pytest.approx(gpu.step_time_s * gpu.band.ratio_high)
+    assert gpu.band.step_high_s > gpu.band.step_low_s
     assert gpu.to_json()["band"]["run_class"] == "fsdp"
     cpu = simulate(compile(_strategy(cluster="cpu:8")))
     assert cpu.band is None and cpu.to_json()["band"] is None
@@ -229,7 +243,7 @@ def test_executor_runs_the_stacks_optimizer_and_names_what_it_ignores(tmp_path, 
                     "directives": [{"op": "data_parallel", "degree": 2, "zero": 1}]})
     env, notice = stack_settings(plan)
     assert env == {"PIPER_ADAMW": "foreach"}
-    assert "runs AdamW foreach" in notice and "norms eager" in notice and "reduce_dtype fp32" in notice
+    assert "runs AdamW foreach" in notice and "F.rms_norm runs" in notice and "reduce_dtype fp32" in notice
     assert stack_settings(compile(_strategy(cluster="cpu:8"))) == ({}, "")
     path = tmp_path / "plan.json"
     plan.save(str(path))
@@ -237,3 +251,19 @@ def test_executor_runs_the_stacks_optimizer_and_names_what_it_ignores(tmp_path, 
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "the plan's stack 'torchtitan': runs AdamW foreach" in r.stderr
+
+
+def test_selective_recompute_follows_the_stack():
+    """The attention core a selective recompute re-runs is the stack's: Megatron's unfused
+    bmm/softmax under megatron-legacy, a cuDNN row under megatron-te."""
+    base = {"model": "gpt-tiny", "cluster": "a100:1x2", "global_batch": 2, "seq_len": 64,
+            "directives": [{"op": "data_parallel", "degree": 2}, {"op": "recompute", "mode": "selective"}]}
+
+    def backward_rows(stack):
+        plan = compile({**base, "stack": stack})
+        keys = {i.kernels for c in plan.classes for i in c.instructions() if i.kind == "B" and i.kernels}
+        return {(r[0], r[1]) for k in keys for r in plan.kernels[k]}
+
+    legacy = backward_rows("megatron-legacy")
+    assert ("mem", "scaled_masked_softmax") in legacy and not any(c.startswith("attn") for c, _ in legacy)
+    assert ("attn_fwd", "cudnn") in backward_rows({"attention": "cudnn"})

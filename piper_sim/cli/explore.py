@@ -57,7 +57,7 @@ def emit_best(result, out_dir: str, costmodel: str = "analytic") -> dict[str, st
 
 def stack_arg(value: str | None):
     """``--stack``: a preset name or a JSON mapping (costmodel.stack); one-line ValueError when bad."""
-    if value is None or not str(value).strip().startswith("{"):
+    if value is None or isinstance(value, dict) or not str(value).strip().startswith("{"):
         return value
     try:
         return json.loads(value)
