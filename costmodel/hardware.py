@@ -71,9 +71,6 @@ SUSTAINED_BLACKWELL = 0.83
 # Ampere: NVIDIA's HPL Rpeak uses the clock sustained at the power limit, A100 1305 MHz vs 1410 MHz
 # boost (glennklockwood.com "peak FLOPS" notes): 0.926; throughput scales with the clock (inferred).
 SUSTAINED_AMPERE = 1305 / 1410
-# The spread of the sourced ratios around the values used (0.842-0.879 Hopper, 0.822-0.842
-# Blackwell): part of the uncertainty a prediction carries (piper_sim.bands).
-SUSTAINED_SPREAD = 0.02
 
 
 @dataclass(frozen=True)

@@ -240,4 +240,4 @@ def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
         ignored.append(f"reduce_dtype {stack.reduce_dtype} (gradients are reduced in the plan's dtype)")
     runs = f"AdamW {os.environ.get('PIPER_ADAMW') or stack.optimizer}"
     name = f" {stack.preset!r}" if stack.preset else ""
-    return env, f"the plan's stack{name}: runs {runs}; ignores " + ("; ".join(ignored) if ignored else "nothing")
+    return env, f"the plan's stack{name}: runs {runs}; ignores " + "; ".join(ignored)

@@ -11,9 +11,9 @@ import networkx as nx
 
 from costmodel import operators
 from costmodel.dtypes import DTYPE_BYTES, torch_dtype
-from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, check_stack_on
 from costmodel.hardware import GPU, H100, parse_cluster
 from costmodel.memory import adam_state_bytes, model_state_bytes
+from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, check_stack_on
 from piper_sim.annotate import AnnotationError, UserModel, check_user_setup, resolve_user_model
 from piper_sim.directives import Setup, expand, resolve
 from piper_sim.context_parallel import context_edges, context_pass, cp_error, cp_memory, cp_segments, \

@@ -30,11 +30,11 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from costmodel.dtypes import DTYPE_BYTES
-from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, check_stack_on, parse_stack, stack_to_strategy
-from piper_sim.bands import Band
 from costmodel.hardware import parse_cluster
 from costmodel.memory import fits
 from costmodel.model import get_costmodel
+from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, check_stack_on, parse_stack, stack_to_strategy
+from piper_sim.bands import Band
 from piper_sim.configs import tp_divisibility_error, tp_shard
 from piper_sim.context_parallel import cp_error, cp_memory, cp_segments
 from piper_sim.plan import gc_paused
@@ -476,13 +476,13 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     ``stack``: the training stack every candidate runs (``costmodel.stack``: a preset name, a
     mapping or a Stack; default FA2 and fused kernels)."""
     t0 = time.perf_counter()
+    cl = parse_cluster(cluster)
     stack = parse_stack(stack, "explore stack")
-    check_stack_on(stack, parse_cluster(cluster).gpu, "explore stack")
+    check_stack_on(stack, cl.gpu, "explore stack")
     settings = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
                 "costmodel": costmodel, "stack": stack}
     if candidates is None:
         candidates = enumerate_candidates(model, cluster, global_batch, seq_len, **enum_kw)
-    cl = parse_cluster(cluster)
     cm = get_costmodel(costmodel, cl)
     hbm = cl.gpu.hbm_bytes
     workers = workers or os.cpu_count() or 1

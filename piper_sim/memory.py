@@ -34,7 +34,6 @@ The fits verdict against a GPU's memory is `costmodel.memory.fits` (simulator an
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,7 +42,8 @@ from costmodel.dtypes import dtype_bytes, dtype_name, torch_dtype
 from costmodel.stack import DEFAULT as DEFAULT_STACK, ProfileKernels, Stack
 from piper_sim.configs import ModelConfig, layer_of_kind, logits_bytes
 from piper_sim.profile_cache import on_disk
-from piper_sim.profiling import SegmentCost, measure, name_attention_rows, segment_kind, segment_windowed
+from piper_sim.profiling import (SegmentCost, measure, name_attention_rows, segment_kind, segment_windowed,
+                                 with_kernels)
 
 if TYPE_CHECKING:  # torch loads only where a layer is measured (a profile cache miss)
     import torch
@@ -90,12 +90,7 @@ def _layer_measure(cfg: ModelConfig, kind: str, micro_batch: int, seq: int,
     """(saved bytes with the attention core recomputed, attention-core forward flops and
     kernel rows) of a ``dense`` layer or a MoE ``pre`` segment, measured on ``meta`` with
     the kernels the training stack runs (``kernels_run``, as `profiling.profile_kind`)."""
-    from piper_sim.models import profiling_kernels
-
-    if kernels_run.dropout is not None:
-        cfg = dataclasses.replace(cfg, dropout=kernels_run.dropout)
-    with profiling_kernels(kernels_run):
-        return _measure_layer(cfg, kind, micro_batch, seq, dtype, windowed)
+    return with_kernels(kernels_run, _measure_layer, cfg, kind, micro_batch, seq, dtype, windowed)
 
 
 def _measure_layer(cfg: ModelConfig, kind: str, micro_batch: int, seq: int, dtype: str | torch.dtype,

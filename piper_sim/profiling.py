@@ -176,12 +176,18 @@ def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dt
     ``head``; ``windowed``: of a layer with sliding-window attention; ``dtype`` a name
     (``"bf16"``) or a ``torch.dtype``; ``kernels_run`` what the training stack runs (unfused
     attention, eager norms, its dropout). Cached; ``name``/``unit`` are set to the kind."""
+    return with_kernels(kernels_run, _profile_kind, cfg, kind, micro_batch, seq_len, dtype, windowed)
+
+
+def with_kernels(kernels_run: ProfileKernels, measure_fn: Callable, cfg: ModelConfig, *args):
+    """``measure_fn(cfg, *args)`` run on meta with the kernels the stack runs (its dropout on
+    ``cfg`` when it sets one)."""
     from piper_sim.models import profiling_kernels
 
     if kernels_run.dropout is not None:
         cfg = replace(cfg, dropout=kernels_run.dropout)
     with profiling_kernels(kernels_run):
-        return _profile_kind(cfg, kind, micro_batch, seq_len, dtype, windowed)
+        return measure_fn(cfg, *args)
 
 
 def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: str | torch.dtype,
@@ -303,8 +309,6 @@ def name_attention_rows(rows: tuple, stack: Stack) -> tuple:
 
 
 def _name_attention(cost: SegmentCost, stack: Stack) -> SegmentCost:
-    if stack.attention in ("flash2", "unfused"):
-        return cost
     return replace(cost, kernels_f=name_attention_rows(cost.kernels_f, stack),
                    kernels_bi=name_attention_rows(cost.kernels_bi, stack),
                    kernels_bw=name_attention_rows(cost.kernels_bw, stack))

@@ -54,9 +54,9 @@ from costmodel.hardware import Cluster, parse_cluster
 from costmodel.memory import adam_state_bytes
 from costmodel.memory import fits as memory_fits
 from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_costmodel
-from piper_sim.bands import Band, band_for, run_class
 from costmodel.moe import Routing
 from piper_sim import trace
+from piper_sim.bands import Band, band_for, run_class
 from piper_sim.ir import CP_STREAM, TP_STREAM
 from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan, gc_paused, p2p_partner_id
 from piper_sim.validate import check_layout

@@ -13,7 +13,6 @@ import sys
 from costmodel.stack import parse_stack
 
 
-
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s = subparsers.add_parser("simulate", help="simulate one training step of a plan",
                               description="Simulate one training step of a compiled plan.")
