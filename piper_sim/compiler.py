@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import time
-import warnings
 from dataclasses import dataclass
 
 import networkx as nx
@@ -12,17 +11,13 @@ import networkx as nx
 from costmodel import operators
 from costmodel.dtypes import DTYPE_BYTES, torch_dtype
 from costmodel.hardware import GPU, H100, parse_cluster
-from costmodel.memory import adam_state_bytes, model_state_bytes
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, check_stack_on
 from piper_sim.annotate import AnnotationError, UserModel, check_user_setup, resolve_user_model
 from piper_sim.directives import Setup, expand, resolve
-from piper_sim.context_parallel import context_edges, context_pass, cp_error, cp_memory, cp_segments, \
-    gathered_kv_bytes
-from piper_sim.ir import Context, Node, StageCost, TrainingDAG, activation_memory_pass, grad_bucket_memory, \
-    is_cp, is_tp, optimizer_pass, order_pass, piece_pass, place_pass, recompute_pass, replicate_pass, split_pass, \
-    tensor_pass, unit_buckets
+from piper_sim.axes import check_setup, cp_memory, cp_segments, gathered_kv_bytes, passes, static_memory, unit_buckets
+from piper_sim.ir import Context, Node, StageCost, TrainingDAG, is_inner, run_passes
 from piper_sim.memory import SegmentMemory, model_memory
-from piper_sim.configs import ModelConfig, plan_model_meta, tp_divisibility_error, tp_shard
+from piper_sim.configs import ModelConfig, plan_model_meta, tp_shard
 from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram, gc_paused
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
@@ -197,42 +192,12 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
     if setup.tp_layers is not None or not (setup.tp_embed and setup.tp_head):  # shard_tensor selects segments
         _check_tp_selection(cfg, setup)
     if isinstance(cfg, UserModel):
-        if setup.cp > 1:
-            raise StrategyError(f"context_parallel: model {cfg.name} is a user nn.Module, whose attention piper-sim "
-                                "cannot split by sequence; remove the directive (zoo, model-file and hf: models "
-                                "support it)")
         err = check_user_setup(cfg, setup.ep, setup.tp, setup.recompute)
         if err:
             raise StrategyError(err)
     if empty:
         raise StrategyError(f"place: pp_rank(s) {empty} hold no stage; place a stage on every pipeline rank")
-    if setup.ep > 1:
-        if not cfg.is_moe:
-            raise StrategyError(f"expert_parallel: model {cfg.name} has no experts; remove the directive")
-        if cfg.n_experts % setup.ep:
-            raise StrategyError(f"expert_parallel: degree {setup.ep} does not divide the {cfg.n_experts} experts "
-                                f"of {cfg.name}; use a divisor of {cfg.n_experts}")
-        if setup.dp % setup.ep:
-            raise StrategyError(f"expert_parallel: degree {setup.ep} must divide the data-parallel degree "
-                                f"{setup.dp} (EP ranks are DP ranks for the dense parts)")
-    if setup.tp > 1:
-        err = tp_divisibility_error(cfg, setup.tp)
-        if err:
-            raise StrategyError(f"tensor_parallel: {err}")
-        if setup.sp and strategy.seq_len % setup.tp:
-            raise StrategyError(f"tensor_parallel: sequence_parallel splits seq_len {strategy.seq_len} over degree "
-                                f"{setup.tp}; make seq_len a multiple of {setup.tp} or set sequence_parallel false")
-        if setup.tp > cluster.gpus_per_node:
-            warnings.warn(f"tensor_parallel: degree {setup.tp} spans nodes (cluster {strategy.cluster} has "
-                          f"{cluster.gpus_per_node} GPUs per node): its collectives leave NVLink", stacklevel=2)
-    if setup.cp > 1:
-        err = cp_error(cfg, strategy.seq_len, setup.cp, setup.tp, setup.sp)
-        if err:
-            raise StrategyError(f"context_parallel: {err}")
-        if setup.cp * setup.tp > cluster.gpus_per_node:
-            warnings.warn(f"context_parallel: degree {setup.cp} x tensor parallel {setup.tp} spans nodes (cluster "
-                          f"{strategy.cluster} has {cluster.gpus_per_node} GPUs per node): K/V collectives leave "
-                          "NVLink", stacklevel=2)
+    check_setup(cfg, setup, strategy, cluster)
     world = setup.pp * setup.dp * setup.cp * setup.tp
     if world != cluster.world_size:
         if setup.cp > 1:
@@ -334,35 +299,8 @@ def build_dag(strategy: Strategy, folded: bool = True,
                   memory=memory,
                   micro_batch=mbs, seq_len=seq, hidden=cfg.hidden, kv_bytes=kv_bytes, stack=strategy.stack)
     dag = TrainingDAG()
-    kinds = split_pass(ctx)
-    place_pass(ctx, dag, kinds)
-    piece_pass(ctx, dag)
-    tensor_pass(ctx, dag)
-    recompute_pass(ctx, dag)
-    activation_memory_pass(ctx, dag)
-    context_pass(ctx, dag)
-    replicate_pass(ctx, dag)
-    optimizer_pass(ctx, dag)
-    sequences = order_pass(ctx, dag)
-    _prefetch_edges(dag, sequences)
-    context_edges(dag, sequences)
-    if not nx.is_directed_acyclic_graph(dag.g):
-        cycle = nx.find_cycle(dag.g)
-        ops = " -> ".join(f"{dag.ins(a).id}@{a[0]}" for a, _ in cycle)
-        raise StrategyError(f"order: the schedule deadlocks; these ops wait on each other: {ops}")
-    ctx.sequences = sequences
-    grad_bucket_memory(ctx, dag)
+    run_passes(ctx, dag, passes())
     return dag, ctx, cfg
-
-
-def _prefetch_edges(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> None:
-    """A ZeRO-3 all-gather may start once the op two places before its consumer ended
-    (one op of prefetch), so gathered parameters do not pile up in memory."""
-    for seq in sequences.values():
-        for i, n in enumerate(seq):
-            for p in list(dag.g.predecessors(n)):
-                if dag.ins(p).kind == "ALL_GATHER" and i >= 2 and not is_tp(dag.ins(p)) and not is_cp(dag.ins(p)):
-                    dag.edge(seq[i - 2], p, "temporal")
 
 
 def _issued_before(dag: TrainingDAG, n: Node, previous: dict[Node, Node]) -> Node | None:
@@ -375,7 +313,7 @@ def _issued_before(dag: TrainingDAG, n: Node, previous: dict[Node, Node]) -> Nod
     hint = dag.g._node[n].get("issue_before")  # a context-parallel chain's first op: just before its piece
     if hint is not None:
         return hint
-    if is_tp(ins) or is_cp(ins):
+    if is_inner(ins):
         return None  # after the compute piece (or collective) it follows (the default)
     local = [q for q in dag.g.successors(n) if q[0] == n[0]]
     if ins.kind == "ALL_GATHER" and ins.mb >= 0:
@@ -427,7 +365,7 @@ def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node
                     else:
                         # gradient buckets go out as the backward reaches them (last first)
                         # a layer's TP collectives (tens per compute piece) stay between it and the next
-                        inside = is_tp(dag.ins(n)) or is_cp(dag.ins(n))
+                        inside = is_inner(dag.ins(n))
                         early = 0.0 if inside else (1.0 - dag.ins(n).dep_progress) * 0.5
                         step = 0.001 if inside else 0.1
                         key[n] = max(forced.get(n, 0.0), max(preds, default=-1.0) + step - early)
@@ -488,22 +426,6 @@ def _natural(op_id: str) -> tuple:
 
 
 _STREAM_ORDER = {"compute": 0, "recv": 1, "send": 2, "ep": 3, "dp": 4, "tp": 5, "cp": 6}
-
-
-def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
-    """Parameters, gradients and optimizer state a rank holds for the whole step."""
-    total = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0}
-    pbytes = ctx.dtype_bytes
-    optim = adam_state_bytes(pbytes)
-    for s, ranks in ctx.layout.stage_ranks.items():
-        if pp_rank not in ranks:
-            continue
-        for count, n in ctx.param_groups(s):
-            if count:
-                m = model_state_bytes(count, n, zero, param_bytes=pbytes, grad_bytes=pbytes, optim_bytes=optim)
-                for k in total:
-                    total[k] += m[k]
-    return total
 
 
 @gc_paused

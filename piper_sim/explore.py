@@ -36,7 +36,7 @@ from costmodel.model import get_costmodel
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, check_stack_on, parse_stack, stack_to_strategy
 from piper_sim.bands import Band
 from piper_sim.configs import tp_divisibility_error, tp_shard
-from piper_sim.context_parallel import cp_error, cp_memory, cp_segments
+from piper_sim.axes import BW_KEEP_FRACTION, cp_error, cp_memory, cp_segments, static_memory
 from piper_sim.plan import gc_paused
 from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, ScheduleError, canonical_schedule, known_names,
                                  stages_per_rank)
@@ -177,7 +177,7 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
     the GPUs per node), those that divide the model's heads, KV heads and MLP widths (and
     the sequence: sequence parallelism is on whenever T > 1). Context parallel: ``cp_degrees``
     (default: from ``CP_MIN_SEQ`` tokens on, the divisors of GPUs per node / T; else 1), those
-    that split the sequence into 2C chunks (`context_parallel.cp_error`)."""
+    that split the sequence into 2C chunks (`parallel.context.cp_error`)."""
     cfg = resolve_model(model)
     cl = parse_cluster(cluster)
     schedules = [canonical_schedule(x) for x in (schedules or SCHEDULES)]
@@ -250,18 +250,18 @@ def _schedule(name: str, pp: int, m: int, v: int):
 class Screener:
     """Exact bounds of candidates without compiling them, from the compiler's own accounting.
 
-    Memory: a rank's model states (`compiler.static_memory`) plus the most activation memory
+    Memory: a rank's model states (`parallel.data.static_memory`) plus the most activation memory
     its compute stream is sure to hold (`_activation_peaks`): walking the schedule's order for the
     rank, F adds what the stage keeps for its backward (`memory.SegmentMemory.kept` under the
-    recompute mode), B frees it, BI and BW free their shares (``ir.BW_KEEP_FRACTION``, the
-    re-run forward under full recompute), exactly as `ir.activation_memory_pass` sets their
+    recompute mode), B frees it, BI and BW free their shares (``parallel.memory.BW_KEEP_FRACTION``, the
+    re-run forward under full recompute), exactly as `parallel.memory.activation_memory_pass` sets their
     ``alloc``/``free``. Compute ops run in that order and everything else a plan allocates
     (temporaries, buffers, gathered parameters, gradient buckets) only adds, so the
     simulated peak is at least this. Time: the busiest rank's forward+backward kernels as
     the simulator prices them (or their flops at the cost model's best efficiency). Under
     tensor parallelism both are a rank's share: the segments are profiled on its shard
     (`models.tp_shard`), as the compiler does; under context parallelism on its ``seq_len / C``
-    tokens (`context_parallel.cp_segments`). Profiles, stage cuts and per-stage numbers
+    tokens (`parallel.context.cp_segments`). Profiles, stage cuts and per-stage numbers
     are computed once per (TP, micro-batch size, stages) and shared by the candidates."""
 
     def __init__(self, settings: dict[str, Any], cm: Any) -> None:
@@ -325,7 +325,7 @@ class Screener:
         (F: its stage's kept bytes all taken, plus the transient of its last segment) or its
         first backward piece starts (the last segment's transient and, under full recompute,
         its re-run activations; the backward runs the pieces last first)."""
-        from piper_sim.ir import BW_KEEP_FRACTION as keep
+        keep = BW_KEEP_FRACTION
 
         key = (cand.schedule, cand.pp, cand.microbatches, cand.v, cand.tp, cand.sp, cand.cp, mbs, cand.recompute,
                cand.ep)
@@ -364,10 +364,8 @@ class Screener:
         return hit
 
     def _static(self, cand: Candidate, spec: Any, mbs: int, ctx: Any, rank: int) -> float:
-        """Model-state bytes of a pipeline rank (`compiler.static_memory`), shared by the
+        """Model-state bytes of a pipeline rank (`parallel.data.static_memory`), shared by the
         candidates that differ in recompute only."""
-        from piper_sim.compiler import static_memory
-
         key = (cand.schedule, cand.pp, cand.microbatches, cand.v, cand.tp, cand.sp, cand.cp, mbs, cand.dp, cand.ep,
                cand.zero, rank)
         if key not in self._statics:

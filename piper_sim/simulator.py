@@ -57,7 +57,7 @@ from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_cos
 from costmodel.moe import Routing
 from piper_sim import trace
 from piper_sim.bands import Band, band_for, run_class
-from piper_sim.ir import CP_STREAM, TP_STREAM
+from piper_sim.ir import is_inner
 from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan, gc_paused, p2p_partner_id
 from piper_sim.validate import check_layout
 
@@ -65,10 +65,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
 log = logging.getLogger(__name__)
-
-# streams whose ops the executor performs inside compute (tensor- and context-parallel
-# collectives): nothing is posted for them
-INSIDE_COMPUTE_STREAMS = (TP_STREAM, CP_STREAM)
 
 __all__ = ["RankStats", "SimResult", "SimulationDeadlock", "SimulationError", "fold_is_exact", "simulate"]
 
@@ -498,7 +494,7 @@ class _Engine:
                         op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, ins.a2a)
                     else:
                         raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
-                    if op.dur is None and name not in INSIDE_COMPUTE_STREAMS:
+                    if op.dur is None and not is_inner(ins):  # inner: performed inside compute
                         op.post = float(self.cm.post_time(ins.kind, ins.bytes))
                     ops.append(op)
                 streams.append((name, ops))
@@ -826,7 +822,7 @@ class _Engine:
 
     def _stream(self, rank: int, si: int, name: str, ops: list[_Op]):
         env = self.env
-        hosted = bool(self.hosts) and name not in INSIDE_COMPUTE_STREAMS
+        hosted = bool(self.hosts) and not (ops and is_inner(ops[0].ins))  # inner: performed inside compute
         prev: _Op | None = None  # the stream's last posted comm op (its transfer may still run)
         for i, op in enumerate(ops):
             ins = op.ins

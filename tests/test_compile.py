@@ -290,7 +290,7 @@ def test_bucket_mb_fills_buckets_from_the_models_end():
     """DDP / Megatron-LM order: full buckets from the last layers, the rest in the first
     layers' bucket (reduced last, gathered first); a remainder of a few bytes (a cut at
     byte precision) joins its neighbour instead of costing a collective of its own."""
-    from piper_sim.ir import MIN_BUCKET_BYTES, _buckets
+    from piper_sim.parallel.data import MIN_BUCKET_BYTES, _buckets
 
     mib = 2**20
     assert _buckets(2.5 * mib, 1, n_units=4) == [0.5 * mib, mib, mib]

@@ -155,3 +155,34 @@ def test_a_cached_compile_imports_no_torch(tmp_path):
     warm_hash, warm_torch = compile_once()
     assert not warm_torch, "a compile on a warm profile cache imported torch"
     assert warm_hash == cold_hash
+
+
+def test_generic_modules_reach_the_techniques_only_through_the_registry():
+    """`piper_sim.ir`, `strategy`, `directives`, `compiler` and `explore` reach `piper_sim.parallel.*`
+    only through `piper_sim.axes` (issue 25: a technique is its module plus one registry line)."""
+    g = import_graph()
+    generic = ("piper_sim.ir", "piper_sim.strategy", "piper_sim.directives", "piper_sim.compiler", "piper_sim.explore")
+    direct = sorted(f"{a} -> {b}" for a in generic for b in g.successors(a) if b.startswith("piper_sim.parallel"))
+    assert not direct, "reach piper_sim.parallel through piper_sim.axes:\n" + "\n".join(direct)
+    assert g.has_edge("piper_sim.compiler", "piper_sim.axes")
+
+
+def test_generic_code_never_asks_which_axis_an_op_belongs_to():
+    """No ``is_tp``/``is_cp`` (or a check of an op's stream name against an axis) outside the
+    techniques' own modules: generic code asks `piper_sim.ir.is_inner`."""
+    import re
+
+    GENERIC_ROOTS = ("piper_sim/", "costmodel/")
+    allowed = ("piper_sim/parallel/", "executor/parallel/", "executor/tensor_parallel.py",
+               "executor/context_parallel.py")
+    pattern = re.compile(r"\bis_(tp|cp)\(|stream == \"(tp|cp)\"|\b(TP|CP)_STREAM\b")
+    found = []
+    for mod, path in modules().items():
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if rel.startswith(allowed) or not rel.startswith(GENERIC_ROOTS):
+            continue
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if pattern.search(line):
+                    found.append(f"{rel}:{i}: {line.strip()}")
+    assert not found, "axis checks in generic code:\n" + "\n".join(found)

@@ -28,19 +28,23 @@ Selective recompute re-runs the attention core on the K/V its backward gathers (
 collective). Limits: sliding-window layers gather the whole sequence's K/V, and a window between
 ``seq_len / cp`` and ``seq_len`` is costed as full causal attention.
 
-Parameters are replicated over cp: gradient sync and ZeRO sharding span dp x cp (`ir.Context`).
+Parameters are replicated over cp: gradient sync and ZeRO sharding span dp x cp (`piper_sim.ir.Context`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 from piper_sim.configs import ModelConfig
-from piper_sim.ir import CP_STREAM, Context, Node, TrainingDAG, _tp_label, make_op
+from piper_sim.ir import Context, Node, TrainingDAG, make_op
 from piper_sim.memory import SegmentMemory
+from piper_sim.parallel.tensor import layer_label
 from piper_sim.plan import SPLIT_KINDS
 from piper_sim.profiling import SegmentCost, segment_kind
+from piper_sim.strategy import StrategyError
 
+CP_STREAM = "cp"  # its collectives' stream (inside a layer)
 CP_STYLES = ("allgather", "ring")
 ATTENTION_KINDS = ("dense", "moe_pre")  # segments with an attention block
 
@@ -153,7 +157,7 @@ def context_pass(ctx: Context, dag: TrainingDAG) -> None:
                                           direction=pas, name=name, alloc=transient, free=free))
 
         for x in segs if forward else reversed(segs):
-            label = _tp_label(x)
+            label = layer_label(x)
             if forward:
                 before.append(add("F", f"{label}.kv.ag", "ALL_GATHER"))
                 continue
@@ -193,15 +197,33 @@ def _insert(dag: TrainingDAG, n: Node, before: list[Node], after: list[Node], be
             dag.edge(after[-1], q, kind)
 
 
-def context_edges(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> None:
+def context_edges(ctx: Context, dag: TrainingDAG) -> None:
     """A piece's K/V collectives start no earlier than the compute op before the piece (the
     K/V come from the piece's own projections: no prefetch), once the order is known."""
     first: dict[Node, list[Node]] = {}
     for q, data in dag.g.nodes(data=True):
         if data.get("issue_before") is not None:
             first.setdefault(data["issue_before"], []).append(q)
-    for seq in sequences.values():
+    for seq in ctx.sequences.values():
         for prev, n in zip(seq, seq[1:]):
             for q in first.get(n, ()):
                 if not dag.g.has_edge(prev, q):
                     dag.edge(prev, q, "temporal")
+
+
+def check(cfg, setup, strategy, cluster) -> None:
+    """``context_parallel``: a transformer whose sequence splits into ``2 * cp`` chunks; a
+    warning when CP x TP spans nodes."""
+    if setup.cp == 1:
+        return
+    if not isinstance(cfg, ModelConfig):
+        raise StrategyError(f"context_parallel: model {cfg.name} is a user nn.Module, whose attention piper-sim "
+                            "cannot split by sequence; remove the directive (zoo, model-file and hf: models "
+                            "support it)")
+    err = cp_error(cfg, strategy.seq_len, setup.cp, setup.tp, setup.sp)
+    if err:
+        raise StrategyError(f"context_parallel: {err}")
+    if setup.cp * setup.tp > cluster.gpus_per_node:
+        warnings.warn(f"context_parallel: degree {setup.cp} x tensor parallel {setup.tp} spans nodes (cluster "
+                      f"{strategy.cluster} has {cluster.gpus_per_node} GPUs per node): K/V collectives leave "
+                      "NVLink", stacklevel=4)

@@ -1,0 +1,167 @@
+"""Tensor (and sequence) parallelism: the collectives inside each layer on the ``tp`` stream."""
+
+from __future__ import annotations
+
+import warnings
+
+from piper_sim.configs import tp_divisibility_error
+from piper_sim.ir import Context, Node, TrainingDAG, make_op
+from piper_sim.plan import COMPUTE_KINDS, SPLIT_KINDS, WEIGHT_GRAD_KINDS, Instruction
+from piper_sim.profiling import SegmentCost, segment_kind
+from piper_sim.strategy import StrategyError
+
+TP_STREAM = "tp"
+
+
+def is_tp(ins: Instruction) -> bool:
+    """A tensor-parallel collective (inside a layer, on the ``tp`` stream)."""
+    return ins.stream == TP_STREAM
+
+
+def layer_label(seg: SegmentCost) -> str:
+    return "l" + seg.unit.split(".")[1] if seg.unit.startswith("layers.") else seg.unit
+
+
+def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float) -> list[tuple[str, str, float]]:
+    """The tensor-parallel collectives of one segment in one pass, in execution order, as
+    (name, kind, bytes); ``act`` is the ``B·s·h`` activation in bytes, ``loss`` one fp32 value
+    per token. ``pas``: ``F``; ``B`` (input gradients; ``.regather`` ops feed the weight
+    gradients). Megatron-LM's tensor parallelism (Shoeybi et al. 2019) and sequence
+    parallelism (Korthikanti et al. 2022):
+
+    - without SP, a block (attention, MLP or MoE) all-reduces its row-parallel output in
+      forward (``g``) and the gradient of its column-parallel input in backward (``f``);
+    - with SP, an all-gather before and a reduce-scatter after each block in forward, their
+      mirror images in backward, and the all-gather of the saved input shard again for the
+      weight gradients (``.regather``: Megatron keeps the shard, not the gathered input);
+    - vocabulary-parallel embedding: an all-reduce (SP: reduce-scatter) of its output, in
+      backward nothing (SP: all-gather of the output gradient); head: its input's backward
+      all-reduce (SP: gather in forward, reduce-scatter and re-gather in backward) and the
+      vocabulary-parallel cross entropy's three all-reduces of one fp32 per token (max,
+      target logit, sum of exponentials).
+    """
+    kind = segment_kind(None, seg.name)  # type: ignore[arg-type]
+    AR, AG, RS = "ALLREDUCE", "ALL_GATHER", "REDUCE_SCATTER"
+    if kind == "embed":
+        return ([("embed.rs", RS, act)] if sp else [("embed.ar", AR, act)]) if pas == "F" else \
+            ([("embed.ag", AG, act)] if sp else [])
+    if kind == "head":
+        if pas == "F":
+            head = [("head.ag", AG, act)] if sp else []
+            return head + [(f"head.loss.{x}", AR, loss) for x in ("max", "target", "sumexp")]
+        return [("head.regather", AG, act), ("head.rs", RS, act)] if sp else [("head.ar", AR, act)]
+    l = layer_label(seg)
+    blocks = {"dense": ["attn", "mlp"], "moe_pre": ["attn", "moe"], "moe_experts": []}[kind]
+    if pas == "F":
+        if kind == "moe_pre":  # the MoE block's output is reduced after the experts (see moe_experts)
+            return [(f"{l}.attn.ag", AG, act), (f"{l}.attn.rs", RS, act), (f"{l}.moe.ag", AG, act)] if sp else \
+                [(f"{l}.attn.ar", AR, act)]
+        if kind == "moe_experts":
+            return [(f"{l}.moe.rs", RS, act)] if sp else [(f"{l}.moe.ar", AR, act)]
+        return [x for b in blocks for x in ([(f"{l}.{b}.ag", AG, act), (f"{l}.{b}.rs", RS, act)] if sp else
+                                            [(f"{l}.{b}.ar", AR, act)])]
+    if kind == "moe_experts":  # the gradient of the MoE block's output, gathered before the experts' backward
+        return [(f"{l}.moe.ag", AG, act)] if sp else []
+    out = []
+    for b in reversed(blocks):
+        if sp:
+            grad_in = [] if b == "moe" else [(f"{l}.{b}.ag", AG, act)]
+            out += grad_in + [(f"{l}.{b}.regather", AG, act), (f"{l}.{b}.rs", RS, act)]
+        else:
+            out.append((f"{l}.{b}.ar", AR, act))
+    return out
+
+
+def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
+    """Tensor (and sequence) parallelism: the collectives inside each layer (`tp_collectives`)
+    on the ``tp`` stream, over the ``tp`` group.
+
+    F/B/BI are cut per unit (`Context.parts`) and a unit's collectives run, in order, between
+    its compute piece and the next: ``piece(l) -> its collectives -> piece(l+1)``. Without
+    async tensor parallelism the next GEMM waits for each of them, so a layer takes its
+    compute plus its collectives either way; only where inside the layer they run moves
+    (after its attention half, in truth). A full-recompute backward re-runs the forward's
+    collectives first (``TP.R.`` ops). With a BI/BW split the weight pass waits for the
+    ``.regather`` all-gathers, issued after the stage's input-gradient pass. With sequence
+    parallelism the norms' weight gradients (computed on a sequence shard) are all-reduced
+    over the TP group before the optimizer step (``TP.s{S}.norms``). Segments ``shard_tensor``
+    did not select (`Setup.tp_sharded`) are replicated and have no collectives."""
+    if ctx.layout.tp == 1:
+        return
+    sp = ctx.setup.sp
+    act = float(ctx.micro_batch * ctx.seq_len * ctx.hidden * ctx.dtype_bytes)
+    loss = float(ctx.micro_batch * ctx.seq_len * 4)
+    by_stage: dict[tuple[int, int], list[Node]] = {}
+    for n in list(dag.g.nodes):
+        ins = dag.ins(n)
+        if ins.kind in COMPUTE_KINDS:
+            by_stage.setdefault((n[0], ins.stage), []).append(n)
+    for (where, s), nodes in by_stage.items():
+        group = ctx.group("tp", where)
+        full = ctx.setup.recompute.get(s) == "full"
+        parts = ctx.parts(s)
+        regathers: dict[int, list[Node]] = {}  # mb -> BI-split re-gathers its BW waits for
+        last_bi: dict[int, Node] = {}
+        for n in nodes:
+            ins = dag.ins(n)
+            if ins.kind not in SPLIT_KINDS:
+                continue
+            segs = parts[ins.part] if ins.kind == "F" else list(reversed(parts[ins.part]))
+            chain: list[Node] = []
+
+            def add(pas: str, name: str, kind: str, nbytes: float) -> Node:
+                return dag.add(where, make_op(kind, TP_STREAM, stage=s, mb=ins.mb, bytes=nbytes, group=group,
+                                              direction=pas, name=name))
+
+            for seg in segs:
+                if not ctx.setup.tp_sharded(seg.unit):
+                    continue  # replicated (shard_tensor's selection): run whole, no TP collective
+                if ins.kind != "F" and full and ctx.memory[seg.name].recomputed:
+                    chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss)]
+                for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss):
+                    if ins.kind == "BI" and x[0].endswith(".regather"):
+                        regathers.setdefault(ins.mb, []).append(add("B", *x))
+                    else:
+                        chain.append(add("F" if ins.kind == "F" else "B", *x))
+            if ins.kind == "BI" and ins.part == 0:
+                last_bi[ins.mb] = n
+            if not chain:
+                continue
+            succs = list(dag.g.out_edges(n, data="kind"))
+            dag.g.remove_edges_from([(a, b) for a, b, _ in succs])
+            for a, b in zip([n] + chain, chain):
+                dag.edge(a, b)
+            if ctx.stack.tp_overlap:  # overlapped with the layer's GEMMs: the chain starts with the piece
+                dag.ins(chain[0]).dep_progress = 0.0
+            for _, q, kind in succs:
+                dag.edge(chain[-1], q, kind)
+        for mb, ops in regathers.items():
+            bw = (where, f"BW.s{s}.mb{mb}")
+            src = last_bi[mb]
+            for a, b in zip([src] + ops, ops):
+                dag.edge(a, b)
+            dag.edge(ops[-1], bw)
+        norms = sum(x.sp_params for x in ctx.stages[s].segments) * ctx.dtype_bytes
+        if sp and norms:
+            ar = dag.add(where, make_op("ALLREDUCE", TP_STREAM, stage=s, bytes=float(norms), group=group,
+                                        name="norms"))
+            for n in nodes:
+                if dag.ins(n).kind in WEIGHT_GRAD_KINDS:
+                    dag.edge(n, ar)
+            dag.edge(ar, (where, f"OPT.s{s}"))
+
+
+def check(cfg, setup, strategy, cluster) -> None:
+    """``tensor_parallel``: the degree divides the model's heads and widths (and, with sequence
+    parallelism, the sequence); a warning when it spans nodes."""
+    if setup.tp == 1:
+        return
+    err = tp_divisibility_error(cfg, setup.tp)
+    if err:
+        raise StrategyError(f"tensor_parallel: {err}")
+    if setup.sp and strategy.seq_len % setup.tp:
+        raise StrategyError(f"tensor_parallel: sequence_parallel splits seq_len {strategy.seq_len} over degree "
+                            f"{setup.tp}; make seq_len a multiple of {setup.tp} or set sequence_parallel false")
+    if setup.tp > cluster.gpus_per_node:
+        warnings.warn(f"tensor_parallel: degree {setup.tp} spans nodes (cluster {strategy.cluster} has "
+                      f"{cluster.gpus_per_node} GPUs per node): its collectives leave NVLink", stacklevel=4)
