@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from piper_sim.ir import Pass
-from piper_sim.parallel import context, data, expert, memory, pipeline, tensor
+from piper_sim.parallel import context, data, expert, hybrid, memory, pipeline, tensor
 
 # what the compiler and the explorer share with the techniques (they reach them only here)
 BW_KEEP_FRACTION = memory.BW_KEEP_FRACTION
@@ -23,16 +23,20 @@ cp_error, cp_memory, cp_segments, gathered_kv_bytes = (context.cp_error, context
 static_memory, unit_buckets = data.static_memory, data.unit_buckets
 
 Check = Callable[..., None]  # (model config, setup, strategy, cluster) -> None; raises StrategyError
+# (an explorer candidate, GPUs per node) -> the variants the technique adds to it, each a tuple of
+# (directive op, field, value) settings (`explore.Candidate.options`)
+Explore = Callable[..., list[tuple[tuple[str, str, object], ...]]]
 
 
 @dataclass(frozen=True)
 class Axis:
     """A parallelism technique: its name (the mesh axis or directive it owns), its passes as
-    ``(phase, pass)`` and its checks."""
+    ``(phase, pass)``, its checks and its explorer dimension (variants of a candidate)."""
 
     name: str
     passes: tuple[tuple[str, Pass], ...] = ()
     check: Check | None = None
+    explore: Explore | None = None
 
 
 AXES: tuple[Axis, ...] = (
@@ -43,6 +47,7 @@ AXES: tuple[Axis, ...] = (
     Axis("cp", passes=(("layer", context.context_pass), ("edges", context.context_edges)), check=context.check),
     Axis("dp", passes=(("sync", data.replicate_pass), ("sync", data.optimizer_pass), ("edges", data.prefetch_edges),
                        ("memory", data.grad_bucket_memory))),
+    Axis("hsdp", passes=(("sync", hybrid.replica_allreduce_pass),), check=hybrid.check, explore=hybrid.explore),
 )
 
 
@@ -56,3 +61,8 @@ def check_setup(cfg, setup, strategy, cluster) -> None:
     for axis in AXES:
         if axis.check is not None:
             axis.check(cfg, setup, strategy, cluster)
+
+
+def explore_options(candidate, gpus_per_node: int) -> list[tuple[tuple[str, str, object], ...]]:
+    """Every registered technique's variants of an explorer candidate (`Axis.explore`)."""
+    return [o for axis in AXES if axis.explore is not None for o in axis.explore(candidate, gpus_per_node)]

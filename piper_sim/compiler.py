@@ -215,7 +215,7 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
                             f"{setup.microbatches} micro-batches of a whole number of sequences; "
                             "make global_batch a multiple of DP×microbatches")
     layout = Layout(pp=setup.pp, dp=setup.dp, ep=setup.ep, stage_ranks=setup.stage_ranks(), tp=setup.tp,
-                    cp=setup.cp)
+                    cp=setup.cp, dp_shard=setup.dp_shard)
     return cfg, setup, layout, int(mbs)
 
 

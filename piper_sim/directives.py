@@ -63,6 +63,9 @@ class Setup:
     tp_head: bool = True
     cp: int = 1  # context-parallel degree (shard_sequence): each rank holds seq_len / cp tokens
     cp_style: str = "allgather"  # "allgather" (K/V all-gather, Llama 3) or "ring" (ring attention)
+    # hybrid sharding (HSDP, torchtitan's data_parallel_shard_degree): ZeRO within groups of
+    # dp_shard DP ranks, replicated across dp / dp_shard groups; 0: shard over all of dp
+    dp_shard: int = 0
 
     def rank_of(self, stage: int, mb: int) -> int:
         for pp_rank, lo, hi in self.placement[stage]:
@@ -154,7 +157,7 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
     if "data_parallel" in by_op:
         d = by_op["data_parallel"]
         out.append({"op": "replicate", "degree": d["degree"], "zero": d.get("zero", 0),
-                    **{k: d[k] for k in ("bucket_mb", "reduce", "overlap_param_gather") if k in d}})
+                    **{k: d[k] for k in ("bucket_mb", "reduce", "overlap_param_gather", "shard_degree") if k in d}})
     user_tp = by_op.get("shard_tensor")
     if "tensor_parallel" in by_op:
         d = by_op["tensor_parallel"]
@@ -188,6 +191,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     orders: dict[int, list[Slot]] = {}
     dp, zero, bucket_mb, ep, reduce, tp, sp = 1, 0, None, 1, "per_microbatch", 1, False
     overlap_gather = False
+    dp_shard = 0
     cp, cp_style = 1, "allgather"
     tp_sel: tuple[tuple[int, ...] | None, bool, bool] = (None, True, True)
     recompute: dict[int, str] = {}
@@ -214,6 +218,8 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
             dp, zero, bucket_mb = d["degree"], d.get("zero", 0), d.get("bucket_mb")
             reduce = d.get("reduce", "per_microbatch")
             overlap_gather = d.get("overlap_param_gather", False)
+            dp_shard = d.get("shard_degree", 0)
+            dp_shard = 0 if dp_shard == dp else dp_shard  # one shard group: plain ZeRO
         elif op == "shard":
             ep = d["degree"]
         elif op == "shard_tensor":
@@ -267,4 +273,4 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
                  streams=streams, schedule=schedule, reduce=reduce, overlap_param_gather=overlap_gather,
                  layers_per_stage=layers_per_stage, tp=tp,
                  sp=sp and tp > 1, cp=cp, cp_style=cp_style, tp_layers=tp_sel[0], tp_embed=tp_sel[1],
-                 tp_head=tp_sel[2])
+                 tp_head=tp_sel[2], dp_shard=dp_shard)

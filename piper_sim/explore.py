@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from costmodel.dtypes import DTYPE_BYTES
@@ -36,7 +36,7 @@ from costmodel.model import get_costmodel
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, check_stack_on, parse_stack, stack_to_strategy
 from piper_sim.bands import Band
 from piper_sim.configs import tp_divisibility_error, tp_shard
-from piper_sim.axes import BW_KEEP_FRACTION, cp_error, cp_memory, cp_segments, static_memory
+from piper_sim.axes import BW_KEEP_FRACTION, cp_error, cp_memory, cp_segments, explore_options, static_memory
 from piper_sim.plan import gc_paused
 from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, ScheduleError, canonical_schedule, known_names,
                                  stages_per_rank)
@@ -62,6 +62,9 @@ class Candidate:
     tp: int = 1
     sp: bool = False
     cp: int = 1
+    # settings a registered technique adds to a directive (`piper_sim.axes.explore_options`):
+    # (directive op, field, value), e.g. ("data_parallel", "shard_degree", 8) for HSDP
+    options: tuple[tuple[str, str, Any], ...] = ()
 
     @property
     def v(self) -> int:
@@ -84,6 +87,8 @@ class Candidate:
             d.append({"op": "context_parallel", "degree": self.cp})
         if self.recompute:
             d.append({"op": "recompute"})
+        for op, key, value in self.options:
+            next(x for x in d if x["op"] == op)[key] = value
         out = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
                "microbatches": self.microbatches, "directives": d}
         if stack != DEFAULT_STACK:
@@ -98,6 +103,7 @@ class Candidate:
             s += f" tp{self.tp}" + (" sp" if self.sp else "")
         if self.cp > 1:
             s += f" cp{self.cp}"
+        s += "".join(f" {key}={value}" for _, key, value in self.options)
         return s + (" rc" if self.recompute else "")
 
 
@@ -196,13 +202,13 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
         cps = [c for c in cps if c == 1 or (cl.world_size % (c * tp) == 0 and not cp_error(cfg, seq_len, c, tp, tp > 1))]
         for cp in cps:
             out += _enumerate(cfg, cl.world_size // (tp * cp), tp, global_batch, schedules, zero_levels, recompute,
-                              max_microbatches, microbatch_factors, microbatch_counts, cp)
+                              max_microbatches, microbatch_factors, microbatch_counts, cp, cl.gpus_per_node)
     return out
 
 
 def _enumerate(cfg, world: int, tp: int, global_batch: int, schedules: list[str], zero_levels: Iterable[int],
                recompute: Iterable[bool], max_microbatches: int, microbatch_factors: Iterable[int],
-               microbatch_counts: Iterable[int], cp: int = 1) -> list[Candidate]:
+               microbatch_counts: Iterable[int], cp: int = 1, gpus_per_node: int = 8) -> list[Candidate]:
     """Candidates with tensor-parallel degree ``tp`` and context-parallel degree ``cp`` on
     ``world`` = PP × DP ranks."""
     out = []
@@ -227,7 +233,8 @@ def _enumerate(cfg, world: int, tp: int, global_batch: int, schedules: list[str]
                 for ep in eps:
                     for zero in (zero_levels if dp * cp * copies > 1 else [0]):
                         for rc in recompute:
-                            out.append(Candidate(pp, sched, m, dp, zero, ep, rc, tp, tp > 1, cp))
+                            base = Candidate(pp, sched, m, dp, zero, ep, rc, tp, tp > 1, cp)
+                            out += [base] + [replace(base, options=o) for o in explore_options(base, gpus_per_node)]
     return out
 
 

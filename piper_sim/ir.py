@@ -147,13 +147,13 @@ class Context:
         return "ranks:" + ",".join(map(str, ranks))
 
     def param_groups(self, stage: int) -> list[tuple[float, int]]:
-        """(parameters a rank holds, data-parallel group size) of a stage: the dense part
-        over all its replicas (data and context parallel: parameters are replicated over cp
+        """(parameters a rank holds, ZeRO sharding group size) of a stage: the dense part
+        over all its replicas (hybrid sharding: over its shard group) (data and context parallel: parameters are replicated over cp
         too); under expert parallel, the rank's expert shard over the replicas holding the
         same shard."""
         layout = self.layout
         sc = self.stages[stage]
-        n_dense = len(layout.stage_ranks[stage]) * layout.dp * layout.cp
+        n_dense = len(layout.stage_ranks[stage]) * (layout.dp_shard or layout.dp) * layout.cp  # HSDP: a shard group
         if layout.ep == 1:
             return [(sum(x.param_count for x in sc.segments), n_dense)]
         dense = sum(x.param_count for x in sc.dense)

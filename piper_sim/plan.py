@@ -275,6 +275,9 @@ class Layout:
     stage_ranks: dict[int, list[int]] = field(default_factory=dict)
     tp: int = 1
     cp: int = 1
+    # hybrid sharding (HSDP): ZeRO shards over groups of dp_shard consecutive DP ranks and
+    # replicates across the dp / dp_shard groups (0: shard over every DP rank)
+    dp_shard: int = 0
 
     @property
     def world_size(self) -> int:
@@ -360,6 +363,10 @@ class Layout:
                         dp x cp (data-parallel gradient sync of that tensor-parallel shard:
                         parameters are replicated over the context-parallel ranks too).
         ``stage:S:edp`` those of them that hold the same expert shard as ``rank``.
+        ``stage:S:shard`` hybrid sharding: those of ``stage:S`` in ``rank``'s shard group
+                        (the same ``dp_rank // dp_shard``).
+        ``stage:S:rep`` hybrid sharding: ``rank``'s replicas of its shard (same pp, cp, tp
+                        and ``dp_rank % dp_shard``), one per shard group.
         ``ranks:a,b``   already explicit.
         """
         if group.startswith("ranks:"):
@@ -374,21 +381,28 @@ class Layout:
         if parts[0] == "stage":
             stage = int(parts[1])
             dps = range(self.dp)
-            if len(parts) > 2 and parts[2] == "edp":
+            tag = parts[2] if len(parts) > 2 else ""
+            if tag == "edp":
                 dps = [d for d in dps if d % self.ep == c["dp"] % self.ep]
+            elif tag == "shard":
+                dps = [d for d in dps if d // self.dp_shard == c["dp"] // self.dp_shard]
+            elif tag == "rep":
+                return sorted(self.rank_at({**c, "dp": d}) for d in dps if d % self.dp_shard == c["dp"] % self.dp_shard)
             return sorted(self.rank_at({**c, "pp": p, "dp": d, "cp": k})
                           for p in self.stage_ranks[stage] for d in dps for k in range(self.cp))
         raise PlanError(f"unknown collective group {group!r} on rank {rank}")
 
     def to_json(self) -> dict[str, Any]:
         # plans without TP / CP stay as they were
-        extra = {**({"tp": self.tp} if self.tp > 1 else {}), **({"cp": self.cp} if self.cp > 1 else {})}
+        extra = {**({"tp": self.tp} if self.tp > 1 else {}), **({"cp": self.cp} if self.cp > 1 else {}),
+                 **({"dp_shard": self.dp_shard} if self.dp_shard else {})}
         return {"pp": self.pp, "dp": self.dp, "ep": self.ep, **extra,
                 "stage_ranks": {str(k): v for k, v in self.stage_ranks.items()}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Layout":
         return cls(pp=d["pp"], dp=d["dp"], ep=d.get("ep", 1), tp=d.get("tp", 1), cp=d.get("cp", 1),
+                   dp_shard=d.get("dp_shard", 0),
                    stage_ranks={int(k): v for k, v in d["stage_ranks"].items()})
 
 

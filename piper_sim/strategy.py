@@ -40,7 +40,7 @@ class StrategyError(ValueError):
 DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # high level
     "pipeline": ({"degree"}, {"stages_per_rank", "placement", "layers_per_stage"}),
-    "data_parallel": ({"degree"}, {"zero", "bucket_mb", "reduce", "overlap_param_gather"}),
+    "data_parallel": ({"degree"}, {"zero", "bucket_mb", "reduce", "overlap_param_gather", "shard_degree"}),
     "expert_parallel": ({"degree"}, set()),
     "tensor_parallel": ({"degree"}, {"sequence_parallel"}),
     "context_parallel": ({"degree"}, {"style"}),
@@ -48,7 +48,7 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # low level
     "split": ({"microbatches"}, set()),
     "place": ({"stage", "pp_rank"}, {"microbatches", "from"}),
-    "replicate": ({"degree"}, {"zero", "bucket_mb", "reduce", "overlap_param_gather"}),
+    "replicate": ({"degree"}, {"zero", "bucket_mb", "reduce", "overlap_param_gather", "shard_degree"}),
     "shard": ({"degree"}, set()),
     "shard_tensor": ({"degree"}, {"sequence_parallel", "layers", "embedding", "head"}),
     "shard_sequence": ({"degree"}, {"style"}),
@@ -164,6 +164,14 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
             _check_int(d[key], f"{where} field '{key}'")
     if "zero" in d:
         _check_int(d["zero"], f"{where} field 'zero'", minimum=0, maximum=3)
+    if "shard_degree" in d:  # hybrid sharding (HSDP): ZeRO within groups of this many DP ranks
+        shard = _check_int(d["shard_degree"], f"{where} field 'shard_degree'")
+        if isinstance(d.get("degree"), int) and d["degree"] % shard:
+            raise StrategyError(f"{where} field 'shard_degree' {shard} must divide the data-parallel degree "
+                                f"{d['degree']} (replicas = degree / shard_degree)")
+        if d.get("zero", 0) == 0 and shard < d.get("degree", shard):
+            raise StrategyError(f"{where} field 'shard_degree' shards ZeRO state, but zero is 0; set zero 1, 2 or 3 "
+                                "(HSDP is FSDP's ZeRO-3 within groups) or drop shard_degree")
     if "bucket_mb" in d:
         checks.number(d["bucket_mb"], f"{where} field 'bucket_mb' (MB)", error=StrategyError)
     _check_values(d, where)

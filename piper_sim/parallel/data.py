@@ -57,7 +57,9 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
         sc = ctx.stages[s]
         copies = len(layout.stage_ranks[s])
         replicas = copies * layout.dp * layout.cp  # parameters are replicated over dp x cp
-        groups = [("", "stage:%d" % s, [x for x in sc.segments if not (x.is_expert and layout.ep > 1)], replicas)]
+        dense = ("stage:%d" % s, replicas) if not layout.dp_shard else \
+            ("stage:%d:shard" % s, copies * layout.dp_shard * layout.cp)  # HSDP: parallel.hybrid
+        groups = [("", dense[0], [x for x in sc.segments if not (x.is_expert and layout.ep > 1)], dense[1])]
         if layout.ep > 1 and sc.experts:
             groups.append((".e", "stage:%d:edp" % s, sc.experts, replicas // layout.ep))
         opt = (where, f"OPT.s{s}")
@@ -213,8 +215,11 @@ def _group_size(ctx: Context, ins: Instruction) -> int:
         return ins.group.count(",") + 1
     if ins.group in ("tp", "cp"):
         return ctx.layout.axes[ins.group]
-    copies = len(ctx.layout.stage_ranks[ins.stage]) * ctx.layout.dp * ctx.layout.cp
-    return copies // ctx.layout.ep if ins.group.endswith(":edp") else copies
+    layout = ctx.layout
+    if ins.group.endswith(":shard"):
+        return len(layout.stage_ranks[ins.stage]) * layout.dp_shard * layout.cp
+    copies = len(layout.stage_ranks[ins.stage]) * layout.dp * layout.cp
+    return copies // layout.ep if ins.group.endswith(":edp") else copies
 
 
 def _bucket_ready(segs: list, buckets: list[float]) -> list[float]:
