@@ -58,7 +58,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     """The executor runs tensor parallelism (with or without sequence parallelism) for dense
-    transformer models of the zoo (`executor.tensor_parallel`), and context parallelism
+    transformer models of the zoo (`executor.parallel.tensor`), and context parallelism
     (`refuse_context_parallel`): refuse what it cannot run before any process group starts."""
     refuse_context_parallel(plan, path)
     if plan.layout.tp == 1:
@@ -86,7 +86,7 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
 
 
 def refuse_context_parallel(plan: Plan, path: str) -> None:
-    """The executor runs context parallelism (`executor.context_parallel`) for transformers
+    """The executor runs context parallelism (`executor.parallel.context`) for transformers
     of the zoo and model files with grouped-query attention (sliding windows, qk_norm and MoE
     included); one line naming what it cannot run."""
     cp = plan.layout.cp

@@ -394,13 +394,13 @@ class Stage:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.ep, self.ep_index = ep, ep_index
         self.units = build_units(cfg, units, device=device, dtype=dtype, seed=seed)
-        self.loss_fn = lm_loss  # the vocabulary-parallel loss under tensor parallelism (executor.tensor_parallel)
+        self.loss_fn = lm_loss  # the vocabulary-parallel loss under tensor parallelism (executor.parallel.tensor)
         # full recomputation stops once backward has what it needs; tensor parallelism re-runs
         # the whole forward, so its collectives recur in the plan's order (TP.R ops)
         self.recompute_early_stop = True
         # called with a step's parameters before it runs (the runtime waits there for overlapped gathers)
         self.before_step: Callable[[list[nn.Parameter]], None] | None = None
-        # tensor parallel MoE (executor.tensor_parallel): f before the experts, g after them
+        # tensor parallel MoE (executor.parallel.tensor): f before the experts, g after them
         self.expert_input = self.expert_output = lambda t, layer: t
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
         self.local_experts = cfg.n_experts // ep if cfg.is_moe else 0
