@@ -23,12 +23,12 @@ does is in its typed fields ``stage``, ``mb``, ``part``, ``direction``, ``bucket
   RS.s{s}.mb{m}|.i{i}[.e].b{b}  ZeRO-2/3: bucket b's gradients of micro-batch m (of the i-th
                           backward of the stage here, when it has several copies), reduce-
                           scattered into the shard's gradient, which sums the step's micro-batches
-  AG.F|B.s{s}.i{i}[.e].b{b}  ZeRO-3 gather of bucket b (a unit: ``meta["zero3_buckets"]``)
+  AG.F|B.s{s}.i{i}[.e].b{b}  ZeRO-3 gather of bucket b (a unit: the header's ``zero3_buckets``)
                           before the i-th forward / backward of the stage here (``mb`` names
                           the consumer's micro-batch); dropped after the last piece using it
                           (a BI piece too: BW reads activations and gradients, not weights)
 
-Recomputation (``meta["recompute"]``: stage -> mode): ``full`` checkpoints every layer /
+Recomputation (the header's ``recompute``: stage -> mode): ``full`` checkpoints every layer /
 expert block / head of the forward (``torch.utils.checkpoint``; a B recomputes them one at
 a time; a BI runs its piece's forward again and keeps that graph for BW); ``selective``
 checkpoints the attention cores only.
@@ -70,7 +70,7 @@ from executor.parallel.axis import Handler, Logged, Posted
 from executor.parallel.expert import expert_index
 from executor.stage import Record, Stage, backward_full, backward_input, backward_weight, set_lr
 from executor.user_stage import UserData, UserStage, user_model_of
-from piper_sim.models import config_from_meta
+from piper_sim.configs import config_of
 from piper_sim.plan import COMPUTE_KINDS, Instruction, Plan, PlanError, missing_fields
 
 
@@ -113,7 +113,7 @@ class MicroBatch:
 
     vals: dict[str, torch.Tensor] = field(default_factory=dict)
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
+    routing: dict[str, Any] = field(default_factory=dict)  # an expert layer's token routing (executor.stage)
     records: dict[str, Record] = field(default_factory=dict)
     targets: torch.Tensor | None = None
     backward_started: bool = False
@@ -148,26 +148,26 @@ class Runtime:
             if missing_fields(ins):
                 raise PlanError(f"instruction {ins.id} ({ins.kind}) lacks {', '.join(missing_fields(ins))}; "
                                 "recompile the strategy")
-        meta = plan.meta
-        self.user_model = "user_model" in meta  # a user's annotated nn.Module (executor.user_stage)
-        self.cfg = user_model_of(meta) if self.user_model else config_from_meta(meta)
-        self.dtype = torch_dtype(meta["dtype"])
+        h = self.header = plan.header
+        self.user_model = h.user_model is not None  # a user's annotated nn.Module (executor.user_stage)
+        self.cfg = user_model_of(h) if self.user_model else config_of(h)
+        self.dtype = torch_dtype(h.dtype)
         self.layout = plan.layout
         self.dp_rank = self.prog.dp_rank
-        self.microbatches = meta["microbatches"]
-        self.mbs, self.seq = meta["micro_batch_size"], meta["seq_len"]
+        self.microbatches = h.microbatches
+        self.mbs, self.seq = h.micro_batch_size, h.seq_len
         # a context-parallel rank's loss is the mean of its s / cp tokens: 1 / cp of the sequence's
         self.loss_scale = 1.0 / (self.microbatches * self.layout.dp * self.layout.cp)
         self.ep_index = expert_index(self.dp_rank, self.layout.ep)
         if self.user_model:
-            self.data = UserData(self.cfg, self.seq, meta["global_batch"], meta["seed"], self.dtype)
-            self.stages = {s: UserStage(self.cfg, s, meta["num_stages"], meta["stage_units"][s],
-                                        meta["stage_parts"][s], device, self.dtype, meta["seed"])
+            self.data = UserData(self.cfg, self.seq, h.global_batch, h.seed, self.dtype)
+            self.stages = {s: UserStage(self.cfg, s, h.num_stages, h.stage_units[s], h.stage_parts[s], device,
+                                        self.dtype, h.seed)
                            for s in self.prog.stages}
         else:
-            self.data = SyntheticData(self.cfg.vocab, self.seq, meta["global_batch"], meta["seed"])
-            self.stages = {s: Stage(self.cfg, s, meta["num_stages"], meta["stage_units"][s], meta["stage_parts"][s],
-                                    self.layout.ep, self.ep_index, device, self.dtype, meta["seed"])
+            self.data = SyntheticData(self.cfg.vocab, self.seq, h.global_batch, h.seed)
+            self.stages = {s: Stage(self.cfg, s, h.num_stages, h.stage_units[s], h.stage_parts[s],
+                                    self.layout.ep, self.ep_index, device, self.dtype, h.seed)
                            for s in self.prog.stages}
         # the plan's parallelism axes (executor.parallel): they shard the stages, rewrite the
         # program's dependencies and handle their instructions
@@ -175,8 +175,8 @@ class Runtime:
         self.dp = next(a for a in self.axes if isinstance(a, DataParallel))
         self.flats = self.dp.flats
         self.instructions = [i for lst in self.prog.streams.values() for i in lst]
-        # stage -> "full" | "selective" (plans without the meta field knew only full)
-        self.recompute = {int(k): v for k, v in meta["recompute"].items()} if "recompute" in meta else \
+        # stage -> "full" | "selective" (plans without the header field knew only full)
+        self.recompute = dict(h.recompute) if h.recompute is not None else \
             {i.stage: "full" for i in self.instructions if i.recompute}
         for s, stage in self.stages.items():
             stage.set_selective_recompute(self.recompute.get(s) == "selective")
@@ -419,7 +419,7 @@ class Runtime:
         env = self.envs[(s, m)]
         for axis in self.axes:
             axis.enter_pass(("F", s, m))
-        rec = stage.forward_piece(part, env.vals, env.meta, env.targets, self.loss_scale,
+        rec = stage.forward_piece(part, env.vals, env.routing, env.targets, self.loss_scale,
                                   checkpoint=self.recompute.get(s) == "full")
         env.records[f"p{part}"] = rec
         if "loss" in rec.outputs:
@@ -451,7 +451,7 @@ class Runtime:
             axis.enter_pass(("B", s, m))
         rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
         if split and self.recompute.get(s) == "full":  # run the forward again; BW uses this graph
-            rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.meta, env.targets, self.loss_scale)
+            rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.routing, env.targets, self.loss_scale)
             env.records[f"p{part}"] = rec
         if not split:
             self.dp.grads_for(s, [part])
@@ -468,7 +468,7 @@ class Runtime:
 
     def _backward_weight(self, ins: Instruction) -> None:
         env = self.envs.pop((ins.stage, ins.mb))
-        self.dp.grads_for(ins.stage, range(len(self.plan.meta["stage_parts"][ins.stage])))
+        self.dp.grads_for(ins.stage, range(len(self.header.stage_parts[ins.stage])))
         with self.dp.writing(ins.id, [p for rec in env.records.values() for p in rec.params]):
             for rec in env.records.values():
                 backward_weight(rec, self.dp.weight_hook())
@@ -514,7 +514,7 @@ class Runtime:
             seq = axis.local_seq(seq)
         shape, dtype = (self.mbs, seq, self.cfg.hidden), self.dtype
         if self.user_model:  # the boundary tensor after the sending stage (F) or before it (B)
-            b = self.plan.meta["user_model"]["boundaries"][ins.stage - (key[0] == "B")]
+            b = self.header.user_model["boundaries"][ins.stage - (key[0] == "B")]
             shape, dtype = tuple(b["shape"]), getattr(torch, b["dtype"])
         buf = self.for_compute(torch.empty(shape, dtype=dtype, device=self.device))
         work = dist.irecv(buf, ins.peer, tag=self.comms.tags[ins.match])

@@ -340,16 +340,15 @@ class ContextParallel(ModuleCollectives):
 
     def __init__(self, rt):
         self.rt = rt
-        meta = rt.plan.meta
         group = next(i.group for lst in rt.prog.streams.values() for i in lst if is_cp(i))
         ranks = group_ranks(group)
-        style = meta.get("context_parallel", {}).get("style", "allgather")
+        style = rt.header.cp.style
         self.comm = CPComm(rt.comms.group(CP_STREAM, group), rt.layout.cp, ranks.index(rt.rank), False,
                            style=style, ranks=ranks, seq_len=rt.seq)
-        full = {int(s) for s, mode in meta.get("recompute", {}).items() if mode == "full"}
+        full = {s for s, mode in (rt.header.recompute or {}).items() if mode == "full"}
         for s, stage in rt.stages.items():
             context_stage(stage, self.comm, keep=s in full)
-        reorder_after_pieces(rt.prog.streams, meta["stage_parts"])
+        reorder_after_pieces(rt.prog.streams, rt.header.stage_parts)
 
     def local_seq(self, seq: int) -> int:
         return seq // self.rt.layout.cp

@@ -3,7 +3,7 @@
 Every stage's parameters live in flat buffers (`executor.stage.FlatParams`; one dense, one of
 the expert shard), cut into the plan's buckets: ``AR``/``RS`` ops sync a bucket's gradients
 (ZeRO-0: all-reduce; 1-3: reduce-scatter into the rank's shard), ``AG`` ops gather a bucket's
-parameters (ZeRO-3: a unit, ``meta["zero3_buckets"]``, for one forward or backward, dropped
+parameters (ZeRO-3: a unit, the header's ``zero3_buckets``, for one forward or backward, dropped
 after the last piece using it). With a single data-parallel rank the buffers still hold the
 parameters the optimizer steps (no sync op).
 
@@ -50,7 +50,7 @@ class DataParallel(Axis):
         self.rt = rt
         if rt.clip_grad_norm is not None:
             self._setup_clipping()
-        self.flats = self._build_flats(rt.plan.meta.get("zero", 0))
+        self.flats = self._build_flats(rt.header.zero)
         self.bucket_parts = self._bucket_parts()
         self.releases: dict[tuple[str, int, int, int], list[tuple[FlatParams, int]]] = {}
         self._setup_grad_overlap()
@@ -100,7 +100,7 @@ class DataParallel(Axis):
             for ins in lst:
                 if is_grad_sync(ins):
                     syncs.setdefault((ins.stage, flat_tag(ins)), []).append(ins)
-        unit_buckets = rt.plan.meta.get("zero3_buckets")
+        unit_buckets = rt.header.zero3_buckets
         if zero == 3 and syncs and unit_buckets is None:
             raise PlanError("this ZeRO-3 plan predates per-unit gathers (no meta.zero3_buckets); recompile it")
         flats = {}
@@ -128,8 +128,8 @@ class DataParallel(Axis):
     def _bucket_parts(self) -> dict[tuple[int, str, int], list[int]]:
         """ZeRO-3: the pieces of its stage that use each bucket, in piece order."""
         out: dict[tuple[int, str, int], list[int]] = {}
-        parts = self.rt.plan.meta["stage_parts"]
-        for s, by_tag in enumerate(self.rt.plan.meta.get("zero3_buckets") or []):
+        parts = self.rt.header.stage_parts
+        for s, by_tag in enumerate(self.rt.header.zero3_buckets or []):
             for tag, buckets in by_tag.items():
                 for b, segs in enumerate(buckets):
                     out[(s, tag, b)] = [i for i, piece in enumerate(parts[s]) if set(piece) & set(segs)]

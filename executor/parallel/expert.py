@@ -46,7 +46,7 @@ class ExpertParallel(Axis):
         layer = stage.expert_layers[e]
         pg = rt.comms.group(ins.stream, ins.group)
         env = rt.envs[(s, mb)] if direction == "F" else rt.backward_env(s, mb)
-        meta, h = env.meta, rt.cfg.hidden
+        routing, h = env.routing, rt.cfg.hidden
 
         def exchange(src: torch.Tensor, out_splits: list[int], in_splits: list[int], dst: dict, name: str):
             out = rt.for_compute(src.new_empty(sum(out_splits), h))
@@ -56,7 +56,7 @@ class ExpertParallel(Axis):
 
         if direction == "F" and what == "dispatch":
             return self._dispatch(env, stage, layer, pg)
-        sent, got = meta[f"in_splits.{layer}"], meta[f"out_splits.{layer}"]  # per rank, in dispatch
+        sent, got = routing[f"in_splits.{layer}"], routing[f"out_splits.{layer}"]  # per rank, in dispatch
         if direction == "F":  # combine: expert outputs go home, then the weighted sum
             y = env.vals[f"y.{layer}"]
             posted = exchange(y, sent, got, env.vals, f"comb.{layer}")
@@ -64,7 +64,7 @@ class ExpertParallel(Axis):
 
             def then():
                 store()
-                env.records[f"post.{layer}"] = stage.combine_post(layer, env.vals, meta)
+                env.records[f"post.{layer}"] = stage.combine_post(layer, env.vals, routing)
             return Posted(posted.work, then)
         if what == "combine":  # backward of the weighted sum, then its gradient to the experts
             rec = env.records.pop(f"post.{layer}")
@@ -76,7 +76,7 @@ class ExpertParallel(Axis):
         """Exchange per-expert token counts, then the tokens themselves (``env``: the
         micro-batch's `executor.runtime.MicroBatch`)."""
         rt = self.rt
-        counts = env.meta[f"counts.{layer}"]
+        counts = env.routing[f"counts.{layer}"]
         ep, n = rt.layout.ep, stage.local_experts
         send_counts = torch.tensor(counts, dtype=torch.int64, device=rt.device)
         recv_counts = torch.empty_like(send_counts)
@@ -84,8 +84,8 @@ class ExpertParallel(Axis):
         rows = recv_counts.view(ep, n).tolist()
         sent = [sum(counts[j * n:(j + 1) * n]) for j in range(ep)]
         got = [sum(r) for r in rows]
-        env.meta[f"recv_counts.{layer}"] = rows
-        env.meta[f"in_splits.{layer}"], env.meta[f"out_splits.{layer}"] = sent, got
+        env.routing[f"recv_counts.{layer}"] = rows
+        env.routing[f"in_splits.{layer}"], env.routing[f"out_splits.{layer}"] = sent, got
         tokens = env.vals[f"send.{layer}"]
         out = rt.for_compute(tokens.new_empty(sum(got), self.rt.cfg.hidden))
         work = dist.all_to_all_single(out, tokens.detach().contiguous(), got, sent, group=pg, async_op=True)

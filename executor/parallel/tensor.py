@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from executor.collectives import all_gather_flat, group_ranks, reduce_scatter_flat
 from executor.parallel.axis import Axis, Handler, Logged, Posted
 from executor.parallel.data import is_grad_sync
+from piper_sim.header import TensorParallelHeader
 from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, SwiGLU, apply_rope, \
     attention_core, rope_cos_sin
 
@@ -372,14 +373,13 @@ def _columns(shard: TPShard, tp: TPComm, prefix: str, lin: Linear) -> None:
     _take(shard, tp, prefix, lin, "bias", 0)
 
 
-def sharded_units(meta: dict) -> Callable[[str], bool]:
+def sharded_units(tp: TensorParallelHeader) -> Callable[[str], bool]:
     """Which units the plan shards (``shard_tensor``'s selection, `piper_sim.directives.Setup.tp_sharded`):
-    every one unless the plan's ``tensor_parallel`` meta lists ``layers``/``embedding``/``head``."""
-    tp = meta.get("tensor_parallel", {})
-    if "layers" not in tp:
+    every one unless the plan's ``tensor_parallel`` header lists ``layers`` (and ``embedding``, ``head``)."""
+    if tp.layers is None:
         return lambda unit: True
-    layers = set(tp["layers"])
-    return lambda unit: tp["embedding"] if unit == "embed" else tp["head"] if unit == "head" else \
+    layers = set(tp.layers)
+    return lambda unit: tp.embedding if unit == "embed" else tp.head if unit == "head" else \
         int(unit.split(".")[1]) in layers
 
 
@@ -490,10 +490,10 @@ class TensorParallel(ModuleCollectives):
         tp_ops = [i for lst in rt.prog.streams.values() for i in lst if is_tp(i)]
         if not tp_ops:  # shard_tensor selected none of this rank's units: they all run whole
             return
-        sp = bool(rt.plan.meta.get("tensor_parallel", {}).get("sequence_parallel"))
+        sp = bool(rt.header.tp.sequence_parallel)
         group = tp_ops[0].group
         self.comm = TPComm(rt.comms.group(TP_STREAM, group), rt.layout.tp, group_ranks(group).index(rt.rank), sp)
-        sharded = sharded_units(rt.plan.meta)
+        sharded = sharded_units(rt.header.tp)
         for s, stage in rt.stages.items():
             self.shards[s] = shard_stage(stage, self.comm, sharded)
         norms = {i.stage: i.id for i in tp_ops if not i.direction}
