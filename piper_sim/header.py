@@ -109,10 +109,11 @@ class PlanHeader(_Section):
     zero3_buckets: list[dict[str, list[list[str]]]] | None = None  # per stage, tag -> buckets' segments
     recompute: dict[int, str] | None = None  # stage -> "full" | "selective"
 
-    NESTED = {"context_parallel": ContextParallelHeader, "tensor_parallel": TensorParallelHeader, "moe": MoEHeader}
+    NESTED: ClassVar[dict[str, type]] = {"context_parallel": ContextParallelHeader,
+                                         "tensor_parallel": TensorParallelHeader, "moe": MoEHeader}
 
     @classmethod
-    def from_meta(cls, meta: dict[str, Any]) -> "PlanHeader":
+    def from_meta(cls, meta: dict[str, Any]) -> PlanHeader:
         return cls.from_json(meta)
 
     def to_meta(self) -> dict[str, Any]:

@@ -59,11 +59,16 @@ def test_old_plans_read_with_the_defaults():
     assert PlanHeader(model="m", zero=1).to_meta() == {"model": "m", "zero": 1, "model_flops_per_step": 0.0}
 
 
+def _lines(path: str) -> list[str]:
+    with open(path) as f:
+        return f.readlines()
+
+
 @pytest.mark.parametrize("path", ["executor", "piper_sim/simulator.py"])
 def test_back_ends_read_no_free_meta_keys(path):
     full = os.path.join(ROOT, path)
     files = [full] if full.endswith(".py") else \
         [os.path.join(d, f) for d, _, fs in os.walk(full) for f in fs if f.endswith(".py")]
     hits = [f"{os.path.relpath(f, ROOT)}:{n}: {line.strip()}" for f in files
-            for n, line in enumerate(open(f), 1) if re.search(r"meta\[|meta\.get\(", line)]
+            for n, line in enumerate(_lines(f), 1) if re.search(r"meta\[|meta\.get\(", line)]
     assert not hits, "read the plan header (Plan.header), not meta:\n" + "\n".join(hits)

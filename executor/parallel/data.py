@@ -268,7 +268,7 @@ class DataParallel(Axis):
                 rt.ptr[name] += 1
                 rt.issue(ins)
 
-    def writing(self, op_id: str, params) -> "_Running":
+    def writing(self, op_id: str, params) -> _Running:
         """While backward op ``op_id`` writes the gradients of ``params``."""
         return _Running(self, op_id, {id(p) for p in params} if self.bucket_members else set())
 
