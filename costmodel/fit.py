@@ -1,4 +1,4 @@
-"""Fit microbenchmark measurements (`executor.microbench.run_calibration`) into a
+"""Fit microbenchmark measurements (`calibration.microbench.run_calibration`) into a
 calibration dict (schema in `costmodel.calibration`).
 
 - `peak_flops`: the best matmul FLOP/s measured in the calibration dtype (a MAMF, not a
@@ -103,7 +103,7 @@ def fit_comm(comm: dict) -> tuple[dict, dict | None, dict]:
 
 
 def fit_post(comm: dict) -> dict:
-    """`post` fits from the smallest group's posting times (`executor.microbench.post_times`)."""
+    """`post` fits from the smallest group's posting times (`calibration.microbench.post_times`)."""
     res = next((res for _, res in sorted(comm.items(), key=lambda kv: int(kv[0])) if res.get("post")), {})
     return {kind: {**fit_alpha_bw(*zip(*pts)), "table": measured_table(pts)}
             for kind, pts in res.get("post", {}).items() if len({s for s, _ in pts}) >= 2}

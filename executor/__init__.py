@@ -6,13 +6,14 @@
         -m executor PLAN.json                                 # on each node
 
 Modules: `worker` (what a torchrun worker does: checks, steps, trace, check, checkpoint),
-`runtime` (the per-rank issuing loop and instruction semantics), `stage` (stage modules,
+`runtime` (the per-rank issuing loop, compute and send/receive), `parallel` (one module per
+parallelism axis: its set-up, hooks and instruction handlers), `stage` (stage modules,
 flat parameter buffers / ZeRO shards, BI/BW backward split), `lr` (AdamW's hyperparameters
 and the learning-rate schedule), `collectives` (process groups, p2p tags, completion
 notices, gloo's faster forms of all-gather and reduce-scatter), `data` (seeded synthetic
 batches), `reference` (the single-process reference for ``--check``), `checkpoint`
 (torch.distributed.checkpoint), `baselines` (DDP, DDP + ZeroRedundancyOptimizer, FSDP2 and
 torch.distributed.pipelining peers), `options` (the run options and pre-launch checks that
-``piper-sim run`` (`piper_sim.cli.run`) and the workers share),
-`microbench` (the calibration microbenchmarks behind ``piper-sim calibrate``).
+``piper-sim run`` (`piper_sim.cli.run`) and the workers share). The calibration
+microbenchmarks behind ``piper-sim calibrate`` are the `calibration` package.
 """

@@ -13,7 +13,8 @@ import torch.nn as nn
 from costmodel.dtypes import torch_dtype
 from executor.data import SyntheticData
 from executor.stage import adamw_kwargs, make_optimizer, optimizer_impl
-from piper_sim.models import build_model, build_units, config_from_meta, lm_loss, run_units
+from piper_sim.configs import config_of
+from piper_sim.models import build_model, build_units, lm_loss, run_units
 from piper_sim.plan import Plan
 from piper_sim.schedules import SCHEDULE_TABLE
 
@@ -40,27 +41,27 @@ class TorchPipeline:
     def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu", schedule: str | None = None):
         from torch.distributed import pipelining
 
-        meta = plan.meta
-        self.cfg = config_from_meta(meta)
-        self.meta, self.rank = meta, rank
-        self.pp, n = plan.layout.pp, meta["num_stages"]
+        h = self.header = plan.header
+        self.cfg = config_of(h)
+        self.rank = rank
+        self.pp, n = plan.layout.pp, h.num_stages
         self.stage_ids = [s for s in range(n) if s % self.pp == rank]
-        dtype = torch_dtype(meta["dtype"])
-        self.modules = {s: UnitsModule(build_units(self.cfg, meta["stage_units"][s], device=device, dtype=dtype,
-                                                   seed=meta["seed"]), meta["stage_units"][s])
+        dtype = torch_dtype(h.dtype)
+        self.modules = {s: UnitsModule(build_units(self.cfg, h.stage_units[s], device=device, dtype=dtype,
+                                                   seed=h.seed), h.stage_units[s])
                         for s in self.stage_ids}
         stages = [pipelining.PipelineStage(self.modules[s], s, n, torch.device(device)) for s in self.stage_ids]
-        ours = schedule or meta["schedule"]
+        ours = schedule or h.schedule
         if ours not in self.SCHEDULES:
             raise ValueError(f"TorchPipeline runs {', '.join(self.SCHEDULES)}, not {ours!r}")
         name = "Schedule" + SCHEDULE_TABLE[ours].torch_name
         cls = getattr(pipelining, name)
-        m = meta["microbatches"]
+        m = h.microbatches
         self.schedule = cls(stages if len(stages) > 1 or "Interleaved" in name else stages[0], n_microbatches=m,
                             loss_fn=lm_loss)
         self.params = [p for mod in self.modules.values() for p in mod.parameters()]
         self.optimizer = make_optimizer(self.params)
-        self.data = SyntheticData(self.cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
+        self.data = SyntheticData(self.cfg.vocab, h.seq_len, h.global_batch, h.seed)
         self.is_first, self.is_last = 0 in self.stage_ids, n - 1 in self.stage_ids
 
     def step(self, step: int, optimizer: bool = True) -> None:
@@ -87,13 +88,13 @@ class TorchDDP:
     synced on the last micro-batch."""
 
     def __init__(self, plan: Plan, rank: int, device: torch.device | str = "cpu"):
-        meta = plan.meta
-        cfg = config_from_meta(meta)
-        model = build_model(cfg, device=device, dtype=torch_dtype(meta["dtype"]), seed=meta["seed"])
+        h = self.header = plan.header
+        cfg = config_of(h)
+        model = build_model(cfg, device=device, dtype=torch_dtype(h.dtype), seed=h.seed)
         self.model = self.wrap(model)
         self.optimizer = self.build_optimizer(list(model.parameters()))
-        self.meta, self.dp_rank, self.dp = meta, rank, dist.get_world_size()
-        self.data = SyntheticData(cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
+        self.dp_rank, self.dp = rank, dist.get_world_size()
+        self.data = SyntheticData(cfg.vocab, h.seq_len, h.global_batch, h.seed)
 
     @staticmethod
     def wrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -106,7 +107,7 @@ class TorchDDP:
         return make_optimizer(params)
 
     def step(self, step: int) -> None:
-        m = self.meta["microbatches"]
+        m = self.header.microbatches
         for mb in range(m):
             tokens, targets = self.data.microbatch(step, self.dp_rank, self.dp, m, mb)
             ctx = self.model.no_sync() if mb < m - 1 else _Null()
@@ -143,7 +144,7 @@ class TorchFSDP2(TorchDDP):
         return fully_shard(model)
 
     def step(self, step: int) -> None:
-        m = self.meta["microbatches"]
+        m = self.header.microbatches
         for mb in range(m):
             tokens, targets = self.data.microbatch(step, self.dp_rank, self.dp, m, mb)
             (lm_loss(self.model(tokens), targets) / m).backward()

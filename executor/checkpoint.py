@@ -98,7 +98,7 @@ def save(rt, root: str, step: int, keep: int = 2) -> str:
     if dist.get_rank() == 0:
         with atomic_write(os.path.join(tmp, META)) as f:
             json.dump({"plan_hash": rt.plan.content_hash(), "step": step, "world_size": dist.get_world_size(),
-                       "model": rt.plan.meta["model"], "lr_schedule": schedule_dict(rt.lr_schedule)}, f)
+                       "model": rt.header.model, "lr_schedule": schedule_dict(rt.lr_schedule)}, f)
         fsync_dir(tmp)
         _kill_point(step, "marker")
         if os.path.exists(final):  # saved this step before (a rerun): set the old one aside first
@@ -160,19 +160,19 @@ def find(path: str, plan_hash: str, world_size: int, lr_schedule: dict | None = 
         folder = step_dir(path, steps[-1])
     try:
         with open(os.path.join(folder, META)) as f:
-            meta = json.load(f)
+            marker = json.load(f)
     except (OSError, ValueError) as e:
         raise PlanError(f"--resume {folder}: unreadable {META} ({e})") from None
-    if meta.get("plan_hash") != plan_hash:
-        raise PlanError(f"--resume {folder} was saved by plan {meta.get('plan_hash')}, not by this plan "
+    if marker.get("plan_hash") != plan_hash:
+        raise PlanError(f"--resume {folder} was saved by plan {marker.get('plan_hash')}, not by this plan "
                         f"{plan_hash}; resume with the plan that wrote it")
-    if meta.get("world_size", world_size) != world_size:
-        raise PlanError(f"--resume {folder} was saved by {meta['world_size']} ranks, not {world_size}")
-    if "lr_schedule" in meta and meta["lr_schedule"] != lr_schedule and not override_lr_schedule:
-        raise PlanError(f"--resume {folder} was saved under learning-rate schedule {_describe(meta['lr_schedule'])}; "
+    if marker.get("world_size", world_size) != world_size:
+        raise PlanError(f"--resume {folder} was saved by {marker['world_size']} ranks, not {world_size}")
+    if "lr_schedule" in marker and marker["lr_schedule"] != lr_schedule and not override_lr_schedule:
+        raise PlanError(f"--resume {folder} was saved under learning-rate schedule {_describe(marker['lr_schedule'])}; "
                         f"this run's is {_describe(lr_schedule)}: pass the same --lr/--warmup-steps/--lr-decay/"
                         f"--decay-steps/--min-lr-ratio, or --override-lr-schedule to continue under this run's")
-    step = meta.get("step")
+    step = marker.get("step")
     m = STEP_DIR.match(os.path.basename(os.path.normpath(folder)))
     if not isinstance(step, int) or isinstance(step, bool) or step < 0 or (m and int(m[1]) != step):
         raise PlanError(f"--resume {folder}: {META} says step {step!r}, which does not match the folder")

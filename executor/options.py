@@ -12,6 +12,7 @@ import os
 
 from executor.lr import ADAMW, LRSchedule
 from piper_sim.checks import arg_float, arg_int
+from piper_sim.header import PlanHeader
 from piper_sim.plan import Plan, PlanError
 
 
@@ -58,46 +59,48 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     """The executor runs tensor parallelism (with or without sequence parallelism) for dense
-    transformer models of the zoo (`executor.tensor_parallel`), and context parallelism
+    transformer models of the zoo (`executor.parallel.tensor`), and context parallelism
     (`refuse_context_parallel`): refuse what it cannot run before any process group starts."""
     refuse_context_parallel(plan, path)
     if plan.layout.tp == 1:
         return
     why = ""
+    h = plan.header
     split = any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions())
-    if "user_model" in plan.meta:
+    if h.user_model is not None:
         why = "a user nn.Module model"
-    elif (plan.meta.get("stack") or {}).get("tp_overlap"):
+    elif (h.stack or {}).get("tp_overlap"):
         # the executor's TP collectives are synchronous: it would not run what the plan says
         why = "the stack's tp_overlap (collectives overlapped with the GEMMs; compile with tp_overlap false)"
-    elif split and plan.meta["tensor_parallel"].get("sequence_parallel"):
+    elif split and h.tensor_parallel.sequence_parallel:
         # the column-parallel backward computes input and weight gradients in one node (BW would re-run it)
-        why = f"sequence parallelism and a split backward (BI/BW, schedule {plan.meta.get('schedule')})"
-    elif split and "full" in plan.meta.get("recompute", {}).values():
+        why = f"sequence parallelism and a split backward (BI/BW, schedule {h.schedule})"
+    elif split and "full" in (h.recompute or {}).values():
         # BI re-runs whole pieces: the embedding's all-reduce too, which the plan does not list
-        why = f"full recomputation and a split backward (BI/BW, schedule {plan.meta.get('schedule')})"
+        why = f"full recomputation and a split backward (BI/BW, schedule {h.schedule})"
     else:
-        from piper_sim.configs import config_from_meta
+        from piper_sim.configs import config_of
 
-        why = tp_unsupported(config_from_meta(plan.meta), plan.meta, plan.layout.ep)
+        why = tp_unsupported(config_of(h), h, plan.layout.ep)
     if why:
         raise PlanError(f"{path}: tensor parallel plans (tp {plan.layout.tp}) with {why} are simulate-only in this "
                         "version; use `piper-sim simulate`")
 
 
 def refuse_context_parallel(plan: Plan, path: str) -> None:
-    """The executor runs context parallelism (`executor.context_parallel`) for transformers
+    """The executor runs context parallelism (`executor.parallel.context`) for transformers
     of the zoo and model files with grouped-query attention (sliding windows, qk_norm and MoE
     included); one line naming what it cannot run."""
     cp = plan.layout.cp
     if cp == 1:
         return
-    if "user_model" in plan.meta:
+    h = plan.header
+    if h.user_model is not None:
         raise PlanError(f"{path}: context_parallel (cp {cp}) with a user nn.Module model is simulate-only in this "
                         "version; use `piper-sim simulate`")
-    from piper_sim.configs import config_from_meta
+    from piper_sim.configs import config_of
 
-    cfg = config_from_meta(plan.meta)
+    cfg = config_of(h)
     checks = [
         (cfg.attention == "mla", "multi-head latent attention"),
         (bool(cfg.dropout), "dropout (per-rank random streams)"),
@@ -108,10 +111,9 @@ def refuse_context_parallel(plan: Plan, path: str) -> None:
                         "use `piper-sim simulate`")
 
 
-def tp_unsupported(cfg, meta: dict, ep: int) -> str:
+def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
     """What in this model and plan the executor cannot run tensor-parallel ('' when it can)."""
-    tp = meta.get("tensor_parallel", {}).get("degree", 1)
-    sp = meta.get("tensor_parallel", {}).get("sequence_parallel", False)
+    tp, sp = header.tp.degree, header.tp.sequence_parallel
     checks = [
         (cfg.is_moe and sp, "a MoE model and sequence parallelism"),
         (cfg.is_moe and cfg.n_shared > 0, "shared experts"),
@@ -122,14 +124,14 @@ def tp_unsupported(cfg, meta: dict, ep: int) -> str:
         (cfg.tie_embeddings, "tied embeddings"),
         (bool(cfg.dropout), "dropout (per-rank random streams)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),
-        (meta.get("zero") == 3 and sp, "ZeRO-3 and sequence parallelism"),
+        (header.zero == 3 and sp, "ZeRO-3 and sequence parallelism"),
     ]
     return next((why for bad, why in checks if bad), "")
 
 
 def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:
     """A user model's plan must name a source every rank can rebuild it from (piper_sim.annotate)."""
-    um = plan.meta.get("user_model")
+    um = plan.header.user_model
     if um is None:
         return
     source = um.get("source")
@@ -145,21 +147,22 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
     """A model with tied embeddings runs only with its embedding and head on one stage, full
     backward passes (no BI/BW split) and without ZeRO-3: the executor shares no weight between
     stages, pieces or gathered units. Refused before any process group starts."""
-    from piper_sim.configs import config_from_meta
+    from piper_sim.configs import config_of
 
-    if "user_model" in plan.meta or not config_from_meta(plan.meta).tie_embeddings:
+    h = plan.header
+    if h.user_model is not None or not config_of(h).tie_embeddings:
         return
-    units = plan.meta["stage_units"]
+    units = h.stage_units
     stages = {u: s for s, names in enumerate(units) for u in names if u in ("embed", "head")}
     why = ""
     if stages.get("embed") != stages.get("head"):
         why = f"its embedding (stage {stages.get('embed')}) and head (stage {stages.get('head')}) are on two stages"
-    elif plan.meta.get("zero") == 3:
+    elif h.zero == 3:
         why = "ZeRO-3 gathers the head's unit without the embedding it reuses"
     elif any(i.kind == "BW" for c in plan.classes for i in c.instructions()):
-        why = f"schedule {plan.meta.get('schedule')} splits the backward (BI/BW) of the head's piece"
+        why = f"schedule {h.schedule} splits the backward (BI/BW) of the head's piece"
     if why:
-        raise PlanError(f"{path}: model {plan.meta['model']} ties its embeddings (tie_embeddings) and {why}; "
+        raise PlanError(f"{path}: model {h.model} ties its embeddings (tie_embeddings) and {why}; "
                         "the executor cannot share that weight: simulate it, or untie the model")
 
 
@@ -218,16 +221,16 @@ def preflight(args, plans: list[Plan]) -> int:
 
 
 def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
-    """What the executor does with the plan's training stack (``meta.stack``, costmodel.stack):
+    """What the executor does with the plan's training stack (the header's ``stack``, costmodel.stack):
     the environment its workers get (AdamW's implementation, ``PIPER_ADAMW``, as the stack
     says unless already set) and a one-line notice of the stack fields it runs and ignores
     ("" for a plan without a stack)."""
     from costmodel.stack import DEFAULT, parse_stack
 
-    raw = plan.meta.get("stack")
-    if not raw:
+    h = plan.header
+    if not h.stack:
         return {}, ""
-    stack = parse_stack(raw, f"{plan.meta.get('model', 'plan')} meta.stack")
+    stack = parse_stack(h.stack, f"{h.model or 'plan'} meta.stack")
     env = {} if os.environ.get("PIPER_ADAMW") else {"PIPER_ADAMW": stack.optimizer}
     ignored = []
     if stack.attention != DEFAULT.attention:

@@ -12,7 +12,8 @@ from executor.data import SyntheticData
 from executor.lr import LRSchedule
 from executor.stage import FlatParams, keep_first_grads, make_optimizer, set_lr
 from costmodel.dtypes import torch_dtype
-from piper_sim.models import build_model, config_from_meta, lm_loss
+from piper_sim.configs import config_of
+from piper_sim.models import build_model, lm_loss
 from piper_sim.plan import Plan
 
 
@@ -26,16 +27,16 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
     returns its parameters by name and the loss of every step. ``first_grads``: filled
     with the first step's gradients by name (before clipping and the optimizer);
     ``lr_schedule``: the learning rate of each step (the executor's ``--lr`` options)."""
-    meta = plan.meta
-    if "user_model" in meta:
+    h = plan.header
+    if h.user_model is not None:
         from executor.user_stage import user_reference_training
 
-        return user_reference_training(plan, steps, device, torch_dtype(meta["dtype"]), clip_grad_norm, first_grads,
+        return user_reference_training(plan, steps, device, torch_dtype(h.dtype), clip_grad_norm, first_grads,
                                        lr_schedule)
-    cfg = config_from_meta(meta)
-    model = build_model(cfg, device=device, dtype=torch_dtype(meta["dtype"]), seed=meta["seed"])
+    cfg = config_of(h)
+    model = build_model(cfg, device=device, dtype=torch_dtype(h.dtype), seed=h.seed)
     opt = make_optimizer(list(model.parameters()))
-    data = SyntheticData(cfg.vocab, meta["seq_len"], meta["global_batch"], meta["seed"])
+    data = SyntheticData(cfg.vocab, h.seq_len, h.global_batch, h.seed)
     losses = []
     for step in range(steps):
         tokens, targets = data.batch(step)

@@ -394,13 +394,13 @@ class Stage:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.ep, self.ep_index = ep, ep_index
         self.units = build_units(cfg, units, device=device, dtype=dtype, seed=seed)
-        self.loss_fn = lm_loss  # the vocabulary-parallel loss under tensor parallelism (executor.tensor_parallel)
+        self.loss_fn = lm_loss  # the vocabulary-parallel loss under tensor parallelism (executor.parallel.tensor)
         # full recomputation stops once backward has what it needs; tensor parallelism re-runs
         # the whole forward, so its collectives recur in the plan's order (TP.R ops)
         self.recompute_early_stop = True
         # called with a step's parameters before it runs (the runtime waits there for overlapped gathers)
         self.before_step: Callable[[list[nn.Parameter]], None] | None = None
-        # tensor parallel MoE (executor.tensor_parallel): f before the experts, g after them
+        # tensor parallel MoE (executor.parallel.tensor): f before the experts, g after them
         self.expert_input = self.expert_output = lambda t, layer: t
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
         self.local_experts = cfg.n_experts // ep if cfg.is_moe else 0
@@ -462,7 +462,7 @@ class Stage:
             if name.startswith("layers."):
                 self.units[name].attn.recompute_core = on
 
-    def forward_piece(self, i: int, vals: dict[str, torch.Tensor], meta: dict[str, Any],
+    def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
                       targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = False) -> Record:
         """Run piece ``i`` on ``vals`` (named tensors; outputs are added to it). With
         ``checkpoint`` (full recomputation) every layer, expert block and the head keep only
@@ -496,10 +496,10 @@ class Stage:
                     outputs.update({f"xres.{layer}": x, f"send.{layer}": tokens, f"w.{layer}": weights})
                     if shared is not None:
                         outputs[f"shared.{layer}"] = shared
-                    meta[f"order.{layer}"], meta[f"counts.{layer}"] = order, counts
-                    meta[f"ntok.{layer}"] = h.shape[0]
+                    routing[f"order.{layer}"], routing[f"counts.{layer}"] = order, counts
+                    routing[f"ntok.{layer}"] = h.shape[0]
                 elif kind == "experts":
-                    y = run(self._local_experts, layer, inputs[f"recv.{layer}"], meta[f"recv_counts.{layer}"])
+                    y = run(self._local_experts, layer, inputs[f"recv.{layer}"], routing[f"recv_counts.{layer}"])
                     y = self.expert_output(y, layer)  # tensor parallel: the sum of the experts' partial outputs
                     outputs[f"y.{layer}"] = y
             last = piece.steps[-1][0]
@@ -525,7 +525,7 @@ class Stage:
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return ys[inverse]
 
-    def combine_post(self, layer: int, vals: dict[str, torch.Tensor], meta: dict[str, Any]) -> Record:
+    def combine_post(self, layer: int, vals: dict[str, torch.Tensor], routing: dict[str, Any]) -> Record:
         """After the combine all-to-all: weight the expert outputs, sum per token, add the
         shared experts and the residual (``Block.forward_post``)."""
         names = [f"comb.{layer}", f"w.{layer}", f"xres.{layer}"]
@@ -534,8 +534,8 @@ class Stage:
         inputs = {n: _leaf(vals[n]) for n in names}
         with torch.enable_grad():
             moe = self._block(layer).moe
-            routed = moe.unpermute(inputs[names[0]], inputs[names[1]], meta[f"order.{layer}"],
-                                   meta[f"ntok.{layer}"])
+            routed = moe.unpermute(inputs[names[0]], inputs[names[1]], routing[f"order.{layer}"],
+                                   routing[f"ntok.{layer}"])
             x = Block.forward_post(inputs[names[2]], routed, inputs.get(f"shared.{layer}"))
         vals["x"] = x
         return Record(inputs, {"x": x}, [])

@@ -20,12 +20,13 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from executor.lr import LRSchedule
 from executor.stage import Piece, Record, _leaf, keep_first_grads, make_optimizer, set_lr
 from piper_sim.annotate import AnnotationError, UserModel, load_user_model
+from piper_sim.header import PlanHeader
 from piper_sim.plan import Plan, PlanError
 
 
-def user_model_of(meta: dict[str, Any]) -> UserModel:
-    """Rebuild a plan's user model from its source (``meta["user_model"]``)."""
-    um = meta["user_model"]
+def user_model_of(header: PlanHeader) -> UserModel:
+    """Rebuild a plan's user model from its source (the header's ``user_model``)."""
+    um = header.user_model
     if not um.get("source"):
         raise PlanError(f"plan's user model {um.get('name')} was given as an object, not an importable factory; "
                         "compile with a module-level factory function or a \"py:module:function\" model to run it")
@@ -85,7 +86,7 @@ class UserStage:
         if on:
             raise PlanError("selective recompute does not apply to a user model; use mode full")
 
-    def forward_piece(self, i: int, vals: dict[str, torch.Tensor], meta: dict[str, Any],
+    def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
                       targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = False) -> Record:
         """Run piece ``i``'s units on ``vals`` (``tokens`` or ``x``); the last unit's output
         goes to the loss (``loss``), any other to ``x``. ``checkpoint``: every unit keeps
@@ -119,13 +120,13 @@ def user_reference_training(plan: Plan, steps: int, device: torch.device | str, 
                             lr_schedule: LRSchedule | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """`executor.reference.reference_training` for a user model: all its units in one
     process, on the whole global batch."""
-    meta = plan.meta
-    model = user_model_of(meta)
-    units = model.build_units(model.units, device=device, dtype=dtype, seed=meta["seed"])
+    h = plan.header
+    model = user_model_of(h)
+    units = model.build_units(model.units, device=device, dtype=dtype, seed=h.seed)
     named = [(f"{u}.{n}", p) for u, mod in units.items() for n, p in mod.named_parameters()]
     params = [p for _, p in named]
     opt = make_optimizer(params)
-    data = UserData(model, meta["seq_len"], meta["global_batch"], meta["seed"], dtype)
+    data = UserData(model, h.seq_len, h.global_batch, h.seed, dtype)
     losses = []
     for step in range(steps):
         inputs, targets = data.batch(step)

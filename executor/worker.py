@@ -56,7 +56,7 @@ def load_plans(paths: list[str], world_size: int, rank: int, check_hash: bool = 
 
 
 def _device(choice: str, plan: Plan) -> torch.device:
-    cpu_cluster = str(plan.meta.get("cluster", "cpu")).startswith("cpu")
+    cpu_cluster = str(plan.header.cluster or "cpu").startswith("cpu")
     if choice == "cuda" or (choice == "auto" and not cpu_cluster and torch.cuda.is_available()):
         local = int(os.environ.get("LOCAL_RANK", 0))
         if local >= torch.cuda.device_count():
@@ -111,7 +111,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
             p.export_chrome_trace(tmp)
     if (args.trace or args.timeline or args.kineto) and result is not None:
         write_trace(result.events, rank, args.trace, args.timeline, f"{path} step {result.step}",
-                    kineto=args.kineto, step=result.step, dtype=plan.meta.get("dtype", "fp32"))
+                    kineto=args.kineto, step=result.step, dtype=plan.header.dtype or "fp32")
     rt.gather_parameters()
     if args.check:
         first: dict[str, torch.Tensor] = {}
@@ -123,7 +123,7 @@ def run_plan(path: str, plan: Plan, args, rank: int, device: torch.device) -> No
                              device=device)
         dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
         a, r, g = diffs.tolist()
-        dtype = plan.meta.get("dtype", "fp32")
+        dtype = plan.header.dtype or "fp32"
         tol = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE["fp32"])
         gtol = CHECK_GRAD_TOLERANCE.get(dtype, CHECK_GRAD_TOLERANCE["fp32"])
         failed = check_failures(r, g, dtype)

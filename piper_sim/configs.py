@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from piper_sim.header import PlanHeader
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -348,12 +350,17 @@ def plan_model_meta(cfg: ModelConfig) -> dict[str, Any]:
 def config_from_meta(meta: dict[str, Any]) -> ModelConfig:
     """The model a plan was compiled for: ``meta["model_spec"]`` (any source), else the built-in
     zoo model it names."""
-    if "model_spec" in meta:
-        return config_from_dict(meta["model_spec"], "plan meta.model_spec")
-    if meta.get("model") not in BUILTIN_ZOO:
-        raise ValueError(f"plan meta: model {meta.get('model')!r} is not a built-in zoo model and the plan has no "
+    return config_of(PlanHeader.from_meta(meta))
+
+
+def config_of(header: PlanHeader) -> ModelConfig:
+    """The model of a plan header (`config_from_meta`)."""
+    if header.model_spec is not None:
+        return config_from_dict(header.model_spec, "plan meta.model_spec")
+    if header.model not in BUILTIN_ZOO:
+        raise ValueError(f"plan meta: model {header.model!r} is not a built-in zoo model and the plan has no "
                          "model_spec; recompile it")
-    return BUILTIN_ZOO[meta["model"]]
+    return BUILTIN_ZOO[header.model]
 
 
 # --------------------------------------------------------------------------- units

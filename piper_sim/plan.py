@@ -48,6 +48,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, TypeVar
 
+from piper_sim.header import PlanHeader
+
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 PLAN_FORMAT = "piper-sim-plan"
@@ -420,6 +422,11 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    @property
+    def header(self) -> PlanHeader:
+        """``meta`` as typed fields (`piper_sim.header`), read anew on each access: hold it."""
+        return PlanHeader.from_meta(self.meta)
 
     def class_of(self, rank: int) -> RankClass:
         pp_rank, _ = self.layout.coords(rank)

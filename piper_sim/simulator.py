@@ -57,6 +57,7 @@ from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_cos
 from costmodel.moe import Routing
 from piper_sim import trace
 from piper_sim.bands import Band, band_for, run_class
+from piper_sim.header import PlanHeader
 from piper_sim.ir import is_inner
 from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan, gc_paused, p2p_partner_id
 from piper_sim.validate import check_layout
@@ -192,9 +193,10 @@ class SimResult:
         that HolisticTraceAnalysis and Perfetto read (`piper_sim.kineto`). Returns the paths."""
         from piper_sim.kineto import write_kineto_traces
 
-        cluster = str(self.meta.get("cluster", ""))
+        header = PlanHeader.from_meta(self.meta)
+        cluster = str(header.cluster or "")
         return write_kineto_traces(self.events, out_dir, world_size=self.world_size or None,
-                                   dtype=self.meta.get("dtype", "bf16"), memory=self.memory,
+                                   dtype=header.dtype or "bf16", memory=self.memory,
                                    static_bytes=self.static_bytes(), step_end=self.step_time_s,
                                    device_name=f"simulated {cluster}".strip(), name="piper-sim simulator",
                                    backend="gloo" if cluster.startswith("cpu") else "nccl")
@@ -363,6 +365,8 @@ class _Host:
 class _Engine:
     def __init__(self, plan: Plan, cm: CostModel, folded: bool):
         self.plan, self.cm, self.folded = plan, cm, folded
+        header = plan.header
+        self.dtype = header.dtype or "bf16"
         self.layout = plan.layout
         self.env = simpy.Environment()
         self.slow = float(getattr(cm, "comm_compute_slowdown", 1.0) or 1.0)
@@ -399,8 +403,8 @@ class _Engine:
         self._group_cache: dict[tuple[str, int], tuple[int, ...]] = {}
         self._bw: dict[str, float] = {}
         self._link_reps: dict[str, str] = {}
-        moe = plan.meta.get("moe")
-        self.routing = Routing(int(moe["top_k"]), int(moe["n_experts"])) if moe else None
+        moe = header.moe
+        self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
         self._build()
 
     # --- setup ---------------------------------------------------------------------
@@ -448,7 +452,7 @@ class _Engine:
                     t *= ins.flops / total if total > 0 else 1.0 / ins.parts
             elif ins.kind == "OPT" and ins.flops == 0 and ins.bytes == 0 and hasattr(cm, "optimizer_time"):
                 # the plan carries no optimizer cost: Adam on the class's local parameter shard
-                pbytes = DTYPE_BYTES.get(self.plan.meta.get("dtype", "bf16"), 2)
+                pbytes = DTYPE_BYTES.get(self.dtype, 2)
                 params = cls.static_memory.get("optimizer_bytes", 0.0) / adam_state_bytes(pbytes)
                 t = cm.optimizer_time(params / max(1, n_opt))
             else:
@@ -911,12 +915,12 @@ class _Engine:
 
 def _peak_flops(plan: Plan, cm: CostModel) -> float:
     gpu = getattr(cm, "gpu", None)
-    dtype = getattr(cm, "dtype", None) or plan.meta.get("dtype", "bf16")
+    dtype = getattr(cm, "dtype", None) or plan.header.dtype or "bf16"
     if gpu is None:
-        try:
-            gpu = parse_cluster(plan.meta["cluster"]).gpu
-        except (KeyError, ValueError):
+        cluster = _plan_cluster(plan)
+        if cluster is None:
             return 0.0
+        gpu = cluster.gpu
     try:
         return gpu.peak(dtype)
     except ValueError:
@@ -927,9 +931,15 @@ def _cluster(plan: Plan, cm: CostModel) -> Cluster | None:
     cluster = getattr(cm, "cluster", None)
     if cluster is not None or isinstance(cm, UnitCostModel):
         return cluster
+    return _plan_cluster(plan)
+
+
+def _plan_cluster(plan: Plan) -> Cluster | None:
+    """The cluster the plan names (None: none, or one this version does not know)."""
+    name = plan.header.cluster
     try:
-        return parse_cluster(plan.meta["cluster"])
-    except (KeyError, ValueError):
+        return parse_cluster(name) if name is not None else None
+    except ValueError:
         return None
 
 
@@ -937,9 +947,8 @@ def _memory_capacity(plan: Plan, cm: CostModel) -> float | None:
     """Bytes of memory per GPU of the plan's cluster (the cost model's, else the plan's)."""
     cluster = getattr(cm, "cluster", None)
     if cluster is None:
-        try:
-            cluster = parse_cluster(plan.meta["cluster"])
-        except (KeyError, ValueError):
+        cluster = _plan_cluster(plan)
+        if cluster is None:
             return None
     return float(cluster.gpu.hbm_bytes)
 
@@ -975,10 +984,10 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     if not isinstance(costmodel, CostModel):
         spec = str(costmodel)
         if not spec.strip().lower().startswith("unit"):
-            if "cluster" not in plan.meta:
+            if plan.header.cluster is None:
                 raise SimulationError(f"cost model {spec!r} needs the plan's cluster (meta.cluster); "
                                       "compile the plan with piper-sim, or use a unit cost model")
-            cluster = parse_cluster(plan.meta["cluster"])
+            cluster = parse_cluster(plan.header.cluster)
         costmodel = get_costmodel(spec, cluster)
     cm = costmodel
     exact, why = fold_is_exact(plan, _cluster(plan, cm)) if fold else (False, "fold=False")
@@ -1012,13 +1021,14 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
             fits=None if capacity is None else memory_fits(sm + eng.mem_peak[r], capacity)))
     weights = sum(s.represents for s in per_rank) or 1
     bubble_fraction = (sum(s.bubble_s * s.represents for s in per_rank) / weights / step) if step > 0 else 0.0
-    tokens = plan.meta.get("tokens_per_step")
-    if tokens is None and "global_batch" in plan.meta and "seq_len" in plan.meta:
-        tokens = plan.meta["global_batch"] * plan.meta["seq_len"]
+    header = plan.header
+    tokens = header.tokens_per_step
+    if tokens is None and header.global_batch is not None and header.seq_len is not None:
+        tokens = header.global_batch * header.seq_len
     peak = _peak_flops(plan, cm)
     log.debug("simulated %d events on %d ranks in %.3f s (%s): step %.6g s", len(eng.rows), len(eng.ranks),
               time.perf_counter() - t0, "folded" if folded else "unfolded", step)
-    model_flops = plan.meta.get("model_flops_per_step", 0.0)
+    model_flops = header.model_flops_per_step
     return SimResult(
         step_time_s=step,
         tokens_per_s=(tokens or 0) / step if step > 0 else 0.0,

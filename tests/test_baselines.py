@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from executor.microbench import free_port
+from calibration.microbench import free_port
 
 
 def _worker(rank: int, port: int) -> None:

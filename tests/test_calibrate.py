@@ -75,7 +75,7 @@ def quick_calibration(tmp_path_factory):
 
 
 def test_quick_run_loads_and_predicts_allreduce(quick_calibration):
-    from executor.microbench import measure_collective
+    from calibration.microbench import measure_collective
 
     data = json.loads(quick_calibration.read_text())
     assert {"peak_flops", "efficiency_table", "hbm_bw", "collectives", "p2p", "post", "overlap_slowdown"} <= set(data)
@@ -200,7 +200,7 @@ def test_first_use_calibrates_and_caches_then_reuses(fake_measure, tmp_path):
     assert path.startswith(str(tmp_path / "cache" / "piper-sim")) and said and "calibrating this machine" in said[0]
     with open(path) as f:
         stored = json.load(f)
-    from executor.microbench import fingerprint
+    from calibration.microbench import fingerprint
 
     assert stored["meta"]["fingerprint"] == fingerprint("cpu")
     assert get_costmodel(path, parse_cluster("cpu:2")).name == f"calibration:{path}"

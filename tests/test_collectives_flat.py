@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import pytest
 
 from executor.collectives import Works, all_gather_flat, reduce_scatter_flat
-from executor.microbench import free_port
+from calibration.microbench import free_port
 
 WORLD = 4
 

@@ -357,7 +357,7 @@ def test_flat_buffer_cut_where_the_plan_cuts_its_buckets():
     import torch
     import torch.nn as nn
 
-    from executor.runtime import _cuts
+    from executor.parallel.data import _cuts
     from executor.stage import FlatParams
     from piper_sim.plan import Instruction
 

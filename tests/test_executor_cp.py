@@ -96,7 +96,7 @@ def test_cp2_with_data_pipeline_tensor_and_expert_parallel_and_cp4_match_the_ref
 
 
 def test_each_rank_holds_its_load_balanced_chunks():
-    from executor.context_parallel import cp_positions
+    from executor.parallel.context import cp_positions
 
     assert cp_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert cp_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
@@ -107,7 +107,7 @@ def test_each_rank_holds_its_load_balanced_chunks():
 def test_ring_merge_of_chunks_equals_causal_attention_and_its_gradients():
     """The ring's pieces (partial attention per key chunk, log-sum-exp merge, per-chunk
     backward) give causal GQA attention and its gradients over a permuted sequence."""
-    from executor.context_parallel import cp_positions, merge, partial_attention, partial_attention_backward
+    from executor.parallel.context import cp_positions, merge, partial_attention, partial_attention_backward
     from piper_sim.models import attention
 
     g = torch.Generator().manual_seed(0)
@@ -135,7 +135,7 @@ def test_ring_merge_of_chunks_equals_causal_attention_and_its_gradients():
 
 
 def test_cp_ops_wait_for_the_pieces_that_perform_them(tmp_path):
-    from executor.context_parallel import is_cp, reorder_after_pieces
+    from executor.parallel.context import is_cp, reorder_after_pieces
     from piper_sim.api import compile
 
     def programs(s: dict):
@@ -161,8 +161,8 @@ def test_cp_ops_wait_for_the_pieces_that_perform_them(tmp_path):
 def test_a_collective_the_plan_does_not_list_is_named():
     from collections import deque
 
-    from executor.context_parallel import CPComm
-    from executor.tensor_parallel import Logged
+    from executor.parallel.context import CPComm
+    from executor.parallel.axis import Logged
 
     cp = CPComm(None, 2, 0, False)
     cp.log[("B", 0, 1)] = deque([Logged("l3.kv.ag", "ALL_GATHER", 0, 1)])

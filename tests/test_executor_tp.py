@@ -101,7 +101,7 @@ def test_3d_tp2_pp2_dp2_on_eight_ranks_traces_every_tp_op(tmp_path):
 
 def test_shards_are_exact_slices_of_the_reference_weights():
     from executor.stage import Stage
-    from executor.tensor_parallel import TPComm, shard_stage
+    from executor.parallel.tensor import TPComm, shard_stage
     from piper_sim.models import build_model, get_config
 
     cfg = get_config("gpt-tiny")
@@ -128,7 +128,8 @@ def test_shards_are_exact_slices_of_the_reference_weights():
 def test_plan_tp_ops_must_match_the_collectives_performed():
     from collections import deque
 
-    from executor.tensor_parallel import Logged, TPComm
+    from executor.parallel.axis import Logged
+    from executor.parallel.tensor import TPComm
 
     tp = TPComm(None, 2, 0, sp=False)
     tp.log[("F", 0, 1)] = deque([Logged("l0.attn.ar", "ALLREDUCE", 1.0, 2.0), Logged("l0.mlp.ar", "ALLREDUCE", 2, 3)])

@@ -1,10 +1,10 @@
 """The package's layers (DESIGN.md "Layers"): no module imports a higher layer, no import cycle.
 
-Every module of costmodel/, piper_sim/ and executor/ is parsed with `ast` (imports inside
+Every module of costmodel/, piper_sim/, executor/ and calibration/ is parsed with `ast` (imports inside
 functions count too) and mapped to its layer:
 
     app        piper_sim.cli (command line, demo, validation reports), piper_sim.__main__
-    back ends  executor (replays a Plan; executor.microbench: the calibration microbenchmarks)
+    back ends  executor (replays a Plan), calibration (the calibration microbenchmarks)
     library    piper_sim (model specs, profiling, strategy, IR, compiler, plan, simulator, ...)
     bottom     costmodel
 
@@ -20,7 +20,7 @@ import os
 import networkx as nx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("costmodel", "piper_sim", "executor")
+PACKAGES = ("costmodel", "piper_sim", "executor", "calibration")
 LAYERS = ("bottom", "library", "back ends", "app")
 FACADE = "piper_sim"
 
@@ -30,7 +30,7 @@ def layer(module: str) -> int:
     top = module.split(".")[0]
     if module in ("piper_sim.cli", "piper_sim.__main__") or module.startswith("piper_sim.cli."):
         return 3
-    return {"costmodel": 0, "piper_sim": 1, "executor": 2}[top]
+    return {"costmodel": 0, "piper_sim": 1, "executor": 2, "calibration": 2}[top]
 
 
 def modules(root: str | None = None) -> dict[str, str]:

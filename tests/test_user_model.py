@@ -262,7 +262,7 @@ def test_python_api_objects(tmp_path, monkeypatch):
 
     plan = piper_sim.compile(strategy("mine", pp=2), model=my_models_xyz.factory)
     assert plan.meta["user_model"]["source"] == "py:my_models_xyz:factory"
-    assert user_model_of(plan.meta).units == ["stem", "blocks.0", "blocks.1", "head"]
+    assert user_model_of(plan.header).units == ["stem", "blocks.0", "blocks.1", "head"]
 
     def local():  # not importable: compile and simulate work, run says why not
         return my_models_xyz.um.small_cnn(depth=1)
@@ -277,7 +277,7 @@ def test_python_api_objects(tmp_path, monkeypatch):
         assert plan.meta["user_model"]["source"] is None and plan.meta["model"] == "small-cnn-1x8"
         piper_sim.simulate(plan)
         with pytest.raises(PlanError, match="not an importable factory"):
-            user_model_of(plan.meta)
+            user_model_of(plan.header)
 
 
 # --------------------------------------------------------------------------- executor

@@ -3,7 +3,7 @@
 `main` (the console script ``piper_sim.cli:main``; ``python -m piper_sim`` and
 ``python -m piper_sim.cli`` too) parses the subcommands of `piper_sim.cli.commands`; each
 subcommand lives in its own module: `simulate`, `explore`, `run` (the torchrun launcher;
-what the workers share is `executor.options`), `calibrate` (runs `executor.microbench`),
+what the workers share is `executor.options`), `calibrate` (runs `calibration.microbench`),
 `demo`, `validation` (simulated vs measured reports, for ``piper-sim validate`` and
 notebooks). Modules here may import every layer below; nothing below imports them.
 """

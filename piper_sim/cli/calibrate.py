@@ -3,7 +3,7 @@
     piper-sim calibrate -o traces/calibration/NAME.json [--quick] [--nproc N] [--threads T]
                         [--device auto|cpu|cuda] [--no-progress] [--refit OLD.json ...]
 
-Measures (executor.microbench) matmul throughput, memory bandwidth, the tiny zoo models'
+Measures (calibration.microbench) matmul throughput, memory bandwidth, the tiny zoo models'
 segment times, p2p and collectives over 2..N worker processes (gloo on CPU, NCCL on
 CUDA), compute contention and comm/compute overlap; fits (costmodel.fit) and writes
 the parameters plus the raw measurements. `--refit` re-fits the raw measurements stored
@@ -24,7 +24,7 @@ import time
 
 
 class CalibrationError(ValueError):
-    """Bad `calibrate` arguments (the benchmarks raise executor.microbench.CalibrationError)."""
+    """Bad `calibrate` arguments (the benchmarks raise calibration.microbench.CalibrationError)."""
 
 
 def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
@@ -102,7 +102,7 @@ def calibrate_machine(quick: bool = False, nproc: int | None = None, threads: in
                       device: str = "auto", progress: bool = True) -> dict:
     """Measure this machine and fit: the calibration dict (costmodel.calibration schema)."""
     from costmodel.fit import build_calibration
-    from executor.microbench import make_config, run_calibration  # torch: import only when measuring
+    from calibration.microbench import make_config, run_calibration  # torch: import only when measuring
 
     cfg = make_config(quick=quick, nproc=nproc, threads=threads, device=device)
     _warn_if_busy(cfg)
@@ -132,13 +132,13 @@ def cached_calibration(quick: bool = True, device: str = "cpu", progress: bool =
                        announce=None) -> tuple[str, bool]:
     """This machine's calibration file, measured (`calibrate --quick`, ~15 s on 2 cores) on
     first use and cached per machine fingerprint (processor, cores, torch version, threads
-    per rank, measuring method; `executor.microbench.fingerprint`). Returns (path, measured now).
+    per rank, measuring method; `calibration.microbench.fingerprint`). Returns (path, measured now).
     `announce(message)` is called before measuring."""
     import hashlib
     import json
 
     from costmodel.calibration import load_calibration
-    from executor.microbench import fingerprint
+    from calibration.microbench import fingerprint
     from piper_sim.files import cache_dir
 
     fp = fingerprint(device)

@@ -121,7 +121,7 @@ def launch_env(verbose: bool = False) -> dict[str, str]:
     $OMP_NUM_THREADS says otherwise. torchrun sets that only when it starts more than one
     process, so a single-rank run took every core (10x slower than one thread per rank on this
     busy 2-core VM, from OpenMP threads spinning against other processes) and did not match the
-    calibration, which measures one thread per rank (`executor.microbench.make_config`)."""
+    calibration, which measures one thread per rank (`calibration.microbench.make_config`)."""
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", "1")
     if verbose:

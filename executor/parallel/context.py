@@ -16,11 +16,11 @@ causal by true position:
     K/V around again with the dK/dV accumulated so far, which reach their owner after ``C``
     hops (``kv.ag``, ``dkv.rs``). A ring is logged as the one collective the plan prices it as.
 
-The plan's ``CP.*`` ops are honoured like tensor parallelism's (`executor.tensor_parallel`):
+The plan's ``CP.*`` ops are honoured like tensor parallelism's (`executor.parallel.tensor`):
 every collective is logged under its pass; a plan op takes the next logged one of its pass
 (``R``: a full recompute's, inside the B pass) and must have its name and kind. The compiler
 puts a piece's gathers *before* it (and a ring beside it); the collectives run inside the
-piece, so the runtime moves each CP op after its piece (`reorder_after_pieces`).
+piece, so each CP op moves after its piece (`reorder_after_pieces`).
 
 The loss is each rank's mean over its ``s / C`` tokens scaled by ``1 / C`` more (equal token
 counts: the sum over the group is the sequence mean); parameters are replicated over cp and
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from executor.collectives import all_gather_flat, reduce_scatter_flat
-from executor.tensor_parallel import TPAttention, TPComm, column, row
+from executor.collectives import all_gather_flat, group_ranks, reduce_scatter_flat
+from executor.parallel.tensor import ModuleCollectives, TPAttention, TPComm, column, row
 from piper_sim.models import GQAttention, apply_rope, rope_cos_sin
 
 # the compiler's stream of context-parallel collectives (piper_sim.ir.CP_STREAM)
@@ -326,3 +326,33 @@ def reorder_after_pieces(streams: dict[str, list], stage_parts: list[list[list[s
     for name, lst in streams.items():
         streams[name] = [dataclasses.replace(i, deps=list(dict.fromkeys(
             [*i.deps, owner[i.id]] if i.id in owner else piece_deps(i.deps, i.id)))) for i in lst]
+
+
+class ContextParallel(ModuleCollectives):
+    """Every stage's attention runs over the plan's ``cp`` group; the CP ops wait for the
+    pieces that perform their collectives; a micro-batch's tokens are this rank's chunks."""
+
+    stream = CP_STREAM
+
+    @classmethod
+    def applies(cls, rt) -> bool:
+        return rt.layout.cp > 1
+
+    def __init__(self, rt):
+        self.rt = rt
+        group = next(i.group for lst in rt.prog.streams.values() for i in lst if is_cp(i))
+        ranks = group_ranks(group)
+        style = rt.header.cp.style
+        self.comm = CPComm(rt.comms.group(CP_STREAM, group), rt.layout.cp, ranks.index(rt.rank), False,
+                           style=style, ranks=ranks, seq_len=rt.seq)
+        full = {s for s, mode in (rt.header.recompute or {}).items() if mode == "full"}
+        for s, stage in rt.stages.items():
+            context_stage(stage, self.comm, keep=s in full)
+        reorder_after_pieces(rt.prog.streams, rt.header.stage_parts)
+
+    def local_seq(self, seq: int) -> int:
+        return seq // self.rt.layout.cp
+
+    def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.comm.positions().to(tokens.device)
+        return tokens[:, idx], targets[:, idx]

@@ -32,12 +32,13 @@ module performs is logged (`TPComm.log`: name, kind, start, end) under the pass 
 logged collective of that pass, requires the same name and kind (else the op fails), and
 records the logged start and end as the op's event. A collective the plan does not list is
 left over at the end of the step, which fails the step. ``TP.s{S}.norms`` (the norms'
-weight-gradient all-reduce under sequence parallelism) is performed by the runtime at its
-plan position (`Runtime._tp_op`).
+weight-gradient all-reduce under sequence parallelism) is performed at its plan position
+(`TensorParallel.op`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -48,7 +49,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from executor.collectives import all_gather_flat, reduce_scatter_flat
+from executor.collectives import all_gather_flat, group_ranks, reduce_scatter_flat
+from executor.parallel.axis import Axis, Handler, Logged, Posted
+from executor.parallel.data import is_grad_sync
+from piper_sim.header import TensorParallelHeader
 from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, SwiGLU, apply_rope, \
     attention_core, rope_cos_sin
 
@@ -62,20 +66,10 @@ def is_tp(ins) -> bool:
 
 
 @dataclass
-class Logged:
-    """One collective a module performed."""
-
-    name: str
-    kind: str
-    start: float
-    end: float
-
-
-@dataclass
 class TPComm:
     """This rank's tensor-parallel group and the log of the collectives it ran."""
 
-    WHAT = "tensor parallel"  # names the parallelism in errors (executor.context_parallel.CPComm)
+    WHAT = "tensor parallel"  # names the parallelism in errors (executor.parallel.context.CPComm)
     group: Any
     size: int
     index: int
@@ -379,14 +373,13 @@ def _columns(shard: TPShard, tp: TPComm, prefix: str, lin: Linear) -> None:
     _take(shard, tp, prefix, lin, "bias", 0)
 
 
-def sharded_units(meta: dict) -> Callable[[str], bool]:
+def sharded_units(tp: TensorParallelHeader) -> Callable[[str], bool]:
     """Which units the plan shards (``shard_tensor``'s selection, `piper_sim.directives.Setup.tp_sharded`):
-    every one unless the plan's ``tensor_parallel`` meta lists ``layers``/``embedding``/``head``."""
-    tp = meta.get("tensor_parallel", {})
-    if "layers" not in tp:
+    every one unless the plan's ``tensor_parallel`` header lists ``layers`` (and ``embedding``, ``head``)."""
+    if tp.layers is None:
         return lambda unit: True
-    layers = set(tp["layers"])
-    return lambda unit: tp["embedding"] if unit == "embed" else tp["head"] if unit == "head" else \
+    layers = set(tp.layers)
+    return lambda unit: tp.embedding if unit == "embed" else tp.head if unit == "head" else \
         int(unit.split(".")[1]) in layers
 
 
@@ -448,3 +441,92 @@ def _shard_experts(stage, shard: TPShard, tp: TPComm, name: str, block: Block) -
         for lin in ("w1", "w3"):
             _columns(shard, tp, f"{prefix}.{lin}", getattr(expert, lin))
         _take(shard, tp, f"{prefix}.w2", expert.w2, "weight", 1)
+
+
+# --------------------------------------------------------------------------- the runtime's axis
+
+
+class ModuleCollectives(Axis):
+    """An axis whose collectives the stages' modules perform (``comm`` logs them): the plan's
+    ops on ``stream`` take them, pass by pass."""
+
+    stream = ""
+    comm: TPComm | None = None
+
+    def stream_handlers(self) -> dict[str, Handler]:
+        return {self.stream: self.take} if self.comm is not None else {}
+
+    def take(self, ins) -> Logged:
+        """The next collective the modules performed in the op's pass, which must be this one
+        (``R``: a full recompute's, inside the B pass)."""
+        pas = "B" if ins.direction == "R" else ins.direction
+        return self.comm.take((pas, ins.stage, ins.mb), ins.name, ins.kind)
+
+    def enter_pass(self, phase: tuple[str, int, int]) -> None:
+        if self.comm is not None:
+            self.comm.phase = phase
+
+    def leftovers(self) -> list[str]:
+        extra = self.comm.leftover() if self.comm is not None else []
+        return [f"{self.comm.WHAT} collectives the plan does not list: {extra[:3]}"] if extra else []
+
+
+class TensorParallel(ModuleCollectives):
+    """Each stage's units that ``shard_tensor`` selected (all by default) become this rank's
+    tensor-parallel shard of them, their collectives on the plan's ``tp`` group; the others run
+    whole. Under sequence parallelism the stage's gradient syncs also wait for its
+    ``TP.s{S}.norms`` all-reduce, which adds into the same gradient buffer (Megatron reduces
+    them before the data-parallel sync)."""
+
+    stream = TP_STREAM
+
+    @classmethod
+    def applies(cls, rt) -> bool:
+        return rt.layout.tp > 1
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.shards: dict[int, TPShard] = {}
+        tp_ops = [i for lst in rt.prog.streams.values() for i in lst if is_tp(i)]
+        if not tp_ops:  # shard_tensor selected none of this rank's units: they all run whole
+            return
+        sp = bool(rt.header.tp.sequence_parallel)
+        group = tp_ops[0].group
+        self.comm = TPComm(rt.comms.group(TP_STREAM, group), rt.layout.tp, group_ranks(group).index(rt.rank), sp)
+        sharded = sharded_units(rt.header.tp)
+        for s, stage in rt.stages.items():
+            self.shards[s] = shard_stage(stage, self.comm, sharded)
+        norms = {i.stage: i.id for i in tp_ops if not i.direction}
+        if not norms:
+            return
+        for name, lst in rt.prog.streams.items():
+            rt.prog.streams[name] = [dataclasses.replace(i, deps=[*i.deps, norms[i.stage]])
+                                     if is_grad_sync(i) and i.stage in norms else i for i in lst]
+
+    def stream_handlers(self) -> dict[str, Handler]:
+        return {self.stream: self.op} if self.comm is not None else {}
+
+    def op(self, ins):
+        """A plan TP op: ``TP.s{S}.norms`` all-reduces the stage's replicated gradients here;
+        any other is the next collective the stage's modules performed in that pass."""
+        if ins.direction:  # a full-recompute backward re-runs the forward's collectives (``TP.R.`` ops)
+            return self.take(ins)
+        stage = self.rt.stages[ins.stage]
+        params = self.shards[ins.stage].replicated(stage.named_parameters()[0])
+        grads = [p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=self.rt.comms.group(ins.stream, ins.group), async_op=True)
+
+        def then():
+            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        return Posted(work, then)
+
+    def local_seq(self, seq: int) -> int:
+        return seq // self.rt.layout.tp if self.comm is not None and self.comm.sp else seq
+
+    def reference_view(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """Its tensor-parallel slice."""
+        for shard in self.shards.values():
+            if name in shard.slices:
+                return shard.reference_view(name, full)
+        return full
