@@ -186,6 +186,11 @@ def preflight(args, plans: list[Plan]) -> int:
         raise PlanError(f"--lr-decay {args.lr_decay} needs --decay-steps after --warmup-steps ({args.warmup_steps}); "
                         f"got --decay-steps {args.decay_steps}")
     layout = plans[0].layout
+    if layout.dp_shard and (args.clip_grad_norm is not None or args.save or args.resume):
+        # replicas hold equal shards (a global norm would count each once per replica); the
+        # checkpoint layout of replicated shards is not written yet
+        raise PlanError(f"--clip-grad-norm, --save and --resume do not support hybrid sharding yet (data_parallel "
+                        f"shard_degree {layout.dp_shard}); run without them")
     if layout.tp > 1 and (args.clip_grad_norm is not None or args.save or args.resume):
         raise PlanError("--clip-grad-norm, --save and --resume do not support tensor parallel plans yet "
                         f"(tp {layout.tp}); run without them")

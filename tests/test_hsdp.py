@@ -3,6 +3,8 @@ an all-reduce of each reduced shard across the replicas."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from costmodel import UnitCostModel, get_costmodel, parse_cluster
@@ -137,3 +139,43 @@ def test_explore_enumerates_and_ranks_hsdp_candidates():
     ranked = [r for r in result.ok if r.candidate.options]
     assert ranked and all(r.step_time_s > 0 for r in ranked)
     assert "shard_degree=8" in ranked[0].candidate.short()
+
+
+# ------------------------------------------------------------------ the executor runs it
+
+def test_executor_runs_hsdp_equal_to_the_reference(tmp_path):
+    """torchrun on gloo: HSDP 2x2 (ZeRO-1, -2, -3) on 4 ranks and PP2 x HSDP 2x2 (ZeRO-3) on 8,
+    fp32, against the single-process reference (what ``--check`` enforces)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_executor import GRAD_TOL, TOL, check_all, strategy as exec_strategy
+
+    def hsdp(zero, pp=1):
+        s = exec_strategy(pp=pp, dp=4, zero=zero, m=2, mbs=1)
+        next(d for d in s["directives"] if d["op"] == "data_parallel")["shard_degree"] = 2
+        return s
+
+    four = check_all(tmp_path, 4, {f"hsdp-z{z}": hsdp(z) for z in (1, 2, 3)})
+    eight = check_all(tmp_path, 8, {"pp2-hsdp-z3": hsdp(3, pp=2)})
+    rows = {**four, **eight}
+    assert set(rows) == {"hsdp-z1", "hsdp-z2", "hsdp-z3", "pp2-hsdp-z3"}
+    for name, row in rows.items():
+        assert row["within_tolerance"] is True, (name, row)
+        assert row["max_rel_param_diff"] <= TOL and row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
+
+
+def test_run_refuses_save_and_clipping_of_hsdp_plans_before_launch(tmp_path):
+    import subprocess
+    import sys
+
+    plan = compile_strategy({**strategy(zero=3), "dtype": "fp32"}).plan
+    path = tmp_path / "hsdp.json"
+    plan.save(str(path))
+    for extra in (["--save", str(tmp_path / "ck")], ["--clip-grad-norm", "1.0"]):
+        r = subprocess.run([sys.executable, "-m", "piper_sim", "run", str(path), *extra], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert "hybrid sharding" in r.stderr and "Traceback" not in r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "ck").exists()

@@ -110,6 +110,9 @@ class DataParallel(Axis):
                 if not named:
                     continue
                 ops = syncs.get((s, tag), [])
+                # hybrid sharding: the reduce-scatters (shard group) cut the buffer; the
+                # all-reduces of the reduced shards cross the replicas (`sync`)
+                ops = [i for i in ops if i.kind == "REDUCE_SCATTER"] or ops
                 group = group_ranks(ops[0].group) if ops else ()
                 sync = "none" if not ops else "allreduce" if ops[0].kind == "ALLREDUCE" else "shard"
                 numels = None
@@ -296,6 +299,8 @@ class DataParallel(Axis):
         fp = self.flats[(ins.stage, flat_tag(ins))]
         b = ins.bucket
         pg = self.rt.comms.group(ins.stream, ins.group)
+        if ins.kind == "ALLREDUCE" and fp.sync == "shard":  # hybrid sharding: the reduced shard, over its replicas
+            return Posted(dist.all_reduce(fp.shard_grad_piece(b), group=pg, async_op=True))
         if ins.kind == "ALLREDUCE":
             return Posted(dist.all_reduce(fp.grad_bucket(b), group=pg, async_op=True))
         # the bucket's gradients so far go (the bucket restarts from zero); their reduced
