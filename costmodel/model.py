@@ -90,13 +90,17 @@ class AnalyticCostModel(CostModel):
     KEYS = GPU_FIELDS | {"dtype", "gemm_dtype", "algorithm", "comm_compute_slowdown", "efficiency_table", "collectives",
                          "p2p", "post", "compute_slots", "moe", "memory_bw_table"}
 
-    def __init__(self, cluster: Cluster, overrides: dict | None = None, name: str = "analytic"):
+    def __init__(self, cluster: Cluster, overrides: dict | None = None, name: str = "analytic",
+                 dtype: str | None = None):
         ov = dict(overrides or {})
         unknown = set(ov) - self.KEYS
         if unknown:
             raise ValueError(f"unknown cost-model overrides {sorted(unknown)}; known: {sorted(self.KEYS)}")
         self.name = name
-        self.dtype = ov.pop("dtype", "bf16")
+        # one dtype knob: the plan's (``dtype``, when the device has a peak for it), else the
+        # calibration's, else bf16
+        file_dtype = ov.pop("dtype", "bf16")
+        self.dtype = dtype if dtype in cluster.gpu.peak_flops else file_dtype
         # dtype GEMMs run in when it differs from the model's (e.g. "fp8": DeepSeek-V3's FP8 GEMMs)
         self.gemm_dtype = ov.pop("gemm_dtype", None)
         # ranks that can compute at full speed at once on a node: a CPU's cores are shared
@@ -271,8 +275,10 @@ class UnitCostModel(CostModel):
 COSTMODEL_FORMS = "'analytic', 'unit:F=1,BI=1,BW=1,comm=0', or a calibration .json path"
 
 
-def get_costmodel(name_or_file: str | CostModel | None = "analytic", cluster: Cluster | None = None) -> CostModel:
-    """Build a cost model from its name (see module docstring)."""
+def get_costmodel(name_or_file: str | CostModel | None = "analytic", cluster: Cluster | None = None,
+                  dtype: str | None = None) -> CostModel:
+    """Build a cost model from its name (see module docstring); ``dtype``: the plan's, which
+    prices compute and sets the peak MFU is measured against."""
     if isinstance(name_or_file, CostModel):
         return name_or_file
     spec = (name_or_file or "analytic").strip()
@@ -284,11 +290,11 @@ def get_costmodel(name_or_file: str | CostModel | None = "analytic", cluster: Cl
     if cluster is None:
         raise ValueError(f"cost model {spec!r} needs a cluster")
     if not is_file:
-        return AnalyticCostModel(cluster)
+        return AnalyticCostModel(cluster, dtype=dtype)
     data = load_calibration(spec)
     overrides = {k: v for k, v in data.items() if k not in ("kind", "device", "meta")}
     meta = data.get("meta", {})
     cores = meta.get("machine", {}).get("cores")
     if cores and meta.get("machine", {}).get("device") == "cpu":
         overrides.setdefault("compute_slots", max(1, cores // int(meta.get("threads_per_rank", 1))))
-    return AnalyticCostModel(cluster, overrides, name=f"calibration:{spec}")
+    return AnalyticCostModel(cluster, overrides, name=f"calibration:{spec}", dtype=dtype)

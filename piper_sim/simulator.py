@@ -914,17 +914,17 @@ class _Engine:
 
 
 def _peak_flops(plan: Plan, cm: CostModel) -> float:
+    """The peak MFU is measured against: the plan's dtype (one dtype knob), else the cost model's."""
     gpu = getattr(cm, "gpu", None)
-    dtype = getattr(cm, "dtype", None) or plan.header.dtype or "bf16"
     if gpu is None:
         cluster = _plan_cluster(plan)
         if cluster is None:
             return 0.0
         gpu = cluster.gpu
-    try:
-        return gpu.peak(dtype)
-    except ValueError:
-        return 0.0
+    for dtype in (plan.header.dtype, getattr(cm, "dtype", None), "bf16"):
+        if dtype in gpu.peak_flops:
+            return gpu.peak(dtype)
+    return 0.0
 
 
 def _cluster(plan: Plan, cm: CostModel) -> Cluster | None:
@@ -988,7 +988,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
                 raise SimulationError(f"cost model {spec!r} needs the plan's cluster (meta.cluster); "
                                       "compile the plan with piper-sim, or use a unit cost model")
             cluster = parse_cluster(plan.header.cluster)
-        costmodel = get_costmodel(spec, cluster)
+        costmodel = get_costmodel(spec, cluster, dtype=plan.header.dtype)
     cm = costmodel
     exact, why = fold_is_exact(plan, _cluster(plan, cm)) if fold else (False, "fold=False")
     folded = fold and exact

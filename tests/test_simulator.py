@@ -562,3 +562,21 @@ def test_host_grants_do_not_depend_on_wake_up_order(pp):
                                                        {"op": "context_parallel", "degree": 2, "style": "ring"}]})
     folded, unfolded = simulate(plan, cm), simulate(plan, cm, fold=False)
     assert folded.folded and folded.step_time_s == pytest.approx(unfolded.step_time_s, rel=1e-12)
+
+
+def test_an_fp32_plan_is_priced_and_measured_in_fp32():
+    """One dtype knob (the plan's): an fp32 plan's MFU is against the fp32 peak, and its GEMMs
+    are priced in fp32 (slower than the same plan in bf16)."""
+    from costmodel.hardware import H100
+
+    def run(dtype):
+        s = {"model": "gpt-small", "cluster": "h100:1x8", "global_batch": 8, "seq_len": 256, "microbatches": 1,
+             "dtype": dtype, "directives": [{"op": "data_parallel", "degree": 8}]}
+        plan = compile(s)
+        return plan, simulate(plan)
+
+    plan, r32 = run("fp32")
+    _, r16 = run("bf16")
+    flops = plan.header.model_flops_per_step
+    assert r32.mfu == pytest.approx(flops / (r32.step_time_s * 8 * H100.peak("fp32")))
+    assert r32.step_time_s > 2 * r16.step_time_s
