@@ -103,6 +103,9 @@ class GPU:
     # the FlashAttention charts measure (clock settled at the power limit vs boost); see the
     # SUSTAINED_* constants. 1.0: no sourced figure (the burst is used).
     sustained_ratio: float = 1.0
+    # the architecture whose kernel measurements price it (the FlashAttention table: A100's
+    # for "ampere", H100's for "hopper", "blackwell", "cdna3"; "cpu" keeps A100's, scaled)
+    family: str = "hopper"
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -126,6 +129,7 @@ A100 = GPU(
     nic_bw=25e9,  # 200 Gb/s HDR IB per GPU [MEG21]
     mamf_eff=0.869,  # 271.2 / 312 [MLE-A]
     sustained_ratio=SUSTAINED_AMPERE,
+    family="ampere",
 )
 
 H100 = GPU(
@@ -172,6 +176,7 @@ B200 = GPU(
     nic_bw=50e9,  # 400 Gb/s CX7 [DEP README]
     mamf_eff=0.776,  # 1745 / 2250 [MLE-A]
     sustained_ratio=SUSTAINED_BLACKWELL,
+    family="blackwell",
     # DeepEP V2, SM100, 8K tokens, hidden 7168, top-8, FP8 dispatch [DEP README]: the EP8 row
     # 726 GB/s (NVLink, 64 SMs) and the EP8x2 row 90 GB/s (RDMA, "logical": half of it is the
     # own node's) through link_bw_from_row with DEEPEP_ALPHA_S and 256 experts (inferred)
@@ -187,6 +192,7 @@ MI300X = GPU(
     nvlink_bw=312.9e9,  # xGMI, measured 8×MI300X all-reduce busbw at 4 GB [MLE-N]
     nic_bw=50e9,  # 400 Gb/s (inferred)
     mamf_eff=0.514,  # 668.4 / 1300, ROCm 6.3 [MLE-A]
+    family="cdna3",
     # sustained_ratio: no sourced MI300X sustained-vs-burst figure; the burst is used
 )
 
@@ -206,6 +212,7 @@ CPU = GPU(
     # no DeepEP on CPU: the "auto" all-to-all algorithm is the plain (gloo) one
     ep_nvlink_bw=2e9, ep_nic_bw=1.25e9, ep_alpha_s=30e-6,
     gemm_by_shape=False,
+    family="cpu",
 )
 
 GPUS: dict[str, GPU] = {
@@ -345,5 +352,5 @@ def _gpu_from(entry, overrides: dict, path: str) -> GPU:
     return dataclasses.replace(
         gpu,
         peak_flops={k: float(v) for k, v in gpu.peak_flops.items()},
-        **{f: float(getattr(gpu, f)) for f in GPU_FIELDS - {"name", "peak_flops"}},
+        **{f: float(getattr(gpu, f)) for f in GPU_FIELDS - {"name", "peak_flops", "family"}},
     )

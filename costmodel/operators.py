@@ -207,22 +207,32 @@ def attention_tflops(gpu: GPU, seq: float, head_dim: int, causal: bool, backward
                      kernel: str = "flash") -> float:
     """Achieved TFLOP/s (FA convention) of one attention kernel's forward or backward, at
     sustained clocks; ``kernel`` a profile row's name (``flash`` = FA2)."""
-    return _attention_tflops(gpu.peak("bf16"), seq, head_dim, causal, backward, kernel) * gpu.sustained_ratio
+    return _attention_tflops(gpu.peak("bf16"), gpu.family, seq, head_dim, causal, backward, kernel) * \
+        gpu.sustained_ratio
 
 
 @functools.lru_cache(maxsize=4096)
-def _attention_tflops(peak_bf16: float, seq: float, head_dim: int, causal: bool, backward: bool,
+def _attention_tflops(peak_bf16: float, family: str, seq: float, head_dim: int, causal: bool, backward: bool,
                       kernel: str = "flash") -> float:
-    """`attention_tflops` at burst clocks on a GPU of this bf16 peak (memoised)."""
-    return _fa2_tflops(peak_bf16, seq, head_dim, causal, backward) * attention_kernel_ratio(kernel, seq, causal, backward)
+    """`attention_tflops` at burst clocks on a GPU of this bf16 peak and family (memoised)."""
+    return _fa2_tflops(peak_bf16, family, seq, head_dim, causal, backward) * \
+        attention_kernel_ratio(kernel, seq, causal, backward)
+
+
+# The FlashAttention-2 fwd+bwd chart that prices each GPU family, and the bf16 peak of the GPU it
+# was measured on (other GPUs of the family are scaled by their peak, assumed). A CPU has no
+# flash-attention measurement: the A100 chart scaled by its peak stands in (as before; CPU runs
+# are priced from calibration).
+FA2_CHART_BY_FAMILY = {"ampere": (FA2_A100_FWD_BWD, 312e12), "cpu": (FA2_A100_FWD_BWD, 312e12)}
+FA2_DEFAULT_CHART = (FA2_H100_FWD_BWD, H100.peak("bf16"))  # hopper, blackwell, cdna3: H100's chart
 
 
 @functools.lru_cache(maxsize=4096)
-def _fa2_tflops(peak_bf16: float, seq: float, head_dim: int, causal: bool, backward: bool) -> float:
-    """FA2's FLOP/s on a GPU of this bf16 peak, at the benchmark's (burst) clocks."""
+def _fa2_tflops(peak_bf16: float, family: str, seq: float, head_dim: int, causal: bool, backward: bool) -> float:
+    """FA2's FLOP/s on a GPU of this bf16 peak and family, at the benchmark's (burst) clocks."""
     hd = 64 if head_dim <= 64 else 128  # other head dims use the nearest measured one (assumed)
-    is_a100 = peak_bf16 < 500e12
-    both = _interp_seq((FA2_A100_FWD_BWD if is_a100 else FA2_H100_FWD_BWD)[(hd, causal)], seq)
+    chart, measured_on_peak = FA2_CHART_BY_FAMILY.get(family, FA2_DEFAULT_CHART)
+    both = _interp_seq(chart[(hd, causal)], seq)
     # the forward share of fwd+bwd, measured on H100 at hd128; other cases reuse it (inferred)
     fwd_h100 = _interp_seq(FA2_H100_FWD[(128, causal)], seq)
     both_h100 = _interp_seq(FA2_H100_FWD_BWD[(128, causal)], seq)
@@ -232,7 +242,6 @@ def _fa2_tflops(peak_bf16: float, seq: float, head_dim: int, causal: bool, backw
     else:  # t_bwd = t_both - t_fwd for 1 + 2.5 units of work
         t = (1 + FA_BWD_FLOPS_RATIO) / both - 1 / fwd
         tf = FA_BWD_FLOPS_RATIO / t
-    measured_on_peak = 312e12 if is_a100 else H100.peak("bf16")
     return tf * 1e12 * peak_bf16 / measured_on_peak  # other GPUs: scaled by their peak (assumed)
 
 

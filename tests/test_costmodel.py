@@ -384,3 +384,21 @@ def test_measured_table_keeps_fastest_and_is_monotone():
     # 16 B was disturbed (slower than 64 B): the larger message's time bounds it
     assert measured_table([(16, 1.6e-3), (4, 1e-3), (64, 3e-4), (256, 5e-4), (64, 2e-4)]) == [
         [4.0, 2e-4], [16.0, 2e-4], [64.0, 2e-4], [256.0, 5e-4]]
+
+
+def test_the_attention_chart_follows_the_gpu_family_not_its_peak():
+    """A100's FlashAttention chart prices an Ampere GPU whatever its peak; H100's prices Hopper
+    and later (scaled by peak): a hypothetical 600 TFLOP/s Ampere part keeps A100's shape."""
+    import dataclasses
+
+    from costmodel import operators
+    from costmodel.hardware import A100, H100
+
+    fast_ampere = dataclasses.replace(A100, peak_flops={**A100.peak_flops, "bf16": 600e12})
+    slow_hopper = dataclasses.replace(H100, peak_flops={**H100.peak_flops, "bf16": 300e12})
+    for seq in (1024, 8192):
+        a = operators.attention_tflops(A100, seq, 128, True, False)
+        assert operators.attention_tflops(fast_ampere, seq, 128, True, False) == pytest.approx(a * 600 / 312)
+        h = operators.attention_tflops(H100, seq, 128, True, False)
+        assert operators.attention_tflops(slow_hopper, seq, 128, True, False) == pytest.approx(h * 300 / 989)
+    assert A100.family == "ampere" and H100.family == "hopper"
