@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def _check(dp: int, zero: int) -> None:
@@ -84,8 +85,100 @@ def comm_buffer_bytes(bucket_bytes: float, dp: int, zero: int) -> float:
 
 
 def fits(peak_bytes: float, capacity_bytes: float) -> bool:
-    """Whether a rank whose memory peaks at ``peak_bytes`` fits a device with
-    ``capacity_bytes`` (the catalog's memory per GPU; no reserve is taken for the CUDA
-    context, communication buffers or fragmentation). The one check behind the
-    simulator's ``fits`` verdict and the explorer's out-of-memory rows."""
+    """Whether ``peak_bytes`` (what `memory_need` totals: reserved tensors plus the process's
+    runtime memory) fits a device with ``capacity_bytes``. The one check behind the
+    simulator's ``fits`` verdict and the explorer's out-of-memory rows; `memory_verdict`
+    adds the headroom."""
     return peak_bytes <= capacity_bytes
+
+
+# --- memory as the caching allocator and the runtime hold it ---------------------------------
+# Sources: [PT-CCA] pytorch c10/cuda/CUDACachingAllocator.cpp @001074d2; [PT-CUDA] PyTorch docs
+# notes/cuda.rst "Optimizing memory usage with PYTORCH_CUDA_ALLOC_CONF" and "cuBLAS workspaces";
+# [PT-BLAS] aten/src/ATen/cuda/CublasHandlePool.cpp @26a39059; [MLE-P] stas00/ml-engineering
+# @744d01e1 training/performance/README.md and debug/pytorch.md; [NCCL964], [NCCL1685]:
+# NVIDIA/nccl issues #964 and #1685; [LC120] meta-llama/llama-cookbook issue #120; [MLF150]
+# ISEEKYAN/Megatron-LM issue #150 (third-party fork); [DEVLOG] pytorch/devlogs
+# content/eager/2026-06-01-cuda-caching-allocator.md.
+
+GiB = 2**30
+MiB = 2**20
+
+# CUDA context with lazy module loading (the default since CUDA 12.2, forced by PyTorch since
+# 1.13): 0.47 GiB measured on A100-80GB, torch 2.1.1+cu121 [MLE-P] README L379-411; the first
+# cuBLAS / attention calls load about half a GB more [MLE-P] debug/pytorch.md L1071.
+CUDA_CONTEXT_BYTES = 0.47 * GiB
+LIBRARY_KERNELS_BYTES = 0.5 * GiB
+
+# cuBLAS workspace per (handle, stream), from the caching allocator and never freed [PT-BLAS]
+# parseChosenWorkspaceSize: 32 MiB on Hopper and Blackwell; elsewhere :4096:2:16:8 = 8.125 MiB,
+# which sits alone in a 20 MiB segment [PT-CCA kLargeBuffer]. Two handles: the forward thread's
+# and autograd's device thread's (inferred: handles are per thread).
+CUBLAS_WORKSPACE_BYTES = {"hopper": 32 * MiB, "blackwell": 32 * MiB, "ampere": 20 * MiB}
+CUBLAS_HANDLES = 2
+
+# NCCL memory per communicator, measured through PyTorch on 4xA100 NVLink (4 MB all-reduce):
+# 544 MB for a 2-rank group (a pipeline send/recv pair), 688 MB for more ranks [NCCL964]. An
+# all-to-all group connects every pair: 1.06 -> 4.34 GB on its first all_to_all_single over 8
+# H100 [NCCL1685], 3.28 GB for 7 peers, taken as linear in peers (inferred).
+NCCL_PAIR_BYTES = 544e6
+NCCL_GROUP_BYTES = 688e6
+NCCL_ALL_TO_ALL_BYTES_PER_PEER = (4.34e9 - 1.06e9) / 7
+
+# Reserved / allocated at the peak. The default allocator (segments split, per-stream pools):
+# 1.38-1.50 measured for Llama-2-70B FSDP on 16 A100 [LC120], 1.46-1.62 for FSDP2 + TP on 16
+# H100 [MLF150]; the lowest, 1.38, is taken. expandable_segments:True [PT-CUDA] maps 20 MiB
+# pages into one range per pool and stream: +9% in the devlog's example [DEVLOG], 1.07-1.15
+# for Megatron-FSDP [MLF150]; 1.10 is taken.
+RESERVED_OVER_ALLOCATED = {False: 1.38, True: 1.10}
+
+# Default headroom between the predicted need and the GPU's memory: NCCL grows with the
+# algorithms a run first uses (lazy connect since NCCL 2.22, [NCCL1685] +3.3 GB for one
+# all-to-all), libraries load kernels on first use, and ml-engineering's GPU check keeps "a few
+# GiBs" free on an 80 GB A100 [MLE-P orchestration/slurm/users.md L944]: 2 GiB (inferred).
+DEFAULT_HEADROOM_BYTES = 2 * GiB
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """One rank's memory at its peak as the device sees it."""
+
+    allocated: float  # live tensors at the peak (the simulator's peak: model states + transient)
+    reserved: float  # what the caching allocator holds for them
+    runtime: float  # CUDA context, library kernels, cuBLAS workspaces, NCCL communicators
+
+    @property
+    def total(self) -> float:
+        return self.reserved + self.runtime
+
+
+def runtime_bytes(family: str, pairs: int = 0, groups: int = 0, all_to_all_peers: int = 0) -> float:
+    """What a training process holds on its GPU beyond its tensors: the CUDA context and
+    library kernels, its cuBLAS workspaces and the NCCL memory of its communicators (``pairs``
+    2-rank groups, ``groups`` larger ones, all-to-all groups with ``all_to_all_peers`` peers in
+    all). 0 for CPU ranks (gloo on host memory)."""
+    if family == "cpu":
+        return 0.0
+    workspace = CUBLAS_WORKSPACE_BYTES.get(family, 32 * MiB) * CUBLAS_HANDLES  # other families: 32 MiB (assumed)
+    nccl = pairs * NCCL_PAIR_BYTES + groups * NCCL_GROUP_BYTES + all_to_all_peers * NCCL_ALL_TO_ALL_BYTES_PER_PEER
+    return CUDA_CONTEXT_BYTES + LIBRARY_KERNELS_BYTES + workspace + nccl
+
+
+def memory_need(static: float, transient: float, family: str, expandable_segments: bool = False, pairs: int = 0,
+                groups: int = 0, all_to_all_peers: int = 0) -> MemoryNeed:
+    """A rank's need at its peak from the bytes it holds all step (``static``: parameters,
+    gradients, optimizer state, allocated once in large blocks: rounded to 2 MiB pages, taken
+    as exact) and those it allocates and frees during the step (``transient``: activations,
+    gathered parameters, buffers), which fragment the caching allocator's segments
+    (`RESERVED_OVER_ALLOCATED`, applied to them only: inferred), plus `runtime_bytes`."""
+    ratio = 1.0 if family == "cpu" else RESERVED_OVER_ALLOCATED[bool(expandable_segments)]
+    return MemoryNeed(allocated=static + transient, reserved=static + transient * ratio,
+                      runtime=runtime_bytes(family, pairs, groups, all_to_all_peers))
+
+
+def memory_verdict(need: float, capacity: float, headroom: float = DEFAULT_HEADROOM_BYTES) -> str:
+    """``fits`` (within capacity minus headroom), ``tight`` (within the headroom: may run out
+    as NCCL and libraries grow) or ``oom``."""
+    if need > capacity:
+        return "oom"
+    return "tight" if need > capacity - headroom else "fits"

@@ -58,6 +58,8 @@ class Stack:
     optimizer: str = "fused"
     reduce_dtype: str = "compute"
     tp_overlap: bool = False
+    # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: less fragmentation (costmodel.memory)
+    expandable_segments: bool = False
     preset: str = ""  # the preset it started from ("" for none)
 
     def to_json(self) -> dict[str, Any]:
@@ -71,6 +73,8 @@ class Stack:
             parts.append(f"dropout {self.dropout:g}")
         if self.tp_overlap:
             parts.append("TP comm overlapped")
+        if self.expandable_segments:
+            parts.append("expandable segments")
         return (f"{self.preset}: " if self.preset else "") + ", ".join(parts)
 
     def profile_key(self) -> "ProfileKernels":
@@ -102,13 +106,14 @@ PRESETS: dict[str, Stack] = {
     # torchtitan, compile = false: torch SDPA (flash backend) [torchtitan models/attention.py];
     # RMSNorm as torch's eager decomposition [torchtitan models/norms.py, build_norm("rmsnorm") ->
     # torch.nn.RMSNorm]; AdamW implementation "foreach" [torchtitan config/job_config.py
-    # Optimizer.implementation]; FSDP2 mixed_precision_reduce = "float32" [job_config.py Training]
+    # Optimizer.implementation]; FSDP2 mixed_precision_reduce = "float32" [job_config.py Training];
+    # PYTORCH_ALLOC_CONF="expandable_segments:True" [torchtitan run_train.sh L43 @b5bcd76c]
     "torchtitan": Stack(attention="flash2", norms="eager", compile=False, optimizer="foreach",
-                        reduce_dtype="fp32", preset="torchtitan"),
+                        reduce_dtype="fp32", expandable_segments=True, preset="torchtitan"),
     # the same with compile = true: Inductor fuses the norms (torchtitan benchmarks/
     # llama3_h100_202412_torchtitan.md: +15.7% tokens/s from torch.compile)
     "torchtitan-compile": Stack(attention="flash2", norms="fused", compile=True, optimizer="foreach",
-                                reduce_dtype="fp32", preset="torchtitan-compile"),
+                                reduce_dtype="fp32", expandable_segments=True, preset="torchtitan-compile"),
     # Megatron-Core + Transformer Engine: cuDNN fused attention on Hopper (TE attention backend
     # selection), TE fused norms, Apex/TE fused Adam, grads reduced in fp32
     # (Megatron-Bridge recipes: grad_reduce_in_fp32 = True)
@@ -132,7 +137,7 @@ PRESETS: dict[str, Stack] = {
 STACK_FIELDS: dict[str, tuple] = {
     "attention": ATTENTION_KERNELS, "norms": NORM_KERNELS, "optimizer": OPTIMIZERS, "reduce_dtype": REDUCE_DTYPES,
 }
-_ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap"}
+_ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap", "expandable_segments"}
 
 
 def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
@@ -158,10 +163,11 @@ def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
             if value[key] not in choices:
                 raise StackError(f"{where}: {key} must be one of {', '.join(choices)} (got {value[key]!r})")
             fields[key] = value[key]
-    if "tp_overlap" in value:
-        if not isinstance(value["tp_overlap"], bool):
-            raise StackError(f"{where}: tp_overlap must be true or false (got {value['tp_overlap']!r})")
-        fields["tp_overlap"] = value["tp_overlap"]
+    for flag in ("tp_overlap", "expandable_segments"):
+        if flag in value:
+            if not isinstance(value[flag], bool):
+                raise StackError(f"{where}: {flag} must be true or false (got {value[flag]!r})")
+            fields[flag] = value[flag]
     if "compile" in value:
         if not isinstance(value["compile"], bool):
             raise StackError(f"{where}: compile must be true or false (got {value['compile']!r})")

@@ -237,6 +237,8 @@ def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
         return {}, ""
     stack = parse_stack(h.stack, f"{h.model or 'plan'} meta.stack")
     env = {} if os.environ.get("PIPER_ADAMW") else {"PIPER_ADAMW": stack.optimizer}
+    if stack.expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:  # CUDA only; harmless on CPU
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     ignored = []
     if stack.attention != DEFAULT.attention:
         ignored.append(f"attention {stack.attention} (torch SDPA runs)")
@@ -246,6 +248,7 @@ def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
         ignored.append(f"dropout {stack.dropout:g} (the model's dropout runs)")
     if stack.reduce_dtype != DEFAULT.reduce_dtype:
         ignored.append(f"reduce_dtype {stack.reduce_dtype} (gradients are reduced in the plan's dtype)")
-    runs = f"AdamW {os.environ.get('PIPER_ADAMW') or stack.optimizer}"
+    runs = f"AdamW {os.environ.get('PIPER_ADAMW') or stack.optimizer}" + \
+        (", expandable segments (CUDA)" if stack.expandable_segments else "")
     name = f" {stack.preset!r}" if stack.preset else ""
     return env, f"the plan's stack{name}: runs {runs}; ignores " + "; ".join(ignored)

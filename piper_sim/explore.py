@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from costmodel.dtypes import DTYPE_BYTES
 from costmodel.hardware import parse_cluster
-from costmodel.memory import fits
+from costmodel.memory import DEFAULT_HEADROOM_BYTES, fits, memory_need
 from costmodel.model import get_costmodel
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, check_stack_on, parse_stack, stack_to_strategy
 from piper_sim.bands import Band
@@ -110,7 +110,7 @@ class Candidate:
 @dataclass
 class Row:
     candidate: Candidate
-    status: str  # ok | oom | invalid | pruned
+    status: str  # ok | tight (fits only within the memory headroom) | oom | invalid | pruned
     step_time_s: float = float("nan")
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -119,6 +119,7 @@ class Row:
     lower_bound_s: float = 0.0
     reason: str = ""
     band: Band | None = None  # the 80% band of step_time_s (piper_sim.bands)
+    device_memory_bytes: float = 0.0  # what the device holds at the peak: reserved + runtime (simulator)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -137,12 +138,16 @@ class ExploreResult:
 
     @property
     def ok(self) -> list[Row]:
-        return sorted((r for r in self.rows if r.status == "ok"), key=lambda r: r.step_time_s)
+        """The simulated plans that fit, fastest first; those that fit only within the memory
+        headroom (``tight``) after every one that fits with it."""
+        return sorted((r for r in self.rows if r.status in ("ok", "tight")),
+                      key=lambda r: (r.status == "tight", r.step_time_s))
 
     @property
     def best(self) -> Row | None:
+        """The fastest plan that fits with the memory headroom (never a ``tight`` one)."""
         ok = self.ok
-        return ok[0] if ok else None
+        return ok[0] if ok and ok[0].status == "ok" else None
 
     def best_strategy(self) -> dict[str, Any]:
         s = self.settings
@@ -156,7 +161,8 @@ class ExploreResult:
         simulated numbers, ``reason``, and the candidate's fields (pp, schedule, ...)."""
         import pandas as pd
 
-        rows = sorted(self.rows, key=lambda r: (r.status != "ok", r.step_time_s))
+        rows = sorted(self.rows, key=lambda r: (("ok", "tight").index(r.status) if r.status in ("ok", "tight") else 2,
+                                                r.step_time_s))
         cols = ["strategy", "status", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction",
                 "peak_memory_bytes", "lower_bound_s", "reason"] + [f.name for f in fields(Candidate)]
         return pd.DataFrame([{**{k: v for k, v in r.to_json().items() if k != "candidate"},
@@ -264,7 +270,8 @@ class Screener:
     re-run forward under full recompute), exactly as `parallel.memory.activation_memory_pass` sets their
     ``alloc``/``free``. Compute ops run in that order and everything else a plan allocates
     (temporaries, buffers, gathered parameters, gradient buckets) only adds, so the
-    simulated peak is at least this. Time: the busiest rank's forward+backward kernels as
+    simulated peak is at least this; it is judged as the simulator judges it, as the device
+    would hold it (`costmodel.memory.memory_need`, with no communicators counted). Time: the busiest rank's forward+backward kernels as
     the simulator prices them (or their flops at the cost model's best efficiency). Under
     tensor parallelism both are a rank's share: the segments are profiled on its shard
     (`models.tp_shard`), as the compiler does; under context parallelism on its ``seq_len / C``
@@ -404,7 +411,10 @@ class Screener:
         mem = time_lb = 0.0
         for r in range(cand.pp):
             held = [s for s, ranks in spec.stage_ranks.items() if r in ranks]
-            mem = max(mem, self._static(cand, spec, mbs, ctx, r) + act[r])
+            # as the device would hold it (no communicators counted: a lower bound)
+            need = memory_need(self._static(cand, spec, mbs, ctx, r), act[r], self.gpu.family,
+                               self.stack.expandable_segments)
+            mem = max(mem, need.total)
             busy = 0.0
             for s in held:
                 busy += counts.get((r, s), 0) * self._stage_numbers(cand, mbs, spec.num_stages, s)[2]
@@ -451,9 +461,11 @@ def _compile_and_simulate(task: tuple) -> tuple:
                                               settings["seq_len"], settings.get("stack", DEFAULT_STACK))).plan
     except (StrategyError, ValueError) as e:
         return cand, None, str(e)
-    r = simulate(plan, settings["costmodel"])
+    r = simulate(plan, settings["costmodel"], memory_headroom_bytes=settings["memory_headroom_bytes"])
     peak = max(x.peak_memory_bytes for x in r.rank_stats)
-    return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak, r.fits is not False, r.band), ""
+    device = max(x.device_bytes for x in r.rank_stats)
+    return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak, r.memory_verdict or "fits", r.band,
+                  device), ""
 
 
 def _pool(workers: int, use_ray: bool):
@@ -476,16 +488,18 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
             workers: int | None = None, prune: bool = True, use_ray: bool = False,
             candidates: list[Candidate] | None = None,
             progress: Callable[[str, int, int], None] | None = None, stack: Stack | str | dict | None = None,
-            **enum_kw: Any) -> ExploreResult:
+            memory_headroom_bytes: float = DEFAULT_HEADROOM_BYTES, **enum_kw: Any) -> ExploreResult:
     """Enumerate, screen, and simulate in order of the time bound; rows for every candidate.
     ``stack``: the training stack every candidate runs (``costmodel.stack``: a preset name, a
-    mapping or a Stack; default FA2 and fused kernels)."""
+    mapping or a Stack; default FA2 and fused kernels). Memory as the simulator judges it
+    (`costmodel.memory.memory_need`): plans within ``memory_headroom_bytes`` of the GPU's
+    memory are ``tight`` and ranked after every plan that fits with the headroom."""
     t0 = time.perf_counter()
     cl = parse_cluster(cluster)
     stack = parse_stack(stack, "explore stack")
     check_stack_on(stack, cl.gpu, "explore stack")
     settings = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
-                "costmodel": costmodel, "stack": stack}
+                "costmodel": costmodel, "stack": stack, "memory_headroom_bytes": memory_headroom_bytes}
     if candidates is None:
         candidates = enumerate_candidates(model, cluster, global_batch, seq_len, **enum_kw)
     cm = get_costmodel(costmodel, cl)
@@ -497,9 +511,9 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
         if err:
             rows.append(Row(cand, "invalid", reason=err))
         elif prune and not fits(mem, hbm):
-            rows.append(Row(cand, "oom", peak_memory_bytes=mem, lower_bound_s=bound,
-                            reason=f"model states + the activations its schedule holds need {mem / 1e9:.1f} GB "
-                                   f"> {hbm / 1e9:.0f} GB"))
+            rows.append(Row(cand, "oom", lower_bound_s=bound, device_memory_bytes=mem,
+                            reason=f"model states + the activations its schedule holds need {mem / 2**30:.1f} GiB "
+                                   f"(reserved, with the CUDA context) > {hbm / 2**30:.1f} GiB"))
         else:
             queue.append((bound, cand.short(), cand))
     queue.sort()
@@ -515,13 +529,17 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
         if res is None:
             rows.append(Row(cand, "invalid", reason=err))
             return
-        step, tps, mfu, bubble, peak, fit, band = res  # fit: the simulator's verdict (costmodel.memory.fits)
-        if not fit:
-            rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand],
-                            reason=f"peak {peak / 1e9:.1f} GB > {hbm / 1e9:.0f} GB"))
+        step, tps, mfu, bubble, peak, verdict, band, device = res  # the simulator's memory verdict
+        if verdict == "oom":
+            rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand], device_memory_bytes=device,
+                            reason=f"needs {device / 2**30:.1f} GiB (reserved + runtime) > {hbm / 2**30:.1f} GiB"))
             return
-        rows.append(Row(cand, "ok", step, tps, mfu, bubble, peak, bounds[cand], band=band))
-        best = min(best, step)
+        status = "ok" if verdict == "fits" else "tight"
+        rows.append(Row(cand, status, step, tps, mfu, bubble, peak, bounds[cand], band=band, device_memory_bytes=device,
+                        reason="" if status == "ok" else f"needs {device / 2**30:.1f} GiB of {hbm / 2**30:.1f} GiB: "
+                        f"within the {memory_headroom_bytes / 2**30:g} GiB headroom"))
+        if status == "ok":
+            best = min(best, step)
 
     with (_pool(workers, use_ray) if workers > 1 else _Serial()) as pool:
         for cand, res, err in _stream(pool, workers, queue, lambda bound: prune and bound >= best, settings):
@@ -595,11 +613,12 @@ class _Serial:
 
 
 def format_table(result: ExploreResult, top: int = 10) -> str:
-    lines = [f"{'#':>3} {'tokens/s':>12} {'step s':>9} {'80% band s':>17} {'MFU':>6} {'bubble':>7} {'peak GB':>8}  strategy"]
+    lines = [f"{'#':>3} {'tokens/s':>12} {'step s':>9} {'80% band s':>17} {'MFU':>6} {'bubble':>7} {'mem GiB':>8}  strategy"]
     for i, r in enumerate(result.ok[:top], 1):
         band = f"{r.band.step_low_s:.4g}-{r.band.step_high_s:.4g}" if r.band else "-"
+        tight = "  [tight: within the memory headroom]" if r.status == "tight" else ""
         lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.step_time_s:>9.4f} {band:>17} {r.mfu:>6.1%} "
-                     f"{r.bubble_fraction:>7.1%} {r.peak_memory_bytes / 1e9:>8.1f}  {r.candidate.short()}")
+                     f"{r.bubble_fraction:>7.1%} {r.device_memory_bytes / 2**30:>8.1f}  {r.candidate.short()}{tight}")
     best = result.best
     if best is not None and best.band is not None:
         lines.append(f"#1: {best.band.describe(best.step_time_s)}")
@@ -607,7 +626,8 @@ def format_table(result: ExploreResult, top: int = 10) -> str:
     if stack is not None and stack != DEFAULT_STACK:
         lines.append(f"stack: {stack.describe()}")
     c = result.counts
-    lines.append(f"{len(result.rows)} strategies: {c.get('ok', 0)} simulated, {c.get('oom', 0)} out of memory, "
+    tight = f"{c['tight']} tight (within the memory headroom), " if c.get("tight") else ""
+    lines.append(f"{len(result.rows)} strategies: {c.get('ok', 0)} simulated and fit, {tight}{c.get('oom', 0)} out of memory, "
                  f"{c.get('pruned', 0)} pruned (could not win), {c.get('invalid', 0)} invalid; "
                  f"{result.wall_s:.1f} s")
     oom = [r for r in result.rows if r.status == "oom"]

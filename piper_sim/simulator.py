@@ -52,7 +52,7 @@ from costmodel.collectives import busbw_factor
 from costmodel.dtypes import DTYPE_BYTES
 from costmodel.hardware import Cluster, parse_cluster
 from costmodel.memory import adam_state_bytes
-from costmodel.memory import fits as memory_fits
+from costmodel.memory import DEFAULT_HEADROOM_BYTES, memory_need, memory_verdict
 from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
 from piper_sim import trace
@@ -96,7 +96,17 @@ class RankStats:
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float  # peak of the transient (alloc/free) memory
-    fits: bool | None = None  # peak_memory_bytes within the GPU's memory (None: no cluster known)
+    fits: bool | None = None  # reserved + runtime memory within the GPU's memory (None: no cluster known)
+    # the caching allocator's bytes for peak_memory_bytes (allocated) and the process's runtime
+    # memory (CUDA context, cuBLAS, NCCL), costmodel.memory.memory_need
+    reserved_bytes: float = 0.0
+    runtime_bytes: float = 0.0
+    memory_verdict: str | None = None  # fits | tight (within the headroom) | oom
+
+    @property
+    def device_bytes(self) -> float:
+        """What the device holds at the peak: reserved + runtime."""
+        return self.reserved_bytes + self.runtime_bytes
 
 
 @dataclass
@@ -105,8 +115,10 @@ class SimResult:
 
     bubble_fraction: mean over ranks of bubble_s / step_time_s (share of the step the
     compute stream does not compute). mfu: model flops / (step time × world × peak).
-    fits: every rank's peak memory within ``memory_capacity_bytes``, the GPU's memory
-    (`costmodel.memory.fits`); None when the plan names no cluster.
+    fits: every rank's memory as the device holds it (reserved tensors + CUDA context,
+    cuBLAS workspaces, NCCL communicators: `costmodel.memory.memory_need`) within
+    ``memory_capacity_bytes``; ``memory_verdict`` says ``tight`` where that is within
+    ``memory_headroom_bytes`` of it. None when the plan names no cluster.
     per_rank: one row per simulated rank (`RankStats`); events: one row per executed op
     (`piper_sim.trace.EVENT_COLUMNS` + ``posted``, ``pair``); memory: transient bytes per
     rank over time (`trace.MEMORY_COLUMNS`). All three are pandas DataFrames built on first
@@ -127,6 +139,8 @@ class SimResult:
     costmodel: str = ""
     fits: bool | None = None
     memory_capacity_bytes: float = 0.0
+    memory_verdict: str | None = None  # the worst rank's: fits | tight | oom (None: no cluster known)
+    memory_headroom_bytes: float = DEFAULT_HEADROOM_BYTES
     meta: dict[str, Any] = field(repr=False, default_factory=dict)  # the plan's meta (model, cluster, dtype...)
     pairs: dict[tuple[int, str], int] = field(repr=False, default_factory=dict)  # (pp rank, op id) -> slot
     # how far to trust step_time_s on a GPU cluster (piper_sim.bands); None off the analytic GPU model
@@ -161,6 +175,7 @@ class SimResult:
             "bubble_fraction": self.bubble_fraction, "num_events": self.num_events,
             "sim_wall_s": self.sim_wall_s, "folded": self.folded, "world_size": self.world_size,
             "costmodel": self.costmodel, "fits": self.fits, "memory_capacity_bytes": self.memory_capacity_bytes,
+            "memory_verdict": self.memory_verdict, "memory_headroom_bytes": self.memory_headroom_bytes,
             "band": None if self.band is None else self.band.to_json(),
             "per_rank": [asdict(s) for s in self.rank_stats],
         }
@@ -943,14 +958,31 @@ def _plan_cluster(plan: Plan) -> Cluster | None:
         return None
 
 
-def _memory_capacity(plan: Plan, cm: CostModel) -> float | None:
-    """Bytes of memory per GPU of the plan's cluster (the cost model's, else the plan's)."""
-    cluster = getattr(cm, "cluster", None)
-    if cluster is None:
-        cluster = _plan_cluster(plan)
-        if cluster is None:
-            return None
-    return float(cluster.gpu.hbm_bytes)
+def _memory_device(plan: Plan, cm: CostModel):
+    """The GPU of the plan's cluster (the cost model's, else the plan's), or None."""
+    cluster = getattr(cm, "cluster", None) or _plan_cluster(plan)
+    return None if cluster is None else cluster.gpu
+
+
+def communicators(plan: Plan, cls) -> tuple[int, int, int]:
+    """The NCCL communicators a rank of this class uses, as a trainer makes them (one per group
+    of ranks, one per send/recv peer, the world's): (2-rank ones, larger ones, the peers of its
+    all-to-all groups)."""
+    rank = cls.ranks[0]
+    layout = plan.layout
+    groups: dict[tuple[int, ...], bool] = {}  # ranks -> an all-to-all group
+    for ins in cls.instructions():
+        if ins.kind in ("SEND", "RECV"):
+            groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, ins.peer)})), False)
+        elif ins.group:
+            ranks = tuple(layout.group_ranks(ins.group, rank))
+            groups[ranks] = groups.get(ranks, False) or ins.kind == "ALL_TO_ALL"
+    if layout.world_size > 1:
+        groups.setdefault(tuple(range(layout.world_size)), False)
+    pairs = sum(1 for g, a2a in groups.items() if len(g) == 2 and not a2a)
+    larger = sum(1 for g, a2a in groups.items() if len(g) > 2 and not a2a)
+    a2a_peers = sum(len(g) - 1 for g, a2a in groups.items() if a2a)
+    return pairs, larger, a2a_peers
 
 
 def _overlapped_pairs(plan: Plan) -> dict[tuple[int, str], int]:
@@ -969,12 +1001,15 @@ def _overlapped_pairs(plan: Plan) -> dict[tuple[int, str], int]:
 
 
 @gc_paused
-def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bool = True) -> SimResult:
+def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bool = True,
+             memory_headroom_bytes: float = DEFAULT_HEADROOM_BYTES) -> SimResult:
     """Simulate one training step of `plan` (a Plan or a plan JSON path).
 
     costmodel: "analytic" (on the plan's cluster), "unit:F=1,BI=1,BW=1,comm=0", a
     calibration JSON path, or a CostModel. fold: simulate one replica per rank class when
-    that is exact (see `fold_is_exact`); False simulates every rank.
+    that is exact (see `fold_is_exact`); False simulates every rank. memory_headroom_bytes:
+    the margin below the GPU's memory a plan must stay within to be ``fits`` rather than
+    ``tight`` (`costmodel.memory.memory_verdict`).
     """
     t0 = time.perf_counter()
     if isinstance(plan, str):
@@ -1005,7 +1040,10 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
             compute_s[row[0]] += row[7] - row[6]
     exposed_of = trace.exposed_comm((row[0], row[3], row[6], row[7]) for row in eng.rows)
     per_rank = []
-    capacity = _memory_capacity(plan, cm)
+    gpu = _memory_device(plan, cm)
+    capacity = None if gpu is None else float(gpu.hbm_bytes)
+    expandable = bool((plan.header.stack or {}).get("expandable_segments"))
+    comms = {id(c): communicators(plan, c) for c in plan.classes} if gpu is not None else {}
     for r in eng.ranks:
         cls = eng.class_of[r]
         static = cls.static_memory
@@ -1018,7 +1056,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
             peak_memory_bytes=sm + eng.mem_peak[r],
             params_bytes=float(static.get("params_bytes", 0.0)), grads_bytes=float(static.get("grads_bytes", 0.0)),
             optimizer_bytes=float(static.get("optimizer_bytes", 0.0)), activations_bytes=eng.mem_peak[r],
-            fits=None if capacity is None else memory_fits(sm + eng.mem_peak[r], capacity)))
+            **_memory_fields(sm, eng.mem_peak[r], gpu, expandable, comms.get(id(cls)), memory_headroom_bytes)))
     weights = sum(s.represents for s in per_rank) or 1
     bubble_fraction = (sum(s.bubble_s * s.represents for s in per_rank) / weights / step) if step > 0 else 0.0
     header = plan.header
@@ -1039,9 +1077,29 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         costmodel=getattr(cm, "name", type(cm).__name__), pairs=_overlapped_pairs(plan),
         meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
         fits=None if capacity is None else all(s.fits for s in per_rank),
+        memory_verdict=None if capacity is None else _worst_verdict(s.memory_verdict for s in per_rank),
+        memory_headroom_bytes=memory_headroom_bytes,
         memory_capacity_bytes=capacity or 0.0,
         band=_band(plan, cm, step),
     )
+
+
+VERDICT_ORDER = ("fits", "tight", "oom")
+
+
+def _worst_verdict(verdicts) -> str:
+    return max(verdicts, key=VERDICT_ORDER.index, default="fits")
+
+
+def _memory_fields(static: float, transient: float, gpu, expandable: bool, comms: tuple[int, int, int] | None,
+                   headroom: float) -> dict[str, Any]:
+    """A rank's memory as the device holds it (`costmodel.memory.memory_need`) and its verdict."""
+    if gpu is None:
+        return {}
+    need = memory_need(static, transient, gpu.family, expandable, *(comms or (0, 0, 0)))
+    verdict = memory_verdict(need.total, float(gpu.hbm_bytes), headroom)
+    return {"reserved_bytes": need.reserved, "runtime_bytes": need.runtime, "memory_verdict": verdict,
+            "fits": verdict != "oom"}
 
 
 def _band(plan: Plan, cm: CostModel, step: float) -> Band | None:

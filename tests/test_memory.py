@@ -212,7 +212,8 @@ def test_one_fits_check_for_simulator_and_explorer():
     import piper_sim.explore
     import piper_sim.simulator
 
-    assert piper_sim.simulator.memory_fits is costmodel.memory.fits
+    assert piper_sim.simulator.memory_verdict is costmodel.memory.memory_verdict
+    assert piper_sim.simulator.memory_need is piper_sim.explore.memory_need is costmodel.memory.memory_need
     assert piper_sim.explore.fits is costmodel.memory.fits
     assert costmodel.memory.fits(80e9, 80e9) and not costmodel.memory.fits(80e9 + 1, 80e9)
 
@@ -346,3 +347,97 @@ def test_every_byte_taken_is_given_back(directives):
     r = simulate(plan, "unit:F=1,BI=1,BW=1,comm=0")
     assert r.memory["bytes"].min() >= -1e-6
     assert all(s.activations_bytes > 0 for s in r.rank_stats)
+
+
+# ----------------------------------------------------------------------------- as the device holds it
+
+def test_memory_need_is_reserved_tensors_plus_the_runtime_closed_form():
+    from costmodel.memory import (CUBLAS_HANDLES, CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, LIBRARY_KERNELS_BYTES,
+                                  NCCL_ALL_TO_ALL_BYTES_PER_PEER, NCCL_GROUP_BYTES, NCCL_PAIR_BYTES,
+                                  RESERVED_OVER_ALLOCATED, memory_need)
+
+    need = memory_need(10 * 2**30, 30 * 2**30, "hopper", expandable_segments=False, pairs=2, groups=3,
+                       all_to_all_peers=7)
+    runtime = (CUDA_CONTEXT_BYTES + LIBRARY_KERNELS_BYTES + CUBLAS_HANDLES * CUBLAS_WORKSPACE_BYTES["hopper"]
+               + 2 * NCCL_PAIR_BYTES + 3 * NCCL_GROUP_BYTES + 7 * NCCL_ALL_TO_ALL_BYTES_PER_PEER)
+    assert need.allocated == 40 * 2**30  # model states are not fragmented, the transient part is
+    assert need.reserved == pytest.approx(10 * 2**30 + 30 * 2**30 * RESERVED_OVER_ALLOCATED[False])
+    assert need.runtime == pytest.approx(runtime) and need.total == pytest.approx(need.reserved + runtime)
+    assert memory_need(10 * 2**30, 30 * 2**30, "hopper", True).reserved < need.reserved  # expandable segments fragment less
+    cpu = memory_need(0.5e9, 0.5e9, "cpu", pairs=4)
+    assert cpu.reserved == 1e9 and cpu.runtime == 0  # gloo ranks on host memory: nothing on a device
+
+
+def test_verdict_fits_tight_oom_at_the_headroom():
+    from costmodel.memory import memory_verdict
+
+    gib = 2**30
+    assert memory_verdict(77 * gib, 80 * gib, 2 * gib) == "fits"
+    assert memory_verdict(79 * gib, 80 * gib, 2 * gib) == "tight"
+    assert memory_verdict(80 * gib + 1, 80 * gib, 2 * gib) == "oom"
+    assert memory_verdict(79 * gib, 80 * gib, 0) == "fits"
+
+
+def test_simulator_counts_the_communicators_each_rank_uses():
+    """PP2 x DP2 x TP2 on 8 GPUs: a rank talks to its pipeline peer (a pair), its TP group (a
+    pair), its DP group (a pair) and the world (8): three 2-rank communicators and one larger."""
+    from piper_sim.simulator import communicators
+
+    plan = compile_strategy({"model": "gpt-tiny", "cluster": "h100:1x8", "global_batch": 8, "seq_len": 32,
+                             "microbatches": 2, "directives": [{"op": "pipeline", "degree": 2},
+                                                               {"op": "data_parallel", "degree": 2, "zero": 1},
+                                                               {"op": "tensor_parallel", "degree": 2}]}).plan
+    assert [communicators(plan, c) for c in plan.classes] == [(3, 1, 0), (3, 1, 0)]
+    moe = compile_strategy({"model": "moe-tiny", "cluster": "h100:1x4", "global_batch": 8, "seq_len": 32,
+                            "microbatches": 1, "directives": [{"op": "expert_parallel", "degree": 4}]}).plan
+    assert communicators(moe, moe.classes[0])[2] == 3  # a 4-rank all-to-all group: 3 peers
+
+
+def test_simulate_reports_reserved_and_runtime_and_strict_exits_1(tmp_path, capsys):
+    """Llama-3-8B FSDP on 8 H100: the verdict follows the headroom, and --strict exits 1 when
+    the plan is not 'fits'."""
+    from piper_sim.cli import main
+
+    plan = compile_strategy({"model": "llama3-8b", "cluster": "h100:1x8", "global_batch": 16, "seq_len": 8192,
+                             "microbatches": 1, "directives": [{"op": "data_parallel", "degree": 8, "zero": 3},
+                                                               {"op": "recompute"}]}).plan
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    r = simulate(plan)
+    w = r.rank_stats[0]
+    assert w.reserved_bytes > w.peak_memory_bytes and w.runtime_bytes > 2**30
+    need, cap = w.device_bytes, r.memory_capacity_bytes
+    assert r.memory_verdict == "fits"
+    assert main(["simulate", str(path), "--strict"]) == 0
+    out, _ = capsys.readouterr()
+    assert "memory: fits" in out and "reserved" in out and "runtime" in out
+    # a headroom that leaves less than the plan needs: tight, and --strict fails
+    headroom_gib = (cap - need) / 2**30 + 1
+    assert main(["simulate", str(path), "--memory-headroom", f"{headroom_gib}"]) == 0
+    assert "memory: tight" in capsys.readouterr()[0]
+    assert main(["simulate", str(path), "--memory-headroom", f"{headroom_gib}", "--strict", "--json"]) == 1
+    d = json.loads(capsys.readouterr()[0])
+    assert d["memory_verdict"] == "tight" and d["per_rank"][0]["memory_verdict"] == "tight"
+    assert main(["simulate", str(path), "--memory-headroom", "-1"]) == 2
+    assert "--memory-headroom" in capsys.readouterr()[1]
+
+
+def test_explore_never_ranks_a_tight_plan_first():
+    """With a headroom that makes the fastest plans tight, the winner is the fastest that fits
+    with it; the tight ones are listed after, marked."""
+    from piper_sim.explore import explore, format_table
+
+    kw = dict(zero_levels=(0, 3), recompute=(False, True), tp_degrees=[1], schedules=["1f1b"], workers=1)
+    free = explore("llama3-8b", "h100:1x8", 16, 4096, **kw)
+    fastest = free.best
+    headroom = free.settings["memory_headroom_bytes"]
+    hbm = 79.65 * 2**30
+    # a headroom just larger than what the fastest plan leaves free
+    tight_headroom = hbm - fastest.device_memory_bytes + 2**30
+    r = explore("llama3-8b", "h100:1x8", 16, 4096, memory_headroom_bytes=tight_headroom, **kw)
+    assert headroom != tight_headroom
+    tight = [x for x in r.rows if x.status == "tight"]
+    assert tight and r.best is not None and r.best.status == "ok"
+    assert r.best.device_memory_bytes <= hbm - tight_headroom
+    assert all(x.status == "ok" for x in r.ok[:r.ok.index(tight[0])] if x is not None)
+    assert "tight" in format_table(r, top=50)

@@ -241,8 +241,10 @@ def test_executor_runs_the_stacks_optimizer_and_names_what_it_ignores(tmp_path, 
     monkeypatch.delenv("PIPER_ADAMW", raising=False)
     plan = compile({"model": "gpt-tiny", "cluster": "cpu:2", "global_batch": 4, "seq_len": 32, "stack": "torchtitan",
                     "directives": [{"op": "data_parallel", "degree": 2, "zero": 1}]})
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     env, notice = stack_settings(plan)
-    assert env == {"PIPER_ADAMW": "foreach"}
+    # torchtitan launches with expandable segments (run_train.sh): the workers get it too
+    assert env == {"PIPER_ADAMW": "foreach", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert "runs AdamW foreach" in notice and "F.rms_norm runs" in notice and "reduce_dtype fp32" in notice
     assert stack_settings(compile(_strategy(cluster="cpu:8"))) == ({}, "")
     path = tmp_path / "plan.json"

@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         with warnings.catch_warnings():
             if args.log_quiet >= 2:
                 warnings.simplefilter("ignore")
-            args.func(args)
+            rc = args.func(args)
     except (ValueError, PlanError) as e:  # StrategyError, PlanValidationError & co are ValueErrors
         print(f"piper-sim: error: {_one_line(str(e))}", file=sys.stderr)  # always, whatever -q says
         return 2
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"piper-sim: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
-    return 0
+    return rc if isinstance(rc, int) else 0  # a command may return an exit status (simulate --strict)
 
 
 def _one_line(text: str) -> str:

@@ -79,8 +79,12 @@ def cmd_explore(args: argparse.Namespace) -> None:
         kw["tp_degrees"] = [int(t) for t in args.tp.split(",")]
     if args.cp:
         kw["cp_degrees"] = [int(c) for c in args.cp.split(",")]
+    from piper_sim.cli.simulate import memory_headroom_bytes
+
+    headroom = memory_headroom_bytes(args.memory_headroom)
     result = explore(args.model, args.cluster, args.global_batch, args.seq_len, costmodel=args.costmodel,
                      workers=args.workers, prune=not args.no_prune, use_ray=args.ray, stack=stack_arg(args.stack),
+                     memory_headroom_bytes=headroom,
                      progress=progress_printer(not (args.quiet or getattr(args, "log_quiet", 0))), **kw)
     print(format_table(result, args.top))
     if args.csv:
@@ -123,6 +127,9 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     p.add_argument("--workers", type=arg_int(1), default=None, help="processes (default: all cores)")
     p.add_argument("--ray", action="store_true", help="run the sweep on Ray when installed")
     p.add_argument("--no-prune", action="store_true", help="simulate every strategy (exhaustive)")
+    p.add_argument("--memory-headroom", type=float, default=d.get("memory_headroom"), metavar="GIB",
+                   help="GiB a plan must leave free to rank as fitting (default 2); plans within it are 'tight' "
+                        "and ranked after every fitting one")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

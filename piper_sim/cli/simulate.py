@@ -28,16 +28,35 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     s.add_argument("--memory", metavar="OUT.png", help="write a memory-over-time picture")
     s.add_argument("--no-fold", action="store_true", help="simulate every rank, not one per rank class")
     s.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
+    s.add_argument("--memory-headroom", type=float, default=None, metavar="GIB",
+                   help="GiB a plan must leave free to be 'fits' rather than 'tight' (default 2: NCCL and "
+                        "libraries grow after start-up)")
+    s.add_argument("--strict", action="store_true", help="exit 1 unless the plan fits with the headroom")
     s.set_defaults(func=cmd_simulate)
     return s
 
 
-def cmd_simulate(args: argparse.Namespace) -> None:
+def memory_headroom_bytes(gib: float | None) -> float:
+    """``--memory-headroom GIB`` in bytes (the default when not given); one line when it is bad."""
+    import math
+
+    from costmodel.memory import DEFAULT_HEADROOM_BYTES
+
+    if gib is None:
+        return DEFAULT_HEADROOM_BYTES
+    if not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"--memory-headroom must be a finite number of GiB >= 0, got {gib:g}")
+    return gib * 2**30
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
     from piper_sim.simulator import simulate
     from piper_sim.validate import load_valid_plan
 
+    headroom = memory_headroom_bytes(args.memory_headroom)
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)
-    result = simulate(plan, costmodel=args.costmodel, fold=not args.no_fold)
+    result = simulate(plan, costmodel=args.costmodel, fold=not args.no_fold, memory_headroom_bytes=headroom)
+    failed = 1 if args.strict and result.memory_verdict not in (None, "fits") else 0
     m = plan.meta
     title = (f"{m.get('model', '?')} on {m.get('cluster', '?')}: pp={plan.layout.pp} dp={plan.layout.dp} "
              f"ep={plan.layout.ep}, {m.get('schedule', '?')}, m={m.get('microbatches', '?')} ({result.costmodel})")
@@ -52,7 +71,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     _warn_if_over_memory(result)
     if args.json:
         print(json.dumps(result.to_json()))
-        return
+        return failed
     print(title)
     u = "u" if result.time_unit == "units" else "s"  # a unit cost model counts in its own time units
     print(f"step {result.step_time_s:.6g} {'units' if u == 'u' else 's'}, {result.tokens_per_s:.6g} tokens/"
@@ -72,23 +91,39 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
         print(f"{s.rank:>6} {s.represents:>5} {s.compute_s:>11.5g} {s.comm_exposed_s:>11.5g} {s.idle_s:>11.5g} "
               f"{s.peak_memory_bytes / 1e9:>9.2f} {states / 1e9:>10.2f} {s.activations_bytes / 1e9:>8.2f}")
-    if result.fits is not None:
-        peak = max(s.peak_memory_bytes for s in result.rank_stats)
-        print(f"fits: {str(result.fits).lower()} (highest peak {peak / 1e9:.2f} GB of "
-              f"{result.memory_capacity_bytes / 1e9:.2f} GB per GPU)")
+    if result.memory_verdict is not None:
+        print(memory_line(result))
     for label, path in (("trace", args.trace), ("Kineto traces", args.kineto), ("timeline", args.timeline),
                         ("memory", args.memory)):
         if path:
             print(f"wrote {label} {path}")
+    if failed:
+        print(f"piper-sim: --strict: the plan is {result.memory_verdict} in memory (needs "
+              f"{_worst(result).device_bytes / 2**30:.1f} GiB, {result.memory_capacity_bytes / 2**30:.1f} GiB per GPU "
+              f"with {result.memory_headroom_bytes / 2**30:g} GiB headroom)", file=sys.stderr)
+    return failed
+
+
+def _worst(result):
+    return max(result.rank_stats, key=lambda s: s.device_bytes)
+
+
+def memory_line(result) -> str:
+    """``memory: fits (rank 3: allocated 41.2 GiB, reserved 45.3 + runtime 1.7 = 47.0 GiB of 79.6 GiB, 2 GiB headroom)``."""
+    w = _worst(result)
+    gib = 2**30
+    return (f"memory: {result.memory_verdict} (rank {w.rank}: allocated {w.peak_memory_bytes / gib:.1f} GiB, "
+            f"reserved {w.reserved_bytes / gib:.1f} + runtime {w.runtime_bytes / gib:.1f} = {w.device_bytes / gib:.1f} "
+            f"GiB of {result.memory_capacity_bytes / gib:.1f} GiB, {result.memory_headroom_bytes / gib:g} GiB headroom)")
 
 
 def _warn_if_over_memory(result) -> None:
     over = result.over_memory()
     if not over:
         return
-    worst = max(over, key=lambda s: s.peak_memory_bytes)
+    worst = max(over, key=lambda s: s.device_bytes)
     ranks = sum(s.represents for s in over)
     print(f"piper-sim: warning: the plan does not fit in memory: {ranks} of {result.world_size} ranks exceed "
-          f"{result.memory_capacity_bytes / 2**30:.0f} GiB per GPU (rank {worst.rank} peaks at "
-          f"{worst.peak_memory_bytes / 2**30:.1f} GiB)", file=sys.stderr)
+          f"{result.memory_capacity_bytes / 2**30:.0f} GiB per GPU (rank {worst.rank} needs "
+          f"{worst.device_bytes / 2**30:.1f} GiB: {worst.peak_memory_bytes / 2**30:.1f} GiB allocated)", file=sys.stderr)
 
