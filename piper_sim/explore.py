@@ -414,7 +414,7 @@ class Screener:
             # as the device would hold it (no communicators counted: a lower bound)
             need = memory_need(self._static(cand, spec, mbs, ctx, r), act[r], self.gpu.family,
                                self.stack.expandable_segments)
-            mem = max(mem, need.total)
+            mem = max(mem, need.least)  # what `memory_verdict` calls oom beyond the capacity
             busy = 0.0
             for s in held:
                 busy += counts.get((r, s), 0) * self._stage_numbers(cand, mbs, spec.num_stages, s)[2]
@@ -513,7 +513,7 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
         elif prune and not fits(mem, hbm):
             rows.append(Row(cand, "oom", lower_bound_s=bound, device_memory_bytes=mem,
                             reason=f"model states + the activations its schedule holds need {mem / 2**30:.1f} GiB "
-                                   f"(reserved, with the CUDA context) > {hbm / 2**30:.1f} GiB"))
+                                   f"(with the CUDA context, unfragmented) > {hbm / 2**30:.1f} GiB"))
         else:
             queue.append((bound, cand.short(), cand))
     queue.sort()
@@ -532,12 +532,13 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
         step, tps, mfu, bubble, peak, verdict, band, device = res  # the simulator's memory verdict
         if verdict == "oom":
             rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand], device_memory_bytes=device,
-                            reason=f"needs {device / 2**30:.1f} GiB (reserved + runtime) > {hbm / 2**30:.1f} GiB"))
+                            reason=f"needs {device / 2**30:.1f} GiB (reserved + runtime; even unfragmented more "
+                                   f"than {hbm / 2**30:.1f} GiB)"))
             return
         status = "ok" if verdict == "fits" else "tight"
         rows.append(Row(cand, status, step, tps, mfu, bubble, peak, bounds[cand], band=band, device_memory_bytes=device,
-                        reason="" if status == "ok" else f"needs {device / 2**30:.1f} GiB of {hbm / 2**30:.1f} GiB: "
-                        f"within the {memory_headroom_bytes / 2**30:g} GiB headroom"))
+                        reason="" if status == "ok" else f"needs {device / 2**30:.1f} GiB of {hbm / 2**30:.1f} GiB "
+                        f"(with the {memory_headroom_bytes / 2**30:g} GiB headroom it may run out)"))
         if status == "ok":
             best = min(best, step)
 

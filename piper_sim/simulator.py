@@ -1097,7 +1097,7 @@ def _memory_fields(static: float, transient: float, gpu, expandable: bool, comms
     if gpu is None:
         return {}
     need = memory_need(static, transient, gpu.family, expandable, *(comms or (0, 0, 0)))
-    verdict = memory_verdict(need.total, float(gpu.hbm_bytes), headroom)
+    verdict = memory_verdict(need, float(gpu.hbm_bytes), headroom)
     return {"reserved_bytes": need.reserved, "runtime_bytes": need.runtime, "memory_verdict": verdict,
             "fits": verdict != "oom"}
 

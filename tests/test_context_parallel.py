@@ -282,12 +282,8 @@ def test_long_context_fits_only_with_context_parallel():
     seq = 131072
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CP x TP = 16 spans the two nodes
-        # with expandable segments (as torchtitan, whose CP this is, runs): at the default allocator's
-        # fragmentation (costmodel.memory.RESERVED_OVER_ALLOCATED) CP2's 61 GiB allocated would not fit
-        expandable = {"expandable_segments": True}
-        dp = simulate(compile({**strategy("llama3-8b", "h100:2x8", cp=1, tp=8, pp=1, dp=2, m=1, seq=seq),
-                               "stack": expandable}))
-        plan = compile({**strategy("llama3-8b", "h100:2x8", cp=2, tp=8, pp=1, dp=1, m=1, seq=seq), "stack": expandable})
+        dp = simulate(compile(strategy("llama3-8b", "h100:2x8", cp=1, tp=8, pp=1, dp=2, m=1, seq=seq)))
+        plan = compile(strategy("llama3-8b", "h100:2x8", cp=2, tp=8, pp=1, dp=1, m=1, seq=seq))
     cp = simulate(plan)
     assert dp.fits is False and cp.fits is True
     # each CP group spans the two nodes, every class fills both: folding stays exact

@@ -369,13 +369,20 @@ def test_memory_need_is_reserved_tensors_plus_the_runtime_closed_form():
 
 
 def test_verdict_fits_tight_oom_at_the_headroom():
-    from costmodel.memory import memory_verdict
+    """fits: the expected need (reserved + runtime) below capacity - headroom; oom: even
+    unfragmented (allocated + runtime) above capacity; tight between."""
+    from costmodel.memory import MemoryNeed, memory_verdict
 
     gib = 2**30
-    assert memory_verdict(77 * gib, 80 * gib, 2 * gib) == "fits"
-    assert memory_verdict(79 * gib, 80 * gib, 2 * gib) == "tight"
-    assert memory_verdict(80 * gib + 1, 80 * gib, 2 * gib) == "oom"
-    assert memory_verdict(79 * gib, 80 * gib, 0) == "fits"
+
+    def need(allocated, reserved):
+        return MemoryNeed(allocated=allocated * gib, reserved=reserved * gib, runtime=1 * gib)
+
+    assert memory_verdict(need(70, 76), 80 * gib, 2 * gib) == "fits"
+    assert memory_verdict(need(70, 78), 80 * gib, 2 * gib) == "tight"  # within the headroom
+    assert memory_verdict(need(70, 90), 80 * gib, 2 * gib) == "tight"  # fits only if it fragments little
+    assert memory_verdict(need(79.5, 90), 80 * gib, 2 * gib) == "oom"  # even unfragmented it does not
+    assert memory_verdict(need(70, 78), 80 * gib, 0) == "fits"
 
 
 def test_simulator_counts_the_communicators_each_rank_uses():
