@@ -284,6 +284,8 @@ class Result:
     peak_memory_gib: float | None = None  # max over ranks
     gpu_memory_gib: float | None = None
     fits: bool | None = None
+    memory_verdict: str | None = None  # fits | tight | oom (costmodel.memory.memory_verdict)
+    device_memory_gib: float | None = None  # reserved + runtime, max over ranks
     published_memory_gib: float | None = None
     compile_s: float | None = None
     simulate_s: float | None = None
@@ -350,8 +352,10 @@ def run_entry(entry: dict, costmodel: str = "analytic", suite_dir: Path = HERE) 
     res.error_pct = 100.0 * (value / res.published - 1.0)
     res.speed_ratio = _speed(res.metric, value) / _speed(res.metric, res.published)
     res.step_time_s, res.sim_mfu, res.bubble_fraction = sim.step_time_s, sim.mfu, sim.bubble_fraction
-    # the simulator's verdict (costmodel.memory.fits, the one check simulate and explore use)
+    # the simulator's verdict (costmodel.memory.memory_verdict, the one check simulate and explore use)
     res.peak_memory_gib, res.gpu_memory_gib, res.fits = peak / GIB, hbm / GIB, sim.fits
+    res.memory_verdict = sim.memory_verdict
+    res.device_memory_gib = max(x.device_bytes for x in sim.rank_stats) / GIB
     res.compile_s, res.simulate_s = t1 - t0, t2 - t1
     return res
 
@@ -420,6 +424,7 @@ def summarize(results: list[Result]) -> dict[str, Any]:
             "median_abs_error_pct_no_fp8": med16, "max_abs_error_pct_no_fp8": mx16, "runs_no_fp8": n16,
             "by_class": by_class, "added_later": later, "band_coverage": (inside, total),
             "not_fitting": [r.id for r in ok if r.fits is False],
+            "tight": [r.id for r in ok if r.memory_verdict == "tight"],
             "median_speed_ratio": statistics.median([r.speed_ratio for r in ok]) if ok else None}
 
 
@@ -464,7 +469,7 @@ def _num(v: float | None, width: int) -> str:
 def format_table(results: list[Result], costmodel: str = "analytic") -> str:
     w = max([len(r.id) for r in results] + [2])
     head = (f"{'id':<{w}} {'GPUs':>5} {'prec':>4} {'metric':>11} {'published':>10} {'simulated':>10} "
-            f"{'error':>8} {'speed':>6} {'peak GiB':>8} {'GPU GiB':>7} {'fits':>4} {'pub GiB':>7}")
+            f"{'error':>8} {'speed':>6} {'peak GiB':>8} {'need GiB':>8} {'GPU GiB':>7} {'memory':>6} {'pub GiB':>7}")
     lines = [f"published-results suite, cost model: {costmodel}", head, "-" * len(head)]
     for r in results:
         if not r.ok:
@@ -474,7 +479,7 @@ def format_table(results: list[Result], costmodel: str = "analytic") -> str:
         lines.append(
             f"{r.id:<{w}} {r.gpus:>5} {r.precision:>4} {METRICS[r.metric].label:>11} {_num(r.published, 10)} "
             f"{_num(r.simulated, 10)} {r.error_pct:>+7.1f}% {r.speed_ratio:>5.2f}x {r.peak_memory_gib:>8.1f} "
-            f"{r.gpu_memory_gib:>7.1f} {'yes' if r.fits else 'NO':>4} "
+            f"{r.device_memory_gib or 0:>8.1f} {r.gpu_memory_gib:>7.1f} {(r.memory_verdict or '-').upper() if r.memory_verdict == 'oom' else (r.memory_verdict or '-'):>6} "
             f"{_num(r.published_memory_gib, 7) if r.published_memory_gib else '-'.rjust(7)}")
     return "\n".join(lines)
 
@@ -491,8 +496,10 @@ def format_summary(summary: dict[str, Any], checks: list[RankingCheck]) -> str:
         f"max {pct(s['max_abs_error_pct_no_fp8'])}",
         "median speed (simulated / published throughput): "
         + ("-" if s["median_speed_ratio"] is None else f"{s['median_speed_ratio']:.2f}x"),
-        f"do not fit in GPU memory (simulated peak > GPU memory): "
+        f"do not fit in GPU memory (oom: even unfragmented above it): "
         + (", ".join(s["not_fitting"]) if s["not_fitting"] else "none"),
+        "tight in GPU memory (may run out; fragmentation decides): "
+        + (", ".join(s.get("tight", [])) or "none"),
         "by run class (|error| median / max, runs): " + ", ".join(
             f"{c} {pct(m)} / {pct(x)} ({k})" for c, (m, x, k) in s["by_class"].items()),
         "added later (runs added after the constants were fixed): "
