@@ -617,7 +617,7 @@ def format_table(result: ExploreResult, top: int = 10) -> str:
     lines = [f"{'#':>3} {'tokens/s':>12} {'step s':>9} {'80% band s':>17} {'MFU':>6} {'bubble':>7} {'mem GiB':>8}  strategy"]
     for i, r in enumerate(result.ok[:top], 1):
         band = f"{r.band.step_low_s:.4g}-{r.band.step_high_s:.4g}" if r.band else "-"
-        tight = "  [tight: within the memory headroom]" if r.status == "tight" else ""
+        tight = "  [tight: may run out of memory]" if r.status == "tight" else ""
         lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.step_time_s:>9.4f} {band:>17} {r.mfu:>6.1%} "
                      f"{r.bubble_fraction:>7.1%} {r.device_memory_bytes / 2**30:>8.1f}  {r.candidate.short()}{tight}")
     best = result.best
@@ -627,7 +627,7 @@ def format_table(result: ExploreResult, top: int = 10) -> str:
     if stack is not None and stack != DEFAULT_STACK:
         lines.append(f"stack: {stack.describe()}")
     c = result.counts
-    tight = f"{c['tight']} tight (within the memory headroom), " if c.get("tight") else ""
+    tight = f"{c['tight']} tight (may run out of memory), " if c.get("tight") else ""
     lines.append(f"{len(result.rows)} strategies: {c.get('ok', 0)} simulated and fit, {tight}{c.get('oom', 0)} out of memory, "
                  f"{c.get('pruned', 0)} pruned (could not win), {c.get('invalid', 0)} invalid; "
                  f"{result.wall_s:.1f} s")
