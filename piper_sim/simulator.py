@@ -971,12 +971,17 @@ def communicators(plan: Plan, cls) -> tuple[int, int, int]:
     rank = cls.ranks[0]
     layout = plan.layout
     groups: dict[tuple[int, ...], bool] = {}  # ranks -> an all-to-all group
+    seen: dict[tuple[str, int, bool], None] = {}  # (group, peer, all-to-all): resolved once each
     for ins in cls.instructions():
-        if ins.kind in ("SEND", "RECV"):
-            groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, ins.peer)})), False)
-        elif ins.group:
-            ranks = tuple(layout.group_ranks(ins.group, rank))
-            groups[ranks] = groups.get(ranks, False) or ins.kind == "ALL_TO_ALL"
+        if ins.kind in ("SEND", "RECV") or ins.group:
+            seen.setdefault((ins.group if ins.kind not in ("SEND", "RECV") else "", ins.peer,
+                             ins.kind == "ALL_TO_ALL"), None)
+    for group, peer, a2a in seen:
+        if not group:
+            groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, peer)})), False)
+        else:
+            ranks = tuple(layout.group_ranks(group, rank))
+            groups[ranks] = groups.get(ranks, False) or a2a
     if layout.world_size > 1:
         groups.setdefault(tuple(range(layout.world_size)), False)
     pairs = sum(1 for g, a2a in groups.items() if len(g) == 2 and not a2a)
