@@ -61,6 +61,7 @@ def test_run_refuses_a_mismatched_checkpoint_before_launching(tmp_path):
 KILLS = [(1, "start"), (0, "written"), (0, "marker"), (0, "renamed"), (0, "pruning")]
 
 
+@pytest.mark.slow
 def test_kill_at_every_point_of_a_save_resumes_to_the_uninterrupted_losses(tmp_path):
     plan = save_plan(tmp_path, "dp2z1", strategy(dp=2, zero=1, m=2, mbs=2))
     full = torchrun(2, [plan, "--steps", "6", "--json"])

@@ -91,6 +91,7 @@ def test_demo_writes_table_pictures_and_best_plan(tmp_path):
     assert plan.meta["model"] == "qwen3-moe-9b" and plan.world_size == 32
 
 
+@pytest.mark.slow
 def test_tensor_parallel_wins_for_405b_on_1024_h100():
     """llama3-405b on 1,024 H100 at seq 8192 with Llama 3's batch per GPU (16M tokens on 8,192
     GPUs = 2,048 tokens per GPU: 256 sequences here): TP8 (with sequence parallelism) ranks first.

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gc"
     r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run", str(out)], cwd=ROOT,

@@ -50,6 +50,7 @@ def test_a_decay_without_its_end_is_a_one_line_error(tmp_path):
         "--lr-decay cosine needs --decay-steps after --warmup-steps (2); got --decay-steps 0")
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_schedule_it_was_saved_under(tmp_path):
     """A checkpoint stores its learning-rate schedule: resuming under the same options gives
     the uninterrupted run's losses bit for bit; other options are a one-line error before

@@ -109,6 +109,7 @@ def test_overlap_hides_the_gathers_the_optimizer_would_expose():
     assert overlapped.step_time_s < after_step.step_time_s
 
 
+@pytest.mark.slow
 def test_executor_overlapped_gathers_train_like_the_reference_and_like_gathering_after_the_step(tmp_path):
     """ZeRO-1 and ZeRO-2 (PP2 x DP2), overlapped and not: --check against the reference, and
     the same losses step by step; a checkpoint taken after the last step holds the gathered

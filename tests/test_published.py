@@ -115,6 +115,7 @@ def _small(strategy: dict) -> dict:
     return s
 
 
+@pytest.mark.slow
 def test_every_strategy_compiles(suite):
     from piper_sim.api import compile
 
