@@ -36,8 +36,7 @@ def test_notebooks_exist():
                          "04_simulated_vs_measured", "05_explore_large_model"], names
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p.stem == "published" else p
-                                  for p in NOTEBOOKS], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_is_stored_without_outputs(path):
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
