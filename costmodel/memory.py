@@ -187,6 +187,6 @@ def memory_verdict(need: MemoryNeed, capacity: float, headroom: float = DEFAULT_
     ``oom``: even unfragmented (`MemoryNeed.least`) it exceeds the capacity; ``tight`` in
     between: it may run out, as fragmentation (measured 1.07-1.62 across runs), NCCL and
     libraries decide."""
-    if need.least > capacity:
+    if not fits(need.least, capacity):
         return "oom"
-    return "fits" if need.total <= capacity - headroom else "tight"
+    return "fits" if fits(need.total, capacity - headroom) else "tight"

@@ -110,7 +110,7 @@ class Candidate:
 @dataclass
 class Row:
     candidate: Candidate
-    status: str  # ok | tight (fits only within the memory headroom) | oom | invalid | pruned
+    status: str  # ok | tight (may run out of memory: costmodel.memory.memory_verdict) | oom | invalid | pruned
     step_time_s: float = float("nan")
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -129,6 +129,14 @@ class Row:
         return d
 
 
+_RANKED = {"ok": 0, "tight": 1}  # simulated rows that may run, in the order they are ranked
+
+
+def _rank_key(r: Row) -> tuple:
+    """Fitting plans first, then tight ones, then the rest; each by step time."""
+    return _RANKED.get(r.status, len(_RANKED)), r.step_time_s
+
+
 @dataclass
 class ExploreResult:
     rows: list[Row]
@@ -138,14 +146,13 @@ class ExploreResult:
 
     @property
     def ok(self) -> list[Row]:
-        """The simulated plans that fit, fastest first; those that fit only within the memory
-        headroom (``tight``) after every one that fits with it."""
-        return sorted((r for r in self.rows if r.status in ("ok", "tight")),
-                      key=lambda r: (r.status == "tight", r.step_time_s))
+        """The simulated plans that may run, fastest first: those that fit with the memory
+        headroom, then the ``tight`` ones."""
+        return sorted((r for r in self.rows if r.status in _RANKED), key=_rank_key)
 
     @property
     def best(self) -> Row | None:
-        """The fastest plan that fits with the memory headroom (never a ``tight`` one)."""
+        """The fastest plan that fits with the memory headroom (never a ``tight`` one), or None."""
         ok = self.ok
         return ok[0] if ok and ok[0].status == "ok" else None
 
@@ -161,8 +168,7 @@ class ExploreResult:
         simulated numbers, ``reason``, and the candidate's fields (pp, schedule, ...)."""
         import pandas as pd
 
-        rows = sorted(self.rows, key=lambda r: (("ok", "tight").index(r.status) if r.status in ("ok", "tight") else 2,
-                                                r.step_time_s))
+        rows = sorted(self.rows, key=_rank_key)
         cols = ["strategy", "status", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction",
                 "peak_memory_bytes", "lower_bound_s", "reason"] + [f.name for f in fields(Candidate)]
         return pd.DataFrame([{**{k: v for k, v in r.to_json().items() if k != "candidate"},
@@ -645,7 +651,7 @@ def write_csv(result: ExploreResult, path: str) -> None:
     with atomic_write(path, newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields + list(asdict(result.rows[0].candidate)) if result.rows else fields)
         w.writeheader()
-        for r in sorted(result.rows, key=lambda r: (r.status != "ok", r.step_time_s)):
+        for r in sorted(result.rows, key=_rank_key):
             d = r.to_json()
             w.writerow({**{k: d[k] for k in fields}, **d["candidate"]})
 

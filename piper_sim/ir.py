@@ -146,14 +146,20 @@ class Context:
         ranks = self.layout.group_ranks(symbolic, where)
         return "ranks:" + ",".join(map(str, ranks))
 
+    def shard_size(self, stage: int) -> int:
+        """Ranks a stage's dense ZeRO state is sharded over: its copies x DP x CP ranks
+        (parameters are replicated over cp too); under hybrid sharding its shard group, with
+        ``dp_shard`` DP ranks (`piper_sim.parallel.hybrid`)."""
+        layout = self.layout
+        return len(layout.stage_ranks[stage]) * (layout.dp_shard or layout.dp) * layout.cp
+
     def param_groups(self, stage: int) -> list[tuple[float, int]]:
         """(parameters a rank holds, ZeRO sharding group size) of a stage: the dense part
-        over all its replicas (hybrid sharding: over its shard group) (data and context parallel: parameters are replicated over cp
-        too); under expert parallel, the rank's expert shard over the replicas holding the
-        same shard."""
+        over `shard_size`; under expert parallel, the rank's expert shard over the replicas
+        holding the same shard."""
         layout = self.layout
         sc = self.stages[stage]
-        n_dense = len(layout.stage_ranks[stage]) * (layout.dp_shard or layout.dp) * layout.cp  # HSDP: a shard group
+        n_dense = self.shard_size(stage)
         if layout.ep == 1:
             return [(sum(x.param_count for x in sc.segments), n_dense)]
         dense = sum(x.param_count for x in sc.dense)

@@ -96,12 +96,12 @@ class RankStats:
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float  # peak of the transient (alloc/free) memory
-    fits: bool | None = None  # reserved + runtime memory within the GPU's memory (None: no cluster known)
+    fits: bool | None = None  # memory_verdict is not oom (None: no cluster known)
     # the caching allocator's bytes for peak_memory_bytes (allocated) and the process's runtime
     # memory (CUDA context, cuBLAS, NCCL), costmodel.memory.memory_need
     reserved_bytes: float = 0.0
     runtime_bytes: float = 0.0
-    memory_verdict: str | None = None  # fits | tight (within the headroom) | oom
+    memory_verdict: str | None = None  # fits | tight (may run out) | oom (costmodel.memory.memory_verdict)
 
     @property
     def device_bytes(self) -> float:
@@ -115,10 +115,11 @@ class SimResult:
 
     bubble_fraction: mean over ranks of bubble_s / step_time_s (share of the step the
     compute stream does not compute). mfu: model flops / (step time × world × peak).
-    fits: every rank's memory as the device holds it (reserved tensors + CUDA context,
-    cuBLAS workspaces, NCCL communicators: `costmodel.memory.memory_need`) within
-    ``memory_capacity_bytes``; ``memory_verdict`` says ``tight`` where that is within
-    ``memory_headroom_bytes`` of it. None when the plan names no cluster.
+    memory_verdict: the worst rank's `costmodel.memory.memory_verdict` of its memory as the
+    device holds it (reserved tensors + CUDA context, cuBLAS workspaces, NCCL communicators:
+    `costmodel.memory.memory_need`) against ``memory_capacity_bytes`` and
+    ``memory_headroom_bytes``: fits, tight (may run out) or oom; ``fits``: no rank is oom.
+    Both None when the plan names no cluster.
     per_rank: one row per simulated rank (`RankStats`); events: one row per executed op
     (`piper_sim.trace.EVENT_COLUMNS` + ``posted``, ``pair``); memory: transient bytes per
     rank over time (`trace.MEMORY_COLUMNS`). All three are pandas DataFrames built on first
@@ -970,18 +971,19 @@ def communicators(plan: Plan, cls) -> tuple[int, int, int]:
     all-to-all groups)."""
     rank = cls.ranks[0]
     layout = plan.layout
-    groups: dict[tuple[int, ...], bool] = {}  # ranks -> an all-to-all group
-    seen: dict[tuple[str, int, bool], None] = {}  # (group, peer, all-to-all): resolved once each
+    peers: set[int] = set()  # pipeline ranks it sends to or receives from
+    named: dict[str, bool] = {}  # symbolic group -> used by an all-to-all (each resolved once)
     for ins in cls.instructions():
-        if ins.kind in ("SEND", "RECV") or ins.group:
-            seen.setdefault((ins.group if ins.kind not in ("SEND", "RECV") else "", ins.peer,
-                             ins.kind == "ALL_TO_ALL"), None)
-    for group, peer, a2a in seen:
-        if not group:
-            groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, peer)})), False)
-        else:
-            ranks = tuple(layout.group_ranks(group, rank))
-            groups[ranks] = groups.get(ranks, False) or a2a
+        if ins.kind in ("SEND", "RECV"):
+            peers.add(ins.peer)
+        elif ins.group:
+            named[ins.group] = named.get(ins.group, False) or ins.kind == "ALL_TO_ALL"
+    groups: dict[tuple[int, ...], bool] = {}  # ranks -> an all-to-all group
+    for peer in peers:
+        groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, peer)})), False)
+    for group, a2a in named.items():
+        ranks = tuple(layout.group_ranks(group, rank))
+        groups[ranks] = groups.get(ranks, False) or a2a
     if layout.world_size > 1:
         groups.setdefault(tuple(range(layout.world_size)), False)
     pairs = sum(1 for g, a2a in groups.items() if len(g) == 2 and not a2a)

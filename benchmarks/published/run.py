@@ -466,6 +466,11 @@ def _num(v: float | None, width: int) -> str:
     return s.rjust(width)
 
 
+def _verdict(v: str | None) -> str:
+    """The memory column: fits, tight, OOM (capitals: the one to notice), - when unknown."""
+    return "-" if v is None else v.upper() if v == "oom" else v
+
+
 def format_table(results: list[Result], costmodel: str = "analytic") -> str:
     w = max([len(r.id) for r in results] + [2])
     head = (f"{'id':<{w}} {'GPUs':>5} {'prec':>4} {'metric':>11} {'published':>10} {'simulated':>10} "
@@ -479,7 +484,7 @@ def format_table(results: list[Result], costmodel: str = "analytic") -> str:
         lines.append(
             f"{r.id:<{w}} {r.gpus:>5} {r.precision:>4} {METRICS[r.metric].label:>11} {_num(r.published, 10)} "
             f"{_num(r.simulated, 10)} {r.error_pct:>+7.1f}% {r.speed_ratio:>5.2f}x {r.peak_memory_gib:>8.1f} "
-            f"{r.device_memory_gib or 0:>8.1f} {r.gpu_memory_gib:>7.1f} {(r.memory_verdict or '-').upper() if r.memory_verdict == 'oom' else (r.memory_verdict or '-'):>6} "
+            f"{r.device_memory_gib or 0:>8.1f} {r.gpu_memory_gib:>7.1f} {_verdict(r.memory_verdict):>6} "
             f"{_num(r.published_memory_gib, 7) if r.published_memory_gib else '-'.rjust(7)}")
     return "\n".join(lines)
 

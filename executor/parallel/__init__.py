@@ -7,7 +7,7 @@ flattens the parameters that result.
 
     tensor   Megatron shards and their collectives (TP, sequence parallelism)
     context  CP chunks, all-gather and ring attention
-    data     flat parameter buffers, DP gradient syncs, ZeRO 1-3 shards and gathers, clipping
+    data     flat parameter buffers, DP gradient syncs, ZeRO 1-3 shards and gathers (HSDP too), clipping
     expert   the all-to-all token exchanges of expert blocks
 """
 

@@ -57,9 +57,9 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
         sc = ctx.stages[s]
         copies = len(layout.stage_ranks[s])
         replicas = copies * layout.dp * layout.cp  # parameters are replicated over dp x cp
-        dense = ("stage:%d" % s, replicas) if not layout.dp_shard else \
-            ("stage:%d:shard" % s, copies * layout.dp_shard * layout.cp)  # HSDP: parallel.hybrid
-        groups = [("", dense[0], [x for x in sc.segments if not (x.is_expert and layout.ep > 1)], dense[1])]
+        dense_group = "stage:%d:shard" % s if layout.dp_shard else "stage:%d" % s  # HSDP: parallel.hybrid
+        groups = [("", dense_group, [x for x in sc.segments if not (x.is_expert and layout.ep > 1)],
+                   ctx.shard_size(s))]
         if layout.ep > 1 and sc.experts:
             groups.append((".e", "stage:%d:edp" % s, sc.experts, replicas // layout.ep))
         opt = (where, f"OPT.s{s}")
@@ -217,7 +217,7 @@ def _group_size(ctx: Context, ins: Instruction) -> int:
         return ctx.layout.axes[ins.group]
     layout = ctx.layout
     if ins.group.endswith(":shard"):
-        return len(layout.stage_ranks[ins.stage]) * layout.dp_shard * layout.cp
+        return ctx.shard_size(ins.stage)
     copies = len(layout.stage_ranks[ins.stage]) * layout.dp * layout.cp
     return copies // layout.ep if ins.group.endswith(":edp") else copies
 

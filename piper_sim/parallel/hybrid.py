@@ -35,14 +35,13 @@ def replica_allreduce_pass(ctx: Context, dag: TrainingDAG) -> None:
     the bucket's last reduce-scatter and before the optimizer step."""
     if not ctx.layout.dp_shard:
         return
-    layout = ctx.layout
     by_bucket: dict[tuple[int, int, int, bool], list[Node]] = {}
     for n in dag.g.nodes:
         ins = dag.ins(n)
         if ins.kind == "REDUCE_SCATTER" and not is_inner(ins):
             by_bucket.setdefault((n[0], ins.stage, ins.bucket, ins.experts), []).append(n)
     for (where, s, b, experts), scatters in sorted(by_bucket.items()):
-        shard = len(layout.stage_ranks[s]) * layout.dp_shard * layout.cp
+        shard = ctx.shard_size(s)
         first = dag.ins(scatters[0])
         stream = ctx.setup.streams["ALLREDUCE"]
         ar = dag.add(where, make_op("ALLREDUCE", stream, stage=s, bytes=first.bytes / shard, bucket=b,
