@@ -54,7 +54,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-lr-ratio", type=arg_float(0.0), default=0.1, help="final / peak learning rate (0.1)")
     p.add_argument("--override-lr-schedule", action="store_true",
                    help="--resume under this run's learning-rate options, not the ones the checkpoint was saved with")
-    p.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
+    p.add_argument("--no-hash-check", action="store_true",
+                   help="accept a plan whose cost estimates (flops, memory) were edited after "
+                        "compiling; an edit to what runs is still refused")
 
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:

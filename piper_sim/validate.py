@@ -11,6 +11,11 @@ and before the executor starts any process group (`load_valid_plan`).
 - no deadlock: with stream order, dependencies and rendezvous (send/recv pairs,
   collective members) the wait-for graph is acyclic; a cycle is reported by op id.
 
+A plan read from a file (`load_valid_plan`, `check_plan_file`) is also compared with what its
+own strategy compiles to (`piper_sim.origin`): a plan edited and re-hashed so that it would
+train wrong (an all-reduce dropped, a collective moved to another group) is consistent by the
+checks above, and refused by that one.
+
 Folded plans are checked per rank class: DP replicas are symmetric, so a wait cycle
 among real ranks shows up as a cycle among their classes.
 """
@@ -86,13 +91,28 @@ def check_layout(plan: Plan) -> None:
 
 
 def load_valid_plan(path: str, check_hash: bool = True) -> Plan:
-    """`Plan.load` and `validate_plan`: what every back end does with a plan file."""
+    """`Plan.load` and `check_plan_file`: what every back end does with a plan file."""
     plan = Plan.load(path, check_hash=check_hash)
     try:
-        validate_plan(plan)
+        check_plan_file(plan)
     except PlanValidationError as e:
         raise PlanValidationError(f"{path}: invalid plan: {e}") from None
     return plan
+
+
+def check_plan_file(plan: Plan) -> None:
+    """The checks on a plan read from a file: `check_layout`, `validate_plan` and
+    `piper_sim.origin` (the plan is what its own strategy compiles to, up to cost estimates).
+    The op counts are compared before `validate_plan` walks the plan, the ops after it (its
+    messages name a dangling dependency or a deadlock more plainly)."""
+    from piper_sim import origin
+
+    check_layout(plan)
+    origin.check_costs(plan)
+    compiled = origin.recompile(plan)
+    origin.check_op_counts(plan, compiled)
+    validate_plan(plan)
+    origin.check_same(plan, compiled)
 
 
 @gc_paused

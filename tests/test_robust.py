@@ -156,8 +156,8 @@ def _bad_peer(d):
 
 
 BAD_PLANS = {"renamed-op": (_rename_op, "depends on F.s0.mb1"),
-             "dropped-send": (_drop_send, "has no matching SEND.F.s0.mb1"),
-             "duplicated-op": (_duplicate_op, "appears twice"),
+             "dropped-send": (_drop_send, "lacks SEND.F.s0.mb1"),
+             "duplicated-op": (_duplicate_op, "appears 2 times"),
              "renamed-dep": (_rename_dep, "which this rank does not run"),
              "swapped-recvs": (_swap_recvs, "deadlock"),
              "layout-pp3": (_pp3, "layout.pp=3 but the plan has 2 rank classes"),

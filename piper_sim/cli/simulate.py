@@ -27,7 +27,9 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     s.add_argument("--timeline", metavar="OUT.png", help="write a timeline picture")
     s.add_argument("--memory", metavar="OUT.png", help="write a memory-over-time picture")
     s.add_argument("--no-fold", action="store_true", help="simulate every rank, not one per rank class")
-    s.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
+    s.add_argument("--no-hash-check", action="store_true",
+                   help="accept a plan whose cost estimates (flops, memory) were edited after "
+                        "compiling; an edit to what runs is still refused")
     s.add_argument("--memory-headroom", type=float, default=None, metavar="GIB",
                    help="GiB a plan must leave free to be 'fits' rather than 'tight' (default 2: NCCL and "
                         "libraries grow after start-up)")
