@@ -175,7 +175,7 @@ mode = "full"
 [compile]
 enable = true
 """
-    s, notes = torchtitan.parse(text, "job.toml", cluster="h100:8x8")
+    s, _notes = torchtitan.parse(text, "job.toml", cluster="h100:8x8")
     assert s["model"] == "llama3-8b" and s["microbatches"] == 8 and s["global_batch"] == 32
     d = {x["op"]: x for x in s["directives"]}
     assert d["data_parallel"] == {"op": "data_parallel", "degree": 4, "zero": 2}  # "default" with PP: no reshard
@@ -195,12 +195,12 @@ def test_import_a_users_megatron_args_writes_the_model_when_not_in_the_zoo(tmp_p
             "--untie-embeddings-and-output-weights --position-embedding-type rope --disable-bias-linear "
             "--hidden-dropout 0.0 --attention-dropout 0.0 --micro-batch-size 2 --global-batch-size 16 --bf16 "
             "--use-distributed-optimizer --lr 3e-4 --recompute-activations\n")
-    s, notes, files = megatron.parse(text, "args.txt", cluster="cpu:8")
+    s, _notes, files = megatron.parse(text, "args.txt", cluster="cpu:8")
     assert s["model"] == "gpt-tiny" and not files  # the zoo's gpt-tiny has these shapes
     assert s["microbatches"] == 4  # 16 / (2 x DP 2)
     d = {x["op"]: x for x in s["directives"]}
     assert d["data_parallel"]["zero"] == 1 and d["recompute"]["mode"] == "selective"
-    s2, notes2, files2 = megatron.parse(text.replace("--hidden-size 64", "--hidden-size 128"), "args.txt",
+    s2, _notes2, files2 = megatron.parse(text.replace("--hidden-size 64", "--hidden-size 128"), "args.txt",
                                         cluster="cpu:8", model_file=str(tmp_path / "m.json"))
     assert list(files2) == [str(tmp_path / "m.json")] and s2["model"] == str(tmp_path / "m.json")
     (tmp_path / "m.json").write_text(files2[str(tmp_path / "m.json")])
@@ -318,7 +318,7 @@ def test_torchtitan_field_names_exist_in_its_config_classes():
     from torchtitan.config import job_config
 
     sections = {f.name: f.type for f in dataclasses.fields(job_config.JobConfig)}
-    for fact, (key, _) in torchtitan.FIELDS.items():
+    for (key, _) in torchtitan.FIELDS.values():
         section, name = key.split(".")
         cls = sections[section]
         cls = getattr(job_config, cls) if isinstance(cls, str) else cls
@@ -338,7 +338,9 @@ def _megatron():
         warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.model_parallel_config import ModelParallelConfig
-        from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator
+        from megatron.core.num_microbatches_calculator import (
+            ConstantNumMicroBatchesCalculator,
+        )
         from megatron.core.transformer.transformer_config import TransformerConfig
     return TransformerConfig, ModelParallelConfig, DistributedDataParallelConfig, ConstantNumMicroBatchesCalculator
 
@@ -349,7 +351,7 @@ def test_megatron_core_builds_its_configs_from_the_exported_args(name):
     underscores) is a field of TransformerConfig / DistributedDataParallelConfig sets it."""
     import torch
 
-    TransformerConfig, ModelParallelConfig, DDPConfig, Calculator = _megatron()
+    TransformerConfig, _ModelParallelConfig, DDPConfig, Calculator = _megatron()
     s = CASES[name]
     job = job_from_strategy(s)
     args = megatron.tokens(megatron.export(job))

@@ -21,8 +21,15 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from piper_sim.interop.common import (InteropError, Job, comment_line, exact_div, read_comment, strategy_from_job,
-                                      zoo_name_of)
+from piper_sim.interop.common import (
+    InteropError,
+    Job,
+    comment_line,
+    exact_div,
+    read_comment,
+    strategy_from_job,
+    zoo_name_of,
+)
 
 ARGS = "megatron/training/arguments.py"
 MPC = "megatron/core/model_parallel_config.py ModelParallelConfig"
@@ -207,9 +214,9 @@ def export(job: Job, source: str = "") -> str:
     extra = {"model": job.model}
     dp = job.dp
     lines = [f"# Megatron-LM arguments (pretrain_gpt.py) written by piper-sim {source}".rstrip(),
-             f"# launch on {job.world} GPUs: data-parallel size {dp} = {job.world} / (TP {job.tp} x PP {job.pp} x "
+             (f"# launch on {job.world} GPUs: data-parallel size {dp} = {job.world} / (TP {job.tp} x PP {job.pp} x "
              f"CP {job.cp}); {job.microbatches} micro-batch(es) (a count) of {job.micro_batch_size} sequence(s) "
-             "(a size) per DP rank and step",
+             "(a size) per DP rank and step"),
              comment_line(job, extra),
              "# parallelism and batch"] + [" ".join(r) for r in rows] + \
         ["# model shape"] + [" ".join(r) for r in model_rows]
@@ -408,7 +415,7 @@ def parse(text: str, where: str, cluster: str | None = None, model: Any = None,
 
 
 def _layers(model: Any, args: dict) -> int:
-    if "--num-layers" in args and args["--num-layers"]:
+    if args.get("--num-layers"):
         try:
             return int(args["--num-layers"][0])
         except ValueError:

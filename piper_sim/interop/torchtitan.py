@@ -18,7 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from piper_sim.interop.common import (InteropError, Job, comment_line, exact_div, read_comment, strategy_from_job)
+from piper_sim.interop.common import (
+    InteropError,
+    Job,
+    comment_line,
+    exact_div,
+    read_comment,
+    strategy_from_job,
+)
 from piper_sim.schedules import TORCH_NAMES, canonical_schedule
 
 JC = "torchtitan/config/job_config.py"  # torchtitan 0.2.2; 0.3.0: torchtitan/config/configs.py
@@ -26,8 +33,8 @@ JC = "torchtitan/config/job_config.py"  # torchtitan 0.2.2; 0.3.0: torchtitan/co
 # fact -> (TOML section.key, source: the JobConfig field)
 FIELDS: dict[str, tuple[str, str]] = {
     "pp": ("parallelism.pipeline_parallel_degree", f"{JC} Parallelism.pipeline_parallel_degree"),
-    "schedule": ("parallelism.pipeline_parallel_schedule", f"{JC} Parallelism.pipeline_parallel_schedule "
-                 "(torch.distributed.pipelining get_schedule_class names)"),
+    "schedule": ("parallelism.pipeline_parallel_schedule", (f"{JC} Parallelism.pipeline_parallel_schedule "
+                 "(torch.distributed.pipelining get_schedule_class names)")),
     "layers_per_stage": ("parallelism.pipeline_parallel_layers_per_stage",
                          f"{JC} Parallelism.pipeline_parallel_layers_per_stage (sets the virtual stages per rank)"),
     "first_less": ("parallelism.pipeline_parallel_first_stage_less_layers",
@@ -165,8 +172,8 @@ def export(job: Job, source: str = "") -> str:
         sections.setdefault(section, []).append(f"{name} = {_toml_value(value)}")
     mb = job.micro_batch_size
     lines = [f"# torchtitan job config (torchtitan 0.1/0.2 --job.config_file) written by piper-sim {source}".rstrip(),
-             f"# {job.world} ranks; per data-parallel rank {job.microbatches} micro-batch(es) (a count) of {mb} "
-             f"sequence(s) (a size) = {job.local_batch} sequences per step",
+             (f"# {job.world} ranks; per data-parallel rank {job.microbatches} micro-batch(es) (a count) of {mb} "
+             f"sequence(s) (a size) = {job.local_batch} sequences per step"),
              comment_line(job, extra), ""]
     for section, rows in sections.items():
         lines += [f"[{section}]", *rows, ""]
