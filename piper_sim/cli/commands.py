@@ -215,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     from piper_sim.cli.calibrate import add_calibrate_parser
     from piper_sim.cli.demo import add_demo_parser
     from piper_sim.cli.explore import add_explore_parser
+    from piper_sim.cli.interop import add_interop_parsers
     from piper_sim.cli.run import add_run_parser
     from piper_sim.cli.simulate import add_simulate_parser
 
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     add_calibrate_parser(sub)
     add_demo_parser(sub)
+    add_interop_parsers(sub)
     return p
 
 
