@@ -176,10 +176,32 @@ def test_explorer_and_demo_read_the_registry():
 
     for name, e in SCHEDULE_TABLE.items():
         assert Candidate(pp=2, schedule=name, microbatches=8, dp=1, zero=0).v == e.stages_per_rank
-        small = small_strategy(name)
+        small = small_strategy(Candidate(pp=2, schedule=name, microbatches=8, dp=1, zero=0))
         sched = next(d["name"] for d in small["directives"] if d["op"] == "schedule")
         assert sched == (e.demo_as or name)
         compile(small)  # the demo's small plan compiles for every winner
+
+
+@pytest.mark.parametrize("winner, kinds", [
+    (dict(pp=1, schedule="1f1b", dp=8, zero=3), {"dp": 2}),
+    (dict(pp=1, schedule="1f1b", dp=4, zero=1, tp=2, sp=True), {"dp": 2, "tp": 2}),
+    (dict(pp=1, schedule="1f1b", dp=8, zero=1, ep=8), {"dp": 2, "ep": 2}),
+    (dict(pp=4, schedule="zb1p", dp=8, zero=1, ep=4), {"pp": 2, "dp": 2, "ep": 2}),
+    (dict(pp=2, schedule="interleaved_1f1b", dp=1, zero=0, cp=2), {"pp": 2, "cp": 2}),
+])
+def test_the_demo_runs_a_plan_of_the_winners_kinds(winner, kinds):
+    """DP-only -> DP, TP -> TP, EP -> EP, PP + EP -> both...; and the executor runs it."""
+    from piper_sim.cli.demo import _unrunnable, small_strategy
+    from piper_sim.explore import Candidate
+
+    small = small_strategy(Candidate(microbatches=8, **winner))
+    plan = compile(small)
+    lay = plan.layout
+    assert {k: v for k, v in dict(pp=lay.pp, dp=lay.dp, ep=lay.ep, tp=lay.tp, cp=lay.cp).items() if v > 1} == kinds
+    if "pp" in kinds:
+        assert plan.header.schedule == winner["schedule"]
+    assert plan.header.zero == (winner["zero"] if "dp" in kinds else 0)
+    assert _unrunnable(small) == ""
 
 
 # ----------------------------------------------------------------------------- tables

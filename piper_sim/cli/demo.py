@@ -3,8 +3,9 @@
 1. explore strategies for a realistic model and cluster (qwen3-moe-9b on h100:4x8),
    print the ranked table, write the CSV, the Pareto picture and the best plan with its
    simulated timeline;
-2. run a small plan of the same kind (same schedule family, MoE with expert parallel)
-   for real on this machine (`cpu:2`, gloo, torchrun) and print simulated vs measured.
+2. run a small plan of the winner's kinds (`small_strategy`: its pipeline schedule, expert,
+   data, tensor or context parallelism, two ranks each, up to two kinds) for real on this
+   machine (`cpu:2` or `cpu:4`, gloo, torchrun) and print simulated vs measured.
    The simulation uses a calibration of *this* machine: measured once (`calibrate
    --quick`, ~15 s) and cached per machine fingerprint under $XDG_CACHE_HOME/piper-sim
    (else ~/.cache/piper-sim); `--no-calibrate` simulates with the uncalibrated analytic
@@ -19,7 +20,12 @@ import subprocess
 
 from piper_sim.checks import arg_int
 from piper_sim.cli.explore import emit_best, progress_printer
+from typing import TYPE_CHECKING
+
 from piper_sim.schedules import SCHEDULE_TABLE
+
+if TYPE_CHECKING:
+    from piper_sim.explore import Candidate
 
 DEFAULT = {"model": "qwen3-moe-9b", "cluster": "h100:4x8", "global_batch": 256, "seq_len": 4096}
 # the project's 2-core dev VM, committed (traces/calibration/README.md): `validate`'s default
@@ -30,17 +36,72 @@ UNCALIBRATED = ("this machine is uncalibrated (--no-calibrate): simulating with 
                 "--no-calibrate to calibrate it once (~15 s)")
 
 
-def small_strategy(best_schedule: str) -> dict:
-    """A plan of the winner's kind that runs on two CPU processes: moe-tiny, EP2 when the
-    winner is data parallel, else PP2 with the winner's schedule."""
-    base = {"model": "moe-tiny", "cluster": "cpu:2", "seq_len": 64, "dtype": "fp32", "name": "demo on cpu:2"}
-    if best_schedule in SCHEDULE_TABLE:
-        sched = SCHEDULE_TABLE[best_schedule].demo_as or best_schedule
-        v = SCHEDULE_TABLE[sched].stages_per_rank
-        return {**base, "global_batch": 8, "microbatches": 8,
-                "directives": [{"op": "pipeline", "degree": 2, "stages_per_rank": v},
-                               {"op": "schedule", "name": sched}]}
-    return {**base, "global_batch": 8, "microbatches": 2, "directives": [{"op": "expert_parallel", "degree": 2}]}
+# the winner's parallelism kinds, in the order the two-rank-per-kind demo keeps them (at most
+# `DEMO_KINDS` of them, 2 ranks each: 4 CPU processes)
+DEMO_KINDS = 2
+
+
+def small_strategy(best: Candidate | None) -> dict:
+    """A plan of the winner's kinds that runs on this machine's CPU processes: each
+    parallelism kind the winner uses (pipeline with its schedule, expert parallel with data
+    parallel, data parallel with its ZeRO level, tensor parallel with its sequence
+    parallelism, context parallel), degree 2, the first `DEMO_KINDS` of them; moe-tiny when
+    the winner is expert-parallel, else gpt-tiny. A kind whose combination the executor does
+    not run (`executor.options`) is left out, later kinds first."""
+    kinds = _kinds(best)
+    while True:
+        small = _small(best, kinds)
+        why = _unrunnable(small)
+        if not why or len(kinds) <= 1:
+            return small
+        kinds = kinds[:-1]
+
+
+def _kinds(best: Candidate | None) -> list[str]:
+    if best is None:
+        return ["pp"]
+    present = {"pp": best.pp > 1, "ep": best.ep > 1, "dp": best.dp > 1 and best.ep == 1, "tp": best.tp > 1,
+               "cp": best.cp > 1}
+    return [k for k, on in present.items() if on][:DEMO_KINDS] or ["dp"]
+
+
+def _small(best: Candidate | None, kinds: list[str]) -> dict:
+    model = "moe-tiny" if "ep" in kinds else "gpt-tiny"
+    d: list[dict] = []
+    pp, dp, m = 1, 1, 2
+    if "pp" in kinds:
+        sched = (SCHEDULE_TABLE[best.schedule].demo_as or best.schedule) if best else "1f1b"
+        pp, m = 2, 8
+        d += [{"op": "pipeline", "degree": 2, "stages_per_rank": SCHEDULE_TABLE[sched].stages_per_rank},
+              {"op": "schedule", "name": sched}]
+    if "ep" in kinds or "dp" in kinds:
+        dp = 2
+        d.append({"op": "data_parallel", "degree": 2, "zero": best.zero if best else 0})
+    if "ep" in kinds:
+        d.append({"op": "expert_parallel", "degree": 2})
+    if "tp" in kinds:
+        d.append({"op": "tensor_parallel", "degree": 2, "sequence_parallel": bool(best and best.sp)})
+    if "cp" in kinds:
+        d.append({"op": "context_parallel", "degree": 2})
+    world = pp * dp * (2 if "tp" in kinds else 1) * (2 if "cp" in kinds else 1)
+    return {"model": model, "cluster": f"cpu:{world}", "seq_len": 64, "dtype": "fp32", "name": f"demo on cpu:{world}",
+            "global_batch": dp * m, "microbatches": m, "directives": d}
+
+
+def _unrunnable(small: dict) -> str:
+    """Why the executor would refuse this small plan ('' when it runs it)."""
+    from executor.options import refuse_tensor_parallel, refuse_tied_embeddings
+    from piper_sim.api import compile
+    from piper_sim.plan import PlanError
+    from piper_sim.strategy import StrategyError
+
+    try:
+        plan = compile(small)
+        refuse_tensor_parallel(plan, "demo")
+        refuse_tied_embeddings(plan, "demo")
+    except (PlanError, StrategyError) as e:
+        return str(e)
+    return ""
 
 
 def machine_costmodel(no_calibrate: bool, progress: bool = True) -> tuple[str, str]:
@@ -77,8 +138,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}/strategies.csv, pareto.png, " + ", ".join(os.path.basename(p) for p in paths.values()))
     if args.no_run:
         return
-    small = small_strategy(result.best.candidate.schedule if result.best else "1f1b")
-    print(f"\n== 2. the same kind of plan for real on this machine: {small['model']} on {small['cluster']}, "
+    small = small_strategy(result.best.candidate if result.best else None)
+    print(f"\n== 2. a plan of the winner's kinds for real on this machine: {small['model']} on {small['cluster']}, "
           + " ".join(f"{d['op']}={d.get('name', d.get('degree'))}" for d in small["directives"]))
     plan = compile(small)
     plan_path = os.path.join(args.out, "small_plan.json")
