@@ -122,7 +122,6 @@ def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
         (cfg.is_moe and cfg.mlp != "swiglu", "GELU experts"),
         (cfg.is_moe and ep == 1, "a MoE model without expert parallelism"),
         (cfg.attention == "mla", "multi-head latent attention"),
-        (cfg.qk_norm, "qk_norm (its weight gradients are partial per head shard)"),
         (cfg.tie_embeddings, "tied embeddings"),
         (bool(cfg.dropout), "dropout (per-rank random streams)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),

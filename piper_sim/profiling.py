@@ -59,9 +59,11 @@ class SegmentCost:
     ``a2a_bytes`` (expert segments only) is what a rank dispatches per micro-batch,
     ``tokens * top_k * hidden * dtype_bytes``; the combine sends the same amount back.
     Under tensor parallelism every count is one rank's share; ``out_bytes`` is what the rank
-    sends (its sequence shard under sequence parallelism), ``sp_params`` the parameters of the
-    norms that see only the rank's sequence shard (their gradients are all-reduced over the
-    tensor-parallel group; 0 without sequence parallelism).
+    sends (its sequence shard under sequence parallelism), ``tp_partial_params`` the replicated
+    parameters whose gradients are partial per rank and so all-reduced over the tensor-parallel
+    group: under sequence parallelism the norms (each sees only the rank's sequence shard);
+    with ``qk_norm`` (Qwen3) the query/key norms too (each rank normalises only its heads, so
+    gets their share of the gradient; Megatron-Core all-reduces them over TP likewise).
     """
 
     name: str
@@ -82,7 +84,7 @@ class SegmentCost:
     kernels_f: tuple = ()  # operator-level profile of the forward (piper_sim.kernels rows)
     kernels_bi: tuple = ()  # of the backward-input pass
     kernels_bw: tuple = ()  # of the backward-weight pass
-    sp_params: int = 0
+    tp_partial_params: int = 0
     out_shape: tuple = ()  # a user model's unit: shape and dtype of the tensor it hands on
     out_dtype: str = ""
 
@@ -205,6 +207,7 @@ def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, d
     scale, a2a, is_expert = 1.0, 0, False
     out_bytes = B * cfg.local_seq(s) * h * nbytes
     sp_norms: list = []
+    qk_norms: list = []
 
     def build(unit: str):
         return build_units(cfg, [unit], device="meta", dtype=dtype)[unit]
@@ -218,12 +221,14 @@ def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, d
         params = list(mod.parameters())
         m = measure(mod, [hidden_in], params)
         sp_norms = [mod.attn_norm, mod.mlp_norm]
+        qk_norms = _qk_norms(cfg, mod)
     elif kind == "moe_pre":
         mod = build(f"layers.{layer_of_kind(cfg, kind, windowed)}")
         expert_ids = {id(p) for p in mod.moe.experts.parameters()}
         params = [p for p in mod.parameters() if id(p) not in expert_ids]
         m = measure(mod.forward_pre, [hidden_in], params)
         sp_norms = [mod.attn_norm, mod.mlp_norm]
+        qk_norms = _qk_norms(cfg, mod)
     elif kind == "moe_experts":
         routed = T * cfg.top_k
         per_expert = math.ceil(routed / cfg.n_experts)  # uniform routing
@@ -262,8 +267,14 @@ def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, d
         kernels_f=kernels.scale(m.kernels_f, scale) if is_expert else m.kernels_f,
         kernels_bi=kernels.scale(m.kernels_bi, scale) if is_expert else m.kernels_bi,
         kernels_bw=kernels.scale(m.kernels_bw, scale) if is_expert else m.kernels_bw,
-        sp_params=sum(p.numel() for n in sp_norms for p in n.parameters()) if cfg.sequence_parallel else 0,
+        tp_partial_params=sum(p.numel() for n in (sp_norms if cfg.sequence_parallel else []) + qk_norms
+                              for p in n.parameters()),
     )
+
+
+def _qk_norms(cfg: ModelConfig, layer) -> list:
+    """A layer's query/key norms when tensor-parallel (`SegmentCost.tp_partial_params`)."""
+    return [layer.attn.q_norm, layer.attn.k_norm] if cfg.qk_norm and cfg.tp > 1 else []
 
 
 def segment_windowed(cfg: ModelConfig, segment: str) -> bool:

@@ -80,6 +80,29 @@ def test_tp2_with_pipeline_and_data_parallel_match_the_reference(tmp_path):
     assert_matches_reference({"tp2-ep2-moe": moe}, reference_losses(tmp_path, configs["tp2-ep2-moe"]))
 
 
+# a Qwen3-shaped tiny model: RMSNorm on each head's queries and keys (qk_norm), grouped-query attention
+QWEN3_TINY = {"name": "qwen3-tiny", "n_layers": 4, "hidden": 64, "n_heads": 4, "n_kv_heads": 2, "ffn": 128,
+              "vocab": 512, "max_seq": 128, "qk_norm": True}
+
+
+def test_qk_norm_under_tp_all_reduces_the_query_key_norm_gradients(tmp_path):
+    """Each TP rank normalises only its heads, so holds part of the q/k norms' gradient: the
+    plan's ``TP.s{S}.norms`` sums it over the group, with or without sequence parallelism."""
+    from piper_sim.api import compile
+
+    model = str(tmp_path / "qwen3-tiny.json")
+    with open(model, "w") as f:
+        json.dump(QWEN3_TINY, f)
+    configs = {"qwen3-tp2": {**tp_strategy(), "model": model}, "qwen3-tp2-sp": {**tp_strategy(sp=True), "model": model},
+               "qwen3-tp2-pp2": {**tp_strategy(pp=2, m=4), "model": model}}
+    norms = [i for c in compile(configs["qwen3-tp2"]).classes for i in c.instructions() if i.name == "norms"]
+    assert norms and norms[0].bytes == 4 * 2 * (64 // 4) * 4  # 4 layers x (q, k) x head_dim, fp32
+    res, _ = run_checks(tmp_path, 2, {k: configs[k] for k in ("qwen3-tp2", "qwen3-tp2-sp")})
+    assert_matches_reference(res, reference_losses(tmp_path, configs["qwen3-tp2"]))
+    res, _ = run_checks(tmp_path, 4, {"qwen3-tp2-pp2": configs["qwen3-tp2-pp2"]})
+    assert_matches_reference(res, reference_losses(tmp_path, configs["qwen3-tp2-pp2"]))
+
+
 def test_3d_tp2_pp2_dp2_on_eight_ranks_traces_every_tp_op(tmp_path):
     from piper_sim.plan import Plan
 

@@ -265,11 +265,15 @@ def row(tp: TPComm, x: torch.Tensor, lin: Linear, label: str) -> torch.Tensor:
 
 
 class TPAttention(nn.Module):
-    """`GQAttention` on this rank's heads (same parameter names)."""
+    """`GQAttention` on this rank's heads (same parameter names); a ``qk_norm`` model's
+    query/key norms whole (over the head dim, shared by the heads: partial gradients, summed
+    by ``TP.s{S}.norms``)."""
 
     def __init__(self, base: GQAttention, tp: TPComm, label: str):
         super().__init__()
         self.wq, self.wk, self.wv, self.wo = base.wq, base.wk, base.wv, base.wo
+        if base.cfg.qk_norm:
+            self.q_norm, self.k_norm = base.q_norm, base.k_norm
         self.cfg, self.window, self.tp, self.label = base.cfg, base.window, tp, label
         self.recompute_core = base.recompute_core
         self.heads, self.kv_heads = base.cfg.n_heads // tp.size, base.cfg.n_kv_heads // tp.size
@@ -278,8 +282,11 @@ class TPAttention(nn.Module):
         c = self.cfg
         q, k, v = column(self.tp, x, [self.wq, self.wk, self.wv], self.label)
         B, s = q.shape[:2]
-        q = q.view(B, s, self.heads, c.head_dim).transpose(1, 2)
-        k = k.view(B, s, self.kv_heads, c.head_dim).transpose(1, 2)
+        q = q.view(B, s, self.heads, c.head_dim)
+        k = k.view(B, s, self.kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(B, s, self.kv_heads, c.head_dim).transpose(1, 2)
         if c.rope:
             cos, sin = rope_cos_sin(s, c.head_dim, c.rope_theta, q.device, q.dtype)
@@ -356,6 +363,14 @@ class TPShard:
     def replicated(self, named: list[tuple[str, nn.Parameter]]) -> list[nn.Parameter]:
         """Parameters every member of the group holds whole (norms, row-parallel biases)."""
         return [p for n, p in named if n not in self.slices]
+
+    def partial(self, named: list[tuple[str, nn.Parameter]], sp: bool, qk_norm: bool) -> list[nn.Parameter]:
+        """The replicated parameters whose gradients are partial per rank, so summed over the
+        group (``TP.s{S}.norms``): all of them under sequence parallelism (each rank saw its
+        sequence shard), else a ``qk_norm`` model's query/key norms (each rank normalised only
+        its heads)."""
+        return [p for n, p in named if n not in self.slices
+                and (sp or (qk_norm and (".attn.q_norm." in n or ".attn.k_norm." in n)))]
 
 
 def _take(shard: TPShard, tp: TPComm, prefix: str, mod: nn.Module, attr: str, dim: int) -> None:
@@ -507,12 +522,12 @@ class TensorParallel(ModuleCollectives):
         return {self.stream: self.op} if self.comm is not None else {}
 
     def op(self, ins):
-        """A plan TP op: ``TP.s{S}.norms`` all-reduces the stage's replicated gradients here;
+        """A plan TP op: ``TP.s{S}.norms`` all-reduces the stage's partial replicated gradients here;
         any other is the next collective the stage's modules performed in that pass."""
         if ins.direction:  # a full-recompute backward re-runs the forward's collectives (``TP.R.`` ops)
             return self.take(ins)
         stage = self.rt.stages[ins.stage]
-        params = self.shards[ins.stage].replicated(stage.named_parameters()[0])
+        params = self.shards[ins.stage].partial(stage.named_parameters()[0], self.comm.sp, self.rt.cfg.qk_norm)
         grads = [p.grad for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         work = dist.all_reduce(flat, group=self.rt.comms.group(ins.stream, ins.group), async_op=True)

@@ -82,9 +82,10 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     compute plus its collectives either way; only where inside the layer they run moves
     (after its attention half, in truth). A full-recompute backward re-runs the forward's
     collectives first (``TP.R.`` ops). With a BI/BW split the weight pass waits for the
-    ``.regather`` all-gathers, issued after the stage's input-gradient pass. With sequence
-    parallelism the norms' weight gradients (computed on a sequence shard) are all-reduced
-    over the TP group before the optimizer step (``TP.s{S}.norms``). Segments ``shard_tensor``
+    ``.regather`` all-gathers, issued after the stage's input-gradient pass. The replicated
+    weights whose gradients are partial per rank (the norms under sequence parallelism, the
+    query/key norms of a ``qk_norm`` model) are all-reduced over the TP group before the
+    optimizer step (``TP.s{S}.norms``). Segments ``shard_tensor``
     did not select (`Setup.tp_sharded`) are replicated and have no collectives."""
     if ctx.layout.tp == 1:
         return
@@ -141,8 +142,8 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             for a, b in zip([src] + ops, ops):
                 dag.edge(a, b)
             dag.edge(ops[-1], bw)
-        norms = sum(x.sp_params for x in ctx.stages[s].segments) * ctx.dtype_bytes
-        if sp and norms:
+        norms = sum(x.tp_partial_params for x in ctx.stages[s].segments) * ctx.dtype_bytes
+        if norms:
             ar = dag.add(where, make_op("ALLREDUCE", TP_STREAM, stage=s, bytes=float(norms), group=group,
                                         name="norms"))
             for n in nodes:
