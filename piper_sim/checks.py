@@ -35,9 +35,10 @@ MAX_WORLD_SIZE = 2**17
 # and 1e9 layers ran 41 s into a MemoryError before this limit.
 MAX_LAYERS = 4096
 # Strategies one `explore` search enumerates (each is screened, the survivors compiled and
-# simulated). A 1,024-GPU search of the zoo's models has a few thousand; the screen checks
-# about 800 per second on 2 cores, so this bounds the screen to about a minute.
-MAX_EXPLORE_CANDIDATES = 50_000
+# simulated). The zoo's largest searches: llama3-70b on 16,384 H100s about 2,400, deepseek-v3
+# (MoE: every EP degree too) on 8,192 H100s at 32k tokens about 45,000; the screen checks a few
+# hundred per second on 2 cores, so this bounds a search's screen to minutes, not hours.
+MAX_EXPLORE_CANDIDATES = 100_000
 
 
 def check_world_size(ranks: float, what: str, error: type[Exception] = ValueError) -> None:
