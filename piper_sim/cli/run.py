@@ -1,7 +1,8 @@
 """``piper-sim run PLAN.json``: start the plan's ranks through torchrun.
 
 The plan is checked here first (format version, content hash, the compiler's validation,
-world size against the launch and this node's GPUs/cores, the checkpoint to resume), so a
+world size against the launch and this node's GPUs/cores, the memory it needs against the
+node's, the options and output paths, the checkpoint to resume), so a
 bad plan is refused with one line (exit 2) before any process starts; then this is just::
 
     python -m executor.launch --nproc-per-node N [--nnodes ...] -m executor PLAN.json ...
