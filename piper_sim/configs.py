@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from piper_sim.header import PlanHeader
 from piper_sim.checks import MAX_LAYERS
+from piper_sim.header import PlanHeader
 
 
 @dataclass(frozen=True)

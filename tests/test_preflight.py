@@ -125,7 +125,7 @@ def test_worker_refuses_bad_outputs_before_its_process_group(tmp_path, plan_file
     (tmp_path / "f").write_text("x")
     env = {**ENV, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     r = subprocess.run([sys.executable, "-m", "executor", plan_file, "--save", str(tmp_path / "f")], env=env,
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--save" in r.stderr, r.stderr[-2000:]
 
 
@@ -255,7 +255,7 @@ def test_plans_of_1e9_ranks_are_refused_at_once(tmp_path, plan_file):
         for argv, env in ((["-m", "piper_sim.cli", "simulate", path], ENV), (["-m", "piper_sim.cli", "run", path], ENV),
                           (["-m", "executor", path], worker_env)):
             r = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=120,
-                               preexec_fn=_limited)
+                               preexec_fn=_limited, check=False)
             assert r.returncode == 2, (argv, r.returncode, r.stderr[-2000:])
             assert r.stderr.count("\n") == 1 and "MAX_WORLD_SIZE" in r.stderr and "Traceback" not in r.stderr
 
@@ -316,7 +316,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_explore_workers_end_with_the_explorer(sig):
     r = subprocess.run([sys.executable, "-c", POOL_THEN_DIE.format(sig=int(sig))], env=ENV, capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=120, check=False)
     pids = [int(p) for p in r.stdout.split()]
     assert len(pids) == 2, r.stderr[-2000:]
     deadline = time.monotonic() + 10
