@@ -8,10 +8,12 @@ The launcher itself (the ``run`` subcommand that starts torchrun) is app code in
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 
 from executor.lr import ADAMW, LRSchedule
 from piper_sim.checks import arg_float, arg_int
+from piper_sim.files import check_output_dir, check_output_file
 from piper_sim.header import PlanHeader
 from piper_sim.plan import Plan, PlanError
 
@@ -43,8 +45,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "every plan op a record_function(op_id) range")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA for GPU clusters when available, else CPU")
-    p.add_argument("--clip-grad-norm", type=float, metavar="X",
-                   help="clip gradients to global L2 norm X over all shards and stages (as clip_grad_norm_)")
+    p.add_argument("--clip-grad-norm", type=arg_float(0.0), metavar="X",
+                   help="clip gradients to global L2 norm X > 0 over all shards and stages (as clip_grad_norm_)")
     p.add_argument("--lr", type=arg_float(0.0), help="peak learning rate (default: the optimizer's, 1e-3)")
     p.add_argument("--warmup-steps", type=arg_int(0), default=0, metavar="N",
                    help="linear warm-up over the first N steps")
@@ -57,6 +59,9 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hash-check", action="store_true",
                    help="accept a plan whose cost estimates (flops, memory) were edited after "
                         "compiling; an edit to what runs is still refused")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --trace / --timeline file and the traces of an earlier run in "
+                        "--kineto / --profile (refused by default)")
 
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
@@ -167,6 +172,30 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
                         "the executor cannot share that weight: simulate it, or untie the model")
 
 
+# output folders -> the files of an earlier run they may hold, which this run would replace
+OUTPUT_DIRS = {"kineto": "rank*.pt.trace.json", "profile": "rank*.json", "save": ""}
+
+
+def check_outputs(args) -> None:
+    """The output paths, before anything runs: a file option (``--trace``, ``--timeline``)
+    is not a folder and its folder exists and is writable; a folder option (``--kineto``,
+    ``--profile``, ``--save``) is not a file and can be created. Existing outputs are refused
+    unless ``--force`` (``--save`` keeps and rotates its checkpoints); a worker restarted by
+    torchrun may find its own. Creates nothing."""
+    force = args.force or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    for name in ("trace", "timeline"):
+        if getattr(args, name):
+            check_output_file(getattr(args, name), f"--{name}", force)
+    for name, earlier in OUTPUT_DIRS.items():
+        path = getattr(args, name)
+        if not path:
+            continue
+        check_output_dir(path, f"--{name}")
+        if earlier and not force and glob.glob(os.path.join(glob.escape(path), earlier)):
+            raise ValueError(f"--{name} {path}: holds the traces of an earlier run ({earlier}); pass --force to "
+                             "replace them, or choose another folder")
+
+
 def lr_schedule(args) -> LRSchedule | None:
     """The ``--lr`` options as a schedule (None: every step at the optimizer's own rate)."""
     if args.lr is None and args.warmup_steps == 0 and args.lr_decay == "constant":
@@ -177,12 +206,14 @@ def lr_schedule(args) -> LRSchedule | None:
 
 def preflight(args, plans: list[Plan]) -> int:
     """What a launch needs beyond valid plans, checked by ``piper-sim run`` before torchrun
-    and by every worker before its process group: the checkpoint to resume, and that the
+    and by every worker before its process group: the output paths (`check_outputs`), the
+    checkpoint to resume, and that the
     test hooks PIPER_FAULT / PIPER_CKPT_KILL name a rank, step and op of this run.
     Returns the step the run starts from."""
     from executor import checkpoint
 
     checkpoint.check_kill_spec()
+    check_outputs(args)
     if args.lr_decay != "constant" and args.decay_steps <= args.warmup_steps:
         raise PlanError(f"--lr-decay {args.lr_decay} needs --decay-steps after --warmup-steps ({args.warmup_steps}); "
                         f"got --decay-steps {args.decay_steps}")

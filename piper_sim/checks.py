@@ -24,6 +24,28 @@ MAX_PLAN_INSTRUCTIONS = 200_000
 MAX_BUCKETS_PER_STAGE = 4096
 # Processes `piper-sim run` starts on one node per CPU core (CPU ranks share the cores).
 MAX_CPU_RANKS_PER_CORE = 8
+# Ranks of one plan, strategy or cluster (its world size). The largest training clusters
+# built hold about 100,000 GPUs (2024-25); 2**17 leaves room above them, while a plan of this
+# size still compiles in about a second and simulates in seconds (a data-parallel gpt-tiny
+# plan of 1,000,000 ranks took 6.5 s to compile and 45 s / 570 MB to simulate on 2 cores).
+# Checked before any per-rank list is built: a plan claiming 1e9 ranks grew to 22 GB before.
+MAX_WORLD_SIZE = 2**17
+# Layers of one model (model files, Hugging Face configs). Published models have at most a
+# few hundred (126: Llama 3 405B); every layer is a unit the compiler profiles and places,
+# and 1e9 layers ran 41 s into a MemoryError before this limit.
+MAX_LAYERS = 4096
+# Strategies one `explore` search enumerates (each is screened, the survivors compiled and
+# simulated). The zoo's largest searches: llama3-70b on 16,384 H100s about 2,400, deepseek-v3
+# (MoE: every EP degree too) on 8,192 H100s at 32k tokens about 45,000; the screen checks a few
+# hundred per second on 2 cores, so this bounds a search's screen to minutes, not hours.
+MAX_EXPLORE_CANDIDATES = 100_000
+
+
+def check_world_size(ranks: float, what: str, error: type[Exception] = ValueError) -> None:
+    """Refuse more than `MAX_WORLD_SIZE` ranks: one line naming ``what`` and the limit."""
+    if ranks > MAX_WORLD_SIZE:
+        raise error(f"{what}: {ranks:,.0f} ranks exceed the limit of {MAX_WORLD_SIZE:,} "
+                    "(piper_sim.checks.MAX_WORLD_SIZE)")
 
 
 def _range(minimum, maximum, value=None) -> str:
@@ -73,4 +95,19 @@ def arg_float(minimum: float = 0.0, positive: bool = True):
             raise argparse.ArgumentTypeError(f"expected a finite number {'>' if positive else '>='} {minimum:g}, "
                                              f"got {text!r}") from None
     parse.__name__ = "number"
+    return parse
+
+
+def arg_int_list(minimum: int = 1, maximum: int | None = MAX_COUNT):
+    """An argparse ``type`` for a comma-separated list of integers in range (``2,4,8``);
+    argparse's one-line error names the flag."""
+    one = arg_int(minimum, maximum)
+
+    def parse(text: str) -> list[int]:
+        try:
+            return [one(part.strip()) for part in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of integers "
+                                             f"{_range(minimum, maximum)}, got {text!r}") from None
+    parse.__name__ = "integer list"
     return parse

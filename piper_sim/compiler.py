@@ -20,7 +20,7 @@ from piper_sim.memory import SegmentMemory, model_memory
 from piper_sim.configs import ModelConfig, plan_model_meta, tp_shard
 from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram, gc_paused
 from piper_sim.profiling import SegmentCost, profile_model
-from piper_sim.checks import MAX_PLAN_INSTRUCTIONS
+from piper_sim.checks import MAX_PLAN_INSTRUCTIONS, check_world_size
 from piper_sim.schedules import SCHEDULE_TABLE, canonical_schedule, default_schedule, stages_per_rank
 from piper_sim.sources import resolve_model
 from piper_sim.strategy import Strategy, StrategyError, format_layers, parse_strategy
@@ -186,6 +186,7 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
         cluster = parse_cluster(strategy.cluster)
     except ValueError as e:
         raise StrategyError(f"cluster: {e}") from None
+    check_world_size(cluster.world_size, f"cluster {strategy.cluster}", StrategyError)
     setup = resolve(expand(strategy))
     held = {r for copies in setup.placement.values() for r, _, _ in copies}
     empty = sorted(set(range(setup.pp)) - held)

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from piper_sim.checks import MAX_LAYERS
 from piper_sim.header import PlanHeader
 
 
@@ -315,6 +316,9 @@ _CHOICES = {"attention": ("gqa", "mla"), "mlp": ("swiglu", "gelu"), "norm": ("rm
 
 def check_config(cfg: ModelConfig, where: str = "model") -> None:
     """Consistency checks a builder relies on (one-line ValueError naming the field)."""
+    if cfg.n_layers > MAX_LAYERS:  # before anything loops over the layers
+        raise ValueError(f"{where}: field 'n_layers' ({cfg.n_layers:,}) exceeds the limit of {MAX_LAYERS:,} "
+                         "(piper_sim.checks.MAX_LAYERS)")
     if cfg.attention == "gqa":
         if cfg.n_heads % cfg.n_kv_heads:
             raise ValueError(f"{where}: field 'n_kv_heads' ({cfg.n_kv_heads}) must divide n_heads ({cfg.n_heads})")

@@ -35,6 +35,7 @@ from costmodel.memory import DEFAULT_HEADROOM_BYTES, fits, memory_need
 from costmodel.model import get_costmodel
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, check_stack_on, parse_stack, stack_to_strategy
 from piper_sim.bands import Band
+from piper_sim.checks import MAX_EXPLORE_CANDIDATES, check_world_size, integer
 from piper_sim.configs import tp_divisibility_error, tp_shard
 from piper_sim.axes import BW_KEEP_FRACTION, cp_error, cp_memory, cp_segments, explore_options, static_memory
 from piper_sim.plan import gc_paused
@@ -198,6 +199,10 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
     that split the sequence into 2C chunks (`parallel.context.cp_error`)."""
     cfg = resolve_model(model)
     cl = parse_cluster(cluster)
+    check_world_size(cl.world_size, f"explore cluster {cluster}", StrategyError)
+    for name, degrees in (("tp_degrees", tp_degrees), ("cp_degrees", cp_degrees)):
+        for d in degrees or ():
+            integer(d, f"explore {name}", error=StrategyError)
     schedules = [canonical_schedule(x) for x in (schedules or SCHEDULES)]
     unknown = [x for x in schedules if x not in SCHEDULE_TABLE]
     if unknown:
@@ -487,7 +492,22 @@ def _pool(workers: int, use_ray: bool):
     # fork: workers inherit the imported modules and the profiles the screen already cached
     # (spawn would re-import and re-profile in each worker); CPU-only work, no CUDA context
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    return mp.get_context(method).Pool(workers)
+    return mp.get_context(method).Pool(workers, initializer=_die_with_parent, initargs=(os.getpid(),))
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a pool worker: SIGKILL when the explorer dies (Linux ``PR_SET_PDEATHSIG``), so a
+    killed, timed-out or SIGTERMed search leaves no worker simulating on. (The pool's own
+    exit terminates its workers; this covers the deaths that never reach it.)"""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != parent:  # the explorer died before prctl took effect
+        os._exit(1)
 
 
 def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel: str = "analytic",
@@ -502,12 +522,17 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     memory are ``tight`` and ranked after every plan that fits with the headroom."""
     t0 = time.perf_counter()
     cl = parse_cluster(cluster)
+    check_world_size(cl.world_size, f"explore cluster {cluster}", StrategyError)
     stack = parse_stack(stack, "explore stack")
     check_stack_on(stack, cl.gpu, "explore stack")
     settings = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
                 "costmodel": costmodel, "stack": stack, "memory_headroom_bytes": memory_headroom_bytes}
     if candidates is None:
         candidates = enumerate_candidates(model, cluster, global_batch, seq_len, **enum_kw)
+    if len(candidates) > MAX_EXPLORE_CANDIDATES:
+        raise StrategyError(f"explore: {len(candidates):,} strategies exceed the limit of {MAX_EXPLORE_CANDIDATES:,} "
+                            "(piper_sim.checks.MAX_EXPLORE_CANDIDATES); narrow the search (schedules, ZeRO levels, "
+                            "TP/CP degrees, no recompute)")
     cm = get_costmodel(costmodel, cl)
     hbm = cl.gpu.hbm_bytes
     workers = workers or os.cpu_count() or 1

@@ -95,6 +95,41 @@ def write_text(path: str | os.PathLike, text: str) -> None:
         f.write(text)
 
 
+# --- output paths checked before the work that writes them (one-line ValueErrors) -------------
+
+
+def check_output_file(path: str, flag: str, force: bool = True) -> None:
+    """Refuse, naming ``flag``, a file path an output cannot be written to: an existing
+    folder, a parent folder that is missing or not writable, or (unless ``force``) an
+    existing regular file. Creates nothing."""
+    shown = f"{flag} {path}"
+    if os.path.isdir(path):
+        raise ValueError(f"{shown}: is a folder; give a file path (a name inside it, say)")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{shown}: folder {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{shown}: folder {parent} is not writable; choose another path")
+    if not force and os.path.isfile(path):
+        raise ValueError(f"{shown}: the file exists; pass --force to replace it, or choose another path")
+
+
+def check_output_dir(path: str, flag: str) -> None:
+    """Refuse, naming ``flag``, a folder path an output cannot be written into: an existing
+    file, or a nearest existing ancestor (the folder is created with its parents) that is a
+    file or not writable. Creates nothing."""
+    shown = f"{flag} {path}"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{shown}: is a file, not a folder; give a folder name")
+    base = os.path.abspath(path)
+    while not os.path.exists(base):
+        base = os.path.dirname(base)
+    if not os.path.isdir(base):
+        raise ValueError(f"{shown}: {base} is a file, so the folder cannot be created; choose another path")
+    if not os.access(base, os.W_OK):
+        raise ValueError(f"{shown}: folder {base} is not writable; choose another path")
+
+
 CACHE_ENV = "PIPER_SIM_CACHE_DIR"
 
 

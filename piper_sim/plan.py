@@ -44,10 +44,12 @@ import functools
 import gc
 import hashlib
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, TypeVar
 
+from piper_sim.checks import check_world_size
 from piper_sim.header import PlanHeader
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -515,6 +517,7 @@ class Plan:
         if check_hash and _hash(body) != d.get("hash"):
             raise PlanError("plan content hash mismatch: the file was edited after compiling; "
                             "recompile it, or pass check_hash=False / --no-hash-check to accept edits")
+        _check_world(d)
         try:
             if d["version"] == 1:
                 d = {**d, "classes": [{**c, "streams": {k: [_upgrade_v1(i) for i in lst]
@@ -551,6 +554,24 @@ class Plan:
         except RecursionError:
             raise PlanError(f"{path}: JSON nested too deeply") from None
         return cls.from_json(d, check_hash=check_hash)
+
+
+def _count(value: Any) -> float:
+    """A size or count as the file has it (0 when not a number: the checks after say why)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(min(max(value, 0), 2**64)) if ok else 0.0
+
+
+def _check_world(d: dict[str, Any]) -> None:
+    """Refuse a plan whose layout (pp x dp x cp x tp) or rank classes claim more than
+    `checks.MAX_WORLD_SIZE` ranks, before any per-rank list is built."""
+    lay = d.get("layout") if isinstance(d.get("layout"), dict) else {}
+    world = math.prod(_count(lay.get(k, 1)) for k in MESH_AXES)
+    check_world_size(world, "plan layout pp x dp x cp x tp", PlanError)
+    classes = d.get("classes") if isinstance(d.get("classes"), list) else []
+    runs = [run for c in classes if isinstance(c, dict) and isinstance(c.get("ranks"), list) for run in c["ranks"]]
+    check_world_size(sum(_count(r[1]) for r in runs if isinstance(r, list) and len(r) == 2), "plan rank classes",
+                     PlanError)
 
 
 def _hash(body: dict[str, Any]) -> str:

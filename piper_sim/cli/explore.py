@@ -8,7 +8,8 @@ import os
 import sys
 
 from costmodel.stack import PRESETS
-from piper_sim.checks import arg_int
+from piper_sim.checks import arg_int, arg_int_list
+from piper_sim.files import check_output_dir, check_output_file
 
 
 def progress_printer(enabled: bool = True):
@@ -72,13 +73,14 @@ def cmd_explore(args: argparse.Namespace) -> None:
     if args.schedules:
         kw["schedules"] = args.schedules.split(",")
     if args.zero:
-        kw["zero_levels"] = [int(z) for z in args.zero.split(",")]
+        kw["zero_levels"] = args.zero
     if args.no_recompute:
         kw["recompute"] = (False,)
     if args.tp:
-        kw["tp_degrees"] = [int(t) for t in args.tp.split(",")]
+        kw["tp_degrees"] = args.tp
     if args.cp:
-        kw["cp_degrees"] = [int(c) for c in args.cp.split(",")]
+        kw["cp_degrees"] = args.cp
+    check_outputs(args)
     from piper_sim.cli.simulate import memory_headroom_bytes
 
     headroom = memory_headroom_bytes(args.memory_headroom)
@@ -96,6 +98,16 @@ def cmd_explore(args: argparse.Namespace) -> None:
     if args.emit_best and result.best:
         paths = emit_best(result, args.emit_best, args.costmodel)
         print("wrote " + ", ".join(paths.values()))
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--csv``, ``--plot`` (files) and ``--emit-best`` (a folder) checked before the search:
+    one line naming the flag, nothing created."""
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+        if path:
+            check_output_file(path, flag)
+    if args.emit_best:
+        check_output_dir(args.emit_best, "--emit-best")
 
 
 def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
@@ -117,12 +129,13 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     p.add_argument("--plot", help="throughput-vs-memory Pareto PNG")
     p.add_argument("--emit-best", metavar="DIR", help="write the best strategy, plan and timeline here")
     p.add_argument("--schedules", default=d.get("schedules"), help="comma-separated subset of schedules")
-    p.add_argument("--zero", default=d.get("zero"), help="comma-separated ZeRO levels (default 0,1,2,3)")
+    p.add_argument("--zero", type=arg_int_list(0, 3), default=d.get("zero"),
+                   help="comma-separated ZeRO levels (default 0,1,2,3)")
     p.add_argument("--no-recompute", action="store_true", default=d.get("no_recompute", False),
                    help="leave activation recomputation out of the search")
-    p.add_argument("--tp", default=d.get("tp"), help="comma-separated tensor-parallel degrees (default: the "
+    p.add_argument("--tp", type=arg_int_list(1), default=d.get("tp"), help="comma-separated tensor-parallel degrees (default: the "
                    "divisors of the GPUs per node; sequence parallelism on when > 1)")
-    p.add_argument("--cp", default=d.get("cp"), help="comma-separated context-parallel degrees (default: from "
+    p.add_argument("--cp", type=arg_int_list(1), default=d.get("cp"), help="comma-separated context-parallel degrees (default: from "
                    "seq_len 16384 on, the divisors of GPUs per node / TP; else 1)")
     p.add_argument("--workers", type=arg_int(1), default=None, help="processes (default: all cores)")
     p.add_argument("--ray", action="store_true", help="run the sweep on Ray when installed")

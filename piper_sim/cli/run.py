@@ -1,7 +1,8 @@
 """``piper-sim run PLAN.json``: start the plan's ranks through torchrun.
 
 The plan is checked here first (format version, content hash, the compiler's validation,
-world size against the launch and this node's GPUs/cores, the checkpoint to resume), so a
+world size against the launch and this node's GPUs/cores, the memory it needs against the
+node's, the options and output paths, the checkpoint to resume), so a
 bad plan is refused with one line (exit 2) before any process starts; then this is just::
 
     python -m executor.launch --nproc-per-node N [--nnodes ...] -m executor PLAN.json ...
@@ -19,13 +20,16 @@ it keeps ``piper-sim --help`` fast.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 from executor.options import (add_run_options, preflight, refuse_tensor_parallel, refuse_tied_embeddings,
                               refuse_unbuildable_user_model, stack_settings)
 from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_int
-from piper_sim.plan import Plan, PlanError
+from piper_sim.plan import Plan, PlanError, RankClass
+
+GiB = 2**30
 
 
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
@@ -59,12 +63,17 @@ def local_gpus() -> int:
         return 0
 
 
+def on_gpus(plan: Plan, device: str) -> bool:
+    """Whether the ranks run on GPUs (``--device``; auto: a GPU plan on a node with GPUs)."""
+    cpu_cluster = str(plan.meta.get("cluster", "cpu")).startswith("cpu")
+    return device == "cuda" or (device == "auto" and not cpu_cluster and local_gpus() > 0)
+
+
 def check_local_capacity(nproc: int, plan: Plan, device: str) -> None:
     """Refuse to start more ranks on this node than it can hold: one per GPU, or
     MAX_CPU_RANKS_PER_CORE per core for CPU ranks."""
     gpus = local_gpus()
-    cpu_cluster = str(plan.meta.get("cluster", "cpu")).startswith("cpu")
-    if device == "cuda" or (device == "auto" and not cpu_cluster and gpus):
+    if on_gpus(plan, device):
         if nproc > gpus:
             raise PlanError(f"{nproc} ranks per node need {nproc} GPUs but this node has {gpus}; "
                             "use more nodes (--nnodes) or --device cpu")
@@ -75,6 +84,46 @@ def check_local_capacity(nproc: int, plan: Plan, device: str) -> None:
                         f"({cores} cores; piper_sim.checks.MAX_CPU_RANKS_PER_CORE); use more nodes (--nnodes)")
 
 
+def least_need_bytes(cls: RankClass) -> float:
+    """Bytes a rank of this class holds at least at its peak: its static memory (parameters,
+    gradients, optimizer state) plus its largest single allocation (an op's ``alloc`` is live
+    while it runs). A lower bound of the simulated peak, in one pass over the instructions."""
+    def finite(v) -> float:
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else 0.0
+
+    static = sum(finite(v) for k, v in cls.static_memory.items() if k.endswith("_bytes") and k != "total_bytes")
+    return static + max((finite(i.alloc) for i in cls.instructions()), default=0.0)
+
+
+def node_memory_bytes() -> float:
+    """This node's physical memory (RAM)."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def check_memory(nproc: int, plan: Plan, device: str) -> None:
+    """Refuse a plan that cannot fit this machine whatever happens: on GPUs a rank needing
+    more than the cluster's GPU memory, on CPU the ranks of one node (`least_need_bytes`,
+    summed over the busiest node's ``nproc`` consecutive ranks) more than its RAM."""
+    needs = [least_need_bytes(c) for c in plan.classes]
+    if on_gpus(plan, device):
+        from costmodel.hardware import parse_cluster
+
+        gpu = parse_cluster(plan.header.cluster).gpu
+        worst = max(range(len(needs)), key=needs.__getitem__)
+        if needs[worst] > gpu.hbm_bytes:
+            raise PlanError(f"pipeline rank {worst} needs at least {needs[worst] / GiB:,.1f} GiB (model states and "
+                            f"its largest activation) but a {gpu.name} has {gpu.hbm_bytes / GiB:,.1f} GiB; "
+                            "`piper-sim simulate` shows the peak: shard or split the model further")
+        return
+    per_rank = [needs[c] for c in range(len(needs)) for _ in range(plan.layout.class_size)]
+    node = max(sum(per_rank[i:i + nproc]) for i in range(0, len(per_rank), nproc))
+    ram = node_memory_bytes()
+    if node > ram:
+        raise PlanError(f"{nproc} CPU rank(s) per node need at least {node / GiB:,.1f} GiB (model states and the "
+                        f"largest activation of each) but this node has {ram / GiB:,.1f} GiB of RAM; "
+                        "`piper-sim simulate` shows the peak: use fewer tokens per micro-batch or more nodes")
+
+
 def torchrun_command(args, plan: Plan) -> list[str]:
     nproc = args.nproc or plan.world_size // args.nnodes
     if nproc * args.nnodes != plan.world_size:
@@ -82,6 +131,7 @@ def torchrun_command(args, plan: Plan) -> list[str]:
                         f"--nproc {nproc} = {nproc * args.nnodes} would be launched; change --nproc/--nnodes "
                         f"or recompile for {nproc * args.nnodes} ranks")
     check_local_capacity(nproc, plan, args.device)
+    check_memory(nproc, plan, args.device)
     cmd = [sys.executable, "-m", "executor.launch", f"--nproc-per-node={nproc}",
            f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint:
@@ -110,7 +160,7 @@ def torchrun_command(args, plan: Plan) -> list[str]:
         cmd += ["--end-step", str(args.end_step)]
     for flag in ("save_every", "keep"):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    for flag in ("json", "check", "no_hash_check", "override_lr_schedule"):
+    for flag in ("json", "check", "no_hash_check", "override_lr_schedule", "force"):
         if getattr(args, flag):
             cmd.append("--" + flag.replace("_", "-"))
     return cmd

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from piper_sim.api import as_strategy, compile
-from piper_sim.files import atomic_write
+from piper_sim.files import atomic_write, check_output_dir
 from piper_sim.plan import COMPUTE_KINDS
 from piper_sim.strategy import Strategy
 from piper_sim.trace import save_figure
@@ -48,7 +48,7 @@ class MeasurementError(RuntimeError):
 def measure(plan_path: str, steps: int, warmup: int, trace: str, timeout_s: float = 900) -> tuple[float, list]:
     """Run a plan with the executor; the median step time after warm-up, and all steps."""
     cmd = [sys.executable, "-m", "piper_sim.cli", "run", plan_path, "--steps", str(steps), "--json",
-           "--trace", trace]
+           "--trace", trace, "--force"]  # its own trace: a rerun into the same folder replaces it
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if r.returncode:
         lines = r.stderr.strip().splitlines() or ["no output"]
@@ -172,6 +172,8 @@ def validate(strategies: list, costmodel: str, steps: int = 6, warmup: int = 2, 
     Returns the summary written to validation.json plus ``table``: its rows as a DataFrame."""
     import pandas as pd
 
+    strategies = [as_strategy(s) for s in strategies]  # every file read and checked before out_dir exists
+    check_output_dir(out_dir, "--out")
     os.makedirs(out_dir, exist_ok=True)
     best: dict[int, tuple[ValidationRow, Any, Any, str]] = {}
     medians: dict[int, list[float]] = {}
