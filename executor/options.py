@@ -127,12 +127,19 @@ def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
         (cfg.is_moe and cfg.mlp != "swiglu", "GELU experts"),
         (cfg.is_moe and ep == 1, "a MoE model without expert parallelism"),
         (cfg.attention == "mla", "multi-head latent attention"),
-        (cfg.tie_embeddings, "tied embeddings"),
+        (cfg.tie_embeddings and not (_tp_shards(header, "embed") == _tp_shards(header, "head")),
+         "tied embeddings with only one of the embedding and the head sharded (shard_tensor)"),
         (bool(cfg.dropout), "dropout (per-rank random streams)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),
         (header.zero == 3 and sp, "ZeRO-3 and sequence parallelism"),
     ]
     return next((why for bad, why in checks if bad), "")
+
+
+def _tp_shards(header: PlanHeader, unit: str) -> bool:
+    """Whether ``shard_tensor`` left the embedding / head tensor-parallel (the default)."""
+    tp = header.tensor_parallel
+    return tp is None or (tp.embedding if unit == "embed" else tp.head)
 
 
 def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:

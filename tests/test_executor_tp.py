@@ -103,6 +103,19 @@ def test_qk_norm_under_tp_all_reduces_the_query_key_norm_gradients(tmp_path):
     assert_matches_reference(res, reference_losses(tmp_path, configs["qwen3-tp2-pp2"]))
 
 
+def test_tied_embeddings_under_tp_share_the_vocabulary_shard(tmp_path):
+    """A tied model (Llama 3.2 1B/3B, small Qwen2.5) under TP: the head projects with the
+    embedding's vocabulary rows on each rank, one parameter with both gradients."""
+    model = str(tmp_path / "tied-tiny.json")
+    with open(model, "w") as f:
+        json.dump({**QWEN3_TINY, "name": "tied-tiny", "qk_norm": False, "tie_embeddings": True}, f)
+    configs = {"tied-tp2": {**tp_strategy(), "model": model}, "tied-tp2-sp": {**tp_strategy(sp=True), "model": model}}
+    res, _ = run_checks(tmp_path, 2, configs)
+    assert_matches_reference(res, reference_losses(tmp_path, configs["tied-tp2"]))
+    res, _ = run_checks(tmp_path, 4, {"tied-tp2-dp2-zero1": {**tp_strategy(dp=2, zero=1), "model": model}})
+    assert_matches_reference(res, reference_losses(tmp_path, {**tp_strategy(dp=2, zero=1), "model": model}))
+
+
 def test_3d_tp2_pp2_dp2_on_eight_ranks_traces_every_tp_op(tmp_path):
     from piper_sim.plan import Plan
 

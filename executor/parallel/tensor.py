@@ -332,11 +332,18 @@ class TPEmbedding(nn.Module):
 
 class TPHead(nn.Module):
     """Replicated final norm, then the vocabulary-parallel output projection (logits of
-    this rank's vocabulary rows)."""
+    this rank's vocabulary rows). A tied head projects with the embedding's shard of the same
+    rows (``tied``), so the one parameter gets both gradients, each whole for its rows (as
+    Megatron's vocabulary-parallel tied embedding on one stage)."""
 
-    def __init__(self, base: Head, tp: TPComm):
+    def __init__(self, base: Head, tp: TPComm, tied: nn.Parameter | None = None):
         super().__init__()
-        self.norm, self.out, self.tp = base.norm, base.out, tp
+        self.norm, self.tp = base.norm, tp
+        if tied is None:
+            self.out = base.out
+        else:
+            self.out = Linear(tied.shape[1], tied.shape[0])
+            self.out.weight = tied  # shared: named once (embed.weight) in the stage's parameters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column(self.tp, self.norm(x), [self.out], "head")[0]
@@ -416,10 +423,14 @@ def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None)
             _take(shard, tp, "embed", unit, "weight", 0)
             units["embed"] = TPEmbedding(unit, tp, shard.slices["embed.weight"][1])
         elif name == "head":
-            _columns(shard, tp, "head.out", unit.out)
-            units["head"] = TPHead(unit, tp)
-            stage.loss_fn = lambda logits, targets, lo=shard.slices["head.out.weight"][1]: \
-                vocab_parallel_loss(tp, lo, logits, targets)
+            if unit.tied_weight is not None:  # the embedding's vocabulary rows, sharded above
+                lo = shard.slices["embed.weight"][1]
+                units["head"] = TPHead(unit, tp, tied=units["embed"].weight)
+            else:
+                _columns(shard, tp, "head.out", unit.out)
+                lo = shard.slices["head.out.weight"][1]
+                units["head"] = TPHead(unit, tp)
+            stage.loss_fn = lambda logits, targets, lo=lo: vocab_parallel_loss(tp, lo, logits, targets)
         else:
             block: Block = unit
             label = "l" + name.split(".")[1]
