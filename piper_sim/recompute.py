@@ -151,6 +151,12 @@ class LayerTable:
     nbytes: int = 2
     module_flops: dict[str, float] = field(default_factory=dict)  # forward flops of named modules
 
+    @property
+    def saved(self) -> float:
+        """Every row: what autograd keeps without recompute (a GQA layer with fused norms and
+        flash attention, no dropout or qk_norm: equal to the meta-measured profile)."""
+        return sum(r.nbytes for r in self.rows)
+
     def module_bytes(self, *modules: str) -> float:
         return sum(r.nbytes for r in self.rows if r.module in modules)
 
@@ -213,6 +219,7 @@ def layer_table(cfg, kind: str, micro_batch: int, seq: int, nbytes: int, a2a_byt
                      SavedTensor(name + ".rstd", t_res * 4.0, "layernorm")])
 
     H, KV = cfg.local_heads, cfg.local_kv_heads
+    rows.append(SavedTensor("input", t_res * h * nb, "residual"))  # the attention norm's input
     norm("attn_norm")
     if cfg.attention == "mla":
         qk = cfg.qk_nope_dim + cfg.qk_rope_dim
@@ -232,6 +239,8 @@ def layer_table(cfg, kind: str, micro_batch: int, seq: int, nbytes: int, a2a_byt
         out_dim, o_in = H * qk, H * cfg.v_head_dim
     else:
         hd = cfg.head_dim
+        if cfg.rope:  # the rotary tables the rotations keep (one per layer)
+            rows.append(SavedTensor("rope.cos_sin", 2 * seq * hd * nb, "attn_proj"))
         mm("wq", H * hd, h)
         mm("wk", KV * hd, h)
         mm("wv", KV * hd, h)
@@ -239,14 +248,21 @@ def layer_table(cfg, kind: str, micro_batch: int, seq: int, nbytes: int, a2a_byt
                      SavedTensor("v", t * KV * hd * nb, "attn_proj")])
         out_dim = o_in = H * hd
     rows.extend([SavedTensor("attn.out", t * out_dim * nb, "attn_proj", sdpa=True),
-                 SavedTensor("attn.lse", t * H * 4.0, "core_attn", sdpa=True)])
+                 SavedTensor("attn.lse", t * H * 4.0, "core_attn", sdpa=True),
+                 SavedTensor("attn.rng", 24.0, "core_attn", sdpa=True)])  # philox seed and offset
     mm("wo", h, o_in)
+    rows.append(SavedTensor("residual", t_res * h * nb, "residual"))  # the MLP norm's input
     norm("mlp_norm")
     if kind == "dense":
         mlp("mlp", t, cfg.local_ffn, "mlp.")
     else:
         mm("router", cfg.n_experts, h)
         flops["router"] = 2.0 * t * h * cfg.n_experts
+        k = cfg.top_k  # fp32 softmax, top-k weights and int64 ids, the renormalising sum
+        rows.extend([SavedTensor("router.probs", t * cfg.n_experts * 4.0, "router"),
+                     SavedTensor("router.topk", t * k * 4.0, "router"), SavedTensor("router.ids", t * k * 8.0, "router")])
+        if cfg.norm_topk:
+            rows.append(SavedTensor("router.sum", t * 4.0, "router"))
         if cfg.n_shared:
             mlp("shared_experts", t, cfg.n_shared * cfg.local_expert_ffn, "shared.")
     return LayerTable(kind, float(t_res * h * nb), tuple(rows), tuple(mms), nb, flops)
@@ -264,7 +280,7 @@ def module_freed(table: LayerTable, modules: tuple[str, ...]) -> float:
     tags: set[str] = set()
     for m in modules:
         tags |= {"layernorm": {"layernorm"}, "mlp": {"mlp", "mlp.act"}, "moe_act": {"experts.act"},
-                 "moe": {"experts", "experts.act", "shared_experts", "shared_experts.act"},
+                 "moe": {"experts", "experts.act", "shared_experts", "shared_experts.act", "router"},
                  "shared_experts": {"shared_experts", "shared_experts.act"},
                  "mla_up_proj": {"mla_up_proj"}}.get(m, set())
     return table.module_bytes(*tags)
