@@ -21,9 +21,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from piper_sim.recompute import Recompute
 from piper_sim.schedules import (SCHEDULES, Action, ScheduleError, Slot, build_schedule, canonical_schedule,
                                  default_schedule, format_slot, known_names)
-from piper_sim.recompute import Recompute
 from piper_sim.strategy import Strategy, StrategyError, tp_layers
 
 _ACTION_RE = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")

@@ -42,9 +42,9 @@ from costmodel.dtypes import dtype_bytes, dtype_name, torch_dtype
 from costmodel.stack import DEFAULT as DEFAULT_STACK, ProfileKernels, Stack
 from piper_sim.configs import ModelConfig, layer_of_kind, logits_bytes
 from piper_sim.profile_cache import on_disk
-from piper_sim.recompute import LayerTable, Recompute, layer_table, module_freed, op_sac_kept
 from piper_sim.profiling import (SegmentCost, measure, name_attention_rows, segment_kind, segment_windowed,
                                  with_kernels)
+from piper_sim.recompute import LayerTable, Recompute, layer_table, module_freed, op_sac_kept
 
 if TYPE_CHECKING:  # torch loads only where a layer is measured (a profile cache miss)
     import torch

@@ -4,6 +4,7 @@ order as the policies say; the directive's fields are checked one line at a time
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -32,13 +33,13 @@ def tiny():
 
 def layer_kept(tiny, name: str, policy: Recompute, ep: int = 1) -> list[float]:
     """Bytes each layer keeps F -> B under ``policy`` (one stage holding the whole model)."""
-    cfg, segs, mems = tiny[name]
+    _, segs, mems = tiny[name]
     units = list(dict.fromkeys(s.unit for s in segs))
     modes = policy.unit_modes(units)
     layers = [u for u in units if u.startswith("layers.")]
     kept = [piece_memory([(s.unit, mems[s.name]) for s in segs if s.unit in layers[:i]], policy.mode, ep > 1,
                          policy, modes).kept for i in range(len(layers) + 1)]  # the layers so far, one piece
-    return [b - a for a, b in zip(kept, kept[1:])]
+    return [b - a for a, b in itertools.pairwise(kept)]
 
 
 def test_table_is_what_autograd_keeps(tiny):
@@ -82,7 +83,7 @@ def test_dense_layer_closed_forms(tiny):
 
 
 def test_moe_layer_closed_forms(tiny):
-    cfg, segs, mems = tiny["moe-tiny"]
+    cfg, _, mems = tiny["moe-tiny"]
     h, H, hd, KV, Fe, k, L = cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.n_kv_heads, cfg.expert_ffn, cfg.top_k, cfg.n_layers
     T = B * S
     sbh = T * h * 2
@@ -193,3 +194,21 @@ def test_unpriced_combinations_are_refused():
         compile(s)
     s["directives"][1] = {"op": "recompute", "mode": "selective", "modules": ["core_attn", "layernorm"]}
     compile(s)  # no collective re-run: priced
+
+
+def test_executor_refuses_the_new_policies_in_one_line():
+    """The executor runs full and selective; op-SAC, every-N and Megatron's fields are
+    simulate-only (refused before any process group starts)."""
+    from executor.options import refuse_tensor_parallel
+    from piper_sim.plan import PlanError
+
+    base = {"model": "gpt-tiny", "cluster": "cpu:2", "global_batch": 4, "seq_len": 16, "microbatches": 2,
+            "directives": [{"op": "data_parallel", "degree": 2}]}
+    refuse_tensor_parallel(compile({**base, "directives": base["directives"] + [{"op": "recompute"}]}), "p.json")
+    for rc, what in [({"mode": "op"}, "mode 'op'"), ({"mode": "every", "every": 2}, "every 2"),
+                     ({"method": "block", "num_layers": 2}, "method 'block', num_layers 2"),
+                     ({"mode": "selective", "modules": ["mlp"]}, "modules ['mlp']")]:
+        plan = compile({**base, "directives": base["directives"] + [{"op": "recompute", **rc}]})
+        with pytest.raises(PlanError) as e:
+            refuse_tensor_parallel(plan, "p.json")
+        assert what in str(e.value) and "simulate-only" in str(e.value) and "\n" not in str(e.value)
