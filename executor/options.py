@@ -64,10 +64,24 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "--kineto / --profile (refused by default)")
 
 
+def refuse_recompute_policy(plan: Plan, path: str) -> None:
+    """The executor runs the plain recompute modes (full: every layer, selective: the attention
+    core); the other policies of `piper_sim.recompute` (op-SAC, every N-th layer, Megatron's
+    method/num_layers and modules) are simulate-only: one line naming the stage and mode."""
+    h = plan.header
+    for s, mode in sorted((h.recompute or {}).items()):
+        opts = (h.recompute_policy or {}).get(s)
+        if mode in ("op", "every") or opts:
+            what = f"mode {mode!r}" + "".join(f", {k} {v!r}" for k, v in (opts or {}).items())
+            raise PlanError(f"{path}: recompute ({what}, stage {s}) is simulate-only in this version; "
+                            "use `piper-sim simulate`, or recompute mode full or selective")
+
+
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     """The executor runs tensor parallelism (with or without sequence parallelism) for dense
     transformer models of the zoo (`executor.parallel.tensor`), and context parallelism
     (`refuse_context_parallel`): refuse what it cannot run before any process group starts."""
+    refuse_recompute_policy(plan, path)
     refuse_context_parallel(plan, path)
     if plan.layout.tp == 1:
         return

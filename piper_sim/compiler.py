@@ -196,6 +196,7 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
         err = check_user_setup(cfg, setup.ep, setup.tp, setup.recompute)
         if err:
             raise StrategyError(err)
+    _check_recompute_policy(cfg, setup)
     if empty:
         raise StrategyError(f"place: pp_rank(s) {empty} hold no stage; place a stage on every pipeline rank")
     check_setup(cfg, setup, strategy, cluster)
@@ -479,10 +480,40 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: obje
     if ctx.setup.zero == 3:  # the segments of each gathered bucket, per stage and sync group
         meta["zero3_buckets"] = [{tag: [[x.name for x in b] for b in bs] for tag, bs in unit_buckets(ctx, s).items()}
                                  for s in range(ctx.setup.num_stages)]
-    if ctx.setup.recompute:  # stage -> "full" | "selective"
+    if ctx.setup.recompute:  # stage -> "full" | "selective" | "op" | "every"
         meta["recompute"] = {str(s): mode for s, mode in sorted(ctx.setup.recompute.items())}
+        policy = {str(s): p.options for s, p in sorted(ctx.setup.recompute_policy.items()) if p.options}
+        if policy:  # only when set: plans of the plain modes keep their hashes
+            meta["recompute_policy"] = policy
     plan = Plan(layout=layout, classes=classes, meta=meta, kernels=dict(ctx.kernels))
     return Compiled(plan=plan, dag=dag, setup=ctx.setup, config=cfg, compile_s=time.perf_counter() - t0)
+
+
+def _check_recompute_policy(cfg, setup: Setup) -> None:
+    """Refuse the recompute policies (`piper_sim.recompute`) the IR does not price yet: what
+    re-runs tensor- or context-parallel collectives, the whole MoE block under expert
+    parallelism, and any of them on a user's model (no layer table)."""
+    from piper_sim.recompute import TP_COLLECTIVE_MODULES
+
+    for s, pol in sorted(setup.recompute_policy.items()):
+        if pol.plain:
+            continue
+        what = f"directive recompute (stage {s}): mode {pol.mode!r}" + (f" field 'method' {pol.method!r}"
+                                                                         if pol.method else "")
+        if isinstance(cfg, UserModel):
+            raise StrategyError(f"{what} needs a zoo or model-file transformer (its per-layer saved tensors); "
+                                f"user model {cfg.name} takes mode full or none")
+        if pol.mode == "selective":
+            bad = [m for m in pol.modules if m in TP_COLLECTIVE_MODULES and (setup.tp > 1 or setup.cp > 1)]
+            if bad:
+                raise StrategyError(f"directive recompute (stage {s}): field 'modules' {bad} re-run tensor- or "
+                                    "context-parallel collectives, not priced yet; drop them or the TP/CP degree")
+            if "moe" in pol.modules and setup.ep > 1:
+                raise StrategyError(f"directive recompute (stage {s}): field 'modules' 'moe' re-runs the expert "
+                                    "all-to-alls under expert parallelism, not priced yet; use moe_act")
+        elif setup.tp > 1 or setup.cp > 1:
+            raise StrategyError(f"{what} with tensor or context parallelism is not priced yet (its re-run "
+                                "collectives); use mode full, selective or none there")
 
 
 def compile_unfolded(strategy: Strategy | dict, model: object = None) -> list[RankProgram]:

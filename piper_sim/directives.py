@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from piper_sim.recompute import Recompute
 from piper_sim.schedules import (SCHEDULES, Action, ScheduleError, Slot, build_schedule, canonical_schedule,
                                  default_schedule, format_slot, known_names)
 from piper_sim.strategy import Strategy, StrategyError, tp_layers
@@ -44,7 +45,9 @@ class Setup:
     # (stage) -> list of (pp_rank, first_mb, end_mb): which copy runs which micro-batches
     placement: dict[int, list[tuple[int, int, int]]]
     orders: dict[int, list[Slot]]
-    recompute: dict[int, str] = field(default_factory=dict)  # stage -> "full" | "selective"
+    recompute: dict[int, str] = field(default_factory=dict)  # stage -> "full" | "selective" | "op" | "every"
+    # stage -> its whole policy (method, num_layers, every, modules: `piper_sim.recompute`)
+    recompute_policy: dict[int, Recompute] = field(default_factory=dict)
     streams: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_STREAMS))
     schedule: str = "custom"
     # ZeRO-2/3: reduce-scatter each micro-batch's gradients ("per_microbatch", FSDP's and
@@ -95,6 +98,14 @@ class Setup:
         if unit == "head":
             return self.tp_head
         return self.tp_layers is None or int(unit.split(".")[1]) in self.tp_layers
+
+    def policy(self, stage: int) -> Recompute:
+        """The stage's recompute policy (``Recompute()``: none)."""
+        return self.recompute_policy.get(stage) or Recompute(self.recompute.get(stage, "none"))
+
+    def plain_full(self, stage: int) -> bool:
+        """Full recompute of every unit but the embedding (the forward re-run whole in B/BI)."""
+        return self.recompute.get(stage) == "full" and self.policy(stage).plain
 
     def stage_ranks(self) -> dict[int, list[int]]:
         return {s: sorted({r for r, _, _ in copies}) for s, copies in self.placement.items()}
@@ -194,8 +205,8 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
     dp_shard = 0
     cp, cp_style = 1, "allgather"
     tp_sel: tuple[tuple[int, ...] | None, bool, bool] = (None, True, True)
-    recompute: dict[int, str] = {}
-    recompute_all: str | None = None
+    recompute: dict[int, Recompute] = {}
+    recompute_all: Recompute | None = None
     streams = dict(DEFAULT_STREAMS)
     schedule = "custom"
     user_placed: set[int] = set()
@@ -229,7 +240,7 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
         elif op == "shard_sequence":
             cp, cp_style = d["degree"], d.get("style", "allgather")
         elif op == "recompute":  # a later directive wins for the stages it names
-            stages, mode = d.get("stages", "all"), d.get("mode", "full")
+            stages, mode = d.get("stages", "all"), Recompute.from_directive(d)
             if stages == "all":
                 recompute_all, recompute = mode, {}
             else:
@@ -269,7 +280,8 @@ def resolve(directives: list[dict[str, Any]]) -> Setup:
         warnings.warn(f"replicate: zero={zero} on data-parallel degree 1 has nothing to shard; "
                       "it is ignored", stacklevel=2)
     return Setup(pp=pp, dp=dp, ep=ep, zero=zero, bucket_mb=bucket_mb, microbatches=m,
-                 num_stages=num_stages, placement=placement, orders=orders, recompute=recompute,
+                 num_stages=num_stages, placement=placement, orders=orders,
+                 recompute={s: p.mode for s, p in recompute.items()}, recompute_policy=recompute,
                  streams=streams, schedule=schedule, reduce=reduce, overlap_param_gather=overlap_gather,
                  layers_per_stage=layers_per_stage, tp=tp,
                  sp=sp and tp > 1, cp=cp, cp_style=cp_style, tp_layers=tp_sel[0], tp_embed=tp_sel[1],

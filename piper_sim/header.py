@@ -107,7 +107,10 @@ class PlanHeader(_Section):
     tensor_parallel: TensorParallelHeader | None = None
     moe: MoEHeader | None = None
     zero3_buckets: list[dict[str, list[list[str]]]] | None = None  # per stage, tag -> buckets' segments
-    recompute: dict[int, str] | None = None  # stage -> "full" | "selective"
+    recompute: dict[int, str] | None = None  # stage -> "full" | "selective" | "op" | "every"
+    # stage -> the policy's fields beyond its mode (method, num_layers, every, modules;
+    # piper_sim.recompute), only where set
+    recompute_policy: dict[int, dict[str, Any]] | None = None
 
     NESTED: ClassVar[dict[str, type]] = {"context_parallel": ContextParallelHeader,
                                          "tensor_parallel": TensorParallelHeader, "moe": MoEHeader}
@@ -121,13 +124,13 @@ class PlanHeader(_Section):
 
     @classmethod
     def _read(cls, name: str, value: Any) -> Any:
-        if name == "recompute" and isinstance(value, dict):
+        if name in ("recompute", "recompute_policy") and isinstance(value, dict):
             return {int(k): v for k, v in value.items()}
         return super()._read(name, value)
 
     @staticmethod
     def _write(name: str, value: Any) -> Any:
-        if name == "recompute" and isinstance(value, dict):
+        if name in ("recompute", "recompute_policy") and isinstance(value, dict):
             return {str(k): v for k, v in value.items()}
         return _Section._write(name, value)
 

@@ -35,7 +35,7 @@ The fits verdict against a GPU's memory is `costmodel.memory.fits` (simulator an
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from costmodel.dtypes import dtype_bytes, dtype_name, torch_dtype
@@ -44,6 +44,7 @@ from piper_sim.configs import ModelConfig, layer_of_kind, logits_bytes
 from piper_sim.profile_cache import on_disk
 from piper_sim.profiling import (SegmentCost, measure, name_attention_rows, segment_kind, segment_windowed,
                                  with_kernels)
+from piper_sim.recompute import LayerTable, Recompute, layer_table, module_freed, op_sac_kept
 
 if TYPE_CHECKING:  # torch loads only where a layer is measured (a profile cache miss)
     import torch
@@ -64,6 +65,10 @@ class SegmentMemory:
     core_flops: float    # forward flops of its attention core (what selective recomputes)
     a2a_bytes: float = 0.0
     core_kernels: tuple = ()  # operator-level rows of that core forward (piper_sim.kernels)
+    # the closed-form saved-tensor table of a layer segment (`piper_sim.recompute`): what the
+    # policies beyond none/full/selective keep
+    table: LayerTable | None = field(default=None, compare=False, hash=False)
+    fwd_flops: float = 0.0  # the segment's forward flops (what a checkpoint re-runs)
 
     @property
     def recomputed(self) -> bool:
@@ -80,6 +85,30 @@ class SegmentMemory:
                 return 0.0
             return self.checkpoint
         return self.saved
+
+    def kept_under(self, mode: str, modules: tuple[str, ...], split_experts: bool, first: bool = True) -> float:
+        """Bytes kept under a per-unit mode of a `Recompute` policy: ``none``, ``full`` (the
+        checkpoint input when ``first`` of its chunk, else nothing), ``op`` (torchtitan op-SAC;
+        an expert block cut out by expert parallelism is its own checkpoint) or ``selective``
+        (Megatron's ``modules``)."""
+        if mode == "none" or not self.recomputed:
+            return self.saved
+        if mode == "full" or (mode == "op" and self.kind == "moe_experts" and split_experts):
+            if self.kind == "moe_experts":
+                return self.checkpoint if split_experts else 0.0
+            return self.checkpoint if first else 0.0
+        if self.table is None:
+            return self.saved
+        if mode == "op":
+            return min(self.saved, op_sac_kept(self.table))
+        return self.saved - self.freed(modules)
+
+    def freed(self, modules: tuple[str, ...]) -> float:
+        """Bytes Megatron's selective ``modules`` drop (core_attn as measured)."""
+        out = self.saved - self.selective if "core_attn" in modules else 0.0
+        if self.table is not None:
+            out += module_freed(self.table, modules)
+        return min(out, self.saved)
 
 
 @functools.lru_cache(maxsize=64)
@@ -125,6 +154,8 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     nbytes = dtype_bytes(dtype)
     selective, core_flops, checkpoint, temp = float(seg.saved_act_bytes), 0.0, 0.0, 0.0
     core_kernels: tuple = ()
+    table = layer_table(cfg, kind, micro_batch, seq, nbytes, seg.a2a_bytes) \
+        if kind in ("dense", "moe_pre", "moe_experts") else None
     # a checkpoint keeps the unit's input: the rank's sequence shard under sequence parallelism
     unit_input = float(micro_batch * cfg.local_seq(seq) * cfg.hidden * nbytes)
     if kind in ("dense", "moe_pre"):
@@ -140,7 +171,8 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
         temp = float(logits_bytes(cfg, seg.tokens, nbytes))
     return SegmentMemory(kind=kind, saved=float(seg.saved_act_bytes), selective=selective,
                          checkpoint=checkpoint, temp=temp, core_flops=float(core_flops),
-                         a2a_bytes=float(seg.a2a_bytes), core_kernels=core_kernels)
+                         a2a_bytes=float(seg.a2a_bytes), core_kernels=core_kernels, table=table,
+                         fwd_flops=float(seg.fwd_flops))
 
 
 def model_memory(cfg: ModelConfig, segments: list[SegmentCost], micro_batch: int, seq: int,
@@ -159,10 +191,16 @@ class PieceMemory:
     rerun: float     # what a BI that re-runs the piece's forward keeps for BW (full recompute)
 
 
-def piece_memory(mems: list[tuple[str, SegmentMemory]], mode: str, split_experts: bool) -> PieceMemory:
+def piece_memory(mems: list[tuple[str, SegmentMemory]], mode: str, split_experts: bool,
+                 policy: Recompute | None = None, unit_modes: dict[str, tuple[str, int]] | None = None) -> PieceMemory:
     """``mems``: (unit, memory) of the piece's segments in order. Under full recompute the
     backward recomputes one unit at a time: its working set is the largest unit's saved
-    activations; under selective one attention core at a time (what it alone saves)."""
+    activations; under selective one attention core at a time (what it alone saves).
+    A `Recompute` ``policy`` beyond those (``unit_modes``: its `Recompute.unit_modes` over the
+    stage) is priced per unit: a full unit (or chunk of units) as full recompute, an op-SAC or
+    Megatron-selective one keeps its share and recomputes the rest as its working set."""
+    if policy is not None and not policy.plain:
+        return _policy_memory(mems, policy, unit_modes or {}, split_experts)
     kept = sum(m.kept(mode, split_experts) for _, m in mems)
     temp = max((m.temp for _, m in mems), default=0.0)
     working = rerun = 0.0
@@ -176,3 +214,26 @@ def piece_memory(mems: list[tuple[str, SegmentMemory]], mode: str, split_experts
     elif mode == "selective":
         working = max((m.saved - m.selective for _, m in mems), default=0.0)
     return PieceMemory(kept=kept, temp=temp, working=working, rerun=rerun)
+
+
+def _policy_memory(mems: list[tuple[str, SegmentMemory]], policy: Recompute,
+                   unit_modes: dict[str, tuple[str, int]], split_experts: bool) -> PieceMemory:
+    kept = 0.0
+    temp = max((m.temp for _, m in mems), default=0.0)
+    chunks: dict[int, float] = {}
+    seen_chunks: set[int] = set()
+    working = 0.0
+    for unit, m in mems:
+        mode, chunk = unit_modes.get(unit, ("none", 0))
+        first = chunk not in seen_chunks
+        if m.kind != "moe_experts":
+            seen_chunks.add(chunk)
+        kept += m.kept_under(mode, policy.module_set, split_experts, first)
+        if not m.recomputed or mode == "none":
+            continue
+        if mode == "full" or (mode == "op" and m.kind == "moe_experts" and split_experts):
+            chunks[chunk] = chunks.get(chunk, 0.0) + m.saved
+        else:
+            working = max(working, m.saved - m.kept_under(mode, policy.module_set, split_experts))
+    working = max(working, max(chunks.values(), default=0.0))
+    return PieceMemory(kept=kept, temp=temp, working=working, rerun=sum(chunks.values()))

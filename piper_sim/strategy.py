@@ -53,7 +53,7 @@ DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "shard_tensor": ({"degree"}, {"sequence_parallel", "layers", "embedding", "head"}),
     "shard_sequence": ({"degree"}, {"style"}),
     "order": ({"pp_rank", "slots"}, {"from"}),
-    "recompute": (set(), {"stages", "mode"}),
+    "recompute": (set(), {"stages", "mode", "method", "num_layers", "every", "modules"}),
     "stream": ({"kind", "name"}, set()),
     "segment": ({"layers_per_stage"}, set()),
 }
@@ -62,7 +62,9 @@ TOP_LEVEL_FIELDS = {"model", "cluster", "global_batch", "seq_len", "microbatches
                     "dtype", "name", "seed", "stack"}
 STREAM_KINDS = ("SEND", "RECV", "ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
 DTYPES = TRAINING_DTYPES
-RECOMPUTE_MODES = ("full", "selective")
+RECOMPUTE_MODES = ("full", "selective", "op", "every")  # piper_sim.recompute.MODES
+RECOMPUTE_METHODS = ("uniform", "block")  # Megatron --recompute-method
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_experts", "mla_up_proj")
 REDUCE_MODES = ("per_microbatch", "per_step")  # when ZeRO-2/3 reduce-scatter gradients
 CP_STYLES = ("allgather", "ring")  # context parallel: K/V all-gather (Llama 3) or ring attention
 
@@ -108,7 +110,9 @@ class Strategy:
             elif op == "context_parallel":
                 parts.append(f"cp{d['degree']}" + (" ring" if d.get("style") == "ring" else ""))
             elif op == "recompute":
-                parts.append("recompute" + ("(selective)" if d.get("mode") == "selective" else ""))
+                mode = d.get("mode", "full")
+                parts.append("recompute" + (f"({mode})" if mode != "full" else "")
+                             + (f"({d.get('method', 'uniform')} {d['num_layers']})" if "num_layers" in d else ""))
         return " ".join(parts) or "single device"
 
 
@@ -202,9 +206,49 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
         tp_layers(d["layers"], where)
     if "style" in d and d["style"] not in CP_STYLES:
         raise StrategyError(f"{where} field 'style' must be 'allgather' or 'ring' (got {d['style']!r})")
-    if "mode" in d and d["mode"] not in RECOMPUTE_MODES:
-        raise StrategyError(f"{where} field 'mode' must be 'full' or 'selective' (got {d['mode']!r})")
+    if op == "recompute":
+        _check_recompute(d, where)
     return d
+
+
+def _check_recompute(d: dict[str, Any], where: str) -> None:
+    """The recompute directive's policy fields (`piper_sim.recompute`), each named when wrong."""
+    mode = d.get("mode", "full")
+    if mode not in RECOMPUTE_MODES:
+        raise StrategyError(f"{where} field 'mode' must be one of {', '.join(RECOMPUTE_MODES)} (got {mode!r})")
+    if "method" in d:
+        if mode != "full":
+            raise StrategyError(f"{where} field 'method' (Megatron --recompute-method) needs mode 'full' "
+                                f"(got mode {mode!r})")
+        if d["method"] not in RECOMPUTE_METHODS:
+            raise StrategyError(f"{where} field 'method' must be 'uniform' or 'block' (got {d['method']!r})")
+        if "num_layers" not in d:
+            raise StrategyError(f"{where} field 'method' needs field 'num_layers' (Megatron --recompute-num-layers)")
+    if "num_layers" in d:
+        if mode != "full":
+            raise StrategyError(f"{where} field 'num_layers' (Megatron --recompute-num-layers) needs mode 'full' "
+                                f"(got mode {mode!r})")
+        _check_int(d["num_layers"], f"{where} field 'num_layers'")
+    if "every" in d and mode != "every":
+        raise StrategyError(f"{where} field 'every' needs mode 'every' (got mode {mode!r})")
+    if mode == "every":
+        if "every" not in d:
+            raise StrategyError(f"{where} mode 'every' needs field 'every' (recompute every N-th layer, "
+                                "torchtitan selective_ac_option = \"N\")")
+        _check_int(d["every"], f"{where} field 'every'")
+    if "modules" in d:
+        mods = d["modules"]
+        if mode != "selective":
+            raise StrategyError(f"{where} field 'modules' (Megatron --recompute-modules) needs mode 'selective' "
+                                f"(got mode {mode!r})")
+        if not isinstance(mods, list) or not mods:
+            raise StrategyError(f"{where} field 'modules' must be a non-empty list of "
+                                f"{', '.join(RECOMPUTE_MODULES)} (got {mods!r})")
+        for m in mods:
+            if m not in RECOMPUTE_MODULES:
+                raise StrategyError(f"{where} field 'modules' entry {m!r} is not one of {', '.join(RECOMPUTE_MODULES)}")
+        if len(set(mods)) != len(mods):
+            raise StrategyError(f"{where} field 'modules' names a module twice ({mods!r})")
 
 
 def tp_layers(value: Any, where: str) -> tuple[int, ...]:

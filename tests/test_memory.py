@@ -301,7 +301,7 @@ def test_recompute_directive_modes_and_errors():
     # selective: a little less kept, the attention cores' forward again in backward
     assert ff.alloc < fs.alloc - fs.free < fp.alloc - fp.free
     assert bp.flops < bs.flops < op(full, 0, "B.s0.mb0").flops and bs.recompute
-    for bad, msg in [({"op": "recompute", "mode": "some"}, "field 'mode' must be 'full' or 'selective'"),
+    for bad, msg in [({"op": "recompute", "mode": "some"}, "field 'mode' must be one of full, selective, op, every"),
                      ({"op": "recompute", "stages": [5]}, "names stage(s) [5], but there are 2 stages"),
                      ({"op": "recompute", "stages": "first"}, "field 'stages' must be \"all\" or a list"),
                      ({"op": "recompute", "layers": 2}, "unknown field(s) layers")]:

@@ -119,6 +119,11 @@ def job_from_strategy(strategy: Strategy | dict) -> Job:
                                    "does not map; torchtitan and Megatron recompute every stage alike")
             if "recompute" in by_op:
                 raise InteropError("directive recompute: given twice; keep one")
+            extra = sorted({"method", "num_layers", "every", "modules"} & d.keys())
+            if d.get("mode", "full") not in ("full", "selective") or extra:
+                what = f"field(s) {', '.join(extra)}" if extra else f"mode {d['mode']!r}"
+                raise InteropError(f"directive recompute: {what} (piper_sim.recompute policies) not exported to "
+                                   "job files in this version; use mode full or selective")
         by_op[d["op"]] = d
     if "layers_per_stage" in by_op.get("pipeline", {}):
         raise InteropError("directive pipeline: field 'layers_per_stage' does not map (torchtitan and Megatron "

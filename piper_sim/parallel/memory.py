@@ -9,15 +9,32 @@ from piper_sim import kernels
 from piper_sim.ir import Context, TrainingDAG, op_id
 from piper_sim.memory import PieceMemory, piece_memory
 from piper_sim.plan import INPUT_GRAD_KINDS, PASS_KINDS, SPLIT_KINDS
+from piper_sim.recompute import module_recompute_flops
 
 BW_KEEP_FRACTION = 0.5  # share of a stage's saved activations BW still needs after BI
 
 
 def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
     """Selective recompute: each backward piece (B/BI) of a selective stage runs the
-    forward of its attention cores again (full recompute is priced by ``_compute``)."""
+    forward of its attention cores again (full recompute is priced by ``_compute``); the
+    other policies (`piper_sim.recompute`) re-run their units' share (`_policy_rerun`)."""
+    memo: dict[tuple[int, int], tuple[float, tuple]] = {}
     for n in dag.g.nodes:
         ins = dag.ins(n)
+        if ins.kind in INPUT_GRAD_KINDS and not ctx.setup.policy(ins.stage).plain:
+            key = (ins.stage, ins.part)
+            if key not in memo:
+                memo[key] = _policy_rerun(ctx, ins.stage, ins.part)
+            flops, extra = memo[key]
+            if not flops and not extra:
+                continue
+            ins.flops += flops
+            ins.recompute = True
+            rows = kernels.merge(ctx.kernels.get(ins.kernels, ()), extra)
+            if rows:
+                ins.kernels = kernels.table_key(rows)
+                ctx.kernels[ins.kernels] = rows
+            continue
         if ins.kind in INPUT_GRAD_KINDS and ctx.setup.recompute.get(ins.stage) == "selective":
             mems = [ctx.memory[x.name] for x in ctx.parts(ins.stage)[ins.part]]
             ins.flops += sum(m.core_flops for m in mems)
@@ -26,6 +43,64 @@ def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
             if rows:
                 ins.kernels = kernels.table_key(rows)
                 ctx.kernels[ins.kernels] = rows
+
+
+def _stage_unit_modes(ctx: Context, stage: int) -> dict[str, tuple[str, int]]:
+    units = list(dict.fromkeys(x.unit for x in ctx.stages[stage].segments))
+    return ctx.setup.policy(stage).unit_modes(units)
+
+
+def _gemm_rows(f_rows: tuple, shapes: list[tuple[int, int, int]]) -> tuple:
+    """The kernel rows of these mm calls, one call each, from a forward's rows (per-call flops
+    and bytes of the matching row)."""
+    out = []
+    for m, n, k in shapes:
+        row = next((r for r in f_rows if r[0] == "gemm" and tuple(r[2][:3]) == (m, n, k)), None)
+        if row is not None:
+            out.append((*row[:4], 1, row[5] / row[4], row[6] / row[4]))
+    return kernels.merge(out)
+
+
+def _policy_rerun(ctx: Context, stage: int, part: int) -> tuple[float, tuple]:
+    """(flops, kernel rows) a B/BI piece re-runs under its stage's `Recompute` policy: the
+    forward of its full units; under op-SAC the forward minus the kept mm calls and the
+    attention op (`LayerTable.op_sac_saved`); under Megatron's selective modules their
+    forward (core_attn: the measured core)."""
+    policy = ctx.setup.policy(stage)
+    modes = _stage_unit_modes(ctx, stage)
+    flops, rows = 0.0, []
+    for seg in ctx.parts(stage)[part]:
+        m = ctx.memory[seg.name]
+        mode = modes.get(seg.unit, ("none", 0))[0]
+        if mode == "none" or not m.recomputed:
+            continue
+        f_rows = ctx.kernels.get(ctx.kernel_table("F", [seg], False), ())
+        if mode == "full" or (mode == "op" and (m.kind == "moe_experts" or m.table is None)):
+            flops += seg.fwd_flops
+            rows.append(f_rows)
+        elif mode == "op":
+            kept = [shape for _, shape in m.table.op_sac_saved()[0]]
+            drop = kernels.merge(_gemm_rows(f_rows, kept), [r for r in f_rows if r[0] == "attn_fwd"])
+            left = kernels.subtract(f_rows, drop)
+            flops += kernels.totals(left)[0]
+            rows.append(left)
+        elif mode == "selective":
+            mods = policy.module_set
+            if "core_attn" in mods:
+                flops += m.core_flops
+                rows.append(m.core_kernels)
+            if m.table is None:
+                continue
+            flops += module_recompute_flops(m.table, mods, seg.fwd_flops)
+            if "moe" in mods and m.kind == "moe_experts":
+                rows.append(f_rows)
+                continue
+            names = {"mlp": ("mlp.",), "shared_experts": ("shared.",), "moe": ("shared.", "router"),
+                     "mla_up_proj": ("wq_b", "wkv_b")}
+            prefixes = tuple(p for x in mods for p in names.get(x, ()))
+            shapes = [shape for name, shape in m.table.mms if prefixes and name.startswith(prefixes)]
+            rows.append(_gemm_rows(f_rows, shapes))
+    return flops, kernels.merge(*rows)
 
 
 def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
@@ -47,7 +122,9 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
         if key not in cache:
             mode = ctx.setup.recompute.get(stage, "none")
             segs = ctx.parts(stage)[part]
-            cache[key] = piece_memory([(x.unit, ctx.memory[x.name]) for x in segs], mode, ep > 1)
+            policy = ctx.setup.policy(stage)
+            cache[key] = piece_memory([(x.unit, ctx.memory[x.name]) for x in segs], mode, ep > 1, policy,
+                                      None if policy.plain else _stage_unit_modes(ctx, stage))
         return cache[key]
 
     keep = BW_KEEP_FRACTION
@@ -55,17 +132,16 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
         ins = dag.ins(n)
         if ins.kind not in PASS_KINDS:
             continue
-        full = ctx.setup.recompute.get(ins.stage) == "full"
         if ins.kind == "BW":  # one op for the whole stage
             pms = [piece(ins.stage, i) for i in range(len(ctx.parts(ins.stage)))]
-            ins.free = keep * sum(p.kept + (p.rerun if full else 0.0) for p in pms)
+            ins.free = keep * sum(p.kept + p.rerun for p in pms)  # rerun: only under (some) full recompute
             continue
         p = piece(ins.stage, ins.part)
         if ins.kind == "F":
             ins.alloc, ins.free = p.kept + p.temp, p.temp
         elif ins.kind == "B":
             ins.alloc, ins.free = p.working + p.temp, p.kept + p.working + p.temp
-        elif full:
+        elif p.rerun:  # full recompute of (some of) its units: BI keeps their re-run graph for BW
             ins.alloc, ins.free = p.rerun + p.temp, p.temp + (1 - keep) * (p.kept + p.rerun)
         else:
             ins.alloc, ins.free = p.working + p.temp, p.working + p.temp + (1 - keep) * p.kept

@@ -47,7 +47,7 @@ def place_pass(ctx: Context, dag: TrainingDAG, kinds: dict[tuple[int, int], list
     for d in ctx.replicas():
         for s in range(S):
             sc = ctx.stages[s]
-            rec = setup.recompute.get(s) == "full"  # selective: see recompute_pass
+            rec = setup.plain_full(s)  # selective and the other policies: see recompute_pass
             for mb in range(setup.microbatches):
                 w = ctx.where(setup.rank_of(s, mb), d)
                 fn = dag.add(w, _compute(ctx, "F", s, mb, sc.segments))
