@@ -1,8 +1,10 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), written atomically.
 
 Every rank saves its flat parameters, its shard and its AdamW state under keys that name
-the content, not the rank (``s0.flat``, ``s1.e.ep1.shard0of2.exp_avg``), so replicas of
-the same tensor (data-parallel peers, DualPipe's two copies of a stage) write it once.
+the content, not the rank (``s0.flat``, ``s1.e.ep1.shard0of2.exp_avg``, ``s0.tp1of2.flat``),
+so replicas of the same tensor (data- and context-parallel peers, DualPipe's two copies of a
+stage) write it once. Resuming needs the same plan (its hash), so the same layout: resharding
+onto another TP/DP layout is not supported (the flat buffers are per shard, not per parameter).
 
 ``--save DIR`` keeps one folder per saved step, the newest ``keep`` of them::
 
@@ -41,14 +43,18 @@ KILL_POINTS = ("start", "written", "marker", "renamed", "pruning")
 
 def _state(rt) -> dict:
     sd = {}
+    # a tensor-parallel rank's flat buffers hold its slices (and the replicated norms): one
+    # key per TP rank; context-parallel peers hold the same parameters, like DP replicas
+    tp = f".tp{rt.layout.tp_rank(rt.rank)}of{rt.layout.tp}" if rt.layout.tp > 1 else ""
     for fp in rt.flats.values():
+        key = fp.key + tp
         if fp.sync == "shard":
-            base, param = f"{fp.key}.shard{fp.index}of{len(fp.group)}", fp.shard
+            base, param = f"{key}.shard{fp.index}of{len(fp.group)}", fp.shard
             sd[base] = fp.shard.data
         else:
-            base, param = f"{fp.key}.flat", fp.flat
+            base, param = f"{key}.flat", fp.flat
         if fp.materialised() and not fp.per_bucket:
-            sd[f"{fp.key}.flat"] = fp.flat.data
+            sd[f"{key}.flat"] = fp.flat.data
         state = fp.optimizer.state[param]
         sd[f"{base}.exp_avg"] = state["exp_avg"]
         sd[f"{base}.exp_avg_sq"] = state["exp_avg_sq"]

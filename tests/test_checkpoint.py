@@ -57,6 +57,22 @@ def test_run_refuses_a_mismatched_checkpoint_before_launching(tmp_path):
     assert "saved by plan abc, not by this plan" in r.stderr
 
 
+def assert_resumes_bit_exact(tmp_path, s: dict, nproc: int) -> None:
+    """4 steps uninterrupted vs 2 steps, --save, then --resume for 2 more: the same losses."""
+    plan = save_plan(tmp_path, "plan", s)
+    full = torchrun(nproc, [plan, "--steps", "4", "--json"], timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    losses = [row["loss"] for row in json_lines(full.stdout)]
+    ck = str(tmp_path / "ck")
+    first = torchrun(nproc, [plan, "--steps", "2", "--save", ck, "--json"], timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = torchrun(nproc, [plan, "--steps", "2", "--resume", ck, "--json"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = json_lines(resumed.stdout)
+    assert [r["step"] for r in rows] == [2, 3]
+    assert [row["loss"] for row in json_lines(first.stdout)] + [r["loss"] for r in rows] == losses  # bit for bit
+
+
 # (victim rank, point): rank 1 is not DCP's coordinator; only rank 0 commits and prunes
 KILLS = [(1, "start"), (0, "written"), (0, "marker"), (0, "renamed"), (0, "pruning")]
 

@@ -189,16 +189,11 @@ def test_refused_cp_plans_name_the_field(tmp_path, spec, why):
         refuse_tensor_parallel(plan, "p.json")
 
 
-def test_cp_plans_refuse_checkpoints(tmp_path):
-    from executor.options import preflight
-    from executor.worker import build_parser
-    from piper_sim.api import compile
-    from piper_sim.plan import PlanError
+@pytest.mark.slow
+def test_tp2_cp2_save_and_resume_give_the_uninterrupted_losses(tmp_path):
+    """A TP2 x CP2 run checkpointed after step 2 and resumed trains steps 2 and 3 to the
+    uninterrupted run's losses, bit for bit (one key per TP shard; CP peers hold the same
+    parameters and write them once)."""
+    from test_checkpoint import assert_resumes_bit_exact
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = compile(cp_strategy())
-    assert preflight(build_parser().parse_args(["p.json"]), [plan]) == 0
-    assert preflight(build_parser().parse_args(["p.json", "--clip-grad-norm", "1"]), [plan]) == 0
-    with pytest.raises(PlanError, match="do not support context parallel plans"):
-        preflight(build_parser().parse_args(["p.json", "--save", str(tmp_path)]), [plan])
+    assert_resumes_bit_exact(tmp_path, cp_strategy(tp=2, sp=True), 4)
