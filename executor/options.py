@@ -244,10 +244,6 @@ def preflight(args, plans: list[Plan]) -> int:
         # checkpoint layout of replicated shards is not written yet
         raise PlanError(f"--clip-grad-norm, --save and --resume do not support hybrid sharding yet (data_parallel "
                         f"shard_degree {layout.dp_shard}); run without them")
-    if layout.tp > 1 and args.clip_grad_norm is not None:
-        # the global norm would count the replicated weights (norms) once per TP rank
-        raise PlanError(f"--clip-grad-norm does not support tensor parallel plans yet (tp {layout.tp}); "
-                        "run without it")
     start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size,
                             checkpoint.schedule_dict(lr_schedule(args)), args.override_lr_schedule)[1] \
         if args.resume else 0

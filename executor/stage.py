@@ -291,6 +291,20 @@ class FlatParams:
         group's first member only."""
         return self.sync in ("shard", "none") or self.index == 0
 
+    def norm_weights(self, share) -> torch.Tensor | None:
+        """Per element of `stepped_grad`, the share of its square the global norm counts here
+        (``share(name)`` per parameter, e.g. 1/tp for a weight every TP rank holds whole);
+        None when every share is 1."""
+        shares = [share(n) for n in self.names]
+        if all(x == 1.0 for x in shares):
+            return None
+        w = torch.ones(sum(self.lens), dtype=torch.float64, device=self.grad.device)
+        for p, off, x in zip(self.params, self.param_offsets, shares):
+            w[off:off + p.numel()] = x
+        if self.sync != "shard":
+            return w
+        return torch.cat([w[o + self.index * n:o + (self.index + 1) * n] for o, n in zip(self.offsets, self.piece_lens)])
+
     def stepped_grad(self) -> torch.Tensor:
         """The gradient the optimizer steps: the shard's under ZeRO, else the flat one."""
         if self.shard is not None:

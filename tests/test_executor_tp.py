@@ -33,7 +33,9 @@ def run_checks(tmp_path, nproc: int, configs: dict[str, dict], *extra: str) -> t
     assert r.returncode == 0, r.stderr[-3000:]
     out: dict[str, dict] = {}
     for row in json_lines(r.stdout):
-        out.setdefault(paths[row["plan"]], {}).update({f"loss{row['step']}": row["loss"]} if "loss" in row else row)
+        step = {f"loss{row['step']}": row["loss"], **({f"grad_norm{row['step']}": row["grad_norm"]}
+                                                       if "grad_norm" in row else {})} if "loss" in row else row
+        out.setdefault(paths[row["plan"]], {}).update(step)
     assert set(out) == set(configs)
     return out, next(iter(paths))
 
@@ -200,19 +202,25 @@ def test_refused_tp_plans_name_why(tmp_path, s, why):
         refuse_tensor_parallel(plan, "p.json")
 
 
-def test_tp_plans_refuse_clipping(tmp_path):
-    from executor.options import preflight
-    from executor.worker import build_parser
-    from piper_sim.api import compile
-    from piper_sim.plan import PlanError
+def test_clip_grad_norm_under_tp_counts_replicated_weights_once(tmp_path):
+    """--clip-grad-norm under TP: each shard's slice counted once, a weight every TP rank holds
+    whole (norms) 1/tp per rank; clipping active, and equal to the reference's
+    torch.nn.utils.clip_grad_norm_."""
+    configs = {"tp2": tp_strategy(), "tp2-sp": tp_strategy(sp=True),
+               "tp2-dp2-zero1": tp_strategy(dp=2, zero=1), "tp2-dp2-zero3": tp_strategy(dp=2, zero=3)}
+    res, _ = run_checks(tmp_path, 2, {k: configs[k] for k in ("tp2", "tp2-sp")}, "--clip-grad-norm", "0.05")
+    res2, _ = run_checks(tmp_path, 4, {k: configs[k] for k in ("tp2-dp2-zero1", "tp2-dp2-zero3")},
+                         "--clip-grad-norm", "0.05")
+    from executor.reference import reference_training
+    from piper_sim.plan import Plan
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = compile(tp_strategy())
-    assert preflight(build_parser().parse_args(["p.json"]), [plan]) == 0
-    assert preflight(build_parser().parse_args(["p.json", "--save", str(tmp_path)]), [plan]) == 0
-    with pytest.raises(PlanError, match="does not support tensor parallel plans"):
-        preflight(build_parser().parse_args(["p.json", "--clip-grad-norm", "1"]), [plan])
+    for name, row in {**res, **res2}.items():
+        assert row["within_tolerance"] is True and row["max_rel_param_diff"] <= TOL, (name, row)
+        assert row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
+        first: dict = {}  # the reference's first-step gradients: their norm is the one to clip by
+        reference_training(Plan.load(save_plan(tmp_path, "ref", configs[name])), 1, first_grads=first)
+        want = sum(float(g.double().pow(2).sum()) for g in first.values()) ** 0.5
+        assert want > 0.05 and row["grad_norm0"] == pytest.approx(want, rel=1e-5), (name, row["grad_norm0"], want)
 
 
 @pytest.mark.slow

@@ -80,3 +80,8 @@ class Axis:
     def reference_view(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """The part of reference parameter ``name`` that this rank holds."""
         return full
+
+    def norm_share(self, name: str) -> float:
+        """The share of parameter ``name``'s squared gradient this rank adds to the global norm
+        (1: its gradient is this rank's alone among the peers of this axis)."""
+        return 1.0

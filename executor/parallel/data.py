@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 from datetime import timedelta
 from typing import Any
@@ -48,6 +49,7 @@ class DataParallel(Axis):
 
     def __init__(self, rt):
         self.rt = rt
+        self.norm_weights: dict | None = None
         if rt.clip_grad_norm is not None:
             self._setup_clipping()
         self.flats = self._build_flats(rt.header.zero)
@@ -86,10 +88,18 @@ class DataParallel(Axis):
         """The global gradient norm (sum of squares over every shard and stage, all ranks); a
         generator that yields the all-reduce's work."""
         sq = torch.zeros((), dtype=torch.float64, device=self.rt.device)
-        for fp in self.flats.values():
+        if self.norm_weights is None:  # the other axes' shares (`Axis.norm_share`), once
+            def share(name: str) -> float:
+                return math.prod(axis.norm_share(name) for axis in self.rt.axes)
+            self.norm_weights = {key: fp.norm_weights(share) for key, fp in self.flats.items()}
+        for key, fp in self.flats.items():
             if fp.counts_in_norm():
                 g = fp.stepped_grad()
-                sq += torch.dot(g.float(), g.float()).double() if g.numel() else 0.0
+                w = self.norm_weights[key]
+                if w is None:
+                    sq += torch.dot(g.float(), g.float()).double() if g.numel() else 0.0
+                else:
+                    sq += torch.dot(g.double() * g.double(), w)
         yield dist.all_reduce(sq, group=self.clip_group, async_op=True)
         return float(sq.sqrt())
 

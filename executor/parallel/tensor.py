@@ -556,3 +556,10 @@ class TensorParallel(ModuleCollectives):
             if name in shard.slices:
                 return shard.reference_view(name, full)
         return full
+
+    def norm_share(self, name: str) -> float:
+        """A sharded parameter's slice is this rank's alone; a replicated one (norms, biases of
+        row-parallel linears) every TP rank holds whole, so each counts 1/tp of it."""
+        if self.comm is None or any(name in shard.slices for shard in self.shards.values()):
+            return 1.0
+        return 1.0 / self.rt.layout.tp
