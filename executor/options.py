@@ -146,6 +146,8 @@ def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
         (bool(cfg.dropout), "dropout (per-rank random streams)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),
         (header.zero == 3 and sp, "ZeRO-3 and sequence parallelism"),
+        # the per-unit reduce-scatters hand the gradients off before the stage's TP.norms sums them
+        (header.zero == 3 and cfg.qk_norm, "ZeRO-3 and qk_norm (partial query/key norm gradients)"),
     ]
     return next((why for bad, why in checks if bad), "")
 
