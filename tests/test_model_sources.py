@@ -102,7 +102,7 @@ def test_transformers_config_objects():
     ({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
       "intermediate_size": 128, "vocab_size": 100, "hidden_act": "gelu"}, "'hidden_act'"),
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100, "hiden": 3}, "unknown key 'hiden'"),
-    ({"name": "x", "layers": "2", "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100}, "field 'n_layers' must be int"),
+    ({"name": "x", "layers": "2", "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100}, "field 'n_layers' must be an integer"),
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100, "activation": "relu"},
      "field 'mlp' must be one of"),
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 3, "ffn": 128, "vocab": 100}, "'n_kv_heads'"),
