@@ -34,8 +34,9 @@ MAX_MODEL_WIDTH = 2**20
 MAX_VOCAB = 2**24
 # Positions a model declares (``max_seq``, ``sliding_window``; 10M-token contexts exist).
 MAX_POSITIONS = 2**27
-# Routed (or shared) experts of one MoE layer (published models: up to 512).
-MAX_EXPERTS = 2**14
+# Routed (or shared) experts of one MoE layer (published models: up to 512; 4096 compile in
+# about 10 s).
+MAX_EXPERTS = 2**12
 # Bytes of a model file or config.json: real ones are a few KB; a larger file is not one
 # (weights given by mistake) and is refused before it is read.
 MAX_MODEL_FILE_BYTES = 2**24
