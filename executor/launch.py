@@ -18,6 +18,8 @@ import os
 import signal
 import sys
 
+from executor.lifetime import AGENT_PID
+
 RANK_FAILED = 1
 # signals torchrun itself sends to stop the other workers, not a cause of failure
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -36,6 +38,7 @@ def first_failure(failures: dict) -> tuple[int, object]:
 
 def main(argv: list[str] | None = None) -> int:
     verbose = os.environ.get("PIPER_VERBOSE") == "1"
+    os.environ[AGENT_PID] = str(os.getpid())  # a worker whose agent dies while it starts leaves
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -72,6 +72,49 @@ def test_no_worker_outlives_its_launcher(tmp_path, victim, sig):
             pass
 
 
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (from /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _workers_of(run_pid: int) -> list[int]:
+    """The workers of ``piper-sim run`` ``run_pid``: its launcher's children."""
+    return [w for launcher in _children(run_pid) for w in _children(launcher)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["piper-sim run", "torchrun"])
+def test_no_worker_outlives_a_launcher_killed_while_they_start(tmp_path, victim):
+    """SIGKILL of ``piper-sim run`` or of its torchrun 0.1-1 s after torchrun has spawned the
+    workers (while they still import torch): no worker is left 10 s later. Workers used to
+    record their parent only after importing torch, so one orphaned before that lived on
+    (103 s, 144 s)."""
+    plan = save_plan(tmp_path, f"pp2-{victim[:5]}", strategy(pp=2, sched="1f1b", m=4))
+    left = {}
+    for delay in (0.1, 0.3, 0.5, 1.0):
+        proc = subprocess.Popen([sys.executable, "-m", "piper_sim.cli", "run", plan, "--steps", "100000"], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        try:
+            deadline = time.monotonic() + 120
+            while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.01)
+            assert len(_workers_of(proc.pid)) == 2, "the workers did not start"
+            time.sleep(delay)
+            os.kill(proc.pid if victim == "piper-sim run" else _children(proc.pid)[0], signal.SIGKILL)
+            alive = _gone_within(plan, 10)
+            if alive:
+                left[delay] = alive
+        finally:
+            for pid in _procs_with(plan):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"alive 10 s after SIGKILL of {victim}: {left}"
+
+
 def _run(plan: str, fault: str, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
     t = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", plan, "--steps", "3", *extra], cwd=ROOT,
