@@ -22,6 +22,10 @@ import time
 import torch.distributed as dist
 
 KEY = "piper/heartbeat/{}"
+# the Runtime methods a main-thread frame is read by (tests/test_lifetime.py checks they exist):
+# blocked waiting for a completion, and the methods whose local ``ins`` is the instruction at hand
+WAITING_IN = ("wait_any",)
+INSTRUCTION_IN = ("issue", "_inject", "completed")
 _current: "Heartbeat | None" = None
 
 
@@ -41,9 +45,9 @@ class Heartbeat:
         op, waiting = "", False
         while frame is not None:
             code = frame.f_code
-            if code.co_name == "_wait_any" or "torch/distributed" in code.co_filename.replace("\\", "/"):
+            if code.co_name in WAITING_IN or "torch/distributed" in code.co_filename.replace("\\", "/"):
                 waiting = True
-            ins = frame.f_locals.get("ins") if code.co_name in ("_issue", "_inject", "_completed") else None
+            ins = frame.f_locals.get("ins") if code.co_name in INSTRUCTION_IN else None
             if ins is not None and not op:
                 op = getattr(ins, "id", "")
             frame = frame.f_back

@@ -173,6 +173,14 @@ def test_the_named_rank_is_one_killed_by_a_signal_torchrun_does_not_send():
     assert first_failure({0: failure(0, 1, 10), 1: failure(1, 1, 10)})[0] == 0  # a tie: the lower rank
 
 
+def test_the_heartbeat_reads_frames_of_methods_the_runtime_has():
+    """A renamed Runtime method (wait_any was _wait_any) made every waiting rank look hung."""
+    from executor.heartbeat import INSTRUCTION_IN, WAITING_IN
+    from executor.runtime import Runtime
+
+    assert all(callable(getattr(Runtime, name, None)) for name in (*WAITING_IN, *INSTRUCTION_IN))
+
+
 def test_the_named_rank_is_the_one_the_failure_records_blame(tmp_path, monkeypatch):
     """Within torchrun's whole second: the worker that raised first (its record's time), or
     the rank the heartbeat diagnoses name (hung, or no heartbeat), never a rank that waited."""
