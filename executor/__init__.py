@@ -14,6 +14,7 @@ notices, gloo's faster forms of all-gather and reduce-scatter), `data` (seeded s
 batches), `reference` (the single-process reference for ``--check``), `checkpoint`
 (torch.distributed.checkpoint), `baselines` (DDP, DDP + ZeroRedundancyOptimizer, FSDP2 and
 torch.distributed.pipelining peers), `options` (the run options and pre-launch checks that
-``piper-sim run`` (`piper_sim.cli.run`) and the workers share). The calibration
+``piper-sim run`` (`piper_sim.cli.run`) and the workers share), `lifetime` (no orphans),
+`heartbeat` and `failures` (naming the rank that hung or failed first). The calibration
 microbenchmarks behind ``piper-sim calibrate`` are the `calibration` package.
 """

@@ -6,7 +6,7 @@ the last one issued), when it last made progress, and whether it is waiting on
 communication (blocked in the runtime's wait or in a torch.distributed call) or not. It
 reads the runtime's state and the main thread's stack; the runtime does not know about it.
 
-When a rank gives up (no progress for ``--timeout``), `diagnose` reads every rank's beat
+When a rank gives up (no progress for ``--timeout``), `culprits` reads every rank's beat
 and names the ranks that stopped on their own: a rank whose beats stopped (killed) or
 that has made no progress for a while without waiting on anyone (hung in compute or
 elsewhere). Clocks are compared across ranks: on several nodes, keep them in sync (NTP).
@@ -22,6 +22,10 @@ import time
 import torch.distributed as dist
 
 KEY = "piper/heartbeat/{}"
+# the Runtime methods a main-thread frame is read by (tests/test_lifetime.py checks they exist):
+# blocked waiting for a completion, and the methods whose local ``ins`` is the instruction at hand
+WAITING_IN = ("wait_any",)
+INSTRUCTION_IN = ("issue", "_inject", "completed")
 _current: "Heartbeat | None" = None
 
 
@@ -41,9 +45,9 @@ class Heartbeat:
         op, waiting = "", False
         while frame is not None:
             code = frame.f_code
-            if code.co_name == "_wait_any" or "torch/distributed" in code.co_filename.replace("\\", "/"):
+            if code.co_name in WAITING_IN or "torch/distributed" in code.co_filename.replace("\\", "/"):
                 waiting = True
-            ins = frame.f_locals.get("ins") if code.co_name in ("_issue", "_inject", "_completed") else None
+            ins = frame.f_locals.get("ins") if code.co_name in INSTRUCTION_IN else None
             if ins is not None and not op:
                 op = getattr(ins, "id", "")
             frame = frame.f_back
@@ -68,8 +72,9 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 - the store is gone at teardown: stop beating
                 return
 
-    def diagnose(self, stalled_s: float) -> str:
-        """The ranks that stopped on their own, as one clause; '' when none is known."""
+    def culprits(self, stalled_s: float) -> list[tuple[int, str, str]]:
+        """(rank, ``"hung"`` or ``"stopped"``, a clause saying where) of each rank that stopped
+        on its own; [] when none is known."""
         now, found = time.time(), []
         beats = {}
         for r in range(self.world):
@@ -77,15 +82,16 @@ class Heartbeat:
                 if r != self.rank and self.store.check([KEY.format(r)]):
                     beats[r] = json.loads(self.store.get(KEY.format(r)))
             except Exception:  # noqa: BLE001 - the store is gone
-                return ""
+                return []
         for r, b in sorted(beats.items()):
             where = f"step {b['step']}, {b['op'] or 'no instruction yet'}"
             if now - b["beat_t"] > 3 * self.interval_s + 1:
-                found.append(f"rank {r} stopped {now - b['beat_t']:.0f} s ago (no heartbeat; killed?) at {where}")
+                found.append((r, "stopped", f"rank {r} stopped {now - b['beat_t']:.0f} s ago (no heartbeat; "
+                                            f"killed?) at {where}"))
             elif not b["waiting"] and now - b["progress_t"] >= stalled_s:
-                found.append(f"rank {r} is stuck at {where} for {now - b['progress_t']:.0f} s without waiting "
-                             "on communication (hung)")
-        return "; ".join(found)
+                found.append((r, "hung", f"rank {r} is stuck at {where} for {now - b['progress_t']:.0f} s "
+                                         "without waiting on communication (hung)"))
+        return found
 
 
 def start(rt) -> None:
@@ -101,5 +107,6 @@ def start(rt) -> None:
     _current.rt = rt
 
 
-def diagnose(stalled_s: float) -> str:
-    return _current.diagnose(stalled_s) if _current is not None else ""
+def culprits(stalled_s: float) -> list[tuple[int, str, str]]:
+    """The ranks that stopped on their own (`Heartbeat.culprits`); [] without heartbeats."""
+    return _current.culprits(stalled_s) if _current is not None else []

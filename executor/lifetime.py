@@ -3,8 +3,11 @@
 - ``piper-sim run`` starts torchrun with a parent-death signal (Linux ``PR_SET_PDEATHSIG``:
   SIGTERM when ``piper-sim run`` dies, even by SIGKILL), forwards SIGTERM, SIGINT and
   SIGHUP to it and waits for it to stop its workers (`run_launcher`).
-- Each worker watches its parent (torchrun's agent): when the agent is gone (SIGKILLed,
-  crashed) the worker is re-parented and leaves at once (`die_with_parent`).
+- Each worker, first thing (`executor.__main__`, before torch loads), arms a parent-death
+  signal and watches its parent (torchrun's agent): when the agent is gone (SIGKILLed,
+  crashed) the worker is re-parented and leaves at once (`die_with_parent`). The agent
+  ``python -m executor.launch`` exports its pid (:data:`AGENT_PID`), so a worker whose agent
+  died while the worker was still starting leaves too, instead of taking the new parent for it.
 
 This module imports only the standard library.
 """
@@ -21,6 +24,9 @@ import time
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
+# the environment variable naming the pid of the torchrun agent that starts the workers
+AGENT_PID = "PIPER_AGENT_PID"
+_watching = False
 
 
 def _set_parent_death_signal(sig: int, parent: int) -> None:
@@ -67,15 +73,46 @@ def run_launcher(cmd: list[str], env: dict | None = None) -> int:
     return 128 + got[0] if got else exit_code(rc)
 
 
-def die_with_parent(interval_s: float = 0.5) -> None:
-    """In a torchrun worker: leave as soon as the agent that started it is gone."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        pass
+    return True
+
+
+def _agent() -> tuple[int, bool]:
+    """(the agent's pid, whether it is gone already): the pid :data:`AGENT_PID` names, else
+    the parent. A named agent that is not the parent but still runs is another run's (an
+    inherited environment): then the parent is the agent."""
+    named = os.environ.get(AGENT_PID, "")
     parent = os.getppid()
+    if not named.isdigit() or int(named) == parent:
+        return parent, False
+    return (int(named), True) if not _alive(int(named)) else (parent, False)
+
+
+def die_with_parent(interval_s: float = 0.5) -> None:
+    """In a torchrun worker (call it before importing torch): leave as soon as the agent
+    that started it is gone, or at once if it is gone already. The kernel sends SIGTERM
+    when the parent dies (``PR_SET_PDEATHSIG``), and a thread checks the parent every
+    ``interval_s`` and says so. Once per process."""
+    global _watching
+    if _watching:
+        return
+    _watching = True
+    parent, gone = _agent()
     rank = os.environ.get("RANK", "?")
 
     def leave() -> None:
         print(f"piper-sim executor: rank {rank}: its launcher (pid {parent}) is gone; stopping",
               file=sys.stderr, flush=True)
         os._exit(1)
+
+    if gone:
+        leave()
 
     def watch() -> None:
         while True:
@@ -84,3 +121,4 @@ def die_with_parent(interval_s: float = 0.5) -> None:
                 leave()
 
     threading.Thread(target=watch, name="piper-parent-watchdog", daemon=True).start()
+    _set_parent_death_signal(signal.SIGTERM, parent)

@@ -13,13 +13,14 @@ import argparse
 import json
 import os
 import sys
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from executor import checkpoint, heartbeat
+from executor import checkpoint, failures, heartbeat
 from executor.options import add_run_options, lr_schedule, preflight, refuse_tensor_parallel, refuse_tied_embeddings
 from executor.collectives import Comms
 from executor.lifetime import die_with_parent
@@ -204,12 +205,18 @@ def check_same_everywhere(args, plans: list[Plan]) -> None:
 
 
 def _report(e: BaseException, timeout_s: float) -> None:
+    """One line naming this rank (and, after a timeout, the ranks its heartbeat says stopped),
+    this rank's failure record for the launcher's summary, torchrun's error file."""
+    at = time.time()
     rank = os.environ.get("RANK", "?")
     msg = str(e) if str(e).startswith("rank ") else f"rank {rank}: {type(e).__name__}: {e}"
+    culprits = []
     if "timeout" in msg.lower() or "timed out" in msg.lower():  # name who stopped, not only who waited
-        culprits = heartbeat.diagnose(stalled_s=timeout_s / 2)
+        culprits = heartbeat.culprits(stalled_s=timeout_s / 2)
         if culprits:
-            msg += f"; {culprits}"
+            msg += "; " + "; ".join(clause for *_, clause in culprits)
+    if rank.isdigit():
+        failures.record(int(rank), culprits, at)
     print(f"piper-sim executor: error: {msg}", file=sys.stderr, flush=True)
     try:  # torchrun's failure summary reads this file
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler

@@ -26,6 +26,7 @@ the source and kwargs (``meta["user_model"]``) so every rank of ``piper-sim run`
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
@@ -35,7 +36,7 @@ import re
 import sys
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 from costmodel.dtypes import torch_dtype
 
@@ -48,6 +49,30 @@ if TYPE_CHECKING:  # torch loads where a model is built or run, not for a built-
 
 class AnnotationError(ValueError):
     """A model whose annotation does not hold; one line naming the unit and the fix."""
+
+
+def _stopped(e: BaseException) -> str:
+    """How a user's code stopped, for a message: the exception, or the sys.exit() call."""
+    if isinstance(e, SystemExit):
+        code = "" if e.code is None else repr(e.code)
+        return f"sys.exit({code}) called; model code must return or raise, not exit"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+@contextlib.contextmanager
+def user_code(what: str, hint: str = "", refused: str = "") -> Iterator[None]:
+    """Run a user's model code (a ``py:`` import, a factory, forward on meta): an exception,
+    ``sys.exit()`` or a KeyboardInterrupt in it becomes one `AnnotationError`,
+    ``"{what} ({how it stopped}){hint}"`` (``what`` names the source, file:function); an
+    AnnotationError it raises (`annotate` refusing) gets the prefix ``refused``."""
+    try:
+        yield
+    except AnnotationError as e:
+        if not refused:
+            raise
+        raise AnnotationError(f"{refused}{e}") from None
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # noqa: BLE001 - the user's code: say where
+        raise AnnotationError(f"{what} ({_stopped(e)}){hint}") from None
 
 
 @dataclass
@@ -109,7 +134,8 @@ class UserModel:
 
         mod = copy.deepcopy(self.unit(name))._apply(
             lambda t: torch.empty(t.shape, dtype=torch.float32 if t.is_floating_point() else t.dtype, device="cpu"))
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), \
+                user_code(f"model: {self.source or self.name}: init_unit of unit {name!r} failed"):
             torch.manual_seed(seed)
             self.init_unit(mod, name)  # type: ignore[misc]
         return mod.to(device=device, dtype=dtype)
@@ -122,7 +148,8 @@ class UserModel:
                 raise AnnotationError(f"{self.name}: a model built on meta needs a factory or an init_unit to get "
                                       "real weights; pass a factory function or annotate(..., init_unit=...)")
             return self.module
-        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"), \
+                user_code(f"model: {self.source or self.name} failed building weights on the CPU"):
             torch.manual_seed(seed)
             return self.factory().module
 
@@ -209,13 +236,10 @@ def check_chain(model: UserModel, micro_batch: int = 2, seq_len: int = 16) -> No
             calls.append((i, args, kwargs, out))
         handles.append(module.get_submodule(name).register_forward_hook(hook, with_kwargs=True))
     try:
-        x, targets = model.example_batch(micro_batch, seq_len, "meta", torch.float32, 0)
-        out = module(x)
-    except AnnotationError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's code; say where it failed
-        raise AnnotationError(f"{model.name}: forward on meta failed ({type(e).__name__}: {e}); "
-                              "the model and example_batch must run on the meta device") from None
+        with user_code(f"{model.name}: forward on meta failed",
+                       "; the model and example_batch must run on the meta device"):
+            x, targets = model.example_batch(micro_batch, seq_len, "meta", torch.float32, 0)
+            out = module(x)
     finally:
         for h in handles:
             h.remove()
@@ -240,7 +264,8 @@ def check_chain(model: UserModel, micro_batch: int = 2, seq_len: int = 16) -> No
     if out is not prev:
         raise AnnotationError(f"{model.name}: forward returns something other than unit {units[-1]!r}'s output; "
                               "move the code after it into that unit")
-    loss = model.loss(out, targets)
+    with user_code(f"{model.name}: loss(output, targets) on meta failed"):
+        loss = model.loss(out, targets)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise AnnotationError(f"{model.name}: loss(output, targets) must return a scalar tensor")
 
@@ -284,10 +309,10 @@ def _import_factory(source: str) -> Callable[..., Any]:
     where, _, fn = body.rpartition(":")
     if not where or not fn:
         raise AnnotationError(f"model: source {source!r} must be py:module:function or py:path/file.py:function")
-    try:
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise AnnotationError(f"model: file {where} of source {source!r} not found")
+    with user_code(f"model: cannot import {where} of source {source!r}"):
         if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise AnnotationError(f"model: file {where} of source {source!r} not found")
             key = "piper_user_model_" + re.sub(r"\W", "_", os.path.abspath(where))
             spec = importlib.util.spec_from_file_location(key, where)
             mod = importlib.util.module_from_spec(spec)
@@ -295,10 +320,6 @@ def _import_factory(source: str) -> Callable[..., Any]:
             spec.loader.exec_module(mod)  # type: ignore[union-attr]
         else:
             mod = importlib.import_module(where)
-    except AnnotationError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's module
-        raise AnnotationError(f"model: cannot import {where} of source {source!r} ({type(e).__name__}: {e})") from None
     factory = getattr(mod, fn, None)
     if not callable(factory):
         raise AnnotationError(f"model: {where} has no function {fn!r} (source {source!r})")
@@ -308,13 +329,8 @@ def _import_factory(source: str) -> Callable[..., Any]:
 def _call_factory(factory: Callable[..., Any], kwargs: dict[str, Any], what: str) -> UserModel:
     import torch
 
-    try:
-        with torch.device("meta"):
-            got = factory(**kwargs)
-    except AnnotationError as e:
-        raise AnnotationError(f"model: {what}: {e}") from None
-    except Exception as e:  # noqa: BLE001 - the user's factory; one line saying where
-        raise AnnotationError(f"model: {what} failed ({type(e).__name__}: {e})") from None
+    with torch.device("meta"), user_code(f"model: {what} failed", refused=f"model: {what}: "):
+        got = factory(**kwargs)
     if not isinstance(got, UserModel):
         raise AnnotationError(f"model: {what} returned {type(got).__name__}; return piper_sim.annotate.annotate(...)")
     return got

@@ -47,6 +47,22 @@ def check_world_size(ranks: float, what: str, error: type[Exception] = ValueErro
         raise error(f"{what}: {ranks:,.0f} ranks exceed the limit of {MAX_WORLD_SIZE:,} "
                     "(piper_sim.checks.MAX_WORLD_SIZE)")
 
+# Model sizes (model files, Hugging Face configs, `configs.FIELD_RANGES`): beyond these a size
+# is a typo, and the tensors it implies overflow even on the meta device (hidden 2**40 does).
+# Widths: hidden size, MLP widths, attention heads, head and low-rank dims (published models
+# reach 16,384 hidden and 53,248 MLP width).
+MAX_MODEL_WIDTH = 2**20
+# Vocabulary rows of the embedding and head (published models: up to about 262,144).
+MAX_VOCAB = 2**24
+# Positions a model declares (``max_seq``, ``sliding_window``; 10M-token contexts exist).
+MAX_POSITIONS = 2**27
+# Routed (or shared) experts of one MoE layer (published models: up to 512; 4096 compile in
+# about 10 s).
+MAX_EXPERTS = 2**12
+# Bytes of a model file or config.json: real ones are a few KB; a larger file is not one
+# (weights given by mistake) and is refused before it is read.
+MAX_MODEL_FILE_BYTES = 2**24
+
 
 def _range(minimum, maximum, value=None) -> str:
     if maximum is not None and (maximum < MAX_COUNT or (isinstance(value, int) and value > maximum)):

@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from piper_sim.checks import MAX_LAYERS
+from piper_sim.checks import (MAX_COUNT, MAX_EXPERTS, MAX_LAYERS, MAX_MODEL_WIDTH, MAX_POSITIONS, MAX_VOCAB, integer,
+                              number)
 from piper_sim.header import PlanHeader
 
 
@@ -289,29 +290,51 @@ def config_from_dict(spec: dict[str, Any], where: str = "model") -> ModelConfig:
     missing = [k for k, f in FIELDS.items() if f.default is dataclasses.MISSING and k not in spec]
     if missing:
         raise ValueError(f"{where}: missing field {missing[0]!r}")
-    out = {}
-    for k, v in spec.items():
-        kind = type(FIELDS[k].default) if FIELDS[k].default is not dataclasses.MISSING else (str if k == "name" else int)
-        if kind is float and isinstance(v, int) and not isinstance(v, bool):
-            v = float(v)
-        if kind is str and FIELDS[k].default is not dataclasses.MISSING:
-            allowed = _CHOICES.get(k)
-            if allowed and v not in allowed:
-                raise ValueError(f"{where}: field {k!r} must be one of {', '.join(allowed)} (got {v!r})")
-        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            raise ValueError(f"{where}: field {k!r} must be {kind.__name__} (got {v!r})")
-        if kind is int and v < 0:
-            raise ValueError(f"{where}: field {k!r} must be >= 0 (got {v})")
-        out[k] = v
-    for k in ("n_layers", "hidden", "n_heads", "n_kv_heads", "vocab"):
-        if out[k] < 1:
-            raise ValueError(f"{where}: field {k!r} must be >= 1 (got {out[k]})")
-    cfg = ModelConfig(**out)
+    cfg = ModelConfig(**{k: check_field(k, v, f"{where}: field {k!r}") for k, v in spec.items()})
     check_config(cfg, where)
     return cfg
 
 
+_W = MAX_MODEL_WIDTH
+# integer fields -> (minimum, maximum); the maxima are the model-size limits of piper_sim.checks
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "n_layers": (1, MAX_LAYERS), "hidden": (1, _W), "n_heads": (1, _W), "n_kv_heads": (1, _W), "ffn": (0, _W),
+    "vocab": (1, MAX_VOCAB), "max_seq": (0, MAX_POSITIONS), "n_experts": (0, MAX_EXPERTS),
+    "top_k": (0, MAX_EXPERTS), "n_shared": (0, MAX_EXPERTS), "expert_ffn": (0, _W), "first_dense": (0, MAX_COUNT),
+    "q_lora_rank": (0, _W), "kv_lora_rank": (0, _W), "qk_nope_dim": (0, _W), "qk_rope_dim": (0, _W),
+    "v_head_dim": (0, _W), "kv_channels": (0, _W), "sliding_window": (0, MAX_POSITIONS),
+    "window_pattern": (0, MAX_COUNT), "tp": (1, MAX_COUNT),
+}
+# float fields -> (lower bound, whether it is excluded, upper bound excluded)
+FLOAT_RANGES: dict[str, tuple[float, bool, float]] = {
+    "rope_theta": (0.0, True, math.inf), "norm_eps": (0.0, True, math.inf), "dropout": (0.0, False, 1.0),
+}
 _CHOICES = {"attention": ("gqa", "mla"), "mlp": ("swiglu", "gelu"), "norm": ("rms", "layer")}
+
+
+def check_field(field: str, value: Any, label: str) -> Any:
+    """``value`` for the `ModelConfig` ``field`` if its type and range are right (an int for
+    an int: no bool, float or string; a finite float; a bool; one of the choices), else a
+    one-line ValueError starting with ``label`` (the file and key) and saying what to give."""
+    if field in INT_RANGES:
+        return integer(value, label, *INT_RANGES[field])
+    if field in FLOAT_RANGES:
+        low, above, high = FLOAT_RANGES[field]
+        got = number(value, label, low, above)
+        if got >= high:
+            raise ValueError(f"{label} must be a finite number below {high:g} (got {value!r})")
+        return got
+    if field in _CHOICES:
+        if not isinstance(value, str) or value not in _CHOICES[field]:
+            raise ValueError(f"{label} must be one of {', '.join(_CHOICES[field])} (got {value!r})")
+        return value
+    if field == "name":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{label} must be a non-empty string (got {value!r})")
+        return value
+    if not isinstance(value, bool):
+        raise ValueError(f"{label} must be true or false (got {value!r})")
+    return value
 
 
 def check_config(cfg: ModelConfig, where: str = "model") -> None:

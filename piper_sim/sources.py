@@ -25,7 +25,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from piper_sim.configs import FIELDS, ZOO, ModelConfig, check_config, config_from_dict
+from piper_sim.checks import MAX_MODEL_FILE_BYTES, integer
+from piper_sim.configs import FIELDS, ZOO, ModelConfig, check_config, check_field, config_from_dict
 
 MODEL_FILE_SUFFIXES = (".yaml", ".yml", ".json")
 
@@ -99,20 +100,41 @@ def model_files(folder: str) -> list[str]:
     return sorted(out)
 
 
-def _read_mapping(path: str, what: str) -> dict:
+def _read_text(path: str, what: str) -> str:
+    """The text of a model file or config.json; a folder, a missing, oversized or binary file
+    is a one-line ValueError naming it."""
     p = Path(path)
+    if p.is_dir():
+        hint = f", or hf:{path} for its Hugging Face config" if (p / "config.json").is_file() else ""
+        raise ValueError(f"{what} {path}: is a folder, not a file; give the file's path{hint}")
     if not p.is_file():
         raise ValueError(f"{what} {path}: no such file")
-    text = p.read_text()
+    size = p.stat().st_size
+    if size > MAX_MODEL_FILE_BYTES:
+        raise ValueError(f"{what} {path}: {size:,} bytes is not a model description (the limit is "
+                         f"{MAX_MODEL_FILE_BYTES:,}); give the YAML/JSON model file or the config.json")
+    data = p.read_bytes()
     try:
-        if p.suffix.lower() in (".yaml", ".yml"):
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} {path}: not a text file (byte {data[e.start]:#04x} at offset {e.start} is not "
+                         "UTF-8); give the YAML/JSON model file or the config.json") from None
+
+
+def _read_mapping(path: str, what: str) -> dict:
+    p = Path(path)
+    text = _read_text(path, what)
+    is_yaml = p.suffix.lower() in (".yaml", ".yml")
+    try:
+        if is_yaml:
             import yaml
 
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
-    except Exception as e:  # yaml.YAMLError, json.JSONDecodeError
-        raise ValueError(f"{what} {path}: not valid {p.suffix[1:].upper()}: {' '.join(str(e).split())}") from None
+    except Exception as e:  # yaml.YAMLError, json.JSONDecodeError, RecursionError
+        raise ValueError(f"{what} {path}: not valid {'YAML' if is_yaml else 'JSON'}: {' '.join(str(e).split())}") \
+            from None
     if not isinstance(data, dict):
         raise ValueError(f"{what} {path}: must be a mapping of keys to values")
     return data
@@ -176,30 +198,50 @@ class _Keys:
             return default
         return value
 
-    def first(self, *keys: str) -> Any:
-        """The first of ``keys`` present (spellings differ between config.json and to_dict())."""
-        for key in keys:
-            if self.data.get(key) is not None:
-                return self.data[key]
-        return self(keys[0])
+    def typed(self, key: str, field: str, default: Any = ...) -> Any:
+        """Key ``key`` checked as the `ModelConfig` ``field`` it becomes (type and range; the
+        message names the key)."""
+        return check_field(field, self(key, default), f"{self.where}: key {key!r}")
+
+    def count(self, key: str, default: int) -> int:
+        """An integer >= 1 that becomes no field (a layer frequency, say)."""
+        return integer(self(key, default), f"{self.where}: key {key!r}")
+
+    def flag(self, key: str, default: bool) -> bool:
+        """A true/false key (a string such as "yes" is refused, not read as true)."""
+        value = self(key, default)
+        if not isinstance(value, bool):
+            self.fail(key, f"must be true or false (got {value!r})")
+        return value
+
+    def ints(self, key: str) -> list[int]:
+        """A list of non-negative integers (empty when the key is absent)."""
+        value = self(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                  for v in value):
+            self.fail(key, f"must be a list of layer indices (integers >= 0), got {value!r}")
+        return value
 
     def fail(self, key: str, why: str) -> None:
         raise ValueError(f"{self.where}: key {key!r} {why}")
 
 
 def _rope_theta(k: _Keys, default: float) -> float:
-    params = k.data.get("rope_parameters") or {}
-    return float(k("rope_theta", params.get("rope_theta", default) if isinstance(params, dict) else default))
+    params = k.data.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None and k.data.get("rope_theta") is None:
+        return check_field("rope_theta", params["rope_theta"], f"{k.where}: key 'rope_parameters.rope_theta'")
+    return k.typed("rope_theta", "rope_theta", default)
 
 
 def _window(k: _Keys, n_layers: int) -> dict:
     """``sliding_window``/``window_pattern`` from ``layer_types`` (or the family's flags)."""
     types = k.data.get("layer_types")
-    window = k.data.get("sliding_window")
-    if k.data.get("use_sliding_window") is False:  # Qwen2/3 carry a window they do not use
-        window = None
+    # Qwen2/3 carry a window they do not use
+    window = 0 if k.data.get("use_sliding_window") is False else k.typed("sliding_window", "sliding_window", 0)
     if not types:
-        return {"sliding_window": int(window)} if window else {}
+        return {"sliding_window": window} if window else {}
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        k.fail("layer_types", f"must be a list of layer type names, got {types!r}")
     if len(types) != n_layers:
         k.fail("layer_types", f"has {len(types)} entries for {n_layers} layers")
     unknown = set(types) - {"full_attention", "sliding_attention"}
@@ -212,7 +254,7 @@ def _window(k: _Keys, n_layers: int) -> dict:
         k.fail("sliding_window", "must be set: layer_types has sliding_attention layers")
     for pattern in [0, *range(2, n_layers + 1)]:
         if all(s == (not pattern or (i + 1) % pattern != 0) for i, s in enumerate(sliding)):
-            return {"sliding_window": int(window), "window_pattern": pattern}
+            return {"sliding_window": window, "window_pattern": pattern}
     k.fail("layer_types", "is not a repeating 'k-1 sliding, 1 full' pattern (not supported)")
     return {}
 
@@ -223,18 +265,24 @@ def _silu(k: _Keys) -> None:
         k.fail("hidden_act", f"is {act!r}: only 'silu' (SwiGLU) is supported for this family")
 
 
+def _common(k: _Keys) -> dict:
+    """The keys every family shares: sizes, heads, vocabulary, positions, rotary base, norm."""
+    heads = k.typed("num_attention_heads", "n_heads")
+    return dict(n_layers=k.typed("num_hidden_layers", "n_layers"), hidden=k.typed("hidden_size", "hidden"),
+                n_heads=heads, n_kv_heads=k.typed("num_key_value_heads", "n_kv_heads", heads),
+                ffn=k.typed("intermediate_size", "ffn"), vocab=k.typed("vocab_size", "vocab"),
+                max_seq=k.typed("max_position_embeddings", "max_seq", 4096),
+                rope_theta=_rope_theta(k, 10000.0), norm_eps=k.typed("rms_norm_eps", "norm_eps", 1e-6),
+                tie_embeddings=k.flag("tie_word_embeddings", False))
+
+
 def _llama(k: _Keys) -> dict:
     """Llama, and the common keys of the families below."""
     _silu(k)
-    heads = int(k("num_attention_heads"))
-    n = int(k("num_hidden_layers"))
-    bias = bool(k("attention_bias", False))
-    return dict(n_layers=n, hidden=int(k("hidden_size")), n_heads=heads,
-                n_kv_heads=int(k("num_key_value_heads", heads)), ffn=int(k("intermediate_size")),
-                vocab=int(k("vocab_size")), max_seq=int(k("max_position_embeddings", 4096)),
-                kv_channels=int(k("head_dim", 0)), rope_theta=_rope_theta(k, 10000.0),
-                norm_eps=float(k("rms_norm_eps", 1e-6)), tie_embeddings=bool(k("tie_word_embeddings", False)),
-                attn_bias=bias, o_bias=bias, mlp_bias=bool(k("mlp_bias", False)), **_window(k, n))
+    out = _common(k)
+    bias = k.flag("attention_bias", False)
+    return {**out, "kv_channels": k.typed("head_dim", "kv_channels", 0), "attn_bias": bias, "o_bias": bias,
+            "mlp_bias": k.flag("mlp_bias", False), **_window(k, out["n_layers"])}
 
 
 def _qwen2(k: _Keys) -> dict:
@@ -245,42 +293,46 @@ def _qwen3(k: _Keys) -> dict:
     return {**_llama(k), "qk_norm": True}
 
 
+def _experts(k: _Keys, *count_keys: str) -> dict:
+    """Routed experts: their number (the first of ``count_keys`` present: spellings differ
+    between config.json and to_dict()) and top-k."""
+    key = next((c for c in count_keys if k.data.get(c) is not None), count_keys[0])
+    return {"n_experts": k.typed(key, "n_experts"), "top_k": k.typed("num_experts_per_tok", "top_k")}
+
+
 def _qwen3_moe(k: _Keys) -> dict:
     out = _qwen3(k)
-    if int(k("decoder_sparse_step", 1)) != 1:
+    if k.count("decoder_sparse_step", 1) != 1:
         k.fail("decoder_sparse_step", "must be 1 (every layer MoE); other steps are not supported")
-    dense = sorted(k("mlp_only_layers", []))
+    dense = sorted(k.ints("mlp_only_layers"))
     if dense != list(range(len(dense))):
         k.fail("mlp_only_layers", "must be the first layers (0, 1, ...): dense layers elsewhere are not supported")
-    return {**out, "n_experts": int(k.first("num_experts", "num_local_experts")), "top_k": int(k("num_experts_per_tok")),
-            "expert_ffn": int(k("moe_intermediate_size")), "first_dense": len(dense),
-            "norm_topk": bool(k("norm_topk_prob", False))}
+    return {**out, **_experts(k, "num_experts", "num_local_experts"),
+            "expert_ffn": k.typed("moe_intermediate_size", "expert_ffn"), "first_dense": len(dense),
+            "norm_topk": k.flag("norm_topk_prob", False)}
 
 
 def _mixtral(k: _Keys) -> dict:
     out = _llama(k)
-    return {**out, "n_experts": int(k("num_local_experts")), "top_k": int(k("num_experts_per_tok")),
-            "expert_ffn": out["ffn"]}
+    return {**out, **_experts(k, "num_local_experts"), "expert_ffn": out["ffn"]}
 
 
 def _deepseek_v3(k: _Keys) -> dict:
     """DeepSeek-V3 (MLA; the multi-token-prediction module, ``num_nextn_predict_layers``, is left
     out; routing is costed as a softmax top-k: the same shapes as its sigmoid group routing)."""
     _silu(k)
-    if int(k("moe_layer_freq", 1)) != 1:
+    if k.count("moe_layer_freq", 1) != 1:
         k.fail("moe_layer_freq", "must be 1 (every layer after the dense ones is MoE)")
-    heads = int(k("num_attention_heads"))
-    return dict(n_layers=int(k("num_hidden_layers")), hidden=int(k("hidden_size")), n_heads=heads,
-                n_kv_heads=int(k("num_key_value_heads", heads)), ffn=int(k("intermediate_size")),
-                vocab=int(k("vocab_size")), max_seq=int(k("max_position_embeddings", 4096)),
-                n_experts=int(k("n_routed_experts")), top_k=int(k("num_experts_per_tok")),
-                n_shared=int(k("n_shared_experts", 0)), expert_ffn=int(k("moe_intermediate_size")),
-                first_dense=int(k("first_k_dense_replace", 0)), norm_topk=bool(k("norm_topk_prob", True)),
-                attention="mla", q_lora_rank=int(k("q_lora_rank", 0)), kv_lora_rank=int(k("kv_lora_rank")),
-                qk_nope_dim=int(k("qk_nope_head_dim")), qk_rope_dim=int(k("qk_rope_head_dim")),
-                v_head_dim=int(k("v_head_dim")), rope_theta=_rope_theta(k, 10000.0),
-                norm_eps=float(k("rms_norm_eps", 1e-6)), tie_embeddings=bool(k("tie_word_embeddings", False)),
-                o_bias=bool(k("attention_bias", False)))
+    return {**_common(k), **_experts(k, "n_routed_experts"),
+            "n_shared": k.typed("n_shared_experts", "n_shared", 0),
+            "expert_ffn": k.typed("moe_intermediate_size", "expert_ffn"),
+            "first_dense": k.typed("first_k_dense_replace", "first_dense", 0),
+            "norm_topk": k.flag("norm_topk_prob", True), "attention": "mla",
+            "q_lora_rank": k.typed("q_lora_rank", "q_lora_rank", 0),
+            "kv_lora_rank": k.typed("kv_lora_rank", "kv_lora_rank"),
+            "qk_nope_dim": k.typed("qk_nope_head_dim", "qk_nope_dim"),
+            "qk_rope_dim": k.typed("qk_rope_head_dim", "qk_rope_dim"),
+            "v_head_dim": k.typed("v_head_dim", "v_head_dim"), "o_bias": k.flag("attention_bias", False)}
 
 
 def _gpt_oss(k: _Keys) -> dict:
@@ -288,8 +340,8 @@ def _gpt_oss(k: _Keys) -> dict:
     Approximations: its clamped SwiGLU runs as SwiGLU (same shapes and flops) and the
     attention sinks (one logit per head and layer) are left out."""
     out = {**_llama(k), "attn_bias": True, "o_bias": True}
-    return {**out, "n_experts": int(k("num_local_experts")), "top_k": int(k("num_experts_per_tok")),
-            "expert_ffn": out["ffn"], "router_bias": True, "mlp_bias": True}
+    return {**out, **_experts(k, "num_local_experts"), "expert_ffn": out["ffn"], "router_bias": True,
+            "mlp_bias": True}
 
 
 HF_FAMILIES: dict[str, Callable[[_Keys], dict]] = {

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import torch
 
-from piper_sim.annotate import UserModel
+from piper_sim.annotate import UserModel, user_code
 from piper_sim.memory import SegmentMemory
 from piper_sim.profiling import SegmentCost, measure
 
@@ -58,16 +58,18 @@ def profile_user_model(model: UserModel, micro_batch: int, seq_len: int,
     """One segment per unit, in order, for one micro-batch."""
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch and seq_len must be >= 1 (got {micro_batch}, {seq_len})")
-    x, targets = model.example_batch(micro_batch, seq_len, "meta", dtype, 0)
-    cache: dict[tuple, tuple[SegmentCost, torch.Tensor]] = {}
-    out = []
-    for i, name in enumerate(model.units):
-        last = i == len(model.units) - 1
-        key = (_structure(model.unit(name)), tuple(x.shape), x.dtype, last, i == 0)
-        if key not in cache:
-            cache[key] = _profile_unit(model, name, x, targets if last else None, dtype, micro_batch * seq_len, i == 0)
-        cost, x = cache[key]
-        out.append(replace(cost, name=name, unit=name))
+    with user_code(f"model: {model.source or model.name}: profiling in {_dtype_name(dtype)} on meta failed"):
+        x, targets = model.example_batch(micro_batch, seq_len, "meta", dtype, 0)
+        cache: dict[tuple, tuple[SegmentCost, torch.Tensor]] = {}
+        out = []
+        for i, name in enumerate(model.units):
+            last = i == len(model.units) - 1
+            key = (_structure(model.unit(name)), tuple(x.shape), x.dtype, last, i == 0)
+            if key not in cache:
+                cache[key] = _profile_unit(model, name, x, targets if last else None, dtype, micro_batch * seq_len,
+                                           i == 0)
+            cost, x = cache[key]
+            out.append(replace(cost, name=name, unit=name))
     return out
 
 

@@ -72,6 +72,49 @@ def test_no_worker_outlives_its_launcher(tmp_path, victim, sig):
             pass
 
 
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (from /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def _workers_of(run_pid: int) -> list[int]:
+    """The workers of ``piper-sim run`` ``run_pid``: its launcher's children."""
+    return [w for launcher in _children(run_pid) for w in _children(launcher)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["piper-sim run", "torchrun"])
+def test_no_worker_outlives_a_launcher_killed_while_they_start(tmp_path, victim):
+    """SIGKILL of ``piper-sim run`` or of its torchrun 0.1-1 s after torchrun has spawned the
+    workers (while they still import torch): no worker is left 10 s later. Workers used to
+    record their parent only after importing torch, so one orphaned before that lived on
+    (103 s, 144 s)."""
+    plan = save_plan(tmp_path, f"pp2-{victim[:5]}", strategy(pp=2, sched="1f1b", m=4))
+    left = {}
+    for delay in (0.1, 0.3, 0.5, 1.0):
+        proc = subprocess.Popen([sys.executable, "-m", "piper_sim.cli", "run", plan, "--steps", "100000"], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        try:
+            deadline = time.monotonic() + 120
+            while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+                time.sleep(0.01)
+            assert len(_workers_of(proc.pid)) == 2, "the workers did not start"
+            time.sleep(delay)
+            os.kill(proc.pid if victim == "piper-sim run" else _children(proc.pid)[0], signal.SIGKILL)
+            alive = _gone_within(plan, 10)
+            if alive:
+                left[delay] = alive
+        finally:
+            for pid in _procs_with(plan):
+                os.kill(pid, signal.SIGKILL)
+    assert not left, f"alive 10 s after SIGKILL of {victim}: {left}"
+
+
 def _run(plan: str, fault: str, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
     t = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", plan, "--steps", "3", *extra], cwd=ROOT,
@@ -90,8 +133,18 @@ def test_a_hung_rank_is_named_with_its_op_and_one_line_per_failure(tmp_path):
     assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 3, lines  # the injection notice, the waiting rank's error, the summary
-    assert lines[-1].startswith("piper-sim run: rank 0 failed first")
+    assert lines[-1].startswith("piper-sim run: rank 1 hung (the diagnosis above names it)"), lines
     assert elapsed < 10 + 5 + 30, elapsed  # timeout + 5 s, plus start-up on two busy cores
+
+
+def test_the_summary_names_the_rank_that_raised_not_the_lowest(tmp_path):
+    """Rank 1 raises; ranks 0 and 2 fail within the same second because it is gone: the
+    summary names rank 1 (torchrun's whole-second timestamps used to make it rank 0)."""
+    plan = save_plan(tmp_path, "pp3", strategy(pp=3, sched="1f1b", m=4))
+    r, _ = _run(plan, "1:1:B.s1.mb2:raise", "--timeout", "30")
+    assert r.returncode == 1, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("piper-sim run: rank 1 failed first (exit code 1; its message is above)"), last
 
 
 def test_a_killed_rank_is_named_and_verbose_shows_torchruns_report(tmp_path):
@@ -118,3 +171,40 @@ def test_the_named_rank_is_one_killed_by_a_signal_torchrun_does_not_send():
     assert first_failure({0: failure(0, -9, 11), 1: failure(1, 1, 10)})[0] == 0  # SIGKILL: the cause
     assert first_failure({0: failure(0, -15, 11), 1: failure(1, 1, 10)})[0] == 1  # SIGTERM: torchrun's stop
     assert first_failure({0: failure(0, 1, 10), 1: failure(1, 1, 10)})[0] == 0  # a tie: the lower rank
+
+
+def test_the_heartbeat_reads_frames_of_methods_the_runtime_has():
+    """A renamed Runtime method (wait_any was _wait_any) made every waiting rank look hung."""
+    from executor.heartbeat import INSTRUCTION_IN, WAITING_IN
+    from executor.runtime import Runtime
+
+    assert all(callable(getattr(Runtime, name, None)) for name in (*WAITING_IN, *INSTRUCTION_IN))
+
+
+def test_the_named_rank_is_the_one_the_failure_records_blame(tmp_path, monkeypatch):
+    """Within torchrun's whole second: the worker that raised first (its record's time), or
+    the rank the heartbeat diagnoses name (hung, or no heartbeat), never a rank that waited."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from executor import failures
+    from executor.launch import first_failure
+
+    def failure(rank: int, code: int) -> ProcessFailure:
+        f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="/nonexistent")
+        f.timestamp = 10
+        return f
+
+    monkeypatch.setenv(failures.FAILURE_DIR, str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    failures.record(2, [], at=100.25)  # a peer that noticed rank 1 go
+    failures.record(1, [], at=100.20)  # raised first
+    tf = {0: failure(0, -15), 1: failure(1, 1), 2: failure(2, 1)}
+    assert first_failure(tf, failures.read(str(tmp_path))) == (1, "failed first (exit code 1; its message is above)")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted attempt: the old records do not count
+    failures.record(0, [(2, "hung", "rank 2 is stuck ...")], at=200.0)
+    failures.record(1, [(2, "hung", "rank 2 is stuck ..."), (1, "stopped", "")], at=199.0)
+    assert [d["rank"] for d in failures.read(str(tmp_path))] in ([0, 1], [1, 0])
+    tf = {0: failure(0, 1), 1: failure(1, 1), 2: failure(2, -15)}
+    assert first_failure(tf, failures.read(str(tmp_path))) == (2, "hung (the diagnosis above names it)")
+    assert first_failure({0: failure(0, -9), 2: failure(2, -15)}, failures.read(str(tmp_path)))[0] == 0
+    assert first_failure(tf, [])[0] == 0  # no records (another node's ranks): torchrun's order

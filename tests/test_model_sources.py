@@ -102,7 +102,7 @@ def test_transformers_config_objects():
     ({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
       "intermediate_size": 128, "vocab_size": 100, "hidden_act": "gelu"}, "'hidden_act'"),
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100, "hiden": 3}, "unknown key 'hiden'"),
-    ({"name": "x", "layers": "2", "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100}, "field 'n_layers' must be int"),
+    ({"name": "x", "layers": "2", "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100}, "field 'n_layers' must be an integer"),
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100, "activation": "relu"},
      "field 'mlp' must be one of"),
     ({"name": "x", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 3, "ffn": 128, "vocab": 100}, "'n_kv_heads'"),
@@ -116,6 +116,88 @@ def test_bad_sources_are_one_line_errors_naming_the_key(source, message):
     with pytest.raises(ValueError, match=message) as e:
         resolve_model(source)
     assert "\n" not in str(e.value)
+
+
+TINY_HF = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 128, "vocab_size": 100}
+TINY_FILE = {"name": "tiny", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100}
+
+
+@pytest.mark.parametrize("hf,edit,message", [
+    (True, {"hidden_size": 2**40}, "key 'hidden_size' must be an integer in 1..1048576 (got 1.1e+12)"),
+    (True, {"num_hidden_layers": 4.7}, "key 'num_hidden_layers' must be an integer >= 1 (got 4.7)"),
+    (True, {"num_hidden_layers": "4"}, "key 'num_hidden_layers' must be an integer >= 1 (got '4')"),
+    (True, {"num_attention_heads": True}, "key 'num_attention_heads' must be an integer in 1..1048576 (got True)"),
+    (True, {"rope_theta": "abc"}, "key 'rope_theta' must be a finite number > 0 (got 'abc')"),
+    (True, {"rms_norm_eps": float("nan")}, "key 'rms_norm_eps' must be a finite number > 0 (got nan)"),
+    (True, {"tie_word_embeddings": "yes"}, "key 'tie_word_embeddings' must be true or false (got 'yes')"),
+    (True, {"vocab_size": 2**30}, "key 'vocab_size' must be an integer in 1..16777216"),
+    (True, {"max_position_embeddings": 10**15}, "key 'max_position_embeddings' must be an integer in 0..134217728"),
+    (True, {"sliding_window": 3.5}, "key 'sliding_window' must be an integer"),
+    (True, {"rope_parameters": {"rope_theta": -1}}, "key 'rope_parameters.rope_theta' must be a finite number > 0"),
+    (True, {"model_type": "qwen3_moe", "num_experts": 2**20, "num_experts_per_tok": 2, "moe_intermediate_size": 8},
+     "key 'num_experts' must be an integer in 0..4096"),
+    (True, {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+            "mlp_only_layers": "0"}, "key 'mlp_only_layers' must be a list of layer indices"),
+    (False, {"hidden": 2**40}, "field 'hidden' must be an integer in 1..1048576"),
+    (False, {"layers": 4.7}, "field 'n_layers' must be an integer >= 1 (got 4.7)"),
+    (False, {"heads": True}, "field 'n_heads' must be an integer in 1..1048576 (got True)"),
+    (False, {"rope_theta": "abc"}, "field 'rope_theta' must be a finite number > 0 (got 'abc')"),
+    (False, {"rope_theta": float("inf")}, "field 'rope_theta' must be a finite number > 0 (got inf)"),
+    (False, {"dropout": 1.5}, "field 'dropout' must be a finite number below 1 (got 1.5)"),
+    (False, {"experts": 8, "top_k": 2.0, "expert_ffn": 8}, "field 'top_k' must be an integer"),
+    (False, {"tied_embeddings": 1}, "field 'tie_embeddings' must be true or false (got 1)"),
+])
+def test_bad_model_fields_name_the_file_and_key(tmp_path, hf, edit, message):
+    """Every model-file and config.json field is checked for type and range: one line naming
+    the file and the key (no truncation of 4.7, no "4" or true read as a count)."""
+    if hf:
+        (tmp_path / "config.json").write_text(json.dumps({**TINY_HF, **edit}))
+        source, where = f"hf:{tmp_path}", f"hf config {tmp_path / 'config.json'}: "
+    else:
+        (tmp_path / "m.json").write_text(json.dumps({**TINY_FILE, **edit}))
+        source, where = str(tmp_path / "m.json"), f"model file {tmp_path / 'm.json'}: "
+    with pytest.raises(ValueError) as e:
+        resolve_model(source)
+    assert str(e.value).startswith(where) and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_model_field_has_a_checked_type():
+    """A new `ModelConfig` field needs a range (or is a flag, a choice or the name)."""
+    from piper_sim.configs import _CHOICES, FIELDS, FLOAT_RANGES, INT_RANGES
+
+    for name, f in FIELDS.items():
+        checked = name in INT_RANGES or name in FLOAT_RANGES or name in _CHOICES or name == "name"
+        assert checked or f.default in (True, False), name
+    for c in ZOO.values():
+        assert resolve_model(dataclasses.asdict(c)) == c
+
+
+def _unreadable(tmp_path, kind: str) -> tuple[str, str]:
+    if kind == "binary":
+        (tmp_path / "m.json").write_bytes(b"\x82\x00\xff" * 50)
+        return str(tmp_path / "m.json"), "not a text file (byte 0x82 at offset 0 is not UTF-8)"
+    if kind == "folder":
+        (tmp_path / "m.yaml").mkdir()
+        return str(tmp_path / "m.yaml"), "is a folder, not a file"
+    if kind == "hf folder":
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(TINY_HF))
+        return f"file:{tmp_path / 'hf'}", f"is a folder, not a file; give the file's path, or hf:{tmp_path / 'hf'}"
+    (tmp_path / "config.json").write_bytes(b"{" + b" " * (2**24))
+    return f"hf:{tmp_path}", "bytes is not a model description (the limit is 16,777,216)"
+
+
+@pytest.mark.parametrize("kind", ["binary", "folder", "hf folder", "huge"])
+def test_unreadable_model_files_are_one_line_at_the_command_line(tmp_path, capsys, kind):
+    from piper_sim.cli.commands import main
+
+    source, message = _unreadable(tmp_path, kind)
+    (tmp_path / "s.json").write_text(json.dumps(_strategy(source)))
+    assert main(["compile", str(tmp_path / "s.json"), "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_register_model():

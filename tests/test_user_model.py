@@ -112,6 +112,66 @@ def test_cli_bad_source_exits_2_with_one_line(tmp_path):
     assert r.stderr.count("\n") == 1 and "unit 'b' does not take" in r.stderr and "Traceback" not in r.stderr
 
 
+HOSTILE = """
+import os, sys
+if os.environ.get("H30_AT_IMPORT") == "exit":
+    sys.exit(0)
+if os.environ.get("H30_AT_IMPORT") == "interrupt":
+    raise KeyboardInterrupt
+def exits():
+    sys.exit()
+def exits_3():
+    sys.exit(3)
+def interrupted():
+    raise KeyboardInterrupt
+"""
+
+
+@pytest.mark.parametrize("at_import,fn,needle", [
+    ("exit", "exits", "cannot import {file} of source 'py:{file}:exits' (sys.exit(0) called;"),
+    ("interrupt", "exits", "cannot import {file} of source 'py:{file}:exits' (KeyboardInterrupt)"),
+    ("", "exits", "py:{file}:exits failed (sys.exit() called; model code must return or raise, not exit)"),
+    ("", "exits_3", "py:{file}:exits_3 failed (sys.exit(3) called;"),
+    ("", "interrupted", "py:{file}:interrupted failed (KeyboardInterrupt)"),
+])
+def test_exit_or_interrupt_in_a_user_model_is_one_line_exit_2(tmp_path, monkeypatch, capsys, at_import, fn, needle):
+    """sys.exit() or a KeyboardInterrupt at import or in the factory: compile says so in one
+    line naming file:function and exits 2 (it used to exit 0 with no plan, or print a traceback)."""
+    from piper_sim.cli.commands import main
+
+    file = tmp_path / f"hostile_{at_import or 'none'}.py"
+    file.write_text(HOSTILE)
+    monkeypatch.setenv("H30_AT_IMPORT", at_import)
+    (tmp_path / "s.json").write_text(__import__("json").dumps(strategy(f"py:{file}:{fn}", pp=1)))
+    assert main(["compile", str(tmp_path / "s.json"), "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle.format(file=file) in err and "Traceback" not in err, err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_exit_in_forward_or_loss_on_meta_is_one_line():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[0] == 2:
+                sys.exit(0)
+            return self.b(self.a(x))
+
+    def batch(m, s, device, dtype, seed):
+        return torch.empty(m, s, 4, device=device), torch.empty(m, s, device=device)
+
+    def interrupted(out, targets):
+        raise KeyboardInterrupt
+
+    with pytest.raises(AnnotationError, match=r"Two: forward on meta failed \(sys.exit\(0\) called"):
+        annotate(Two(), ["a", "b"], loss=F.mse_loss, example_batch=batch)
+    with pytest.raises(AnnotationError, match=r"Two: loss\(output, targets\) on meta failed \(KeyboardInterrupt\)"):
+        annotate(Two(), ["a", "b"], loss=interrupted, example_batch=lambda m, *a: batch(m + 1, *a))
+
+
 @pytest.mark.parametrize("extra,needle", [
     ([{"op": "expert_parallel", "degree": 2}], "expert_parallel: user model"),
     ([{"op": "tensor_parallel", "degree": 2}], "tensor_parallel: user model"),
