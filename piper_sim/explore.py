@@ -111,7 +111,7 @@ class Candidate:
 @dataclass
 class Row:
     candidate: Candidate
-    status: str  # ok | tight (may run out of memory: costmodel.memory.memory_verdict) | oom | invalid | pruned
+    status: str  # ok | tight (may run out of memory: costmodel.memory.memory_verdict) | oom | invalid | pruned | simulate-only (a back end would refuse it: explore refusal=)
     step_time_s: float = float("nan")
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -165,7 +165,7 @@ class ExploreResult:
     @property
     def table(self) -> "pd.DataFrame":
         """Every candidate as a DataFrame row, best first (simulated ones by step time, then
-        the rest): ``strategy`` (short name), ``status`` (ok | oom | invalid | pruned), the
+        the rest): ``strategy`` (short name), ``status`` (ok | tight | oom | invalid | pruned | simulate-only), the
         simulated numbers, ``reason``, and the candidate's fields (pp, schedule, ...)."""
         import pandas as pd
 
@@ -472,6 +472,9 @@ def _compile_and_simulate(task: tuple) -> tuple:
                                               settings["seq_len"], settings.get("stack", DEFAULT_STACK))).plan
     except (StrategyError, ValueError) as e:
         return cand, None, str(e)
+    why = settings["refusal"](plan) if settings.get("refusal") else ""
+    if why:
+        return cand, "simulate-only", why
     r = simulate(plan, settings["costmodel"], memory_headroom_bytes=settings["memory_headroom_bytes"])
     peak = max(x.peak_memory_bytes for x in r.rank_stats)
     device = max(x.device_bytes for x in r.rank_stats)
@@ -514,8 +517,12 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
             workers: int | None = None, prune: bool = True, use_ray: bool = False,
             candidates: list[Candidate] | None = None,
             progress: Callable[[str, int, int], None] | None = None, stack: Stack | str | dict | None = None,
-            memory_headroom_bytes: float = DEFAULT_HEADROOM_BYTES, **enum_kw: Any) -> ExploreResult:
+            memory_headroom_bytes: float = DEFAULT_HEADROOM_BYTES,
+            refusal: Callable[[Any], str] | None = None, **enum_kw: Any) -> ExploreResult:
     """Enumerate, screen, and simulate in order of the time bound; rows for every candidate.
+    ``refusal``: a module-level function of a compiled plan giving why a back end would not run
+    it ('' when it would; e.g. `executor.support.unrunnable` for ``explore --runnable``): such
+    candidates are not simulated, their rows ``simulate-only`` with that reason.
     ``stack``: the training stack every candidate runs (``costmodel.stack``: a preset name, a
     mapping or a Stack; default FA2 and fused kernels). Memory as the simulator judges it
     (`costmodel.memory.memory_need`): plans within ``memory_headroom_bytes`` of the GPU's
@@ -526,7 +533,8 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     stack = parse_stack(stack, "explore stack")
     check_stack_on(stack, cl.gpu, "explore stack")
     settings = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
-                "costmodel": costmodel, "stack": stack, "memory_headroom_bytes": memory_headroom_bytes}
+                "costmodel": costmodel, "stack": stack, "memory_headroom_bytes": memory_headroom_bytes,
+                "refusal": refusal}
     if candidates is None:
         candidates = enumerate_candidates(model, cluster, global_batch, seq_len, **enum_kw)
     if len(candidates) > MAX_EXPLORE_CANDIDATES:
@@ -557,8 +565,8 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
         done += 1
         if progress:
             progress("simulate", done, len(queue))
-        if res is None:
-            rows.append(Row(cand, "invalid", reason=err))
+        if res is None or res == "simulate-only":
+            rows.append(Row(cand, res or "invalid", reason=err))
             return
         step, tps, mfu, bubble, peak, verdict, band, device = res  # the simulator's memory verdict
         if verdict == "oom":
@@ -660,8 +668,9 @@ def format_table(result: ExploreResult, top: int = 10) -> str:
     c = result.counts
     tight = f"{c['tight']} tight (may run out of memory), " if c.get("tight") else ""
     lines.append(f"{len(result.rows)} strategies: {c.get('ok', 0)} simulated and fit, {tight}{c.get('oom', 0)} out of memory, "
-                 f"{c.get('pruned', 0)} pruned (could not win), {c.get('invalid', 0)} invalid; "
-                 f"{result.wall_s:.1f} s")
+                 f"{c.get('pruned', 0)} pruned (could not win), {c.get('invalid', 0)} invalid"
+                 + (f", {c['simulate-only']} the executor would not run (--runnable)" if c.get("simulate-only") else "")
+                 + f"; {result.wall_s:.1f} s")
     oom = [r for r in result.rows if r.status == "oom"]
     if oom:
         lines.append(f"out of memory, e.g. {oom[0].candidate.short()}: {oom[0].reason}")

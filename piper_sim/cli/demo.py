@@ -89,19 +89,16 @@ def _small(best: Candidate | None, kinds: list[str]) -> dict:
 
 
 def _unrunnable(small: dict) -> str:
-    """Why the executor would refuse this small plan ('' when it runs it)."""
-    from executor.options import refuse_tensor_parallel, refuse_tied_embeddings
+    """Why the executor would refuse this small plan ('' when it runs it: `executor.support.unrunnable`)."""
+    from executor.support import unrunnable
     from piper_sim.api import compile
     from piper_sim.plan import PlanError
     from piper_sim.strategy import StrategyError
 
     try:
-        plan = compile(small)
-        refuse_tensor_parallel(plan, "demo")
-        refuse_tied_embeddings(plan, "demo")
+        return unrunnable(compile(small), "demo")
     except (PlanError, StrategyError) as e:
         return str(e)
-    return ""
 
 
 def machine_costmodel(no_calibrate: bool, progress: bool = True) -> tuple[str, str]:

@@ -86,7 +86,7 @@ def cmd_explore(args: argparse.Namespace) -> None:
     headroom = memory_headroom_bytes(args.memory_headroom)
     result = explore(args.model, args.cluster, args.global_batch, args.seq_len, costmodel=args.costmodel,
                      workers=args.workers, prune=not args.no_prune, use_ray=args.ray, stack=stack_arg(args.stack),
-                     memory_headroom_bytes=headroom,
+                     memory_headroom_bytes=headroom, refusal=_executor_refusal() if args.runnable else None,
                      progress=progress_printer(not (args.quiet or getattr(args, "log_quiet", 0))), **kw)
     print(format_table(result, args.top))
     if args.csv:
@@ -98,6 +98,13 @@ def cmd_explore(args: argparse.Namespace) -> None:
     if args.emit_best and result.best:
         paths = emit_best(result, args.emit_best, args.costmodel)
         print("wrote " + ", ".join(paths.values()))
+
+
+def _executor_refusal():
+    """`executor.support.unrunnable`: why ``piper-sim run`` would refuse a plan."""
+    from executor.support import unrunnable
+
+    return unrunnable
 
 
 def check_outputs(args: argparse.Namespace) -> None:
@@ -143,6 +150,8 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     p.add_argument("--memory-headroom", type=float, default=d.get("memory_headroom"), metavar="GIB",
                    help="GiB a plan must leave free to rank as fitting (default 2); plans within it are 'tight' "
                         "and ranked after every fitting one")
+    p.add_argument("--runnable", action="store_true",
+                   help="keep to plans `piper-sim run` executes: the others are listed simulate-only, with why")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -1,0 +1,117 @@
+"""What the executor runs, feature by feature: `unrunnable` (every refusal that depends on the
+plan alone, the ones ``piper-sim run`` makes before launching) and `FEATURES`, the README's
+feature x back-end table, each row a small strategy the test compiles and checks against
+`unrunnable` (tests/test_support.py), so the table cannot drift from the code.
+
+The simulator runs every row. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from executor.options import refuse_tensor_parallel, refuse_tied_embeddings, refuse_unbuildable_user_model
+from piper_sim.plan import Plan, PlanError
+
+
+def unrunnable(plan: Plan, path: str = "plan") -> str:
+    """Why the executor would refuse ``plan`` before any process group starts ('' when it runs
+    it): tensor / context parallelism, recompute policies, tied embeddings, a user model's
+    factory. (Run options such as ``--save`` are checked by `executor.options.preflight`.)"""
+    try:
+        refuse_tensor_parallel(plan, path)
+        refuse_tied_embeddings(plan, path)
+        refuse_unbuildable_user_model(plan, path)
+    except PlanError as e:
+        return str(e)
+    return ""
+
+
+def _s(*directives: dict, model: str = "gpt-tiny", world: int = 2, m: int = 2, dp: int = 1) -> dict[str, Any]:
+    return {"model": model, "cluster": f"cpu:{world}", "global_batch": dp * m, "seq_len": 32, "microbatches": m,
+            "dtype": "fp32", "directives": list(directives)}
+
+
+TINY = {"name": "tiny", "n_layers": 4, "hidden": 64, "n_heads": 4, "n_kv_heads": 2, "ffn": 128, "vocab": 512,
+        "max_seq": 128}
+MOE = {**TINY, "name": "moe", "experts": 4, "top_k": 2, "expert_ffn": 64}
+MLA = {**TINY, "name": "mla", "attention": "mla", "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_dim": 16,
+       "qk_rope_dim": 8, "v_head_dim": 16}
+PP2 = {"op": "pipeline", "degree": 2}
+DP2 = {"op": "data_parallel", "degree": 2, "zero": 1}
+TP2 = {"op": "tensor_parallel", "degree": 2}
+TP2_SP = {"op": "tensor_parallel", "degree": 2, "sequence_parallel": True}
+CP2 = {"op": "context_parallel", "degree": 2}
+EP2 = {"op": "expert_parallel", "degree": 2}
+
+
+def _sched(name: str, v: int = 1) -> list[dict]:
+    return [{"op": "pipeline", "degree": 2, **({"stages_per_rank": v} if v > 1 else {})},
+            {"op": "schedule", "name": name}]
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One row: a plan feature, a strategy that has it, and whether the executor runs it
+    (``why``: the reason it does not, as the refusal says it)."""
+
+    name: str
+    strategy: dict[str, Any] = field(repr=False)
+    runs: bool = True
+    why: str = ""
+    model_file: dict[str, Any] | None = field(default=None, repr=False)  # a model file in place of gpt-tiny
+    match: str = ""  # the words of the refusal that say why (default: ``why``)
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("pipeline 1F1B / GPipe / interleaved", _s(*_sched("interleaved_1f1b", 2), m=4)),
+    Feature("zero-bubble ZB1P / ZBV", _s(*_sched("zbv", 2), m=4)),
+    Feature("DualPipe / DualPipeV", _s(*_sched("dualpipev", 2), m=4)),
+    Feature("data parallel, ZeRO 0-3", _s({"op": "data_parallel", "degree": 2, "zero": 3}, dp=2)),
+    Feature("hybrid sharding (HSDP)",
+            _s({"op": "data_parallel", "degree": 4, "zero": 1, "shard_degree": 2}, world=4, dp=4)),
+    Feature("full and selective recompute", _s(PP2, {"op": "recompute", "mode": "selective"}, m=4)),
+    Feature("op-level selective AC (torchtitan), every-N, Megatron modules",
+            _s({"op": "recompute", "mode": "op"}, world=1), runs=False, why="recompute policy", match="simulate-only"),
+    Feature("expert parallel (MoE)", _s(DP2, EP2, model="moe-tiny", dp=2)),
+    Feature("tensor parallel (+ sequence parallel)", _s(TP2_SP)),
+    Feature("tensor parallel with qk_norm (Qwen3)", _s(TP2_SP), model_file={**TINY, "qk_norm": True}),
+    Feature("tensor parallel with tied embeddings", _s(TP2), model_file={**TINY, "tie_embeddings": True}),
+    Feature("tensor parallel with ZeRO-3 and qk_norm", _s({"op": "data_parallel", "degree": 2, "zero": 3}, TP2,
+                                                        world=4, dp=2),
+            model_file={**TINY, "qk_norm": True}, runs=False, why="ZeRO-3 and qk_norm"),
+    Feature("tensor parallel x pipeline x ZeRO-1", _s(TP2, PP2, DP2, world=8, m=4, dp=2)),
+    Feature("tensor parallel with MoE and sequence parallel", _s(DP2, EP2, TP2_SP, model="moe-tiny", world=4, dp=2),
+            runs=False, why="a MoE model and sequence parallelism"),
+    Feature("tensor parallel with ZeRO-3 and sequence parallel",
+            _s({"op": "data_parallel", "degree": 2, "zero": 3}, TP2_SP, world=4, dp=2),
+            runs=False, why="ZeRO-3 and sequence parallelism"),
+    Feature("tensor parallel with a split backward and SP", _s(*_sched("zb1p"), TP2_SP, world=4, m=4),
+            runs=False, why="sequence parallelism and a split backward"),
+    Feature("context parallel (all-gather, ring)", _s({"op": "context_parallel", "degree": 2, "style": "ring"})),
+    Feature("context parallel x tensor parallel", _s(CP2, TP2_SP, world=4)),
+    Feature("MoE on tensor parallel without expert parallel", _s(TP2, model="moe-tiny"),
+            runs=False, why="a MoE model without expert parallelism"),
+    Feature("MoE with shared experts under tensor parallel", _s(DP2, EP2, TP2, world=4, dp=2),
+            model_file={**MOE, "shared_experts": 1}, runs=False, why="shared experts"),
+    Feature("multi-head latent attention (DeepSeek-V3) under tensor parallel", _s(TP2), model_file=MLA,
+            runs=False, why="multi-head latent attention"),
+    Feature("multi-head latent attention under context parallel", _s(CP2), model_file=MLA,
+            runs=False, why="multi-head latent attention"),
+    Feature("dropout under tensor parallel", _s(TP2), model_file={**TINY, "dropout": 0.1},
+            runs=False, why="dropout"),
+    Feature("tied embeddings with the embedding and head on two stages", _s(PP2, m=4),
+            model_file={**TINY, "tie_embeddings": True}, runs=False, why="one weight on two stages",
+            match="are on two stages"),
+    Feature("multi-head latent attention, shared experts (no TP/CP)", _s(DP2, EP2, dp=2),
+            model_file={**MOE, "shared_experts": 1, **{k: v for k, v in MLA.items() if k not in TINY}}),
+)
+
+
+def feature_table() -> str:
+    """`FEATURES` as the README's markdown table."""
+    rows = ["| plan feature | simulator | executor |", "|---|---|---|"]
+    for f in FEATURES:
+        rows.append(f"| {f.name} | ✅ | {'✅' if f.runs else 'simulate-only: ' + f.why} |")
+    return "\n".join(rows)
