@@ -27,8 +27,7 @@ import math
 from collections import Counter
 from typing import Any
 
-from piper_sim.plan import COMPUTE_KINDS, Instruction, Plan, PlanError
-from piper_sim.validate import PlanValidationError
+from piper_sim.plan import COMPUTE_KINDS, Instruction, Plan, PlanError, PlanValidationError
 
 # Instruction fields that are the cost model's estimates, not what runs (`piper_sim.plan.Instruction`)
 COST_FIELDS = frozenset({"flops", "alloc", "free", "tokens", "gemm", "kernels", "expert_flops", "needed_at"})

@@ -94,6 +94,11 @@ class PlanError(ValueError):
     """A plan file that cannot be used (wrong version, hash, world size...)."""
 
 
+class PlanValidationError(ValueError):
+    """The plan is inconsistent or would deadlock (`piper_sim.validate`), or is not what its own
+    strategy compiles to (`piper_sim.origin`); one line naming the ops."""
+
+
 @dataclass
 class Instruction:
     """One op on one stream of one rank.

@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from piper_sim.plan import ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, PASS_KINDS, Plan, PlanError, gc_paused, p2p_partner_id
-
-
-class PlanValidationError(ValueError):
-    """The plan is inconsistent or would deadlock; one line naming the ops."""
+from piper_sim.plan import (ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, PASS_KINDS, Plan, PlanError,  # noqa: F401
+                            PlanValidationError, gc_paused, p2p_partner_id)
 
 
 def _members(plan: Plan, group: str, pp_rank: int, cache: dict) -> list[int]:
