@@ -181,3 +181,11 @@ def test_executor_check_with_embedding_only_and_head_only_stages(tmp_path):
     for name, row in rows.items():
         assert row["max_rel_grad_diff"] <= GRAD_TOL and row["max_rel_param_diff"] <= TOL, (name, row)
         assert row["within_tolerance"] is True and row["dtype"] == "fp32", (name, row)
+
+
+def test_job_export_refuses_a_layout_in_one_line():
+    from piper_sim.interop.common import InteropError, job_from_strategy
+
+    with pytest.raises(InteropError, match=r"field 'layout' is not exported") as e:
+        job_from_strategy(strategy(3, "1f1b", layout="E|t*8|L"))
+    assert "\n" not in str(e.value)
