@@ -15,6 +15,7 @@ from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, check_s
 from piper_sim.annotate import AnnotationError, UserModel, check_user_setup, resolve_user_model
 from piper_sim.directives import Setup, expand, resolve
 from piper_sim.axes import check_setup, cp_memory, cp_segments, gathered_kv_bytes, passes, static_memory, unit_buckets
+from piper_sim.layouts import parse_layout
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, is_inner, run_passes
 from piper_sim.memory import SegmentMemory, model_memory
 from piper_sim.configs import ModelConfig, plan_model_meta, tp_shard
@@ -97,12 +98,15 @@ def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
                 layers_per_stage: list[int] | str | None = None, gpu: GPU | None = None) -> list[StageCost]:
     """The segments of each stage: contiguous layers (equal counts, as the ``segment``
     directive says, or ``"balanced"``: equal forward+backward time with the embedding and
-    the head counted, priced on ``gpu``); the embedding joins the first stage, the head the last."""
+    the head counted, priced on ``gpu``); the embedding joins the first stage, the head the last.
+    A list may give the first stage 0 layers (the embedding alone) and the last 0 (the head
+    and loss alone), as Megatron's and torchtitan's layouts do."""
     if isinstance(cfg, UserModel):
         return _user_stage_costs(cfg, segments, n_stages, layers_per_stage, gpu)
-    if n_stages > cfg.n_layers:
+    if n_stages > cfg.n_layers and not isinstance(layers_per_stage, list):
         raise StrategyError(f"pipeline: {n_stages} stages but model {cfg.name} has only {cfg.n_layers} layers; "
-                            "lower the pipeline degree or stages_per_rank")
+                            "lower the pipeline degree or stages_per_rank, or give layers_per_stage with "
+                            "an embedding-only first / head-only last stage (0 layers)")
     if layers_per_stage == "balanced":
         times = unit_times(segments, gpu or H100)
         layers_per_stage = cost_balanced_layers([times[f"layers.{i}"] for i in range(cfg.n_layers)],
@@ -111,6 +115,10 @@ def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
         if len(layers_per_stage) != n_stages or sum(layers_per_stage) != cfg.n_layers:
             raise StrategyError(f"segment: layers_per_stage {layers_per_stage} must have {n_stages} entries "
                                 f"summing to the {cfg.n_layers} layers of {cfg.name}")
+        empty = [s for s, n in enumerate(layers_per_stage) if n == 0 and 0 < s < n_stages - 1]
+        if empty:
+            raise StrategyError(f"segment: layers_per_stage {layers_per_stage} leaves stage(s) {empty} with nothing; "
+                                "only the first stage (embedding) and the last (head and loss) may hold 0 layers")
         starts = [sum(layers_per_stage[:i]) for i in range(n_stages)]
         ranges = [range(a, a + n) for a, n in zip(starts, layers_per_stage)]
     else:
@@ -139,6 +147,9 @@ def _user_stage_costs(model: UserModel, segments: list[SegmentCost], n_stages: i
         units_per_stage = cost_balanced_layers([times[u] for u in model.units], 0.0, 0.0, n_stages)
     if units_per_stage is None:
         units_per_stage = [len(r) for r in partition_layers(n, n_stages)]
+    if isinstance(units_per_stage, list) and 0 in units_per_stage:
+        raise StrategyError(f"segment: layers_per_stage {units_per_stage} has a stage of 0 units; user model "
+                            f"{model.name} has no embedding or head of its own to hold there")
     if len(units_per_stage) != n_stages or sum(units_per_stage) != n:
         raise StrategyError(f"segment: layers_per_stage {units_per_stage} must have {n_stages} entries "
                             f"summing to the {n} units of {model.name}")
@@ -155,9 +166,12 @@ def estimated_instructions(strategy: Strategy, cfg: ModelConfig) -> int:
     m = by_op.get("split", {}).get("microbatches", strategy.microbatches)
     pipe = by_op.get("pipeline", {})
     pp = pipe.get("degree", 1)
-    name = canonical_schedule(by_op.get("schedule", {}).get("name", default_schedule(pipe.get("stages_per_rank"))))
+    requested = pipe.get("stages_per_rank")
+    if "layout" in pipe:  # checked by check_directive: its stages over the degree
+        requested = requested or max(1, len(parse_layout(pipe["layout"], "directive pipeline")) // pp)
+    name = canonical_schedule(by_op.get("schedule", {}).get("name", default_schedule(requested)))
     try:
-        v = stages_per_rank(name, pp, m, pipe.get("stages_per_rank"))
+        v = stages_per_rank(name, pp, m, requested)
     except ValueError:
         return 0  # an impossible schedule: expanding it says why, at once
     pairs = m * v // SCHEDULE_TABLE[name].copies  # dualpipe: two copies, half the micro-batches each

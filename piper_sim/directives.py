@@ -21,6 +21,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from piper_sim.layouts import layout_layers, stages_of
 from piper_sim.recompute import Recompute
 from piper_sim.schedules import (SCHEDULES, Action, ScheduleError, Slot, build_schedule, canonical_schedule,
                                  default_schedule, format_slot, known_names)
@@ -141,6 +142,9 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
     pipe = by_op.get("pipeline", {"op": "pipeline", "degree": 1})
     pp = pipe["degree"]
     v = pipe.get("stages_per_rank")  # None: what the schedule needs (2 for zbv, dualpipev)
+    if "layout" in pipe:  # Megatron's layout string: its stage count gives the stages per rank
+        lps = layout_layers(pipe["layout"], "directive pipeline")
+        v = stages_of(lps, pp, v, "directive pipeline")
     sched = by_op.get("schedule")
     has_low_level = any(d["op"] in ("place", "order") for d in strategy.directives)
     if sched or not has_low_level:
@@ -165,6 +169,8 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
                         "from": name})
     if "layers_per_stage" in pipe:
         out.append({"op": "segment", "layers_per_stage": pipe["layers_per_stage"]})
+    elif "layout" in pipe:
+        out.append({"op": "segment", "layers_per_stage": lps})
     if "data_parallel" in by_op:
         d = by_op["data_parallel"]
         out.append({"op": "replicate", "degree": d["degree"], "zero": d.get("zero", 0),

@@ -39,7 +39,7 @@ class StrategyError(ValueError):
 # op -> (required fields, optional fields)
 DIRECTIVE_FIELDS: dict[str, tuple[set[str], set[str]]] = {
     # high level
-    "pipeline": ({"degree"}, {"stages_per_rank", "placement", "layers_per_stage"}),
+    "pipeline": ({"degree"}, {"stages_per_rank", "placement", "layers_per_stage", "layout"}),
     "data_parallel": ({"degree"}, {"zero", "bucket_mb", "reduce", "overlap_param_gather", "shard_degree"}),
     "expert_parallel": ({"degree"}, set()),
     "tensor_parallel": ({"degree"}, {"sequence_parallel"}),
@@ -98,6 +98,10 @@ class Strategy:
             op = d["op"]
             if op == "pipeline":
                 v = d.get("stages_per_rank") or 1
+                if "layout" in d and "stages_per_rank" not in d:  # pp × v stages (piper_sim.layouts)
+                    from piper_sim.layouts import parse_layout
+
+                    v = max(1, len(parse_layout(d["layout"], "directive pipeline")) // d["degree"])
                 parts.append(f"pp{d['degree']}" + (f"v{v}" if v > 1 else ""))
             elif op == "schedule":
                 parts.append(f"{d['name']} m{self.microbatches}")
@@ -194,9 +198,16 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
         raise StrategyError(f"{where} field 'kind' must be one of {', '.join(STREAM_KINDS)} (got {d['kind']!r})")
     lps = d.get("layers_per_stage", "balanced")
     if lps != "balanced" and (not isinstance(lps, list) or not lps
-                              or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in lps)):
-        raise StrategyError(f"{where} field 'layers_per_stage' must be \"balanced\" or a list of positive "
-                            f"layer counts, one per stage (got {d['layers_per_stage']!r})")
+                              or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in lps)):
+        raise StrategyError(f"{where} field 'layers_per_stage' must be \"balanced\" or a list of layer counts "
+                            f"(0 or more), one per stage (got {d['layers_per_stage']!r})")
+    if "layout" in d:  # Megatron's --pipeline-model-parallel-layout (piper_sim.layouts)
+        from piper_sim.layouts import layout_layers
+
+        if "layers_per_stage" in d:
+            raise StrategyError(f"{where} fields 'layout' and 'layers_per_stage' both give the layers per stage; "
+                                "keep one")
+        layout_layers(d["layout"], where)
     if "sequence_parallel" in d and not isinstance(d["sequence_parallel"], bool):
         raise StrategyError(f"{where} field 'sequence_parallel' must be true or false (got {d['sequence_parallel']!r})")
     for key in ("embedding", "head"):

@@ -128,6 +128,9 @@ def job_from_strategy(strategy: Strategy | dict) -> Job:
     if "layers_per_stage" in by_op.get("pipeline", {}):
         raise InteropError("directive pipeline: field 'layers_per_stage' does not map (torchtitan and Megatron "
                            "split layers evenly, or by module names / layouts piper-sim does not write)")
+    if "layout" in by_op.get("pipeline", {}):
+        raise InteropError("directive pipeline: field 'layout' is not exported in this version (Megatron's "
+                           "--pipeline-model-parallel-layout takes it as written); drop it to export")
     if "placement" in by_op.get("pipeline", {}):
         raise InteropError("directive pipeline: field 'placement' does not map; the schedule's name sets it")
     setup = resolve(expand(strategy))  # checks the strategy as the compiler does
