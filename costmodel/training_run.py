@@ -118,7 +118,8 @@ class TrainingRun:
     tokens_per_kwh: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; an infinite MTBF (nothing fails) as None, valid JSON."""
+        return {k: None if isinstance(v, float) and math.isinf(v) else v for k, v in asdict(self).items()}
 
 
 def training_run(opts: RunOptions, step_time_s: float, tokens_per_step: float, world_size: int,
