@@ -21,7 +21,7 @@ data centre's PUE, over the whole wall time (restarts included: an upper estimat
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from costmodel.memory import adam_state_bytes
@@ -53,6 +53,9 @@ NODE_OVERHEAD = 8.4e3 / (8 * 700) - 1
 # Power usage effectiveness: Google's fleet-wide trailing-twelve-month PUE, 1.10 (Google data
 # centers "Efficiency" page; 1.10 for Q2 2021 as reported by CNBC 2022-04-13).
 PUE = 1.10
+
+# what `explore --rank-by` orders by; all but tokens_per_s need the training runs (--tokens)
+RANK_BY = ("tokens_per_s", "time_to_train", "cost", "energy")
 
 
 def young_interval(delta_s: float, mtbf_s: float) -> float:
@@ -175,8 +178,3 @@ def banded(opts: RunOptions, step_time_s: float, band_s: tuple[float, float] | N
     if band_s is None:
         return mid, None, None
     return mid, training_run(opts, band_s[0], **kw), training_run(opts, band_s[1], **kw)
-
-
-def with_defaults(opts: RunOptions, **changes: Any) -> RunOptions:
-    """``opts`` with the given fields changed, those given as None left at their value."""
-    return replace(opts, **{k: v for k, v in changes.items() if v is not None})
