@@ -221,6 +221,24 @@ GPUS: dict[str, GPU] = {
 }
 
 
+# Board power under training, W per GPU, keyed by GPU name (one table per fact; used by the
+# energy model, costmodel.training_run). Vendor TDP / board power: A100 SXM 400 W (NVIDIA A100
+# datasheet), H100 SXM 700 W (NVIDIA H100 datasheet; Llama 3 arXiv 2407.21783 §3.3.1 "700W TDP"),
+# H200 SXM up to 700 W (NVIDIA H200 datasheet), B200 1000 W (HGX B200, shared/reference
+# hardware-costs-traces.md §1), MI300X 750 W (AMD Instinct MI300X datasheet, peak board power).
+# Sustained training draws at the limit: the MSMF runs (clock settled for minutes) draw ≈693 W on
+# H200 and ≈994 W on B200 (stas00/ml-engineering fast-mamf, reference stacks-and-clocks.md §1), so
+# the TDP is used, not a lower figure. H800: H100's board (inferred). CPU and custom GPUs: none.
+TRAINING_POWER_W: dict[str, float] = {
+    "A100-80G": 400.0, "H100": 700.0, "H200": 700.0, "H800": 700.0, "B200": 1000.0, "MI300X": 750.0,
+}
+
+
+def training_power_w(gpu: GPU) -> float | None:
+    """W one GPU board draws under training (`TRAINING_POWER_W`), None when not sourced."""
+    return TRAINING_POWER_W.get(gpu.name)
+
+
 def get_gpu(name: str) -> GPU:
     """Look a preset up by short key ("h100") or full name ("A100-80G"), case-insensitive."""
     key = name.lower()

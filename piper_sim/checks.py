@@ -114,6 +114,34 @@ def arg_float(minimum: float = 0.0, positive: bool = True):
     return parse
 
 
+SIZE_SUFFIXES = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
+
+
+def parse_size(text: str) -> float:
+    """``"1T"`` -> 1e12, ``"300B"`` -> 3e11, ``"2.5e12"``, ``"15.6T"`` (K, M, B or G, T, P;
+    any case); ValueError unless a finite number > 0."""
+    t = str(text).strip().upper().replace("_", "").replace(",", "")
+    scale = SIZE_SUFFIXES.get(t[-1:], 1.0)
+    try:
+        value = float(t[:-1] if t[-1:] in SIZE_SUFFIXES else t) * scale
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"expected a count like 1T, 300B or 2.5e12 (K, M, B, T, P), got {text!r}")
+    return value
+
+
+def arg_size(text: str) -> float:
+    """An argparse ``type`` for `parse_size` (argparse's one-line error names the flag)."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+arg_size.__name__ = "size"
+
+
 def arg_int_list(minimum: int = 1, maximum: int | None = MAX_COUNT):
     """An argparse ``type`` for a comma-separated list of integers in range (``2,4,8``);
     argparse's one-line error names the flag."""

@@ -34,6 +34,7 @@ from costmodel.hardware import parse_cluster
 from costmodel.memory import DEFAULT_HEADROOM_BYTES, fits, memory_need
 from costmodel.model import get_costmodel
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, check_stack_on, parse_stack, stack_to_strategy
+from costmodel.training_run import RANK_BY, RunOptions as TrainingRunOptions, TrainingRun
 from piper_sim.bands import Band
 from piper_sim.checks import MAX_EXPLORE_CANDIDATES, check_world_size, integer
 from piper_sim.configs import tp_divisibility_error, tp_shard
@@ -121,21 +122,31 @@ class Row:
     reason: str = ""
     band: Band | None = None  # the 80% band of step_time_s (piper_sim.bands)
     device_memory_bytes: float = 0.0  # what the device holds at the peak: reserved + runtime (simulator)
+    cluster: str = ""  # the cluster spec it ran on
+    state_bytes: float = 0.0  # the most model-state bytes (params + optimizer) one rank holds
+    run: TrainingRun | None = None  # time to train, goodput, $ and kWh (`add_training_runs`)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["candidate"] = asdict(self.candidate)
         d["strategy"] = self.candidate.short()
         d["band"] = None if self.band is None else self.band.to_json()
+        d["run"] = None if self.run is None else self.run.to_json()
         return d
 
 
 _RANKED = {"ok": 0, "tight": 1}  # simulated rows that may run, in the order they are ranked
 
 
-def _rank_key(r: Row) -> tuple:
-    """Fitting plans first, then tight ones, then the rest; each by step time."""
-    return _RANKED.get(r.status, len(_RANKED)), r.step_time_s
+def _rank_key(r: Row, by: str = "tokens_per_s") -> tuple:
+    """Fitting plans first, then tight ones, then the rest; each by step time (``tokens_per_s``:
+    every candidate trains the same tokens per step), or by its run's wall time, cost ($, else
+    GPU-hours: the same order at one price) or kWh."""
+    metric = r.step_time_s
+    if by != "tokens_per_s" and r.run is not None:
+        metric = {"time_to_train": r.run.wall_s, "energy": r.run.kwh,
+                  "cost": r.run.gpu_hours if r.run.cost is None else r.run.cost}[by]
+    return _RANKED.get(r.status, len(_RANKED)), metric
 
 
 @dataclass
@@ -144,12 +155,16 @@ class ExploreResult:
     settings: dict[str, Any]
     wall_s: float
     counts: dict[str, int] = field(default_factory=dict)
+    rank_by: str = "tokens_per_s"  # RANK_BY
+
+    def key(self, r: Row) -> tuple:
+        return _rank_key(r, self.rank_by)
 
     @property
     def ok(self) -> list[Row]:
-        """The simulated plans that may run, fastest first: those that fit with the memory
-        headroom, then the ``tight`` ones."""
-        return sorted((r for r in self.rows if r.status in _RANKED), key=_rank_key)
+        """The simulated plans that may run, best first (fastest, or by ``rank_by``): those that
+        fit with the memory headroom, then the ``tight`` ones."""
+        return sorted((r for r in self.rows if r.status in _RANKED), key=self.key)
 
     @property
     def best(self) -> Row | None:
@@ -159,7 +174,7 @@ class ExploreResult:
 
     def best_strategy(self) -> dict[str, Any]:
         s = self.settings
-        return self.best.candidate.strategy(s["model"], s["cluster"], s["global_batch"], s["seq_len"],
+        return self.best.candidate.strategy(s["model"], self.best.cluster or s["cluster"], s["global_batch"], s["seq_len"],
                                             s.get("stack", DEFAULT_STACK))
 
     @property
@@ -169,9 +184,9 @@ class ExploreResult:
         simulated numbers, ``reason``, and the candidate's fields (pp, schedule, ...)."""
         import pandas as pd
 
-        rows = sorted(self.rows, key=_rank_key)
+        rows = sorted(self.rows, key=self.key)
         cols = ["strategy", "status", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction",
-                "peak_memory_bytes", "lower_bound_s", "reason"] + [f.name for f in fields(Candidate)]
+                "peak_memory_bytes", "lower_bound_s", "reason", "cluster"] + [f.name for f in fields(Candidate)]
         return pd.DataFrame([{**{k: v for k, v in r.to_json().items() if k != "candidate"},
                               **asdict(r.candidate)} for r in rows], columns=cols)
 
@@ -478,8 +493,9 @@ def _compile_and_simulate(task: tuple) -> tuple:
     r = simulate(plan, settings["costmodel"], memory_headroom_bytes=settings["memory_headroom_bytes"])
     peak = max(x.peak_memory_bytes for x in r.rank_stats)
     device = max(x.device_bytes for x in r.rank_stats)
+    states = max(x.params_bytes + x.optimizer_bytes for x in r.rank_stats)
     return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak, r.memory_verdict or "fits", r.band,
-                  device), ""
+                  device, states), ""
 
 
 def _pool(workers: int, use_ray: bool):
@@ -527,6 +543,11 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     mapping or a Stack; default FA2 and fused kernels). Memory as the simulator judges it
     (`costmodel.memory.memory_need`): plans within ``memory_headroom_bytes`` of the GPU's
     memory are ``tight`` and ranked after every plan that fits with the headroom."""
+    if "," in str(cluster) and candidates is None:  # several cluster sizes, ranked together
+        return _explore_clusters([c.strip() for c in str(cluster).split(",")], progress, model=model,
+                                 global_batch=global_batch, seq_len=seq_len, costmodel=costmodel, workers=workers,
+                                 prune=prune, use_ray=use_ray, stack=stack,
+                                 memory_headroom_bytes=memory_headroom_bytes, **enum_kw)
     t0 = time.perf_counter()
     cl = parse_cluster(cluster)
     check_world_size(cl.world_size, f"explore cluster {cluster}", StrategyError)
@@ -568,7 +589,7 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
         if res is None or res == "simulate-only":
             rows.append(Row(cand, res or "invalid", reason=err))
             return
-        step, tps, mfu, bubble, peak, verdict, band, device = res  # the simulator's memory verdict
+        step, tps, mfu, bubble, peak, verdict, band, device, states = res  # the simulator's memory verdict
         if verdict == "oom":
             rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand], device_memory_bytes=device,
                             reason=f"needs {device / 2**30:.1f} GiB (reserved + runtime; even unfragmented more "
@@ -576,6 +597,7 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
             return
         status = "ok" if verdict == "fits" else "tight"
         rows.append(Row(cand, status, step, tps, mfu, bubble, peak, bounds[cand], band=band, device_memory_bytes=device,
+                        state_bytes=states,
                         reason="" if status == "ok" else f"needs {device / 2**30:.1f} GiB of {hbm / 2**30:.1f} GiB "
                         f"(with the {memory_headroom_bytes / 2**30:g} GiB headroom it may run out)"))
         if status == "ok":
@@ -594,8 +616,50 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
             record(cand, res, err)
     counts: dict[str, int] = {}
     for r in rows:
+        r.cluster = cluster
         counts[r.status] = counts.get(r.status, 0) + 1
     return ExploreResult(rows=rows, settings=settings, wall_s=time.perf_counter() - t0, counts=counts)
+
+
+def _explore_clusters(specs: list[str], progress: Callable[[str, int, int], None] | None, **kw: Any) -> ExploreResult:
+    """`explore` on each cluster, one result: every row names its cluster, ranked together."""
+    parts = []
+    for spec in specs:
+        shown = None if progress is None else (lambda st, i, n, spec=spec: progress(f"{st} {spec}", i, n))
+        parts.append(explore(cluster=spec, progress=shown, **kw))
+    counts: dict[str, int] = {}
+    for p in parts:
+        for k, v in p.counts.items():
+            counts[k] = counts.get(k, 0) + v
+    settings = {**parts[0].settings, "cluster": ",".join(specs), "clusters": specs}
+    return ExploreResult(rows=[r for p in parts for r in p.rows], settings=settings,
+                         wall_s=sum(p.wall_s for p in parts), counts=counts)
+
+
+def add_training_runs(result: ExploreResult, opts: TrainingRunOptions, rank_by: str = "tokens_per_s") -> ExploreResult:
+    """Attach each simulated row's training run for ``opts.tokens`` (`costmodel.training_run`:
+    checkpoint bytes from the model and dtype, the row's cluster's size and GPU power) and rank
+    by ``rank_by`` (`RANK_BY`). The time prune stays exact per cluster: at one cluster size
+    the wall time, cost and energy grow with the step time (up to an async save's host copy)."""
+    from costmodel.hardware import training_power_w
+    from costmodel.training_run import checkpoint_bytes, training_run
+
+    if rank_by not in RANK_BY:
+        raise ValueError(f"--rank-by {rank_by!r}: choose from {', '.join(RANK_BY)}")
+    s = result.settings
+    ckpt = checkpoint_bytes(resolve_model(s["model"]).param_count(), DTYPE_BYTES[s.get("dtype", "bf16")])
+    for r in result.rows:
+        if r.status not in _RANKED:
+            continue
+        cl = parse_cluster(r.cluster or s["cluster"])
+        power = training_power_w(cl.gpu)
+        if rank_by == "energy" and power is None:
+            raise ValueError(f"--rank-by energy: no sourced board power for {cl.gpu.name} "
+                             "(costmodel.hardware.TRAINING_POWER_W)")
+        r.run = training_run(opts, r.step_time_s, s["global_batch"] * s["seq_len"], cl.world_size, ckpt,
+                             r.state_bytes, power)
+    result.rank_by = rank_by
+    return result
 
 
 @gc_paused
@@ -652,13 +716,38 @@ class _Serial:
         callback(fn(*args))
 
 
+def _run_columns(result: ExploreResult) -> tuple[str, Callable[[Row], str]] | None:
+    """The header and the cells of the training-run columns (None without runs)."""
+    from piper_sim.cli.training import duration, human
+
+    runs = [r.run for r in result.ok if r.run is not None]
+    if not runs:
+        return None
+    priced = any(x.cost is not None for x in runs)
+    head = f" {'train time':>10} {'goodput':>7} {'GPU-h':>7} {'energy':>9}" + (f" {'$':>7}" if priced else "")
+
+    def cells(r: Row) -> str:
+        x = r.run
+        kwh = "-" if x.kwh is None else human(x.kwh * 1e3, "Wh")
+        return (f" {duration(x.wall_s):>10} {x.goodput:>7.1%} {human(x.gpu_hours):>7} {kwh:>9}"
+                + (f" {'-' if x.cost is None else human(x.cost):>7}" if priced else ""))
+    return head, cells
+
+
 def format_table(result: ExploreResult, top: int = 10) -> str:
-    lines = [f"{'#':>3} {'tokens/s':>12} {'step s':>9} {'80% band s':>17} {'MFU':>6} {'bubble':>7} {'mem GiB':>8}  strategy"]
+    runs = _run_columns(result)
+    many = len(result.settings.get("clusters", ())) > 1
+    lines = [f"{'#':>3} {'tokens/s':>12} {'step s':>9} {'80% band s':>17} {'MFU':>6} {'bubble':>7} {'mem GiB':>8}"
+             f"{runs[0] if runs else ''}  strategy" + (" @ cluster" if many else "")]
     for i, r in enumerate(result.ok[:top], 1):
         band = f"{r.band.step_low_s:.4g}-{r.band.step_high_s:.4g}" if r.band else "-"
         tight = "  [tight: may run out of memory]" if r.status == "tight" else ""
         lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.step_time_s:>9.4f} {band:>17} {r.mfu:>6.1%} "
-                     f"{r.bubble_fraction:>7.1%} {r.device_memory_bytes / 2**30:>8.1f}  {r.candidate.short()}{tight}")
+                     f"{r.bubble_fraction:>7.1%} {r.device_memory_bytes / 2**30:>8.1f}{runs[1](r) if runs else ''}  "
+                     f"{r.candidate.short()}{' @ ' + r.cluster if many else ''}{tight}")
+    if runs:
+        tokens = next(r.run.tokens for r in result.ok if r.run is not None)
+        lines.append(f"ranked by {result.rank_by}; runs of {tokens:.4g} tokens (costmodel.training_run)")
     best = result.best
     if best is not None and best.band is not None:
         lines.append(f"#1: {best.band.describe(best.step_time_s)}")
@@ -677,16 +766,26 @@ def format_table(result: ExploreResult, top: int = 10) -> str:
     return "\n".join(lines)
 
 
+RUN_CSV = ("wall_s", "goodput", "gpu_hours", "interval_s", "interruptions", "kwh", "tokens_per_kwh", "cost",
+           "cost_per_1m_tokens")
+
+
 def write_csv(result: ExploreResult, path: str) -> None:
     fields = ["strategy", "status", "tokens_per_s", "step_time_s", "mfu", "bubble_fraction",
-              "peak_memory_bytes", "lower_bound_s", "reason"]
+              "peak_memory_bytes", "lower_bound_s", "reason", "cluster"]
+    runs = any(r.run is not None for r in result.rows)
+    if runs:
+        fields += [f"run_{k}" for k in RUN_CSV]
     from piper_sim.files import atomic_write
 
     with atomic_write(path, newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields + list(asdict(result.rows[0].candidate)) if result.rows else fields)
         w.writeheader()
-        for r in sorted(result.rows, key=_rank_key):
+        for r in sorted(result.rows, key=result.key):
             d = r.to_json()
+            if runs:
+                d.update({f"run_{k}": "" if r.run is None or getattr(r.run, k) is None else getattr(r.run, k)
+                          for k in RUN_CSV})
             w.writerow({**{k: d[k] for k in fields}, **d["candidate"]})
 
 
@@ -711,7 +810,7 @@ def plot_pareto(result: ExploreResult, path: str | None = None, *, ax: Any = Non
         top = result.best
         ax.annotate(top.candidate.short(), (top.peak_memory_bytes / 1e9, top.tokens_per_s), fontsize=8,
                     xytext=(5, -12), textcoords="offset points")
-    hbm = parse_cluster(result.settings["cluster"]).gpu.hbm_bytes / 1e9
+    hbm = parse_cluster(result.settings.get("clusters", [result.settings["cluster"]])[0]).gpu.hbm_bytes / 1e9
     ax.axvline(hbm, color="gray", ls="--", lw=1, label=f"GPU memory {hbm:.0f} GB")
     s = result.settings
     ax.set(xlabel="peak memory per GPU (GB)", ylabel="tokens / s",

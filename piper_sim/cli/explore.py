@@ -82,12 +82,20 @@ def cmd_explore(args: argparse.Namespace) -> None:
         kw["cp_degrees"] = args.cp
     check_outputs(args)
     from piper_sim.cli.simulate import memory_headroom_bytes
+    from piper_sim.cli.training import run_options
+    from piper_sim.explore import add_training_runs
 
     headroom = memory_headroom_bytes(args.memory_headroom)
+    opts = run_options(args)
+    rank_by = getattr(args, "rank_by", "tokens_per_s")
+    if opts is None and rank_by != "tokens_per_s":
+        raise ValueError(f"--rank-by {rank_by} needs --tokens (the tokens to train)")
     result = explore(args.model, args.cluster, args.global_batch, args.seq_len, costmodel=args.costmodel,
                      workers=args.workers, prune=not args.no_prune, use_ray=args.ray, stack=stack_arg(args.stack),
                      memory_headroom_bytes=headroom, refusal=_executor_refusal() if args.runnable else None,
                      progress=progress_printer(not (args.quiet or getattr(args, "log_quiet", 0))), **kw)
+    if opts is not None:
+        add_training_runs(result, opts, rank_by)
     print(format_table(result, args.top))
     if args.csv:
         write_csv(result, args.csv)
@@ -122,7 +130,8 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     p.add_argument("--model", required="model" not in d, default=d.get("model"),
                    help="a zoo name (`piper-sim models`), a model file or hf:PATH")
     p.add_argument("--cluster", required="cluster" not in d, default=d.get("cluster"),
-                   help="cpu:N, a100|h100|h200|h800|b200|mi300x:NODESxGPUS, or a YAML/JSON cluster file")
+                   help="cpu:N, a100|h100|h200|h800|b200|mi300x:NODESxGPUS, or a YAML/JSON cluster file; "
+                        "several, comma-separated (h100:1x8,h100:4x8), are searched and ranked together")
     p.add_argument("--global-batch", type=arg_int(1), required="global_batch" not in d, default=d.get("global_batch"),
                    help="sequences per training step")
     p.add_argument("--seq-len", type=arg_int(1), required="seq_len" not in d, default=d.get("seq_len"),
@@ -153,6 +162,13 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     p.add_argument("--runnable", action="store_true",
                    help="keep to plans `piper-sim run` executes: the others are listed simulate-only, with why")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from piper_sim.cli.training import add_training_arguments
+    from costmodel.training_run import RANK_BY
+
+    p.add_argument("--rank-by", choices=RANK_BY, default="tokens_per_s",
+                   help="order of the table and the best plan: tokens_per_s (default, the step), or with --tokens "
+                        "time_to_train, cost ($ with --price-per-gpu-hour, else GPU-hours) or energy (kWh)")
+    add_training_arguments(p)
 
 
 def add_explore_parser(sub) -> None:

@@ -11,6 +11,7 @@ import json
 import sys
 
 from costmodel.stack import parse_stack
+from piper_sim.cli.training import add_training_arguments, describe_run, plan_run, run_json, run_options
 
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -34,6 +35,7 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                    help="GiB a plan must leave free to be 'fits' rather than 'tight' (default 2: NCCL and "
                         "libraries grow after start-up)")
     s.add_argument("--strict", action="store_true", help="exit 1 unless the plan fits with the headroom")
+    add_training_arguments(s)
     s.set_defaults(func=cmd_simulate)
     return s
 
@@ -56,6 +58,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from piper_sim.validate import load_valid_plan
 
     headroom = memory_headroom_bytes(args.memory_headroom)
+    opts = run_options(args)
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)
     result = simulate(plan, costmodel=args.costmodel, fold=not args.no_fold, memory_headroom_bytes=headroom)
     failed = 1 if args.strict and result.memory_verdict not in (None, "fits") else 0
@@ -71,8 +74,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.memory:
         result.plot_memory(args.memory, title=title)
     _warn_if_over_memory(result)
+    runs, gpu = plan_run(result, opts) if opts else (None, "")
     if args.json:
-        print(json.dumps(result.to_json()))
+        out = result.to_json()
+        if runs:
+            out["training_run"] = run_json(*runs, opts=opts)
+        print(json.dumps(out))
         return failed
     print(title)
     u = "u" if result.time_unit == "units" else "s"  # a unit cost model counts in its own time units
@@ -95,6 +102,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               f"{s.peak_memory_bytes / 1e9:>9.2f} {states / 1e9:>10.2f} {s.activations_bytes / 1e9:>8.2f}")
     if result.memory_verdict is not None:
         print(memory_line(result))
+    if runs:
+        print("\n".join(describe_run(*runs, opts=opts, gpu=gpu)))
     for label, path in (("trace", args.trace), ("Kineto traces", args.kineto), ("timeline", args.timeline),
                         ("memory", args.memory)):
         if path:
