@@ -178,3 +178,20 @@ def banded(opts: RunOptions, step_time_s: float, band_s: tuple[float, float] | N
     if band_s is None:
         return mid, None, None
     return mid, training_run(opts, band_s[0], **kw), training_run(opts, band_s[1], **kw)
+
+
+def duration(s: float) -> str:
+    """``42 s``, ``12.5 min``, ``7.3 h``, ``54.1 d``."""
+    for unit, div, limit in (("s", 1, 120), ("min", 60, 120 * 60), ("h", 3600, 72 * 3600)):
+        if s < limit:
+            return f"{s / div:.3g} {unit}"
+    return f"{s / 86400:.3g} d"
+
+
+def human(x: float, unit: str = "") -> str:
+    """``2.36M``, ``410k``, ``57.1``; with a unit ``112 GB``, ``32.7 MWh``."""
+    sep = " " if unit else ""
+    for suffix, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{sep}{suffix}{unit}"
+    return f"{x:.3g}{sep}{unit}"

@@ -12,6 +12,11 @@ import argparse
 import math
 from typing import Any
 
+
+class StrategyError(ValueError):
+    """Bad strategy input; the message is one line naming the directive/field and the fix
+    (`piper_sim.strategy` re-exports it)."""
+
 # Counts (batch, sequence, degrees, micro-batches) above this are typos, not strategies.
 MAX_COUNT = 2**31 - 1
 

@@ -718,7 +718,7 @@ class _Serial:
 
 def _run_columns(result: ExploreResult) -> tuple[str, Callable[[Row], str]] | None:
     """The header and the cells of the training-run columns (None without runs)."""
-    from piper_sim.cli.training import duration, human
+    from costmodel.training_run import duration, human
 
     runs = [r.run for r in result.ok if r.run is not None]
     if not runs:

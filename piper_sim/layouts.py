@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import re
 
-from piper_sim.checks import MAX_LAYERS
-from piper_sim.strategy import StrategyError
+from piper_sim.checks import MAX_LAYERS, StrategyError
 
 _GROUP = re.compile(r"\(([^()]+)\)\*(\d+)")
 _LETTER = re.compile(r"(.)\*(\d+)")

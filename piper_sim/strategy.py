@@ -30,10 +30,7 @@ from typing import Any
 from costmodel.dtypes import TRAINING_DTYPES
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, parse_stack, stack_to_strategy
 from piper_sim import checks
-
-
-class StrategyError(ValueError):
-    """Bad strategy input; the message is one line naming the directive/field and the fix."""
+from piper_sim.checks import StrategyError  # noqa: F401  (defined there so piper_sim.layouts needs no strategy)
 
 
 # op -> (required fields, optional fields)

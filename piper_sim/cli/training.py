@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from costmodel.training_run import FAILURES_PER_GPU_HOUR, NODE_OVERHEAD, PUE, RESTART_S, STORAGE_BW, RunOptions
+from costmodel.training_run import (FAILURES_PER_GPU_HOUR, NODE_OVERHEAD, PUE, RESTART_S, STORAGE_BW, RunOptions,
+                                    duration, human)
 from piper_sim.checks import arg_float, arg_size
 
 RUN_FLAGS = ("failure_rate", "ckpt_bandwidth", "async_ckpt", "ckpt_interval_min", "restart_min",
@@ -54,23 +55,6 @@ def run_options(args: argparse.Namespace) -> RunOptions | None:
         if getattr(args, flag) is not None:
             kw[field] = getattr(args, flag) * scale
     return RunOptions(**kw)
-
-
-def duration(s: float) -> str:
-    """``42 s``, ``12.5 min``, ``7.3 h``, ``54.1 d``."""
-    for unit, div, limit in (("s", 1, 120), ("min", 60, 120 * 60), ("h", 3600, 72 * 3600)):
-        if s < limit:
-            return f"{s / div:.3g} {unit}"
-    return f"{s / 86400:.3g} d"
-
-
-def human(x: float, unit: str = "") -> str:
-    """``2.36M``, ``410k``, ``57.1``; with a unit ``112 GB``, ``32.7 MWh``."""
-    sep = " " if unit else ""
-    for suffix, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= div:
-            return f"{x / div:.3g}{sep}{suffix}{unit}"
-    return f"{x:.3g}{sep}{unit}"
 
 
 def _band(low, high, attr: str, fmt) -> str:
