@@ -2,6 +2,7 @@
 torch's fake process group, each ``torch.distributed`` call recorded, then checked.
 
     python -m executor.scale_check PLAN.json|STRATEGY.json [--workers N] [--clip-grad-norm X]
+    python -m executor.scale_check --family zbv-zero3 --ranks 1024
 
 For each rank in turn: the fake process group (``torch.testing._internal.distributed.fake_pg``,
 which moves no data), `Comms.create`, `Runtime` and one `Runtime.run_step` -- the executor's own
@@ -436,6 +437,58 @@ def scale_check(plan: Plan, workers: int = 1, clip_grad_norm: float | None = Non
     return Report(plan.world_size, sum(len(log.calls) for log in logs), time.perf_counter() - t0, mismatch)
 
 
+@dataclass(frozen=True)
+class Family:
+    """A kind of plan the check samples: its model, schedule and parallelism; data parallelism
+    fills the ranks left (`strategy`)."""
+
+    sched: str = "1f1b"
+    pp: int = 4
+    v: int = 1                      # stages per pipeline rank
+    zero: int = 0
+    tp: int = 1
+    sp: bool = False
+    ep: int = 1
+    cp: int = 1
+    style: str = "allgather"
+    model: str = "gpt-tiny"
+    m: int = 4                      # micro-batches
+    recompute: str = ""
+
+    def strategy(self, world: int) -> dict[str, Any]:
+        dp = world // (self.pp * self.tp * self.cp)
+        d: list[dict[str, Any]] = [{"op": "pipeline", "degree": self.pp, **({"stages_per_rank": self.v}
+                                                                             if self.v > 1 else {})},
+                                   {"op": "schedule", "name": self.sched},
+                                   {"op": "data_parallel", "degree": dp, "zero": self.zero}]
+        if self.ep > 1:
+            d.append({"op": "expert_parallel", "degree": self.ep})
+        if self.tp > 1:
+            d.append({"op": "tensor_parallel", "degree": self.tp, "sequence_parallel": self.sp})
+        if self.cp > 1:
+            d.append({"op": "context_parallel", "degree": self.cp, "style": self.style})
+        if self.recompute:
+            d.append({"op": "recompute", "mode": self.recompute})
+        return {"model": self.model, "cluster": f"cpu:{world}", "global_batch": dp * self.m, "seq_len": 16 * self.cp,
+                "microbatches": self.m, "directives": d}
+
+
+# each schedule, ZeRO 0-3, TP (with and without SP), EP and CP (all-gather and ring), in plans the
+# executor runs (`executor.options`: e.g. no SP with a split backward, no SP with MoE or ZeRO-3)
+FAMILIES: dict[str, Family] = {
+    "gpipe-zero0": Family("gpipe"),
+    "1f1b-tp2-zero1": Family(tp=2, zero=1),
+    "interleaved-tp4-sp-zero2": Family("interleaved_1f1b", v=2, tp=4, sp=True, zero=2),
+    "zb1p-zero2": Family("zb1p", zero=2),
+    "zbv-zero3": Family("zbv", v=2, zero=3),
+    "dualpipe-tp2-zero1": Family("dualpipe", tp=2, zero=1, m=8),
+    "dualpipev-moe-ep4-zero1": Family("dualpipev", pp=2, v=2, ep=4, zero=1, model="moe-tiny"),
+    "1f1b-moe-ep4-tp2-zero3": Family(pp=2, ep=4, tp=2, zero=3, model="moe-tiny"),
+    "1f1b-cp4-zero3": Family(pp=2, cp=4, zero=3),
+    "1f1b-cp2-ring-tp2-sp-zero1": Family(pp=2, cp=2, style="ring", tp=2, sp=True, zero=1, recompute="full"),
+}
+
+
 def load(path: str) -> Plan:
     """A plan file, or a strategy file compiled here."""
     with open(path) as f:
@@ -451,17 +504,23 @@ def load(path: str) -> Plan:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m executor.scale_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("plan", metavar="PLAN.json", help="a plan file, or a strategy file (compiled here)")
+    p.add_argument("plan", nargs="?", metavar="PLAN.json", help="a plan file, or a strategy file (compiled here)")
+    p.add_argument("--family", choices=sorted(FAMILIES), help="instead of a file: a family of `FAMILIES`")
+    p.add_argument("--ranks", type=int, default=64, help="with --family: the world size (default 64)")
     p.add_argument("--workers", type=int, default=1, help="processes, each running a share of the ranks")
     p.add_argument("--clip-grad-norm", type=float, default=None, help="run the step as --clip-grad-norm does")
     args = p.parse_args(argv)
+    if (args.plan is None) == (args.family is None):
+        p.error("give a PLAN.json or --family")
     from executor.options import refuse_tensor_parallel, refuse_tied_embeddings
+    from piper_sim.compiler import compile_strategy
 
-    plan = load(args.plan)
-    refuse_tensor_parallel(plan, args.plan)
-    refuse_tied_embeddings(plan, args.plan)
+    name = args.plan or f"{args.family} on {args.ranks} ranks"
+    plan = load(args.plan) if args.plan else compile_strategy(FAMILIES[args.family].strategy(args.ranks)).plan
+    refuse_tensor_parallel(plan, name)  # what the executor would refuse to run
+    refuse_tied_embeddings(plan, name)
     r = scale_check(plan, args.workers, args.clip_grad_norm)
-    print(f"{args.plan}: {r.ranks} ranks, {r.calls} calls recorded, {r.seconds:.1f} s: "
+    print(f"{name}: {r.ranks} ranks, {r.calls} calls recorded, {r.seconds:.1f} s: "
           + ("ok" if r.ok else f"MISMATCH: {r.mismatch}"))
     return 0 if r.ok else 1
 
