@@ -292,6 +292,10 @@ def expected_calls(plan: Plan, rank: int, comms: Comms, rec: Recorder) -> tuple[
     return out, {k: sorted(v) for k, v in p2p.items()}
 
 
+class RankFailed(RuntimeError):
+    """A rank's set-up or step raised; the message names the rank."""
+
+
 def run_rank(plan: Plan, rank: int, state: dict, clip_grad_norm: float | None = None) -> RankLog:
     """One rank of ``plan``: fake process group, `Comms.create`, `Runtime`, one step, recorded."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -305,6 +309,8 @@ def run_rank(plan: Plan, rank: int, state: dict, clip_grad_norm: float | None = 
         state["rec"] = None
         expected, p2p = expected_calls(plan, rank, comms, rec)
         comms.destroy()
+    except Exception as e:  # noqa: BLE001 - one line naming the rank (InstructionError does already)
+        raise RankFailed(str(e) if str(e).startswith("rank ") else f"rank {rank}: {type(e).__name__}: {e}") from e
     finally:
         state["rec"] = None
         dist.destroy_process_group()
@@ -430,9 +436,13 @@ def check(logs: list[RankLog]) -> str | None:
 
 
 def scale_check(plan: Plan, workers: int = 1, clip_grad_norm: float | None = None) -> Report:
-    """Run and check every rank of ``plan`` (`record_ranks`, `check`)."""
+    """Run and check every rank of ``plan`` (`record_ranks`, `check`); a rank that raises is
+    the report's mismatch (``failed: rank R: ...``)."""
     t0 = time.perf_counter()
-    logs = record_ranks(plan, workers, clip_grad_norm)
+    try:
+        logs = record_ranks(plan, workers, clip_grad_norm)
+    except RankFailed as e:
+        return Report(plan.world_size, 0, time.perf_counter() - t0, f"failed: {e}")
     mismatch = check(logs)
     return Report(plan.world_size, sum(len(log.calls) for log in logs), time.perf_counter() - t0, mismatch)
 

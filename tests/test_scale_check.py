@@ -111,3 +111,17 @@ def test_groups_created_in_another_order_are_named(logs):
     groups[0], groups[1] = groups[1], groups[0]
     msg = check(_with(logs, 6, groups=groups))
     assert msg and msg.startswith("group creation differs between rank 0 and rank 6 at new_group #0"), msg
+
+
+def test_a_rank_that_raises_is_the_report(monkeypatch):
+    from executor.runtime import Runtime
+
+    real = Runtime.run_step
+
+    def run_step(self, step, **kw):
+        if self.rank == 1:
+            raise ValueError("boom")
+        return real(self, step, **kw)
+    monkeypatch.setattr(Runtime, "run_step", run_step)
+    r = scale_check(_plan())
+    assert not r.ok and r.mismatch == "failed: rank 1: ValueError: boom"
