@@ -125,3 +125,9 @@ def test_a_rank_that_raises_is_the_report(monkeypatch):
     monkeypatch.setattr(Runtime, "run_step", run_step)
     r = scale_check(_plan())
     assert not r.ok and r.mismatch == "failed: rank 1: ValueError: boom"
+
+
+def test_clipping_adds_its_norm_all_reduce_on_its_own_group():
+    r = scale_check(_plan(), clip_grad_norm=1.0)
+    assert r.ok, r.mismatch
+    assert r.calls == scale_check(_plan()).calls + 8  # one all-reduce of the squared norm per rank
