@@ -224,9 +224,8 @@ class Comms:
         """Collective: every rank calls it with the same plan."""
         keys, tags = plan_groups(plan)
         comms = cls(tags=dict(tags))
-        for key in keys:
-            stream, ranks = key
-            comms.groups[key] = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
+        for key in keys:  # (stream, ranks)
+            comms.groups[key] = dist.new_group(list(key[1]), timeout=timedelta(seconds=timeout_s))
         return comms
 
     def group(self, stream: str, group: str):

@@ -12,7 +12,8 @@ of one) and logs per rank, in issue order, each call's op, group, size, dtype, p
 splits. `check` then asks, and names the first mismatch in one line:
 
 1. every rank created the same process groups in the same order (``new_group`` is collective);
-2. every member of a group issued the same (op, size, dtype) sequence on it;
+2. every member of a group issued the same (op, size, dtype) sequence on it (a broadcast: from
+   the same source);
 3. per group and ordered pair (src, dst), the sends src issued to dst and the receives dst
    posted from src match in order, size, dtype and tag (NCCL matches them in issue order);
 4. each rank issued on each of its plan's groups the collectives its `Plan.program` lists
@@ -47,7 +48,6 @@ from executor.collectives import Comms, group_ranks, plan_groups
 from executor.runtime import Runtime
 from piper_sim.plan import Plan
 
-RECV_OPS = ("recv", "irecv")
 P2P = ("send", "recv")
 # torch.distributed function -> the op it records (flat and list forms alike)
 OPS = {"all_reduce": "all_reduce", "reduce_scatter_single": "reduce_scatter",
@@ -127,11 +127,8 @@ class Recorder:
         return k, self.groups[k]
 
     def add(self, op: str, a: dict[str, Any]) -> None:
+        """Log a call of ``op`` with bound arguments ``a``."""
         g, ranks = self.group(a.get("group"))
-        # the collective's whole size: a gather's output, a scatter's (an all-to-all's) input
-        names = ("output_tensor", "tensor_list", "tensor") if op == "all_gather" else \
-            ("input", "input_list", "input_tensor_list", "tensor")
-        t = next((a[n] for n in names if a.get(n) is not None), None)
         if op.endswith("_object"):
             lst = a.get("object_list") or a.get("object_gather_list") or []
             self.calls.append(Call(op, g, len(lst), (), "object"))
@@ -142,6 +139,10 @@ class Recorder:
                 self.calls.append(Call(kind, self.group(p.group)[0], p.tensor.numel(), tuple(p.tensor.shape),
                                        str(p.tensor.dtype).removeprefix("torch."), p.peer, p.tag))
             return
+        # the collective's whole size: a gather's output, a scatter's (an all-to-all's) input
+        names = ("output_tensor", "tensor_list", "tensor") if op == "all_gather" else \
+            ("input", "input_list", "input_tensor_list", "tensor")
+        t = next((a[n] for n in names if a.get(n) is not None), None)
         if isinstance(t, (list, tuple)):  # the list forms
             t = torch.cat([x.reshape(-1) for x in t]) if t else torch.empty(0)
         if t is None:  # barrier
@@ -394,7 +395,7 @@ def check(logs: list[RankLog]) -> str | None:
         outside = [r for r in per_rank if r not in members]
         if outside:
             return f"rank {outside[0]} issued {per_rank[outside[0]][0]} on group #{g} {_name(members)}, not a member"
-        sig = {r: [(c.op, c.size(), c.dtype) for c in per_rank.get(r, [])] for r in members}
+        sig = {r: [(c.op, c.size(), c.dtype, c.peer) for c in per_rank.get(r, [])] for r in members}
         first = sig[members[0]]
         for r in members[1:]:
             if sig[r] != first:
