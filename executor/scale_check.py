@@ -18,8 +18,10 @@ splits. `check` then asks, and names the first mismatch in one line:
    posted from src match in order, size, dtype and tag (NCCL matches them in issue order);
 4. each rank issued on each of its plan's groups the collectives its `Plan.program` lists
    there, in stream order (`expected_calls`: an expert dispatch is two all-to-alls, counts then
-   tokens; a ring's K/V op is its p2p hops), the sends and receives it lists (tags per peer),
-   and besides them only `EXTRA` (the step's loss all-reduce).
+   tokens; a ring's K/V op is its p2p hops), the sends and receives it lists (tag and bytes per peer),
+   and besides them only `EXTRA` (the step's loss all-reduce). Sizes are compared with the plan
+   for sends and receives (their bytes); a collective's plan bytes are what it is priced at
+   (e.g. a gradient bucket's even share of the stage), so members are compared with each other.
 
 Values are garbage by design; `recording` fills outputs "loopback" (what the op would give if
 every member held this rank's data; receives get zeros) so they stay finite. An expert
@@ -79,6 +81,9 @@ class Call:
         """What every member must agree on besides op and dtype."""
         return (len(self.splits[0]), self.shape[1:]) if self.splits else self.numel
 
+    def nbytes(self) -> int:
+        return self.numel * getattr(torch, self.dtype).itemsize
+
     def __str__(self) -> str:
         size = f"{self.size()[0]} splits of rows {list(self.size()[1])}" if self.splits else f"{self.numel}"
         peer = f" peer {self.peer}" if self.peer >= 0 else ""
@@ -93,7 +98,8 @@ class RankLog:
     calls: list[Call]
     groups: list[tuple[int, ...]]                 # every new_group call, in order (its ranks)
     expected: dict[int, list[tuple[str, str]]]    # group -> (op, plan op id), stream order
-    expected_p2p: dict[tuple[int, str, int], list[int]] = field(default_factory=dict)  # (group, op, peer) -> tags
+    # (group, send|recv, peer) -> (tag, bytes) of each, sorted
+    expected_p2p: dict[tuple[int, str, int], list[tuple[int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -274,7 +280,8 @@ def expected_calls(plan: Plan, rank: int, comms: Comms, rec: Recorder) -> tuple[
     for stream, lst in prog.streams.items():
         for ins in module_order(lst, prog.streams.get("compute", [])) if stream in MODULE_STREAMS else lst:
             if ins.kind in ("SEND", "RECV"):
-                p2p.setdefault((WORLD, ins.kind.lower(), ins.peer), []).append(comms.tags[ins.match])
+                p2p.setdefault((WORLD, ins.kind.lower(), ins.peer), []).append((comms.tags[ins.match],
+                                                                                round(ins.bytes)))
                 continue
             if not ins.group:
                 continue
@@ -426,13 +433,13 @@ def check(logs: list[RankLog]) -> str | None:
         p2p: dict[tuple[int, str, int], list[int]] = {}
         for c in log.calls:
             if c.op in P2P and c.group == WORLD:
-                p2p.setdefault((c.group, c.op, c.peer), []).append(c.tag)
+                p2p.setdefault((c.group, c.op, c.peer), []).append((c.tag, c.nbytes()))
         for key in sorted(set(p2p) | set(log.expected_p2p)):
             mine, want = sorted(p2p.get(key, [])), log.expected_p2p.get(key, [])
             if mine != want:
                 extra, missing = Counter(mine) - Counter(want), Counter(want) - Counter(mine)
-                return (f"rank {log.rank}: {key[1]}s with peer {key[2]}: tags {sorted(extra)} issued beyond the "
-                        f"plan's, {sorted(missing)} of the plan's not issued")
+                return (f"rank {log.rank}: {key[1]}s with peer {key[2]}: (tag, bytes) {sorted(extra)} issued "
+                        f"beyond the plan's, {sorted(missing)} of the plan's not issued")
     return None
 
 

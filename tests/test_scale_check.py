@@ -131,3 +131,12 @@ def test_clipping_adds_its_norm_all_reduce_on_its_own_group():
     r = scale_check(_plan(), clip_grad_norm=1.0)
     assert r.ok, r.mismatch
     assert r.calls == scale_check(_plan()).calls + 8  # one all-reduce of the squared norm per rank
+
+
+def test_a_send_of_other_bytes_than_the_plan_says_is_named(logs):
+    r = next(log.rank for log in logs if log.expected_p2p)
+    key, want = next(iter(sorted(logs[r].expected_p2p.items())))
+    (tag, nbytes), *rest = want
+    msg = check(_with(logs, r, expected_p2p={**logs[r].expected_p2p, key: sorted([(tag, nbytes * 2), *rest])}))
+    assert msg == (f"rank {r}: {key[1]}s with peer {key[2]}: (tag, bytes) [({tag}, {nbytes})] issued beyond the "
+                   f"plan's, [({tag}, {nbytes * 2})] of the plan's not issued"), msg
