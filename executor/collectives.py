@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -191,6 +192,26 @@ def check_collective_order(programs: list[RankProgram]) -> None:
                                 "the compiler must give every member one issue order")
 
 
+_PLAN_GROUPS: dict[int, tuple[list[tuple[str, tuple[int, ...]]], dict[str, int]]] = {}
+
+
+def plan_groups(plan: Plan) -> tuple[list[tuple[str, tuple[int, ...]]], dict[str, int]]:
+    """The plan's collective groups, (stream, ranks) in the one order every rank creates them,
+    and its p2p tags (match -> tag), after `check_collective_order`. Every rank's programs are
+    expanded (O(world) work per rank): computed once per `Plan` object, so a process that sets
+    up many ranks of one plan (`executor.scale_check`) pays for it once."""
+    got = _PLAN_GROUPS.get(id(plan))
+    if got is None:
+        programs = plan.expand()
+        check_collective_order(programs)
+        matches = sorted({i.match for p in programs for lst in p.streams.values() for i in lst
+                          if i.kind in P2P_KINDS})
+        got = _PLAN_GROUPS[id(plan)] = (sorted(collective_sequences(programs)),
+                                        {m: k + 1 for k, m in enumerate(matches)})
+        weakref.finalize(plan, _PLAN_GROUPS.pop, id(plan), None)
+    return got
+
+
 @dataclass
 class Comms:
     """The process groups and p2p tags of one plan."""
@@ -201,15 +222,10 @@ class Comms:
     @classmethod
     def create(cls, plan: Plan, timeout_s: float) -> "Comms":
         """Collective: every rank calls it with the same plan."""
-        programs = plan.expand()
-        check_collective_order(programs)
-        comms = cls()
-        for key in sorted(collective_sequences(programs)):
-            stream, ranks = key
-            comms.groups[key] = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
-        matches = sorted({i.match for p in programs for lst in p.streams.values() for i in lst
-                          if i.kind in P2P_KINDS})
-        comms.tags = {m: k + 1 for k, m in enumerate(matches)}
+        keys, tags = plan_groups(plan)
+        comms = cls(tags=dict(tags))
+        for key in keys:  # (stream, ranks)
+            comms.groups[key] = dist.new_group(list(key[1]), timeout=timedelta(seconds=timeout_s))
         return comms
 
     def group(self, stream: str, group: str):
