@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from executor.collectives import Comms, group_ranks, plan_groups
+from executor.parallel.context import ring_hops
 from executor.runtime import Runtime
 from piper_sim.plan import Plan
 
@@ -286,8 +287,8 @@ def expected_calls(plan: Plan, rank: int, comms: Comms, rec: Recorder) -> tuple[
             if not ins.group:
                 continue
             g = by_key[(stream, group_ranks(ins.group))]
-            if stream == "cp" and cp.style == "ring":  # hops of K/V (C - 1) or of dK/dV (C), each a send and a receive
-                hops = cp.degree - (ins.kind == "ALL_GATHER")
+            hops = ring_hops(ins, cp.style, cp.degree)
+            if hops:  # ring attention: each hop a send and a receive
                 out[g] += [("p2p", ins.id)] * (2 * hops)
                 continue
             op = {"ALLREDUCE": "all_reduce", "REDUCE_SCATTER": "reduce_scatter", "ALL_GATHER": "all_gather",

@@ -51,6 +51,15 @@ def is_cp(ins) -> bool:
     return ins.stream == CP_STREAM
 
 
+def ring_hops(ins, style: str, degree: int) -> int:
+    """The point-to-point hops a plan CP op is performed as under ring attention (each a send
+    and a receive): the K/V's C - 1 for its all-gather, dK/dV's C back home for its
+    reduce-scatter; 0 for any other op or style (one collective)."""
+    if not is_cp(ins) or style != "ring":
+        return 0
+    return degree - (ins.kind == "ALL_GATHER")
+
+
 def cp_positions(seq_len: int, cp: int, index: int) -> torch.Tensor:
     """True positions of the tokens rank ``index`` holds: chunks ``index`` and ``2cp - 1 - index``."""
     c = seq_len // (2 * cp)
