@@ -146,6 +146,7 @@ def test_tied_embeddings_under_tp_with_zero1(tmp_path):
     assert_matches_reference(res, reference_losses(tmp_path, s))
 
 
+@pytest.mark.slow
 def test_3d_tp2_pp2_dp2_on_eight_ranks_traces_every_tp_op(tmp_path):
     from piper_sim.plan import Plan
 
