@@ -64,6 +64,14 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                         "--kineto / --profile (refused by default)")
 
 
+def refuse_unrunnable(plan: Plan, path: str) -> None:
+    """Every refusal that depends on the plan alone, in the order ``piper-sim run`` makes them:
+    tensor / context parallelism and recompute policies, a user model's factory, tied embeddings."""
+    refuse_tensor_parallel(plan, path)
+    refuse_unbuildable_user_model(plan, path)
+    refuse_tied_embeddings(plan, path)
+
+
 def refuse_recompute_policy(plan: Plan, path: str) -> None:
     """The executor runs the plain recompute modes (full: every layer, selective: the attention
     core); the other policies of `piper_sim.recompute` (op-SAC, every N-th layer, Megatron's

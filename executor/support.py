@@ -11,18 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from executor.options import refuse_tensor_parallel, refuse_tied_embeddings, refuse_unbuildable_user_model
+from executor.options import refuse_unrunnable
 from piper_sim.plan import Plan, PlanError
 
 
 def unrunnable(plan: Plan, path: str = "plan") -> str:
     """Why the executor would refuse ``plan`` before any process group starts ('' when it runs
-    it): tensor / context parallelism, recompute policies, tied embeddings, a user model's
-    factory. (Run options such as ``--save`` are checked by `executor.options.preflight`.)"""
+    it: `executor.options.refuse_unrunnable`, as ``piper-sim run`` refuses it). Run options such
+    as ``--save`` are checked by `executor.options.preflight`."""
     try:
-        refuse_tensor_parallel(plan, path)
-        refuse_tied_embeddings(plan, path)
-        refuse_unbuildable_user_model(plan, path)
+        refuse_unrunnable(plan, path)
     except PlanError as e:
         return str(e)
     return ""

@@ -24,8 +24,7 @@ import math
 import os
 import sys
 
-from executor.options import (add_run_options, preflight, refuse_tensor_parallel, refuse_tied_embeddings,
-                              refuse_unbuildable_user_model, stack_settings)
+from executor.options import add_run_options, preflight, refuse_unrunnable, stack_settings
 from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_int
 from piper_sim.plan import Plan, PlanError, RankClass
 
@@ -184,9 +183,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     from piper_sim.validate import load_valid_plan
 
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)  # refuse before launching
-    refuse_tensor_parallel(plan, args.plan)
-    refuse_unbuildable_user_model(plan, args.plan)
-    refuse_tied_embeddings(plan, args.plan)
+    refuse_unrunnable(plan, args.plan)
     start = preflight(args, [plan])
     if args.max_restarts:
         if not args.save:
