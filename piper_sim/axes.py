@@ -17,7 +17,7 @@ from piper_sim.ir import Pass
 from piper_sim.parallel import context, data, expert, hybrid, memory, pipeline, tensor
 
 # what the compiler and the explorer share with the techniques (they reach them only here)
-BW_KEEP_FRACTION = memory.BW_KEEP_FRACTION
+BW_KEEP_FRACTION, held_after = memory.BW_KEEP_FRACTION, memory.held_after
 cp_error, cp_memory, cp_segments, gathered_kv_bytes = (context.cp_error, context.cp_memory, context.cp_segments,
                                                         context.gathered_kv_bytes)
 static_memory, unit_buckets = data.static_memory, data.unit_buckets

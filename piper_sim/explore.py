@@ -38,7 +38,7 @@ from costmodel.training_run import RANK_BY, RunOptions as TrainingRunOptions, Tr
 from piper_sim.bands import Band
 from piper_sim.checks import MAX_EXPLORE_CANDIDATES, check_world_size, integer
 from piper_sim.configs import tp_divisibility_error, tp_shard
-from piper_sim.axes import BW_KEEP_FRACTION, cp_error, cp_memory, cp_segments, explore_options, static_memory
+from piper_sim.axes import cp_error, cp_memory, cp_segments, explore_options, held_after, static_memory
 from piper_sim.plan import gc_paused
 from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, ScheduleError, canonical_schedule, known_names,
                                  stages_per_rank)
@@ -292,9 +292,10 @@ class Screener:
     Memory: a rank's model states (`parallel.data.static_memory`) plus the most activation memory
     its compute stream is sure to hold (`_activation_peaks`): walking the schedule's order for the
     rank, F adds what the stage keeps for its backward (`memory.SegmentMemory.kept` under the
-    recompute mode), B frees it, BI and BW free their shares (``parallel.memory.BW_KEEP_FRACTION``, the
-    re-run forward under full recompute), exactly as `parallel.memory.activation_memory_pass` sets their
-    ``alloc``/``free``. Compute ops run in that order and everything else a plan allocates
+    recompute mode), B frees it, BI and BW free their shares (the re-run forward under full
+    recompute) — each action's net bytes are `parallel.memory.held_after`, the rule
+    `parallel.memory.activation_memory_pass` sets its ``alloc``/``free`` by (the screen has no
+    memory formula of its own; tests/test_explore.py checks the two agree on every candidate). Compute ops run in that order and everything else a plan allocates
     (temporaries, buffers, gathered parameters, gradient buckets) only adds, so the
     simulated peak is at least this; it is judged as the simulator judges it, as the device
     would hold it (`costmodel.memory.memory_need`, with no communicators counted). Time: the busiest rank's forward+backward kernels as
@@ -365,8 +366,6 @@ class Screener:
         (F: its stage's kept bytes all taken, plus the transient of its last segment) or its
         first backward piece starts (the last segment's transient and, under full recompute,
         its re-run activations; the backward runs the pieces last first)."""
-        keep = BW_KEEP_FRACTION
-
         key = (cand.schedule, cand.pp, cand.microbatches, cand.v, cand.tp, cand.sp, cand.cp, mbs, cand.recompute,
                cand.ep)
         if key not in self._act_peaks:
@@ -374,9 +373,8 @@ class Screener:
             during: dict[tuple[int, str], float] = {}
             for s in range(spec.num_stages):
                 kept, rerun, _, temp, work = self._stage_numbers(cand, mbs, spec.num_stages, s)
-                delta[s, "F"], delta[s, "B"] = kept, -kept
-                delta[s, "I"] = keep * rerun - (1 - keep) * kept
-                delta[s, "W"] = -keep * (kept + rerun)
+                for k, kind in (("F", "F"), ("B", "B"), ("I", "BI"), ("W", "BW")):
+                    delta[s, k] = held_after(kind, kept, rerun)
                 during[s, "F"], during[s, "W"] = kept + temp, 0.0
                 during[s, "B"] = during[s, "I"] = work + temp
             peaks = []

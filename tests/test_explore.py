@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from piper_sim.axes import held_after
 from piper_sim.explore import enumerate_candidates, explore, format_table, plot_pareto, write_csv
 
 
@@ -51,6 +52,70 @@ def test_memory_screen_is_a_lower_bound_of_the_simulated_peak(model, cluster, ba
         assert not err and mem <= r.device_memory_bytes * (1 + 1e-12), r.candidate.short()
         tight += mem >= 0.5 * r.device_memory_bytes
     assert tight > len(simulated) // 2  # a bound worth having: most within 2x of the peak
+
+
+@pytest.mark.parametrize("model,cluster,batch,seq", [SMALL[0], pytest.param(*SMALL[1], marks=pytest.mark.slow)])
+def test_screen_and_compile_agree_on_every_candidates_activation_bytes(model, cluster, batch, seq):
+    """The screen has no memory formula of its own: what each action of a stage leaves held
+    (`parallel.memory.held_after`, summed over the stage's pieces) is the compiled plan's
+    alloc - free of that action, for every candidate (schedules, split backward, ZeRO, TP/SP,
+    recompute; under ZeRO-3 the sum of a split backward's BI and BW). Buffers that other ops
+    take for a piece (ZeRO-3 parameter gathers, all-to-all receive buffers) are counted with
+    the action they serve. MoE plans keep the forward combine's buffers from F to the
+    backward, which the screen leaves out: there the screen's forward is at most the plan's,
+    and the backward frees the same excess again."""
+    from collections import defaultdict
+
+    from costmodel.hardware import parse_cluster
+    from costmodel.model import get_costmodel
+    from piper_sim.compiler import compile_strategy
+    from piper_sim.explore import Screener, _schedule
+
+    kw = dict(zero_levels=(0, 3), microbatch_factors=(2,), tp_degrees=(1, 2))
+    full = explore(model, cluster, batch, seq, workers=1, prune=False, **kw)
+    s = full.settings
+    screener = Screener(s, get_costmodel("analytic", parse_cluster(cluster)))
+    checked = set()
+    for r in full.rows:
+        if r.status not in ("ok", "tight", "oom"):
+            continue
+        cand = r.candidate
+        plan = compile_strategy(cand.strategy(s["model"], s["cluster"], s["global_batch"], s["seq_len"])).plan
+        net: dict[tuple[int, str], float] = defaultdict(float)  # (stage, kind) -> bytes, over micro-batches
+        mbs_of: dict[tuple[int, str], set] = defaultdict(set)  # the micro-batches run by that action
+        ops = [i for cls in plan.classes for i in cls.instructions()]
+        split = {(i.stage, i.mb) for i in ops if i.kind == "BI"}  # (stage, mb) whose backward is split
+        for ins in ops:
+            kind = ins.kind
+            if kind == "ALL_GATHER" and ins.stage >= 0:  # a ZeRO-3 gather, for the piece it feeds
+                kind = "F" if ins.direction == "F" else ("BI" if (ins.stage, ins.mb) in split else "B")
+            elif kind == "REDUCE_SCATTER" and ins.stage >= 0:  # frees the backward's gathered parameters
+                kind = "BI" if (ins.stage, ins.mb) in split else "B"
+            elif kind == "ALL_TO_ALL":  # receive buffers, for the piece they feed
+                kind = "F" if ins.direction == "F" else ("BI" if (ins.stage, ins.mb) in split else "B")
+            if kind in ("F", "B", "BI", "BW"):
+                if cand.zero == 3 and kind == "BW":  # ZeRO-3 moves bytes between BI and BW: their sum
+                    kind = "BI"
+                net[ins.stage, kind] += ins.alloc - ins.free
+                if kind == ins.kind:
+                    mbs_of[ins.stage, kind].add(ins.mb)
+        mbs = s["global_batch"] // (cand.dp * cand.microbatches)
+        spec = _schedule(cand.schedule, cand.pp, cand.microbatches, cand.v)
+        beyond: dict[int, float] = defaultdict(float)  # stage -> what the plan holds beyond the screen
+        for (stage, kind), got in net.items():
+            kept, rerun = screener._stage_numbers(cand, mbs, spec.num_stages, stage)[:2]
+            want = len(mbs_of[stage, kind]) * held_after(kind, kept, rerun)
+            if cand.zero == 3 and kind == "BI":
+                want += len(mbs_of[stage, kind]) * held_after("BW", kept, rerun)
+            if cand.ep > 1:  # the forward combine's buffers, kept from F until the backward frees them
+                assert (got - want >= -1) if kind == "F" else (got - want <= 1), (cand.short(), stage, kind)
+                beyond[stage] += got - want
+            else:
+                assert got == pytest.approx(want, rel=1e-9, abs=1.0), (cand.short(), stage, kind)
+        for stage, extra in beyond.items():
+            assert extra == pytest.approx(0.0, abs=1e-9 * max(abs(v) for v in net.values())), (cand.short(), stage)
+        checked.add((cand.schedule, cand.zero, cand.tp > 1, cand.recompute, cand.ep > 1))
+    assert len(checked) >= 6
 
 
 def test_enumeration_respects_schedule_constraints():

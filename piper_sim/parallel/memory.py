@@ -14,6 +14,24 @@ from piper_sim.recompute import module_recompute_flops
 BW_KEEP_FRACTION = 0.5  # share of a stage's saved activations BW still needs after BI
 
 
+def held_after(kind: str, kept: float, rerun: float = 0.0) -> float:
+    """What one action of a stage leaves held once it ends (its ``alloc - free`` in
+    `activation_memory_pass`), from the stage's kept bytes of one micro-batch and, under
+    full recompute, its re-run bytes: F keeps ``kept``, B frees it, BI keeps the re-run graph
+    for BW and frees the rest of what BW does not need, BW frees what BI left. The
+    explorer's memory screen walks a schedule with these (one rule, two users)."""
+    keep = BW_KEEP_FRACTION
+    if kind == "F":
+        return kept
+    if kind == "B":
+        return -kept
+    if kind == "BI":
+        return keep * rerun - (1 - keep) * kept
+    if kind == "BW":
+        return -keep * (kept + rerun)
+    raise ValueError(f"held_after: {kind!r} is not a compute kind (F, B, BI, BW)")
+
+
 def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
     """Selective recompute: each backward piece (B/BI) of a selective stage runs the
     forward of its attention cores again (full recompute is priced by ``_compute``); the
