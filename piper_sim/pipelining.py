@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 from typing import TYPE_CHECKING
 
+from piper_sim.files import atomic_write
 from piper_sim.plan import WEIGHT_GRAD_KINDS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -139,7 +140,7 @@ def schedule_csv_rows(plan: "Plan", comms: bool = False) -> list[list[str]]:
 def write_schedule_csv(plan: "Plan", path: str, comms: bool = False) -> None:
     """Write the per-rank action CSV (one row per pipeline rank) that torch's ``_load_csv``
     reads; ``comms``: the compute+comms form (``_load_csv(path, format="compute_comms")``)."""
-    with open(path, "w", newline="") as f:
+    with atomic_write(path, newline="") as f:  # a killed process never leaves half a file
         writer = csv.writer(f)
         for row in schedule_csv_rows(plan, comms):
             writer.writerow(row)
