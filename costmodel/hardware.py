@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from costmodel.moe import MoEOptions
+from costmodel.stragglers import GPU_SPEED_SPREAD
 
 # Achieved per-GPU NIC bandwidth of NCCL over 400 Gb/s rails: 32×H200 (4 p5en nodes, 8×400G EFA)
 # ring all-reduce busbw 364.9 GB/s at 4 GiB [MLE-B] over 8 rails (inferred; the ring's busbw is
@@ -106,6 +107,9 @@ class GPU:
     # the architecture whose kernel measurements price it (the FlashAttention table: A100's
     # for "ampere", H100's for "hopper", "blackwell", "cdna3"; "cpu" keeps A100's, scaled)
     family: str = "hopper"
+    # relative standard deviation of per-GPU speed across a fleet of this SKU: a synchronous
+    # step computes at the pace of its slowest GPU (costmodel.stragglers; Sinha et al. SC'22)
+    speed_spread: float = GPU_SPEED_SPREAD
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -213,6 +217,7 @@ CPU = GPU(
     ep_nvlink_bw=2e9, ep_nic_bw=1.25e9, ep_alpha_s=30e-6,
     gemm_by_shape=False,
     family="cpu",
+    speed_spread=0.0,  # the ranks of a CPU run share one machine's cores
 )
 
 GPUS: dict[str, GPU] = {

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
@@ -55,6 +56,7 @@ from costmodel.memory import adam_state_bytes
 from costmodel.memory import DEFAULT_HEADROOM_BYTES, memory_need, memory_verdict
 from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
+from costmodel.stragglers import slowest_factor
 from piper_sim import trace
 from piper_sim.bands import Band, band_for, run_class
 from piper_sim.header import PlanHeader
@@ -379,7 +381,7 @@ class _Host:
 
 
 class _Engine:
-    def __init__(self, plan: Plan, cm: CostModel, folded: bool):
+    def __init__(self, plan: Plan, cm: CostModel, folded: bool, slow_ranks: dict[int, float] | None = None):
         self.plan, self.cm, self.folded = plan, cm, folded
         header = plan.header
         self.dtype = header.dtype or "bf16"
@@ -421,6 +423,7 @@ class _Engine:
         self._link_reps: dict[str, str] = {}
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
+        self.compute_scale = self._compute_scales(slow_ranks or {})
         self._build()
 
     # --- setup ---------------------------------------------------------------------
@@ -435,6 +438,19 @@ class _Engine:
             except (KeyError, ValueError) as e:
                 raise SimulationError(f"rank {rank}: cannot resolve collective group {group!r}: {e}") from None
         return self._group_cache[key]
+
+    def _compute_scales(self, slow_ranks: dict[int, float]) -> dict[int, float]:
+        """Per simulated rank, how much slower its compute runs than the cost model's GPU: the
+        job's expected slowest GPU (`costmodel.stragglers.slowest_factor` over the world, the
+        GPU's ``speed_spread``), times the slowdown of the slowest rank it stands for (a folded
+        rank stands for its class: the class's collectives wait for that member)."""
+        gpu = getattr(self.cm, "gpu", None)
+        base = 1.0 if self.unit or gpu is None else slowest_factor(self.layout.world_size, gpu.speed_spread)
+        scales = dict.fromkeys(self.ranks, base)
+        for slow, factor in slow_ranks.items():
+            r = self._rep(slow)
+            scales[r] = max(scales[r], base * factor)
+        return scales
 
     def _compute_durations(self, cls) -> dict[int, float]:
         """Duration of each compute instruction of a class (keyed by id(ins))."""
@@ -498,7 +514,7 @@ class _Engine:
                         raise SimulationError(f"rank {r}: op {ins.id} appears twice")
                     by_id[ins.id] = op
                     if ins.kind in COMPUTE_KINDS:
-                        op.dur = durs[pp][id(ins)]
+                        op.dur = durs[pp][id(ins)] * self.compute_scale[r]
                     elif ins.kind in ("SEND", "RECV"):
                         if not 0 <= ins.peer < layout.pp:
                             raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
@@ -1009,19 +1025,23 @@ def _overlapped_pairs(plan: Plan) -> dict[tuple[int, str], int]:
 
 @gc_paused
 def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bool = True,
-             memory_headroom_bytes: float = DEFAULT_HEADROOM_BYTES) -> SimResult:
+             memory_headroom_bytes: float = DEFAULT_HEADROOM_BYTES,
+             slow_ranks: dict[int, float] | None = None) -> SimResult:
     """Simulate one training step of `plan` (a Plan or a plan JSON path).
 
     costmodel: "analytic" (on the plan's cluster), "unit:F=1,BI=1,BW=1,comm=0", a
     calibration JSON path, or a CostModel. fold: simulate one replica per rank class when
     that is exact (see `fold_is_exact`); False simulates every rank. memory_headroom_bytes:
     the margin below the GPU's memory a plan must stay within to be ``fits`` rather than
-    ``tight`` (`costmodel.memory.memory_verdict`).
+    ``tight`` (`costmodel.memory.memory_verdict`). slow_ranks: a what-if, rank -> how many
+    times slower it computes (a throttled or faulty GPU), over the fleet's spread that every
+    GPU cluster gets (`costmodel.stragglers`).
     """
     t0 = time.perf_counter()
     if isinstance(plan, str):
         plan = Plan.load(plan)
     check_layout(plan)
+    check_slow_ranks(slow_ranks or {}, plan.layout.world_size)
     cluster = None
     if not isinstance(costmodel, CostModel):
         spec = str(costmodel)
@@ -1036,7 +1056,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     folded = fold and exact
     if fold and not exact:
         log.debug("simulating every rank: folding is not exact (%s)", why)
-    eng = _Engine(plan, cm, folded)
+    eng = _Engine(plan, cm, folded, slow_ranks)
     eng.run()
 
     layout = plan.layout
@@ -1089,6 +1109,16 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         memory_capacity_bytes=capacity or 0.0,
         band=_band(plan, cm, step),
     )
+
+
+def check_slow_ranks(slow_ranks: dict[int, float], world_size: int) -> None:
+    """One line naming the bad rank or slowdown (a SimulationError, a ValueError)."""
+    for rank, factor in slow_ranks.items():
+        if not 0 <= rank < world_size:
+            raise SimulationError(f"slow rank {rank} is outside the plan's ranks 0..{world_size - 1}")
+        if not (math.isfinite(factor) and factor >= 1.0):
+            raise SimulationError(f"slowdown of rank {rank} must be a finite factor >= 1 (1.2 = 20% slower), "
+                                  f"got {factor!r}")
 
 
 VERDICT_ORDER = ("fits", "tight", "oom")

@@ -196,9 +196,11 @@ def test_report_exits_0_and_writes_csv(tmp_path, capsys, suite):
 
 
 def test_breakdown_splits_a_step_by_component(suite):
-    """breakdown.py: the kernel-table split is positive, and the overlap slowdown adds compute
-    time while FSDP's gathers run, at most (1 - 1/slowdown) of the comm busy time."""
+    """breakdown.py: the kernel-table split is positive, the fleet's spread adds the slowest of 8
+    GPUs' share, and the overlap slowdown adds compute time while FSDP's gathers run, at most
+    (1 - 1/slowdown) of the comm busy time."""
     from costmodel.hardware import GPU_OVERLAP_SLOWDOWN
+    from costmodel.stragglers import slowest_factor
 
     spec = importlib.util.spec_from_file_location("published_breakdown", SUITE_DIR / "breakdown.py")
     bd = importlib.util.module_from_spec(spec)
@@ -208,4 +210,6 @@ def test_breakdown_splits_a_step_by_component(suite):
     comm = sum(v for k, v in ms.items() if k.startswith("comm:"))
     assert ms["comm:ALL_GATHER"] > 0 and ms["comm:REDUCE_SCATTER"] > 0
     assert 0 < ms["slow"] <= (1 - 1 / GPU_OVERLAP_SLOWDOWN) * comm * (1 + 1e-9)
-    assert ms["step"] >= ms["gemm"] + ms["attn"] + ms["mem"] + ms["slow"]
+    standalone = sum(ms[k] for k in ("gemm", "attn", "mem", "launch", "other", "opt"))
+    assert ms["straggle"] == pytest.approx(standalone * (slowest_factor(8) - 1))  # 8 H100s: 1.4%
+    assert ms["step"] >= ms["gemm"] + ms["attn"] + ms["mem"] + ms["straggle"] + ms["slow"]

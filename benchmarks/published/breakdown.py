@@ -11,7 +11,9 @@ runs the same ops; ``pp`` names it), in milliseconds per step:
 ``gemm``, ``attn``, ``mem``, ``launch``   the kernel-table price of the compute ops (standalone,
              before the overlap slowdown), split by operator class (``costmodel.operators``)
 ``other``    compute ops priced whole (no kernel table), ``opt`` the optimizer step
-``slow``     compute time added by the overlap slowdown (compute_s - the standalone sum)
+``straggle`` compute time added by waiting for the job's slowest GPU (the fleet's speed spread,
+             ``costmodel.stragglers``: the standalone sum x (slowest_factor - 1))
+``slow``     compute time added by the overlap slowdown (compute_s - the standalone sum - straggle)
 ``comm:K``   busy time of each comm kind on that rank (overlapped or not)
 ``exposed``  comm not hidden behind compute; ``bubble`` idle compute stream less exposed comm
 
@@ -50,6 +52,7 @@ def _kernel_split(cm, rows) -> dict[str, float]:
 
 def breakdown(entry: dict) -> dict[str, float]:
     """Milliseconds per step of rank 0 by component (see the module docstring)."""
+    from costmodel.stragglers import slowest_factor
     from piper_sim.api import compile
     from piper_sim.simulator import simulate
 
@@ -82,7 +85,8 @@ def breakdown(entry: dict) -> dict[str, float]:
         elif kind not in COMPUTE:
             out[f"comm:{kind}"] += dur
     standalone = sum(out[k] for k in ("gemm", "attn", "mem", "launch", "other", "opt"))
-    out["slow"] = st.compute_s - standalone
+    out["straggle"] = standalone * (slowest_factor(plan.layout.world_size, cm.gpu.speed_spread) - 1.0)
+    out["slow"] = st.compute_s - standalone - out["straggle"]
     out["exposed"], out["bubble"], out["step"] = st.comm_exposed_s, st.idle_s, sim.step_time_s
     value = suite_run.METRICS[entry["metric"]].value(sim, plan)
     ms = {k: 1e3 * v for k, v in out.items()}
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     suite = suite_run.load_suite()
     suite_run.register_models(suite)
     only = {i.strip() for a in args.only or [] for i in a.split(",") if i.strip()}
-    cols = ["pp", "step", "err", "gemm", "attn", "mem", "launch", "other", "opt", "slow", "exposed", "bubble"]
+    cols = ["pp", "step", "err", "gemm", "attn", "mem", "launch", "other", "opt", "straggle", "slow", "exposed", "bubble"]
     rows = []
     for e in suite.entries:
         if only and e["id"] not in only:

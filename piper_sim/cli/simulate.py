@@ -11,6 +11,7 @@ import json
 import sys
 
 from costmodel.stack import parse_stack
+from piper_sim.checks import arg_int_list
 from piper_sim.cli.training import add_training_arguments, describe_run, plan_run, run_json, run_options
 
 
@@ -35,6 +36,11 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
                    help="GiB a plan must leave free to be 'fits' rather than 'tight' (default 2: NCCL and "
                         "libraries grow after start-up)")
     s.add_argument("--strict", action="store_true", help="exit 1 unless the plan fits with the headroom")
+    s.add_argument("--slow-ranks", type=arg_int_list(0), default=None, metavar="R,R...",
+                   help="what-if: these ranks compute --slowdown times slower (a throttled or faulty GPU); "
+                        "every GPU cluster already has the fleet's speed spread (speed_spread, 1%%)")
+    s.add_argument("--slowdown", type=float, default=1.2, metavar="X",
+                   help="how many times slower the --slow-ranks compute (default 1.2)")
     add_training_arguments(s)
     s.set_defaults(func=cmd_simulate)
     return s
@@ -60,7 +66,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     headroom = memory_headroom_bytes(args.memory_headroom)
     opts = run_options(args)
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)
-    result = simulate(plan, costmodel=args.costmodel, fold=not args.no_fold, memory_headroom_bytes=headroom)
+    slow = dict.fromkeys(args.slow_ranks or (), args.slowdown)
+    result = simulate(plan, costmodel=args.costmodel, fold=not args.no_fold, memory_headroom_bytes=headroom,
+                      slow_ranks=slow)
     failed = 1 if args.strict and result.memory_verdict not in (None, "fits") else 0
     m = plan.meta
     title = (f"{m.get('model', '?')} on {m.get('cluster', '?')}: pp={plan.layout.pp} dp={plan.layout.dp} "
