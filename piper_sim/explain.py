@@ -228,6 +228,7 @@ def rank_terms(rows: Sequence[tuple], step: float, rerun: dict[str, float]) -> d
             target[i] = None
         else:
             target.pop(i, None)
+    terms.setdefault(IDLE, 0.0)
     return {k: v for k, v in terms.items() if v != 0.0 or k == IDLE}
 
 
@@ -282,9 +283,11 @@ class Comparison:
         return self.b.step_time_s - self.a.step_time_s
 
     def sentences(self) -> list[str]:
-        """The deciding terms in words: "0.41 s more in exposed data-parallel communication"."""
-        u = self.a.time_unit
-        return [f"{fmt_time(abs(d), u)} {'more' if d > 0 else 'less'} in {term_words(t)}" for t, d in self.deciding]
+        """The deciding terms in words, those that make ``b`` slower (faster) first, then those
+        that pull the other way: "0.41 s more in exposed data-parallel communication"."""
+        u, sign = self.a.time_unit, 1.0 if self.step_diff_s >= 0 else -1.0
+        ordered = [x for x in self.deciding if x[1] * sign > 0] + [x for x in self.deciding if x[1] * sign <= 0]
+        return [f"{fmt_time(abs(d), u)} {'more' if d > 0 else 'less'} in {term_words(t)}" for t, d in ordered]
 
     def __str__(self) -> str:
         d, u = self.step_diff_s, self.a.time_unit
@@ -292,9 +295,11 @@ class Comparison:
             return f"{self.b.name} takes the same step time as {self.a.name}"
         rel = d / self.a.step_time_s if self.a.step_time_s else 0.0
         words = self.sentences()
-        said = ", ".join(words[:-1]) + (" and " if len(words) > 1 else "") + words[-1] if words else "no single term"
+        n = sum(1 for _, x in self.deciding if x * d > 0)
         out = (f"{self.b.name} is {fmt_time(abs(d), u)} {'slower' if d > 0 else 'faster'} per step than "
-               f"{self.a.name} ({rel:+.1%}): it spends {said}")
+               f"{self.a.name} ({rel:+.{1 if abs(rel) >= 0.01 else 2}%}): it spends {_and(words[:n])}")
+        if words[n:]:
+            out += f", which outweighs {_and(words[n:])}"
         mem = self.b.peak_memory_gib - self.a.peak_memory_gib
         if abs(mem) >= 0.05:
             out += f"; it needs {abs(mem):.1f} GiB {'more' if mem > 0 else 'less'} memory per GPU at the peak"
@@ -304,6 +309,10 @@ class Comparison:
         return {"a": self.a.name, "b": self.b.name, "step_diff_s": self.step_diff_s,
                 "diffs": {t: d for t, d in self.diffs}, "deciding": [
                     {"term": t, "seconds": d, "words": term_words(t)} for t, d in self.deciding]}
+
+
+def _and(words: list[str]) -> str:
+    return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else (words[0] if words else "")
 
 
 def coarse(terms: dict[str, float]) -> dict[str, float]:
