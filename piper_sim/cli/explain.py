@@ -78,7 +78,12 @@ def cmd_explain(args: argparse.Namespace) -> None:
         check_output_file(args.figure, "--figure")
     paths = [args.plan] + list(args.against or [])
     named = [(os.path.basename(p), load_plan(p, check_hash=not args.no_hash_check)) for p in paths]
-    breakdowns = explain_plans(named, args.costmodel, rank=args.rank)
+    try:
+        breakdowns = explain_plans(named, args.costmodel, rank=args.rank)
+    except ValueError as e:
+        if args.rank is not None and str(e).startswith(f"rank {args.rank}:"):
+            raise ValueError(f"--rank {e}") from None
+        raise
     if args.json:
         from piper_sim.explain import compare
 
