@@ -168,8 +168,9 @@ class StepBreakdown:
         factor, label = time_scale(self.step_time_s, "units" if u == "units" else None)
         tu = "units" if u == "units" else label[len("time ("):-1]
         who = "mean over all GPUs" if self.rank is None else f"rank {self.rank}"
-        head = (f"{self.name}: step {fmt_time(self.step_time_s, u)}, {self.tokens_per_s:,.0f} tok/{u} "
-                f"({self.tokens_per_s_per_gpu:,.0f} tok/{u}/GPU on {self.world_size}), MFU {self.mfu:.1%}, "
+        per = "unit" if u == "units" else u
+        head = (f"{self.name}: step {fmt_time(self.step_time_s, u)}, {self.tokens_per_s:,.0f} tok/{per} "
+                f"({self.tokens_per_s_per_gpu:,.0f} tok/{per}/GPU on {self.world_size}), MFU {self.mfu:.1%}, "
                 f"peak memory {self.peak_memory_gib:.2f} GiB; where the step goes ({who}):")
         lines = [head] + [f"  {w:<42} {s * factor:>10.4g} {tu:<5} {p:>6.1%}" for w, s, p in self.rows()]
         if self.recompute_estimated:
@@ -239,7 +240,7 @@ def explain(result: Any, name: str = "", rank: int | None = None) -> StepBreakdo
     step = result.step_time_s
     stats = {s.rank: s for s in result.rank_stats}
     if rank is not None and rank not in stats:
-        raise ValueError(f"rank {rank}: not a simulated rank of this result (simulated: "
+        raise ValueError(f"rank {rank} is not a simulated rank of this result (simulated: "
                          f"{', '.join(map(str, sorted(stats)))}; a folded simulation runs one rank per class)")
     by_rank: dict[int, list[tuple]] = {r: [] for r in stats}
     for row in result.rows:

@@ -81,8 +81,8 @@ def cmd_explain(args: argparse.Namespace) -> None:
     try:
         breakdowns = explain_plans(named, args.costmodel, rank=args.rank)
     except ValueError as e:
-        if args.rank is not None and str(e).startswith(f"rank {args.rank}:"):
-            raise ValueError(f"--rank {e}") from None
+        if args.rank is not None and str(e).startswith(f"rank {args.rank} is not"):
+            raise ValueError(f"--rank: {e}") from None
         raise
     if args.json:
         from piper_sim.explain import compare
