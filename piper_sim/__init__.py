@@ -7,6 +7,7 @@ The notebook API, imported lazily (``import piper_sim`` loads nothing heavy)::
     plan = piper_sim.compile(strategy, model=my_factory)   # your own nn.Module (piper_sim.annotate)
     res = piper_sim.simulate(plan)              # SimResult: .per_rank, .events, .memory DataFrames
     fig = res.plot_timeline()                   # a matplotlib Figure
+    print(res.explain())                        # where the step goes (piper_sim.explain.StepBreakdown)
     best = piper_sim.explore("llama3-8b", "h100:1x8", 64, 4096).table   # ranked DataFrame
     piper_sim.register_model("mine", "hf:path/to/config.json")   # then "model": "mine"
 

@@ -21,6 +21,8 @@ BW_KEEP_FRACTION, held_after = memory.BW_KEEP_FRACTION, memory.held_after
 cp_error, cp_memory, cp_segments, gathered_kv_bytes = (context.cp_error, context.cp_memory, context.cp_segments,
                                                         context.gathered_kv_bytes)
 static_memory, unit_buckets = data.static_memory, data.unit_buckets
+# the techniques' own comm streams in words (`piper_sim.explain` names exposed communication by stream)
+STREAM_WORDS = {**tensor.STREAM_WORDS, **context.STREAM_WORDS}
 
 Check = Callable[..., None]  # (model config, setup, strategy, cluster) -> None; raises StrategyError
 # (an explorer candidate, GPUs per node) -> the variants the technique adds to it, each a tuple of

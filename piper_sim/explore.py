@@ -98,7 +98,8 @@ class Candidate:
         return out
 
     def short(self) -> str:
-        s = f"pp{self.pp} {self.schedule} m{self.microbatches} dp{self.dp} z{self.zero}"
+        """``pp4 1f1b m16 dp2 z1 ep2 tp2 sp rc``; no pipeline (pp1) has no schedule: ``pp1 - m8 ...``."""
+        s = f"pp{self.pp} {self.schedule if self.pp > 1 else '-'} m{self.microbatches} dp{self.dp} z{self.zero}"
         if self.ep > 1:
             s += f" ep{self.ep}"
         if self.tp > 1:
@@ -125,6 +126,22 @@ class Row:
     cluster: str = ""  # the cluster spec it ran on
     state_bytes: float = 0.0  # the most model-state bytes (params + optimizer) one rank holds
     run: TrainingRun | None = None  # time to train, goodput, $ and kWh (`add_training_runs`)
+    # the share of bubble_fraction that is exposed communication (mean over ranks, `RankStats.comm_exposed_s`);
+    # the rest, idle_fraction, is the pipeline bubble and other waits
+    comm_fraction: float = float("nan")
+    world_size: int = 0  # GPUs of the plan
+
+    @property
+    def idle_fraction(self) -> float:
+        """bubble_fraction less the exposed communication: time no op runs (the pipeline bubble);
+        bubble_fraction when the split is unknown."""
+        if self.comm_fraction != self.comm_fraction:  # nan: not simulated here
+            return self.bubble_fraction
+        return max(0.0, self.bubble_fraction - self.comm_fraction)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_s / self.world_size if self.world_size else 0.0
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -132,6 +149,7 @@ class Row:
         d["strategy"] = self.candidate.short()
         d["band"] = None if self.band is None else self.band.to_json()
         d["run"] = None if self.run is None else self.run.to_json()
+        d["tokens_per_s_per_gpu"] = self.tokens_per_s_per_gpu
         return d
 
 
@@ -185,8 +203,8 @@ class ExploreResult:
         import pandas as pd
 
         rows = sorted(self.rows, key=self.key)
-        cols = ["strategy", "status", "step_time_s", "tokens_per_s", "mfu", "bubble_fraction",
-                "peak_memory_bytes", "lower_bound_s", "reason", "cluster"] + [f.name for f in fields(Candidate)]
+        cols = ["strategy", "status", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "mfu", "bubble_fraction",
+                "comm_fraction", "peak_memory_bytes", "lower_bound_s", "reason", "cluster"] + [f.name for f in fields(Candidate)]
         return pd.DataFrame([{**{k: v for k, v in r.to_json().items() if k != "candidate"},
                               **asdict(r.candidate)} for r in rows], columns=cols)
 
@@ -492,8 +510,11 @@ def _compile_and_simulate(task: tuple) -> tuple:
     peak = max(x.peak_memory_bytes for x in r.rank_stats)
     device = max(x.device_bytes for x in r.rank_stats)
     states = max(x.params_bytes + x.optimizer_bytes for x in r.rank_stats)
+    weights = sum(x.represents for x in r.rank_stats) or 1
+    comm = (sum(x.comm_exposed_s * x.represents for x in r.rank_stats) / weights / r.step_time_s
+            if r.step_time_s > 0 else 0.0)
     return cand, (r.step_time_s, r.tokens_per_s, r.mfu, r.bubble_fraction, peak, r.memory_verdict or "fits", r.band,
-                  device, states), ""
+                  device, states, comm, r.world_size), ""
 
 
 def _pool(workers: int, use_ray: bool):
@@ -587,15 +608,16 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
         if res is None or res == "simulate-only":
             rows.append(Row(cand, res or "invalid", reason=err))
             return
-        step, tps, mfu, bubble, peak, verdict, band, device, states = res  # the simulator's memory verdict
+        step, tps, mfu, bubble, peak, verdict, band, device, states, comm, world = res  # the simulator's verdict
         if verdict == "oom":
             rows.append(Row(cand, "oom", step, tps, mfu, bubble, peak, bounds[cand], device_memory_bytes=device,
+                            comm_fraction=comm, world_size=world,
                             reason=f"needs {device / 2**30:.1f} GiB (reserved + runtime; even unfragmented more "
                                    f"than {hbm / 2**30:.1f} GiB)"))
             return
         status = "ok" if verdict == "fits" else "tight"
         rows.append(Row(cand, status, step, tps, mfu, bubble, peak, bounds[cand], band=band, device_memory_bytes=device,
-                        state_bytes=states,
+                        state_bytes=states, comm_fraction=comm, world_size=world,
                         reason="" if status == "ok" else f"needs {device / 2**30:.1f} GiB of {hbm / 2**30:.1f} GiB "
                         f"(with the {memory_headroom_bytes / 2**30:g} GiB headroom it may run out)"))
         if status == "ok":
@@ -735,14 +757,18 @@ def _run_columns(result: ExploreResult) -> tuple[str, Callable[[Row], str]] | No
 def format_table(result: ExploreResult, top: int = 10) -> str:
     runs = _run_columns(result)
     many = len(result.settings.get("clusters", ())) > 1
-    lines = [f"{'#':>3} {'tokens/s':>12} {'step s':>9} {'80% band s':>17} {'MFU':>6} {'bubble':>7} {'mem GiB':>8}"
-             f"{runs[0] if runs else ''}  strategy" + (" @ cluster" if many else "")]
+    lines = [f"{'#':>3} {'tokens/s':>12} {'tok/s/GPU':>9} {'step s':>9} {'80% band s':>17} {'MFU':>6} {'idle':>6} "
+             f"{'comm':>6} {'mem GiB':>8}{runs[0] if runs else ''}  strategy" + (" @ cluster" if many else "")]
     for i, r in enumerate(result.ok[:top], 1):
         band = f"{r.band.step_low_s:.4g}-{r.band.step_high_s:.4g}" if r.band else "-"
         tight = "  [tight: may run out of memory]" if r.status == "tight" else ""
-        lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.step_time_s:>9.4f} {band:>17} {r.mfu:>6.1%} "
-                     f"{r.bubble_fraction:>7.1%} {r.device_memory_bytes / 2**30:>8.1f}{runs[1](r) if runs else ''}  "
+        comm = f"{r.comm_fraction:>6.1%}" if r.comm_fraction == r.comm_fraction else f"{'-':>6}"
+        lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.tokens_per_s_per_gpu:>9,.0f} {r.step_time_s:>9.4f} {band:>17} "
+                     f"{r.mfu:>6.1%} {r.idle_fraction:>6.1%} {comm} "
+                     f"{r.device_memory_bytes / 2**30:>8.1f}{runs[1](r) if runs else ''}  "
                      f"{r.candidate.short()}{' @ ' + r.cluster if many else ''}{tight}")
+    lines.append("idle: no op runs (pipeline bubble, waits); comm: exposed communication (in flight, no compute); "
+                 "mem: device memory at the peak; `explore --explain K` says why #1 wins")
     if runs:
         tokens = next(r.run.tokens for r in result.ok if r.run is not None)
         lines.append(f"ranked by {result.rank_by}; runs of {tokens:.4g} tokens (costmodel.training_run)")
@@ -769,8 +795,8 @@ RUN_CSV = ("wall_s", "goodput", "gpu_hours", "interval_s", "interruptions", "kwh
 
 
 def write_csv(result: ExploreResult, path: str) -> None:
-    fields = ["strategy", "status", "tokens_per_s", "step_time_s", "mfu", "bubble_fraction",
-              "peak_memory_bytes", "lower_bound_s", "reason", "cluster"]
+    fields = ["strategy", "status", "tokens_per_s", "tokens_per_s_per_gpu", "step_time_s", "mfu", "bubble_fraction",
+              "comm_fraction", "peak_memory_bytes", "lower_bound_s", "reason", "cluster"]
     runs = any(r.run is not None for r in result.rows)
     if runs:
         fields += [f"run_{k}" for k in RUN_CSV]
@@ -788,7 +814,7 @@ def write_csv(result: ExploreResult, path: str) -> None:
 
 
 def plot_pareto(result: ExploreResult, path: str | None = None, *, ax: Any = None) -> Any:
-    """Throughput vs peak memory (GB); the Pareto front (more throughput for less memory)
+    """Throughput vs peak memory (GiB); the Pareto front (more throughput for less memory)
     joined. Returns the Figure; writes ``path`` when given; draws into ``ax`` when given."""
     from piper_sim.trace import new_figure
 
@@ -796,22 +822,22 @@ def plot_pareto(result: ExploreResult, path: str | None = None, *, ax: Any = Non
     own = ax is None
     fig, ax = new_figure(ax, figsize=(8, 5))
     if ok:
-        ax.scatter([r.peak_memory_bytes / 1e9 for r in ok], [r.tokens_per_s for r in ok], s=14, alpha=0.6,
+        ax.scatter([r.peak_memory_bytes / 2**30 for r in ok], [r.tokens_per_s for r in ok], s=14, alpha=0.6,
                    label="simulated strategies")
         front, best = [], -1.0
         for r in sorted(ok, key=lambda r: r.peak_memory_bytes):
             if r.tokens_per_s > best:
                 front.append(r)
                 best = r.tokens_per_s
-        ax.plot([r.peak_memory_bytes / 1e9 for r in front], [r.tokens_per_s for r in front], "r.-",
+        ax.plot([r.peak_memory_bytes / 2**30 for r in front], [r.tokens_per_s for r in front], "r.-",
                 label="Pareto front")
         top = result.best
-        ax.annotate(top.candidate.short(), (top.peak_memory_bytes / 1e9, top.tokens_per_s), fontsize=8,
+        ax.annotate(top.candidate.short(), (top.peak_memory_bytes / 2**30, top.tokens_per_s), fontsize=8,
                     xytext=(5, -12), textcoords="offset points")
-    hbm = parse_cluster(result.settings.get("clusters", [result.settings["cluster"]])[0]).gpu.hbm_bytes / 1e9
-    ax.axvline(hbm, color="gray", ls="--", lw=1, label=f"GPU memory {hbm:.0f} GB")
+    hbm = parse_cluster(result.settings.get("clusters", [result.settings["cluster"]])[0]).gpu.hbm_bytes / 2**30
+    ax.axvline(hbm, color="gray", ls="--", lw=1, label=f"GPU memory {hbm:.0f} GiB")
     s = result.settings
-    ax.set(xlabel="peak memory per GPU (GB)", ylabel="tokens / s",
+    ax.set(xlabel="peak memory per GPU (GiB)", ylabel="tokens / s",
            title=f"{s['model']} on {s['cluster']}, batch {s['global_batch']}×{s['seq_len']}")
     ax.legend(fontsize=8)
     if own:

@@ -67,6 +67,8 @@ from piper_sim.validate import check_layout
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
+    from piper_sim.explain import StepBreakdown
+
 log = logging.getLogger(__name__)
 
 __all__ = ["RankStats", "SimResult", "SimulationDeadlock", "SimulationError", "fold_is_exact", "simulate"]
@@ -148,6 +150,9 @@ class SimResult:
     pairs: dict[tuple[int, str], int] = field(repr=False, default_factory=dict)  # (pp rank, op id) -> slot
     # how far to trust step_time_s on a GPU cluster (piper_sim.bands); None off the analytic GPU model
     band: Band | None = None
+    # (pp rank, op id) -> the re-run forward flops of a recomputing backward (`piper_sim.explain.rerun_flops`)
+    rerun: dict[tuple[int, str], float] = field(repr=False, default_factory=dict)
+    rerun_estimated: bool = False  # some re-run is estimated (a policy other than plain full recompute)
 
     @cached_property
     def events(self) -> "pd.DataFrame":
@@ -182,6 +187,14 @@ class SimResult:
             "band": None if self.band is None else self.band.to_json(),
             "per_rank": [asdict(s) for s in self.rank_stats],
         }
+
+    def explain(self, name: str = "", rank: int | None = None) -> "StepBreakdown":
+        """Where the step goes (`piper_sim.explain.StepBreakdown`): compute by kind, recompute,
+        optimizer, exposed communication per stream and bubble/idle, in seconds that add up to
+        ``step_time_s``; the mean over every GPU, or ``rank``'s. ``str()`` of it is a short table."""
+        from piper_sim.explain import explain
+
+        return explain(self, name=name, rank=rank)
 
     def over_memory(self) -> list[RankStats]:
         """Ranks whose peak memory does not fit the GPU."""
@@ -1094,6 +1107,9 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     log.debug("simulated %d events on %d ranks in %.3f s (%s): step %.6g s", len(eng.rows), len(eng.ranks),
               time.perf_counter() - t0, "folded" if folded else "unfolded", step)
     model_flops = header.model_flops_per_step
+    from piper_sim.explain import rerun_flops
+
+    rerun, rerun_estimated = rerun_flops(plan)
     return SimResult(
         step_time_s=step,
         tokens_per_s=(tokens or 0) / step if step > 0 else 0.0,
@@ -1107,7 +1123,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         memory_verdict=None if capacity is None else _worst_verdict(s.memory_verdict for s in per_rank),
         memory_headroom_bytes=memory_headroom_bytes,
         memory_capacity_bytes=capacity or 0.0,
-        band=_band(plan, cm, step),
+        band=_band(plan, cm, step), rerun=rerun, rerun_estimated=rerun_estimated,
     )
 
 

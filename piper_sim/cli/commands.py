@@ -214,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_validate)
     from piper_sim.cli.calibrate import add_calibrate_parser
     from piper_sim.cli.demo import add_demo_parser
+    from piper_sim.cli.explain import add_explain_parser
     from piper_sim.cli.explore import add_explore_parser
     from piper_sim.cli.interop import add_interop_parsers
     from piper_sim.cli.run import add_run_parser
@@ -221,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_simulate_parser(sub)
     add_explore_parser(sub)
+    add_explain_parser(sub)
     add_run_parser(sub)
     add_calibrate_parser(sub)
     add_demo_parser(sub)

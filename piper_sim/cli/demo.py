@@ -2,7 +2,8 @@
 
 1. explore strategies for a realistic model and cluster (qwen3-moe-9b on h100:4x8),
    print the ranked table, write the CSV, the Pareto picture and the best plan with its
-   simulated timeline;
+   simulated timeline, and say why the winner wins: where its step goes and the terms that
+   put it ahead of the runner-up (`piper_sim.explain`, why.png);
 2. run a small plan of the winner's kinds (`small_strategy`: its pipeline schedule, expert,
    data, tensor or context parallelism, two ranks each, up to two kinds) for real on this
    machine (`cpu:2` or `cpu:4`, gloo, torchrun) and print simulated vs measured.
@@ -133,6 +134,11 @@ def cmd_demo(args: argparse.Namespace) -> None:
     plot_pareto(result, os.path.join(args.out, "pareto.png"))
     paths = emit_best(result, args.out)
     print(f"wrote {args.out}/strategies.csv, pareto.png, " + ", ".join(os.path.basename(p) for p in paths.values()))
+    if len(result.ok) > 1:
+        from piper_sim.cli.explain import explain_top, report
+
+        print("\n== why #1 wins, against the runner-up (`piper-sim explain`, `explore --explain K`)")
+        print("\n".join(report(explain_top(result, 2), os.path.join(args.out, "why.png"), tables=1)))
     if args.no_run:
         return
     small = small_strategy(result.best.candidate if result.best else None)

@@ -106,6 +106,11 @@ def cmd_explore(args: argparse.Namespace) -> None:
     if args.emit_best and result.best:
         paths = emit_best(result, args.emit_best, args.costmodel)
         print("wrote " + ", ".join(paths.values()))
+    if args.explain:
+        from piper_sim.cli.explain import explain_top, report
+
+        print(f"\n== why #1 wins: the top {min(args.explain, len(result.ok))}, each against #1")
+        print("\n".join(report(explain_top(result, args.explain, args.costmodel), args.explain_figure)))
 
 
 def _executor_refusal():
@@ -118,7 +123,10 @@ def _executor_refusal():
 def check_outputs(args: argparse.Namespace) -> None:
     """``--csv``, ``--plot`` (files) and ``--emit-best`` (a folder) checked before the search:
     one line naming the flag, nothing created."""
-    for flag, path in (("--csv", args.csv), ("--plot", args.plot)):
+    if getattr(args, "explain_figure", None) and not getattr(args, "explain", None):
+        raise ValueError("--explain-figure needs --explain K (the strategies to draw)")
+    for flag, path in (("--csv", args.csv), ("--plot", args.plot),
+                       ("--explain-figure", getattr(args, "explain_figure", None))):
         if path:
             check_output_file(path, flag)
     if args.emit_best:
@@ -144,6 +152,10 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     p.add_argument("--csv", metavar="OUT.csv", help="write every candidate with its status and numbers")
     p.add_argument("--plot", help="throughput-vs-memory Pareto PNG")
     p.add_argument("--emit-best", metavar="DIR", help="write the best strategy, plan and timeline here")
+    p.add_argument("--explain", type=arg_int(1), metavar="K", default=None,
+                   help="after the table, explain the top K: where each step goes and, against #1, the terms "
+                        "that decide the ranking (`piper-sim explain`)")
+    p.add_argument("--explain-figure", metavar="OUT.png", help="with --explain: one stacked bar per explained plan")
     p.add_argument("--schedules", default=d.get("schedules"), help="comma-separated subset of schedules")
     p.add_argument("--zero", type=arg_int_list(0, 3), default=d.get("zero"),
                    help="comma-separated ZeRO levels (default 0,1,2,3)")

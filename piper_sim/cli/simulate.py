@@ -102,14 +102,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     stack = m.get("stack")
     if isinstance(stack, dict):
         print(f"stack: {parse_stack(stack).describe()}")
-    print(f"{'rank':>6} {'x':>5} {'compute ' + u:>11} {'comm exp ' + u:>11} {'idle ' + u:>11} {'peak GB':>9} "
-          f"{'states GB':>10} {'act GB':>8}")
+    print(f"{'rank':>6} {'x':>5} {'compute ' + u:>11} {'comm exp ' + u:>11} {'idle ' + u:>11} {'peak GiB':>9} "
+          f"{'states GiB':>10} {'act GiB':>8}")
     for s in result.rank_stats:
         states = s.params_bytes + s.grads_bytes + s.optimizer_bytes
         print(f"{s.rank:>6} {s.represents:>5} {s.compute_s:>11.5g} {s.comm_exposed_s:>11.5g} {s.idle_s:>11.5g} "
-              f"{s.peak_memory_bytes / 1e9:>9.2f} {states / 1e9:>10.2f} {s.activations_bytes / 1e9:>8.2f}")
+              f"{s.peak_memory_bytes / 2**30:>9.2f} {states / 2**30:>10.2f} {s.activations_bytes / 2**30:>8.2f}")
     if result.memory_verdict is not None:
         print(memory_line(result))
+    print(f"{result.tokens_per_s / (result.world_size or 1):.6g} tokens/{'unit' if u == 'u' else 's'} per GPU "
+          f"on {result.world_size}; `piper-sim explain` says where the step goes")
     if runs:
         print("\n".join(describe_run(*runs, opts=opts, gpu=gpu)))
     for label, path in (("trace", args.trace), ("Kineto traces", args.kineto), ("timeline", args.timeline),

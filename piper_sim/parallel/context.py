@@ -45,6 +45,7 @@ from piper_sim.profiling import SegmentCost, segment_kind
 from piper_sim.strategy import StrategyError
 
 CP_STREAM = "cp"  # its collectives' stream (inside a layer)
+STREAM_WORDS = {CP_STREAM: "context-parallel"}  # that stream in words (`piper_sim.explain`)
 CP_STYLES = ("allgather", "ring")
 ATTENTION_KINDS = ("dense", "moe_pre")  # segments with an attention block
 

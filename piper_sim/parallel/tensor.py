@@ -11,6 +11,7 @@ from piper_sim.profiling import SegmentCost, segment_kind
 from piper_sim.strategy import StrategyError
 
 TP_STREAM = "tp"
+STREAM_WORDS = {TP_STREAM: "tensor-parallel"}  # its stream in words (`piper_sim.explain`)
 
 
 def is_tp(ins: Instruction) -> bool:
