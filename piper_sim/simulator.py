@@ -258,12 +258,14 @@ class SimResult:
         kwargs.setdefault("time_unit", self.time_unit)
         return trace.plot_timeline(self.events, path, title=title, ax=ax, **kwargs)
 
-    def plot_memory(self, path: str | None = None, title: str = "", *, ax: Any = None, **kwargs: Any) -> Any:
-        """Memory per rank over the step in GiB (`trace.plot_memory`); returns the Figure."""
+    def plot_memory(self, path: str | None = None, title: str = "", *, ax: Any = None, states: bool = True,
+                    **kwargs: Any) -> Any:
+        """Memory per rank over the step in GiB (`trace.plot_memory`); returns the Figure.
+        ``states=False`` draws the activations alone, so their changes fill each panel."""
         kwargs.setdefault("ranks", self.shown_ranks())
         kwargs.setdefault("time_unit", self.time_unit)
-        return trace.plot_memory(self.memory, path, title=title, static_bytes=self.static_bytes(), ax=ax,
-                                 t_end=self.step_time_s, **kwargs)
+        return trace.plot_memory(self.memory, path, title=title, static_bytes=self.static_bytes() if states else None,
+                                 ax=ax, t_end=self.step_time_s, **kwargs)
 
 
 # ----------------------------------------------------------------------------- folding

@@ -163,6 +163,8 @@ def test_memory_over_time_in_gib_with_its_peak():
         assert y[0] == pytest.approx((s.params_bytes + s.grads_bytes + s.optimizer_bytes) / gib)  # static base
         assert len(x) == len(set(r.memory[r.memory["rank"] == s.rank]["time"])) + 2  # every change, 0 and t_end
         assert any(t.get_text() == f"peak {s.peak_memory_bytes / gib:.1f} GiB" for t in ax.texts)
+    for ax, s in zip(r.plot_memory(states=False).axes, r.rank_stats):  # the activations alone
+        assert max(ax.lines[0].get_data()[1]) == pytest.approx(s.activations_bytes / gib)
 
 
 def test_pareto_front_points_labelled_without_overlap():
