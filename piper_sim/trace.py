@@ -380,23 +380,48 @@ def min_mark_width(ax: Any, span: float, dpi: float, px: float = MIN_MARK_PX) ->
     return px * span / max(width_in * dpi, 1.0)
 
 
+def mark_extent(start: float, end: float, min_w: float) -> tuple[float, float, float]:
+    """(left, right, free) of a comm mark without an outline: at least ``min_w`` wide; a wide
+    op ends ``min_w / 2`` early so back-to-back ops stay apart; ``free``: where the next mark
+    of its lane may start."""
+    if end - start >= 2 * min_w:
+        return start, end - min_w / 2, end
+    right = start + max(end - start, min_w)
+    return start, right, right + min_w / 2
+
+
 def mark_lanes(starts: Sequence[float], ends: Sequence[float], min_w: float, max_lanes: int = MAX_LANES) -> list[int]:
-    """Lane of each mark (drawn at least ``min_w`` wide, half that apart) so that marks of one
-    row do not cover each other: the first lane free at its start, at most ``max_lanes``
-    (then the lane that frees first)."""
+    """Lane of each mark (`mark_extent`) so that marks of one row do not cover each other: the
+    first lane free at its start, at most ``max_lanes`` (then the lane that frees first)."""
     out = [0] * len(starts)
     free: list[float] = []
     for i in sorted(range(len(starts)), key=lambda i: (starts[i], ends[i])):
-        s, e = starts[i], max(ends[i], starts[i] + min_w)
-        lane = next((k for k, f in enumerate(free) if s >= f), None)
+        s, _, f = mark_extent(starts[i], ends[i], min_w)
+        lane = next((k for k, at in enumerate(free) if s >= at - 1e-12 * max(abs(at), 1.0)), None)
         if lane is None:
             if len(free) < max_lanes:
                 lane = len(free)
                 free.append(0.0)
             else:
                 lane = min(range(len(free)), key=free.__getitem__)
-        free[lane] = max(free[lane], e + min_w / 2)
+        free[lane] = max(free[lane], f)
         out[i] = lane
+    return out
+
+
+def comm_lanes(kinds: Sequence[str], starts: Sequence[float], ends: Sequence[float], min_w: float) -> list[int]:
+    """Lanes of a comm row: send/recv in the top lanes, the collectives under them, each group
+    laid out by `mark_lanes` (so a send never hides among collectives)."""
+    out = [0] * len(kinds)
+    top = 0
+    for group in (True, False):
+        idx = [i for i, k in enumerate(kinds) if (k in P2P_KINDS) == group]
+        if not idx:
+            continue
+        lane = mark_lanes([starts[i] for i in idx], [ends[i] for i in idx], min_w)
+        for i, k in zip(idx, lane):
+            out[i] = top + k
+        top += max(lane) + 1
     return out
 
 
@@ -470,6 +495,7 @@ def plot_timeline(df: "pd.DataFrame", path: str | None = None, title: str = "", 
     One row per rank (compute) plus, under it, a thin ``comm`` row (send/recv and every
     collective, coloured by kind; ops whose marks would cover each other go in sub-rows)
     and a thinner ``all-to-all`` row (expert dispatch/combine, bursts joined into one mark);
+    in the comm row, send/recv lie above the collectives (`comm_lanes`);
     comm rows without time are left out. Blocks coloured by kind with micro-batch numbers.
     No event vanishes: every mark is at least `MIN_MARK_PX` pixels wide at ``dpi``; each
     compute and comm op is its own mark. ``chunks``: the second model chunk (interleaved,
@@ -486,22 +512,36 @@ def plot_timeline(df: "pd.DataFrame", path: str | None = None, title: str = "", 
     shown = _pick_ranks(df, ranks, max_ranks)
     df = df.assign(row=[_row_name(s, k) for s, k in zip(df["stream"], df["kind"])],
                    chunk=chunk_of(df) if chunks else [0] * len(df))
+    t_end = float(df["end"].max()) if len(df) else 1.0
+    t_end = t_end if t_end > 0 else 1.0
+    scale, xlabel = time_scale(t_end, time_unit)
+    span = t_end * scale
+    own = ax is None
+    # the data width of MIN_MARK_PX: from the caller's axes, or (own figure, 14 in wide) from
+    # an axes narrower than tight_layout leaves it, so the drawn marks end up wider
+    min_w = min_mark_width(ax, span, dpi) if not own else MIN_MARK_PX * span / (14 * 0.8 * dpi)
     rows: list[tuple[int, str, float]] = []  # (rank, row name, height)
+    lane_of: dict[tuple[int, str], list[int]] = {}
     for r in shown:
         sub = df[df["rank"] == r]
         busy = (sub["end"] - sub["start"]).groupby(sub["row"]).sum()
         names = [n for n in ("compute", COMM_ROW, A2A_ROW) if n in set(sub["row"])]
         rows += [(r, s, ROW_HEIGHT[s]) for s in names if s == "compute"]
-        if comm:  # comm rows that carry any time
-            rows += [(r, s, ROW_HEIGHT[s]) for s in names if s != "compute" and busy.get(s, 0) > 0]
-    t_end = float(df["end"].max()) if len(df) else 1.0
-    t_end = t_end if t_end > 0 else 1.0
-    scale, xlabel = time_scale(t_end, time_unit)
-    span = t_end * scale
+        if not comm:
+            continue
+        for name in names:  # comm rows that carry any time
+            if name == "compute" or busy.get(name, 0) <= 0:
+                continue
+            h = ROW_HEIGHT[name]
+            if name == COMM_ROW:
+                c = sub[sub["row"] == name]
+                lane = comm_lanes(c["kind"].tolist(), (c["start"] * scale).tolist(), (c["end"] * scale).tolist(),
+                                  min_w)
+                lane_of[(r, name)] = lane
+                h = max(h, min(0.2 * (max(lane) + 1), 0.8))  # sub-rows stay readable
+            rows.append((r, name, h))
     height = sum(h for _, _, h in rows) + 0.15 * len(rows)
-    own = ax is None
     fig, ax = new_figure(ax, figsize=(14, max(2.0, 0.42 * height + 1.2)))
-    min_w = min_mark_width(ax, span, dpi)
     y, yticks, ylabels = 0.0, [], []
     # (rank, row, kind, framed, chunk) -> block outlines: one collection per rank row and colour
     boxes: dict[tuple[int, str, str, bool, int], list] = {}
@@ -517,10 +557,10 @@ def plot_timeline(df: "pd.DataFrame", path: str | None = None, title: str = "", 
                 boxes.setdefault((r, row, "ALL_TO_ALL", False, 0), []).append(
                     [(s, y), (e, y), (e, y + h), (s, y + h)])
         else:
-            lane = mark_lanes(starts, ends, min_w) if row == COMM_ROW else [0] * len(sub)
+            lane = lane_of.get((r, row)) or [0] * len(sub)
             n = max(lane, default=0) + 1
             for kind, s, e, mb, ch, k in zip(sub["kind"], starts, ends, sub["mb"], sub["chunk"], lane):
-                e = max(e, s + min_w)
+                s, e = (s, max(e, s + min_w)) if row == "compute" else mark_extent(s, e, min_w)[:2]
                 y0 = y + h - (k + 1) * h / n
                 boxes.setdefault((r, row, kind, row == "compute", max(int(ch), 0)), []).append(
                     [(s, y0), (e, y0), (e, y0 + h / n), (s, y0 + h / n)])

@@ -111,7 +111,9 @@ def test_memory_plot_zero_based_gib_with_dips(runs):
         assert any(not u for u in ups[: len(ups) // 2 + 1])  # a dip before the peak plateau ends
 
 
-def _llama_pp2():
+@pytest.fixture(scope="module")
+def llama_pp2():
+    """The issue's llama3-8b PP2 1F1B step (8 micro-batches), at a short sequence to stay cheap."""
     return simulate(compile({"model": "llama3-8b", "cluster": "h100:1x2", "global_batch": 8, "seq_len": 1024,
                              "microbatches": 8,
                              "directives": [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"}]}))
@@ -122,13 +124,13 @@ def _marks(ax, gid_prefix: str) -> list:
     return [p for c in ax.collections if (c.get_gid() or "").startswith(gid_prefix) for p in c.get_paths()]
 
 
-def test_every_llama3_8b_pp2_event_is_a_visible_mark(tmp_path):
+def test_every_llama3_8b_pp2_event_is_a_visible_mark(llama_pp2, tmp_path):
     """The issue's case: rank 0's 16 send/recv (92 µs each in a ~1 s step) drew as ~5 marks."""
     import numpy as np
     from matplotlib.colors import to_rgb
     from matplotlib.image import imread
 
-    r = _llama_pp2()
+    r = llama_pp2
     ev = r.events
     path = tmp_path / "t.png"
     dpi = 130
@@ -151,8 +153,8 @@ def test_every_llama3_8b_pp2_event_is_a_visible_mark(tmp_path):
     assert runs == 16
 
 
-def test_memory_over_time_in_gib_with_its_peak():
-    r = _llama_pp2()
+def test_memory_over_time_in_gib_with_its_peak(llama_pp2):
+    r = llama_pp2
     fig = r.plot_memory()
     gib = 2**30
     for ax, s in zip(fig.axes, r.rank_stats):

@@ -152,5 +152,8 @@ def test_mark_lanes_and_aggregation():
     assert trace.mark_lanes([0.0, 0.1, 0.2, 5.0], [1.0, 1.0, 1.0, 6.0], min_w=0.05) == [0, 1, 2, 0]
     # zero-length ops still get a width; marks closer than half of it take another lane
     assert trace.mark_lanes([0.0, 0.01], [0.0, 0.01], min_w=0.1) == [0, 1]
+    # send/recv above the collectives, each group in its own lanes
+    assert trace.comm_lanes(["ALL_GATHER", "SEND", "REDUCE_SCATTER", "RECV"], [0.0, 0.0, 0.5, 3.0],
+                            [1.0, 1.0, 1.5, 4.0], min_w=0.05) == [1, 0, 2, 0]
     spans = trace.aggregate_marks([0.0, 0.3, 2.0], [0.2, 0.4, 2.0], min_w=0.1, join=0.15)
     assert spans == [(0.0, 0.4, 2), (2.0, 2.1, 1)]
