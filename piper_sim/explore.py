@@ -813,38 +813,77 @@ def write_csv(result: ExploreResult, path: str) -> None:
             w.writerow({**{k: d[k] for k in fields}, **d["candidate"]})
 
 
+def pareto_front(rows: list[Row]) -> list[Row]:
+    """The rows no other row beats on both throughput and peak memory, by memory."""
+    front, best = [], -1.0
+    for r in sorted(rows, key=lambda r: (r.peak_memory_bytes, -r.tokens_per_s)):
+        if r.tokens_per_s > best:
+            front.append(r)
+            best = r.tokens_per_s
+    return front
+
+
+# label offsets (points) tried in turn around a front point until the label covers no other
+_LABEL_OFFSETS = ((6, 6), (6, -12), (-6, 10), (-6, -16), (8, 18), (8, -24), (-8, 26), (-8, -32))
+
+
 def plot_pareto(result: ExploreResult, path: str | None = None, *, ax: Any = None) -> Any:
     """Throughput vs peak memory (GiB); the Pareto front (more throughput for less memory)
-    joined. Returns the Figure; writes ``path`` when given; draws into ``ax`` when given."""
-    from piper_sim.trace import new_figure
+    joined, each front point labelled with its short candidate name (offsets alternate so
+    labels do not overlap), the best plan starred. Returns the Figure; writes ``path`` when
+    given; draws into ``ax`` when given."""
+    from piper_sim.trace import GIB, new_figure
 
     ok = result.ok
     own = ax is None
-    fig, ax = new_figure(ax, figsize=(8, 5))
-    if ok:
-        ax.scatter([r.peak_memory_bytes / 2**30 for r in ok], [r.tokens_per_s for r in ok], s=14, alpha=0.6,
-                   label="simulated strategies")
-        front, best = [], -1.0
-        for r in sorted(ok, key=lambda r: r.peak_memory_bytes):
-            if r.tokens_per_s > best:
-                front.append(r)
-                best = r.tokens_per_s
-        ax.plot([r.peak_memory_bytes / 2**30 for r in front], [r.tokens_per_s for r in front], "r.-",
-                label="Pareto front")
-        top = result.best
-        ax.annotate(top.candidate.short(), (top.peak_memory_bytes / 2**30, top.tokens_per_s), fontsize=8,
-                    xytext=(5, -12), textcoords="offset points")
-    hbm = parse_cluster(result.settings.get("clusters", [result.settings["cluster"]])[0]).gpu.hbm_bytes / 2**30
-    ax.axvline(hbm, color="gray", ls="--", lw=1, label=f"GPU memory {hbm:.0f} GiB")
+    fig, ax = new_figure(ax, figsize=(9, 5.5))
     s = result.settings
+    hbm = parse_cluster(s.get("clusters", [s["cluster"]])[0]).gpu.hbm_bytes / GIB
+    ax.axvline(hbm, color="gray", ls="--", lw=1, label=f"GPU memory {hbm:.0f} GiB")
     ax.set(xlabel="peak memory per GPU (GiB)", ylabel="tokens / s",
            title=f"{s['model']} on {s['cluster']}, batch {s['global_batch']}×{s['seq_len']}")
-    ax.legend(fontsize=8)
+    if ok:
+        ax.scatter([r.peak_memory_bytes / GIB for r in ok], [r.tokens_per_s for r in ok], s=14, alpha=0.6,
+                   label="simulated strategies")
+        front = pareto_front(ok)
+        ax.plot([r.peak_memory_bytes / GIB for r in front], [r.tokens_per_s for r in front], "r.-",
+                label="Pareto front")
+        top = result.best
+        if top is not None:
+            ax.scatter([top.peak_memory_bytes / GIB], [top.tokens_per_s], marker="*", s=120, color="red",
+                       zorder=3, label=f"best: {top.candidate.short()}")
+        ax.margins(x=0.15, y=0.12)
+    ax.legend(fontsize=8, loc="best")
     if own:
         fig.tight_layout()
+    if ok:
+        _label_front(ax, front)  # after the layout: the boxes are where they are drawn
     if path:
         save_figure(fig, path, dpi=120)
     return fig
+
+
+def _label_front(ax: Any, front: list[Row]) -> None:
+    """One label per front point: the first of `_LABEL_OFFSETS` (the first two swapped on
+    every other point, so neighbours alternate above and below) whose box overlaps no label
+    placed before."""
+    from piper_sim.trace import GIB
+
+    placed: list[Any] = []
+    for i, r in enumerate(front):
+        xy = (r.peak_memory_bytes / GIB, r.tokens_per_s)
+        tries = [i % 2, 1 - i % 2] + list(range(2, len(_LABEL_OFFSETS)))
+        text = None
+        for k in tries:
+            off = _LABEL_OFFSETS[k]
+            if text is not None:
+                text.remove()
+            text = ax.annotate(r.candidate.short(), xy, xytext=off, textcoords="offset points", fontsize=7,
+                               ha="left" if off[0] > 0 else "right",
+                               arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "gray"} if abs(off[1]) > 12 else None)
+            if not any(text.get_window_extent().overlaps(p) for p in placed):
+                break
+        placed.append(text.get_window_extent())
 
 
 class _CallableModule(type(sys)):

@@ -52,6 +52,7 @@ from typing import Any, Callable, TypeVar
 
 from piper_sim.checks import check_world_size
 from piper_sim.header import PlanHeader
+from piper_sim import summary
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -435,6 +436,26 @@ class Plan:
     def header(self) -> PlanHeader:
         """``meta`` as typed fields (`piper_sim.header`), read anew on each access: hold it."""
         return PlanHeader.from_meta(self.meta)
+
+    def summary(self) -> list[tuple[str, str]]:
+        """The plan's key facts as (name, value) pairs: what `repr` and `_repr_html_` show."""
+        h, lay = self.header, self.layout
+        per_class = sum(len(lst) for c in self.classes for lst in c.streams.values())
+        total = sum(len(c.ranks) * sum(len(lst) for lst in c.streams.values()) for c in self.classes)
+        batch = f"{h.global_batch} × {h.seq_len}" if h.global_batch else ""
+        return [("model", str(h.model or "")), ("cluster", str(h.cluster or "")),
+                ("world", str(self.world_size)), ("schedule", str(h.schedule or "")),
+                ("degrees", summary.degrees(lay.pp, lay.dp, lay.ep, lay.tp, lay.cp, lay.dp_shard)),
+                ("zero", str(h.zero)), ("micro-batches", str(h.microbatches or "")),
+                ("batch", batch), ("rank classes", str(len(self.classes))),
+                ("instructions", f"{per_class:,}"), ("ops over all ranks", f"{total:,}")]
+
+    def __repr__(self) -> str:
+        """One line (a 64-rank plan's fields would be ~700,000 characters): `summary`."""
+        return summary.one_line("Plan", self.summary())
+
+    def _repr_html_(self) -> str:
+        return summary.html_table("piper-sim plan", self.summary())
 
     def class_of(self, rank: int) -> RankClass:
         pp_rank, _ = self.layout.coords(rank)

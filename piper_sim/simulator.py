@@ -57,7 +57,7 @@ from costmodel.memory import DEFAULT_HEADROOM_BYTES, memory_need, memory_verdict
 from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
 from costmodel.stragglers import slowest_factor
-from piper_sim import trace
+from piper_sim import summary, trace
 from piper_sim.bands import Band, band_for, run_class
 from piper_sim.header import PlanHeader
 from piper_sim.ir import is_inner
@@ -196,6 +196,35 @@ class SimResult:
 
         return explain(self, name=name, rank=rank)
 
+    def summary(self) -> list[tuple[str, str]]:
+        """The result's key facts as (name, value) pairs: what `repr` and `_repr_html_` show."""
+        header = PlanHeader.from_meta(self.meta)
+        units = self.time_unit == "units"
+        step = f"{self.step_time_s:.4g} units" if units else f"{self.step_time_s:.4g} s"
+        worst = max(self.rank_stats, key=lambda s: (s.device_bytes, s.peak_memory_bytes), default=None)
+        memory = ""
+        if worst is not None:
+            held = worst.device_bytes or worst.peak_memory_bytes
+            memory = f"rank {worst.rank} {summary.gib(held)}"
+            if self.memory_capacity_bytes:
+                memory += f" of {summary.gib(self.memory_capacity_bytes)}"
+            if self.memory_verdict:
+                memory = f"{self.memory_verdict} ({memory})"
+        return [("model", str(header.model or "")), ("cluster", str(header.cluster or "")),
+                ("world", str(self.world_size)), ("schedule", str(header.schedule or "")),
+                ("step", step), ("tokens/s", "" if units else f"{self.tokens_per_s:,.0f}"),
+                ("MFU", "" if units or not self.mfu else f"{self.mfu:.1%}"), ("bubble", f"{self.bubble_fraction:.1%}"),
+                ("memory", memory), ("events", f"{self.num_events:,}"),
+                ("ranks simulated", f"{len(self.rank_stats)}" + (" (folded)" if self.folded else "")),
+                ("cost model", self.costmodel)]
+
+    def __repr__(self) -> str:
+        """One line (the dataclass's would print every event row): `summary`."""
+        return summary.one_line("SimResult", self.summary())
+
+    def _repr_html_(self) -> str:
+        return summary.html_table("piper-sim simulated step", self.summary())
+
     def over_memory(self) -> list[RankStats]:
         """Ranks whose peak memory does not fit the GPU."""
         return [s for s in self.rank_stats if s.fits is False]
@@ -244,12 +273,14 @@ class SimResult:
         kwargs.setdefault("time_unit", self.time_unit)
         return trace.plot_timeline(self.events, path, title=title, ax=ax, **kwargs)
 
-    def plot_memory(self, path: str | None = None, title: str = "", *, ax: Any = None, **kwargs: Any) -> Any:
-        """Memory per rank over the step in GB (`trace.plot_memory`); returns the Figure."""
+    def plot_memory(self, path: str | None = None, title: str = "", *, ax: Any = None, states: bool = True,
+                    **kwargs: Any) -> Any:
+        """Memory per rank over the step in GiB (`trace.plot_memory`); returns the Figure.
+        ``states=False`` draws the activations alone, so their changes fill each panel."""
         kwargs.setdefault("ranks", self.shown_ranks())
         kwargs.setdefault("time_unit", self.time_unit)
-        return trace.plot_memory(self.memory, path, title=title, static_bytes=self.static_bytes(), ax=ax,
-                                 t_end=self.step_time_s, **kwargs)
+        return trace.plot_memory(self.memory, path, title=title, static_bytes=self.static_bytes() if states else None,
+                                 ax=ax, t_end=self.step_time_s, **kwargs)
 
 
 # ----------------------------------------------------------------------------- folding

@@ -35,12 +35,12 @@ MEMORY_COLUMNS = ("rank", "time", "bytes")
 # Block colours of the timeline, close to the DualPipe / zero-bubble figures.
 KIND_COLORS = {
     "F": "#f6b26b", "B": "#6fa8dc", "BI": "#9fc5e8", "BW": "#93c47d", "OPT": "#999999",
-    "SEND": "#e06666", "RECV": "#e06666", "ALLREDUCE": "#8e7cc3", "REDUCE_SCATTER": "#8e7cc3",
+    "SEND": "#e06666", "RECV": "#e06666", "ALLREDUCE": "#674ea7", "REDUCE_SCATTER": "#8e7cc3",
     "ALL_GATHER": "#b4a7d6", "ALL_TO_ALL": "#c27ba0",
 }
 LEGEND = (("F", "forward"), ("B", "backward"), ("BI", "backward input"), ("BW", "backward weight"),
-          ("OPT", "optimizer"), ("SEND", "send/recv"), ("ALLREDUCE", "DP collective"),
-          ("ALL_TO_ALL", "all-to-all"))
+          ("OPT", "optimizer"), ("SEND", "send/recv"), ("ALLREDUCE", "all-reduce"),
+          ("REDUCE_SCATTER", "reduce-scatter"), ("ALL_GATHER", "all-gather"), ("ALL_TO_ALL", "all-to-all"))
 
 
 def events_to_dataframe(rows: Iterable[Sequence[Any] | dict[str, Any]],
@@ -285,6 +285,7 @@ def _us(seconds: float) -> float:
 # Figure shows itself once in a notebook. Pass ``ax=`` to draw into your own axes.
 
 TIME_UNITS = {"s": 1.0, "ms": 1e3, "µs": 1e6}
+GIB = 2**30  # memory pictures are in GiB, as torch.cuda reports memory
 
 
 def time_scale(t_end: float, unit: str | None = None) -> tuple[float, str]:
@@ -358,11 +359,87 @@ def _pick_ranks(df: "pd.DataFrame", ranks: Sequence[int] | None, max_ranks: int)
     return present[::step]
 
 
+COMM_ROW, A2A_ROW = "comm", "all-to-all"
+ROW_HEIGHT = {"compute": 1.0, COMM_ROW: 0.4, A2A_ROW: 0.22}
+MIN_MARK_PX = 2.0  # the narrowest mark drawn, in pixels at the figure's dpi: no event vanishes
+A2A_JOIN_PX = 6.0  # all-to-alls closer than this (pixels) draw as one mark
+MAX_LANES = 4  # sub-rows of a comm row for comm ops whose marks would cover each other
+
+
 def _row_name(stream: str, kind: str) -> str:
-    """Timeline row of an event: compute, p2p (all send/recv streams), or its stream."""
+    """Timeline row of an event: compute, all-to-all (expert dispatch/combine, aggregated),
+    or comm (send/recv and the other collectives of every stream, coloured by kind)."""
     if kind in COMPUTE_KINDS:
         return "compute"
-    return "p2p" if kind in P2P_KINDS else stream
+    return A2A_ROW if kind == "ALL_TO_ALL" else COMM_ROW
+
+
+def min_mark_width(ax: Any, span: float, dpi: float, px: float = MIN_MARK_PX) -> float:
+    """The data width of ``px`` pixels on ``ax`` (x from 0 to ``span``) saved at ``dpi``."""
+    width_in = ax.figure.get_figwidth() * ax.get_position().width
+    return px * span / max(width_in * dpi, 1.0)
+
+
+def mark_extent(start: float, end: float, min_w: float) -> tuple[float, float, float]:
+    """(left, right, free) of a comm mark without an outline: at least ``min_w`` wide; a wide
+    op ends ``min_w / 2`` early so back-to-back ops stay apart; ``free``: where the next mark
+    of its lane may start."""
+    if end - start >= 2 * min_w:
+        return start, end - min_w / 2, end
+    right = start + max(end - start, min_w)
+    return start, right, right + min_w / 2
+
+
+def mark_lanes(starts: Sequence[float], ends: Sequence[float], min_w: float, max_lanes: int = MAX_LANES) -> list[int]:
+    """Lane of each mark (`mark_extent`) so that marks of one row do not cover each other: the
+    first lane free at its start, at most ``max_lanes`` (then the lane that frees first)."""
+    out = [0] * len(starts)
+    free: list[float] = []
+    for i in sorted(range(len(starts)), key=lambda i: (starts[i], ends[i])):
+        s, _, f = mark_extent(starts[i], ends[i], min_w)
+        lane = next((k for k, at in enumerate(free) if s >= at - 1e-12 * max(abs(at), 1.0)), None)
+        if lane is None:
+            if len(free) < max_lanes:
+                lane = len(free)
+                free.append(0.0)
+            else:
+                lane = min(range(len(free)), key=free.__getitem__)
+        free[lane] = max(free[lane], f)
+        out[i] = lane
+    return out
+
+
+def comm_lanes(kinds: Sequence[str], starts: Sequence[float], ends: Sequence[float], min_w: float) -> list[int]:
+    """Lanes of a comm row: send/recv in the top lanes, the collectives under them, each group
+    laid out by `mark_lanes` (so a send never hides among collectives)."""
+    out = [0] * len(kinds)
+    top = 0
+    for group in (True, False):
+        idx = [i for i, k in enumerate(kinds) if (k in P2P_KINDS) == group]
+        if not idx:
+            continue
+        lane = mark_lanes([starts[i] for i in idx], [ends[i] for i in idx], min_w)
+        for i, k in zip(idx, lane):
+            out[i] = top + k
+        top += max(lane) + 1
+    return out
+
+
+def aggregate_marks(starts: Sequence[float], ends: Sequence[float], min_w: float,
+                    join: float | None = None) -> list[tuple[float, float, int]]:
+    """(start, end, events) spans covering every interval, each drawn at least ``min_w`` wide;
+    intervals closer than ``join`` (default ``min_w``) join one span (a burst of all-to-alls
+    is one mark)."""
+    join = min_w if join is None else join
+    spans: list[list[float]] = []
+    for s, e in sorted(zip(starts, ends)):
+        e = max(e, s + min_w)
+        if spans and s <= spans[-1][1] + join:
+            spans[-1][1] = max(spans[-1][1], e)
+            spans[-1][2] += 1
+        else:
+            spans.append([s, e, 1])
+    return [(s, e, int(n)) for s, e, n in spans]
 
 
 def _stage_layout(df: "pd.DataFrame") -> tuple[dict[tuple[int, int], int], dict[int, int]]:
@@ -415,74 +492,104 @@ def plot_timeline(df: "pd.DataFrame", path: str | None = None, title: str = "", 
     """The step as a pipeline picture, in the style of the DualPipe / zero-bubble papers.
     Returns the matplotlib Figure (and writes it to ``path`` when given).
 
-    One row per rank (compute) plus thin rows for comm (send/recv together, then each
-    collective stream; rows without time are left out); blocks coloured by kind with
-    micro-batch numbers. ``chunks``: the second model chunk (interleaved, ZB-V, DualPipeV)
-    or DualPipe's reverse direction is drawn darker (`chunk_of`). ``pairs``: when the frame
-    has a ``pair`` column (`SimResult.events` does: the plan slot of ops that run as an
-    overlapped F&B pair, -1 otherwise), each pair is framed. ``time_unit``: see
+    One row per rank (compute) plus, under it, a thin ``comm`` row (send/recv and every
+    collective, coloured by kind; ops whose marks would cover each other go in sub-rows)
+    and a thinner ``all-to-all`` row (expert dispatch/combine, bursts joined into one mark);
+    in the comm row, send/recv lie above the collectives (`comm_lanes`);
+    comm rows without time are left out. Blocks coloured by kind with micro-batch numbers.
+    No event vanishes: every mark is at least `MIN_MARK_PX` pixels wide at ``dpi``; each
+    compute and comm op is its own mark. ``chunks``: the second model chunk (interleaved,
+    ZB-V, DualPipeV) or DualPipe's reverse direction is drawn darker (`chunk_of`). ``pairs``:
+    when the frame has a ``pair`` column (`SimResult.events` does: the plan slot of ops that
+    run as an overlapped F&B pair, -1 otherwise), each pair is framed. ``time_unit``: see
     `time_scale` ("units" for a unit cost model). With more than ``max_ranks`` ranks pass
     ``ranks`` (e.g. one per rank class); otherwise an even sample is drawn. ``ax``: draw
-    into these axes instead of a new figure."""
+    into these axes instead of a new figure. Each mark's collection has ``gid``
+    ``"rank R/ROW"`` (ROW: compute, comm, all-to-all)."""
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch, Rectangle
 
     shown = _pick_ranks(df, ranks, max_ranks)
     df = df.assign(row=[_row_name(s, k) for s, k in zip(df["stream"], df["kind"])],
                    chunk=chunk_of(df) if chunks else [0] * len(df))
-    rows: list[tuple[int, str, float]] = []  # (rank, row name, height)
-    for r in shown:
-        sub = df[df["rank"] == r]
-        busy = (sub["end"] - sub["start"]).groupby(sub["row"]).sum()
-        names = stream_order(sub["row"])
-        rows += [(r, s, 1.0) for s in names if s == "compute"]
-        if comm:  # comm rows that carry any time
-            rows += [(r, s, 0.35) for s in names if s != "compute" and busy.get(s, 0) > 0]
     t_end = float(df["end"].max()) if len(df) else 1.0
     t_end = t_end if t_end > 0 else 1.0
     scale, xlabel = time_scale(t_end, time_unit)
-    height = sum(h for _, _, h in rows) + 0.15 * len(rows)
+    span = t_end * scale
     own = ax is None
+    # the data width of MIN_MARK_PX: from the caller's axes, or (own figure, 14 in wide) from
+    # an axes narrower than tight_layout leaves it, so the drawn marks end up wider
+    min_w = min_mark_width(ax, span, dpi) if not own else MIN_MARK_PX * span / (14 * 0.8 * dpi)
+    rows: list[tuple[int, str, float]] = []  # (rank, row name, height)
+    lane_of: dict[tuple[int, str], list[int]] = {}
+    for r in shown:
+        sub = df[df["rank"] == r]
+        busy = (sub["end"] - sub["start"]).groupby(sub["row"]).sum()
+        names = [n for n in ("compute", COMM_ROW, A2A_ROW) if n in set(sub["row"])]
+        rows += [(r, s, ROW_HEIGHT[s]) for s in names if s == "compute"]
+        if not comm:
+            continue
+        for name in names:  # comm rows that carry any time
+            if name == "compute" or busy.get(name, 0) <= 0:
+                continue
+            h = ROW_HEIGHT[name]
+            if name == COMM_ROW:
+                c = sub[sub["row"] == name]
+                lane = comm_lanes(c["kind"].tolist(), (c["start"] * scale).tolist(), (c["end"] * scale).tolist(),
+                                  min_w)
+                lane_of[(r, name)] = lane
+                h = max(h, min(0.2 * (max(lane) + 1), 0.8))  # sub-rows stay readable
+            rows.append((r, name, h))
+    height = sum(h for _, _, h in rows) + 0.15 * len(rows)
     fig, ax = new_figure(ax, figsize=(14, max(2.0, 0.42 * height + 1.2)))
     y, yticks, ylabels = 0.0, [], []
-    boxes: dict[tuple[str, bool, int], list] = {}  # (kind, framed, chunk) -> block outlines
+    # (rank, row, kind, framed, chunk) -> block outlines: one collection per rank row and colour
+    boxes: dict[tuple[int, str, str, bool, int], list] = {}
     frames: list[tuple[float, float, float, float]] = []
     labels = 0
-    min_w = t_end * 1e-4  # keep zero-length ops visible as hairlines
     has_pairs = pairs and "pair" in df.columns
-    for r, stream, h in rows:
-        sub = df[(df["rank"] == r) & (df["row"] == stream)]
+    for r, row, h in rows:
+        sub = df[(df["rank"] == r) & (df["row"] == row)]
         y -= h + 0.15
-        for kind, s, e, mb, ch in zip(sub["kind"], sub["start"], sub["end"], sub["mb"], sub["chunk"]):
-            e = max(e, s + min_w)
-            s, e = s * scale, e * scale
-            boxes.setdefault((kind, h == 1.0, max(int(ch), 0)), []).append([(s, y), (e, y), (e, y + h), (s, y + h)])
-            if h == 1.0 and mb >= 0 and e - s > t_end * scale * 0.008 and labels < 3000:
-                ax.text((s + e) / 2, y + h / 2, str(int(mb)), ha="center", va="center", fontsize=6,
-                        color="white" if ch >= 1 and kind != "F" else "black", in_layout=False)
-                labels += 1
-        if has_pairs and h == 1.0:
+        starts, ends = (sub["start"] * scale).tolist(), (sub["end"] * scale).tolist()
+        if row == A2A_ROW:
+            for s, e, _ in aggregate_marks(starts, ends, min_w, join=A2A_JOIN_PX / MIN_MARK_PX * min_w):
+                boxes.setdefault((r, row, "ALL_TO_ALL", False, 0), []).append(
+                    [(s, y), (e, y), (e, y + h), (s, y + h)])
+        else:
+            lane = lane_of.get((r, row)) or [0] * len(sub)
+            n = max(lane, default=0) + 1
+            for kind, s, e, mb, ch, k in zip(sub["kind"], starts, ends, sub["mb"], sub["chunk"], lane):
+                s, e = (s, max(e, s + min_w)) if row == "compute" else mark_extent(s, e, min_w)[:2]
+                y0 = y + h - (k + 1) * h / n
+                boxes.setdefault((r, row, kind, row == "compute", max(int(ch), 0)), []).append(
+                    [(s, y0), (e, y0), (e, y0 + h / n), (s, y0 + h / n)])
+                if row == "compute" and mb >= 0 and e - s > span * 0.008 and labels < 3000:
+                    ax.text((s + e) / 2, y + h / 2, str(int(mb)), ha="center", va="center", fontsize=6,
+                            color="white" if ch >= 1 and kind != "F" else "black", in_layout=False)
+                    labels += 1
+        if has_pairs and row == "compute":
             paired = sub[sub["pair"] >= 0]
             for _, g in paired.groupby("pair"):
                 frames.append((g["start"].min() * scale, y, (g["end"].max() - g["start"].min()) * scale, h))
         yticks.append(y + h / 2)
-        ylabels.append(f"rank {r}" if h == 1.0 else stream)
-    for (kind, framed, ch), verts in boxes.items():
+        ylabels.append(f"rank {r}" if row == "compute" else row)
+    for (r, row, kind, framed, ch), verts in boxes.items():
         ax.add_collection(PolyCollection(verts, facecolors=_shade(KIND_COLORS.get(kind, "#cccccc"), ch),
-                                         edgecolors="black" if framed else "none", linewidths=0.3))
+                                         edgecolors="black" if framed else "none", linewidths=0.3,
+                                         gid=f"rank {r}/{row}"))
     for x0, y0, w, h in frames:
         ax.add_patch(Rectangle((x0, y0 - 0.04), w, h + 0.08, fill=False, edgecolor="black", linewidth=1.6,
                                zorder=3))
     ax.set_yticks(yticks)
     ax.set_yticklabels(ylabels, fontsize=7)
-    ax.set_xlim(0, t_end * scale)
+    ax.set_xlim(0, span)
     ax.set_ylim(y - 0.2, 0.1)
     ax.set_xlabel(xlabel)
     ax.set_title(title or "timeline")
-    kinds = set(df["kind"])
+    drawn = set(df.loc[df["rank"].isin(shown) & (df["row"].isin({row for _, row, _ in rows})), "kind"])
     handles = [Patch(facecolor=KIND_COLORS[k], edgecolor="black", label=lab) for k, lab in LEGEND
-               if k in kinds or (k == "SEND" and "RECV" in kinds)
-               or (k == "ALLREDUCE" and kinds & {"REDUCE_SCATTER", "ALL_GATHER"})]
+               if k in drawn or (k == "SEND" and "RECV" in drawn)]
     if chunks and (df["chunk"] >= 1).any():
         mirror = bool(_stage_layout(df)[1])
         handles.append(Patch(facecolor=_shade("#bbbbbb", 1), edgecolor="black",
@@ -502,12 +609,15 @@ def plot_memory(memory: "pd.DataFrame", path: str | None = None, title: str = ""
                 static_bytes: dict[int, float] | None = None, ranks: Sequence[int] | None = None,
                 max_ranks: int = 16, *, ax: Any = None, t_end: float | None = None, time_unit: str | None = None,
                 dpi: int = 130) -> Any:
-    """Memory over the step per rank, in GB (1e9 bytes), from zero: the static model states
-    (``static_bytes``: rank -> bytes) as a grey band, the transient bytes (activations and
-    buffers, the plan's alloc/free) on top, as a step function through every change (an
-    alloc and a free at the same instant count once, at their net). One panel per rank;
-    ``ax``: one Axes (all ranks as lines) or one Axes per rank. ``t_end``: end of the
-    step (default: the last change). Returns the Figure."""
+    """Memory over the step per rank, in GiB (2**30 bytes, torch's unit), from zero, over real
+    time: the static model states (``static_bytes``: rank -> bytes) as a grey band, the
+    transient bytes (activations and buffers, the plan's alloc/free) on top, as a step
+    function through every change (an alloc and a free at the same instant count once, at
+    their net); each panel marks its peak. The simulator changes memory per op (an op's
+    alloc when it is issued, its free when it ends), so a 1F1B steady state, where each
+    backward's free meets the next forward's alloc, is flat. One panel per rank; ``ax``: one
+    Axes (all ranks as lines) or one Axes per rank. ``t_end``: end of the step (default:
+    the last change). Returns the Figure."""
     shown = _pick_ranks(memory, ranks, max_ranks)
     last = float(memory["time"].max()) if len(memory) else 0.0
     t_end = max(float(t_end or 0.0), last) or 1.0
@@ -518,9 +628,9 @@ def plot_memory(memory: "pd.DataFrame", path: str | None = None, title: str = ""
     top = 0.0
     for i, (r, a) in enumerate(zip(shown, axes)):
         sub = memory[memory["rank"] == r].drop_duplicates("time", keep="last")
-        base = float((static_bytes or {}).get(r, 0.0)) / 1e9
+        base = float((static_bytes or {}).get(r, 0.0)) / GIB
         ts = [0.0] + [t * scale for t in sub["time"]] + [t_end * scale]
-        vs = [0.0] + [b / 1e9 for b in sub["bytes"]]
+        vs = [0.0] + [b / GIB for b in sub["bytes"]]
         vs.append(vs[-1])
         total = [base + v for v in vs]
         top = max(top, max(total))
@@ -532,17 +642,21 @@ def plot_memory(memory: "pd.DataFrame", path: str | None = None, title: str = ""
             a.fill_between(ts, 0, base, step="post", color="#cccccc", linewidth=0, label="model states")
         a.fill_between(ts, base, total, step="post", color=color, alpha=0.45, linewidth=0, label="activations")
         a.step(ts, total, where="post", color=color, linewidth=1)
-        a.set_ylabel(f"rank {r}\nGB", fontsize=7)
+        k = max(range(len(total)), key=total.__getitem__)
+        a.axhline(total[k], color=color, linestyle=":", linewidth=0.8)
+        a.annotate(f"peak {total[k]:.1f} GiB", (ts[k], total[k]), xytext=(2, 2), textcoords="offset points",
+                   fontsize=6, color="black")
+        a.set_ylabel(f"rank {r}\nGiB", fontsize=7)
         a.tick_params(labelsize=7)
     for a in (axes[:1] if overlay else axes):
         a.set_ylim(0, top * 1.08 if top > 0 else 1.0)
         a.set_xlim(0, t_end * scale)
     if axes:
         axes[-1].set_xlabel(xlabel)
-        axes[0].set_title(title or ("memory per rank (GB): model states + activations" if static_bytes
-                                    else "memory per rank (GB): activations"))
+        axes[0].set_title(title or ("memory per rank (GiB): model states + activations" if static_bytes
+                                    else "memory per rank (GiB): activations"))
         if overlay:
-            axes[0].set_ylabel("GB")
+            axes[0].set_ylabel("GiB")
             axes[0].legend(fontsize=7, ncol=min(len(shown), 8) or 1, loc="upper right")
         else:
             axes[0].legend(fontsize=7, loc="upper right", ncol=2)

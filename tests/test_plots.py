@@ -1,5 +1,6 @@
 """Notebook-friendly pictures: ax=, a returned Figure, no backend switch, units, DualPipe
-chunks and overlapped pairs, memory from zero in GB."""
+chunks and overlapped pairs, memory from zero in GiB, no event too short to see, labelled
+Pareto fronts, short reprs with HTML summaries."""
 
 from __future__ import annotations
 
@@ -95,16 +96,111 @@ def test_dualpipe_reverse_direction(runs):
     assert "reverse direction (darker)" in labels
 
 
-def test_memory_plot_zero_based_gb_with_dips(runs):
+def test_memory_plot_zero_based_gib_with_dips(runs):
     r = runs["calibrated"]
     fig = r.plot_memory()
     axes = fig.axes
     assert len(axes) == len(r.shown_ranks())  # one panel per rank
     for ax, s in zip(axes, r.rank_stats):
-        assert ax.get_ylim()[0] == 0 and "GB" in ax.get_ylabel()
-        (line,) = ax.lines
+        assert ax.get_ylim()[0] == 0 and "GiB" in ax.get_ylabel()
+        line = ax.lines[0]  # the step (then the peak's dotted line)
         x, y = line.get_data()
-        assert max(y) == pytest.approx(s.peak_memory_bytes / 1e9)  # GB, not GiB
+        assert max(y) == pytest.approx(s.peak_memory_bytes / 2**30)  # GiB, as torch reports memory
         assert x[-1] == pytest.approx(r.step_time_s * 1e3)  # to the end of the step
         ups = [b > a for a, b in zip(y, y[1:]) if a != b]
         assert any(not u for u in ups[: len(ups) // 2 + 1])  # a dip before the peak plateau ends
+
+
+@pytest.fixture(scope="module")
+def llama_pp2():
+    """The issue's llama3-8b PP2 1F1B step (8 micro-batches), at a short sequence to stay cheap."""
+    return simulate(compile({"model": "llama3-8b", "cluster": "h100:1x2", "global_batch": 8, "seq_len": 1024,
+                             "microbatches": 8,
+                             "directives": [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"}]}))
+
+
+def _marks(ax, gid_prefix: str) -> list:
+    """The drawn block outlines (one path per mark) of the collections whose gid starts so."""
+    return [p for c in ax.collections if (c.get_gid() or "").startswith(gid_prefix) for p in c.get_paths()]
+
+
+def test_every_llama3_8b_pp2_event_is_a_visible_mark(llama_pp2, tmp_path):
+    """The issue's case: rank 0's 16 send/recv (92 µs each in a ~1 s step) drew as ~5 marks."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    from matplotlib.image import imread
+
+    r = llama_pp2
+    ev = r.events
+    path = tmp_path / "t.png"
+    dpi = 130
+    fig = r.plot_timeline(str(path), dpi=dpi)
+    ax = fig.axes[0]
+    to_px = ax.transData.transform
+    for rank in (0, 1):
+        sub = ev[ev["rank"] == rank]
+        marks = _marks(ax, f"rank {rank}/")
+        assert len(marks) == len(sub)  # each event its own mark
+        widths = [np.ptp(to_px(p.vertices)[:, 0]) * dpi / fig.dpi for p in marks]
+        assert min(widths) >= trace.MIN_MARK_PX - 1e-6
+        assert len(_marks(ax, f"rank {rank}/comm")) == sub["kind"].isin(["SEND", "RECV"]).sum() == 16
+    # ...and in the PNG: the red send/recv runs along the middle of rank 0's comm row
+    img = imread(str(path))[:, :, :3]
+    y = ax.get_yticks()[list(t.get_text() for t in ax.get_yticklabels()).index("comm")]
+    row = int(round(img.shape[0] - to_px((0, y))[1] * dpi / fig.dpi))
+    red = np.all(np.abs(img[row] - np.array(to_rgb(trace.KIND_COLORS["SEND"]))) < 0.08, axis=1)
+    runs = int(red[0]) + int(np.sum(red[1:] & ~red[:-1]))
+    assert runs == 16
+
+
+def test_memory_over_time_in_gib_with_its_peak(llama_pp2):
+    r = llama_pp2
+    fig = r.plot_memory()
+    gib = 2**30
+    for ax, s in zip(fig.axes, r.rank_stats):
+        assert "GiB" in ax.get_ylabel() and ax.get_ylim()[0] == 0
+        step = ax.lines[0]
+        x, y = step.get_data()
+        assert max(y) == pytest.approx(s.peak_memory_bytes / gib)  # GiB, torch's unit
+        assert y[0] == pytest.approx((s.params_bytes + s.grads_bytes + s.optimizer_bytes) / gib)  # static base
+        assert len(x) == len(set(r.memory[r.memory["rank"] == s.rank]["time"])) + 2  # every change, 0 and t_end
+        assert any(t.get_text() == f"peak {s.peak_memory_bytes / gib:.1f} GiB" for t in ax.texts)
+    for ax, s in zip(r.plot_memory(states=False).axes, r.rank_stats):  # the activations alone
+        assert max(ax.lines[0].get_data()[1]) == pytest.approx(s.activations_bytes / gib)
+
+
+def test_pareto_front_points_labelled_without_overlap():
+    from piper_sim.explore import explore, pareto_front, plot_pareto
+
+    r = explore("llama3-8b", "h100:1x4", 16, 2048, workers=1, zero_levels=(1,), microbatch_factors=(2,),
+                recompute=(False,), tp_degrees=(1,))
+    front = pareto_front(r.ok)
+    assert len(front) >= 3
+    ax = plot_pareto(r).axes[0]
+    texts = [t for t in ax.texts if t.get_text()]
+    assert sorted(t.get_text() for t in texts) == sorted(f.candidate.short() for f in front)
+    boxes = [t.get_window_extent() for t in texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert any(t.get_text().startswith("best: ") for t in ax.get_legend().get_texts())
+
+
+def test_plan_and_result_reprs_are_short_with_an_html_summary():
+    plan = compile({"model": "llama3-8b", "cluster": "h100:8x8", "global_batch": 128, "seq_len": 4096,
+                    "microbatches": 8,
+                    "directives": [{"op": "pipeline", "degree": 4}, {"op": "schedule", "name": "1f1b"},
+                                   {"op": "data_parallel", "degree": 16, "zero": 1}]})
+    text = repr(plan)
+    assert plan.world_size == 64 and len(text) < 2000 and "\n" not in text
+    for fact in ("llama3-8b", "world 64", "schedule 1f1b", "pp4 dp16", "zero 1", "micro-batches 8"):
+        assert fact in text, fact
+    ops = sum(len(lst) for c in plan.classes for lst in c.streams.values())
+    assert f"instructions {ops:,}" in text
+    html = plan._repr_html_()
+    assert html.startswith("<table") and "llama3-8b" in html and "pp4 dp16" in html and len(html) < 4000
+    r = simulate(plan)
+    text = repr(r)
+    assert len(text) < 2000 and "\n" not in text
+    assert f"tokens/s {r.tokens_per_s:,.0f}" in text and f"MFU {r.mfu:.1%}" in text
+    assert f"memory {r.memory_verdict} (" in text and r.memory_verdict in ("fits", "tight", "oom")
+    html = r._repr_html_()
+    assert "<table" in html and f"{r.tokens_per_s:,.0f}" in html and r.memory_verdict in html

@@ -115,3 +115,45 @@ def test_simulator_exposed_comm_is_the_trace_definition(results):
     want = trace.exposed_comm(zip(ev["rank"], ev["kind"], ev["start"], ev["end"]))
     assert {s.rank: s.comm_exposed_s for s in r.rank_stats} == pytest.approx(want)
     assert max(want.values()) > 0
+
+
+def test_ep_timeline_groups_comm_and_aggregates_all_to_alls(results):
+    """Expert parallelism + DualPipe + ZeRO: per rank one compute row, one comm row (send/recv
+    and DP collectives, coloured by kind) and one thin all-to-all row whose bursts join."""
+    from matplotlib.colors import to_hex
+
+    r = results["analytic-moe"]
+    ev = r.events
+    fig = r.plot_timeline(ranks=[0, 8])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "comm", "all-to-all",
+                                                            "rank 8", "comm", "all-to-all"]
+    for rank in (0, 8):
+        sub = ev[ev["rank"] == rank]
+        a2a = sub[sub["kind"] == "ALL_TO_ALL"]
+        (row,) = [c for c in ax.collections if c.get_gid() == f"rank {rank}/all-to-all"]
+        spans = [p.vertices[:, 0] for p in row.get_paths()]
+        spans = [(min(x), max(x)) for x in spans]
+        assert 0 < len(spans) < len(a2a)  # aggregated...
+        scale = 1e3  # ms
+        for s, e in zip(a2a["start"] * scale, a2a["end"] * scale):  # ...and none dropped
+            assert any(lo - 1e-9 <= s and e <= hi + 1e-9 for lo, hi in spans)
+        comm = [c for c in ax.collections if c.get_gid() == f"rank {rank}/comm"]  # one per kind
+        faces = {to_hex(c.get_facecolors()[0]) for c in comm}
+        kinds = set(sub["kind"]) - {"F", "B", "BI", "BW", "OPT", "ALL_TO_ALL"}
+        assert faces == {trace.KIND_COLORS[k] for k in kinds} and len(faces) >= 3  # send/recv, RS, AG
+        assert sum(len(c.get_paths()) for c in comm) == sub["kind"].isin(kinds).sum()
+    legend = {t.get_text() for t in fig.legends[0].get_texts()}
+    assert {"send/recv", "reduce-scatter", "all-gather", "all-to-all"} <= legend
+
+
+def test_mark_lanes_and_aggregation():
+    # three overlapping comm ops take three lanes; one after them reuses the first
+    assert trace.mark_lanes([0.0, 0.1, 0.2, 5.0], [1.0, 1.0, 1.0, 6.0], min_w=0.05) == [0, 1, 2, 0]
+    # zero-length ops still get a width; marks closer than half of it take another lane
+    assert trace.mark_lanes([0.0, 0.01], [0.0, 0.01], min_w=0.1) == [0, 1]
+    # send/recv above the collectives, each group in its own lanes
+    assert trace.comm_lanes(["ALL_GATHER", "SEND", "REDUCE_SCATTER", "RECV"], [0.0, 0.0, 0.5, 3.0],
+                            [1.0, 1.0, 1.5, 4.0], min_w=0.05) == [1, 0, 2, 0]
+    spans = trace.aggregate_marks([0.0, 0.3, 2.0], [0.2, 0.4, 2.0], min_w=0.1, join=0.15)
+    assert spans == [(0.0, 0.4, 2), (2.0, 2.1, 1)]
