@@ -50,3 +50,14 @@ def slowest_factor(n: int, spread: float = GPU_SPEED_SPREAD) -> float:
     if not math.isfinite(spread) or spread < 0:
         raise ValueError(f"speed_spread must be a finite fraction >= 0, got {spread!r}")
     return 1.0 + spread * expected_max_z(n)
+
+
+def check_slow_ranks(slow_ranks: dict[int, float], world_size: int) -> None:
+    """A slow-rank what-if (rank -> how many times slower it computes): one ValueError line
+    naming the bad rank or slowdown."""
+    for rank, factor in slow_ranks.items():
+        if not 0 <= rank < world_size:
+            raise ValueError(f"slow rank {rank} is outside the plan's ranks 0..{world_size - 1}")
+        if not (math.isfinite(factor) and factor >= 1.0):
+            raise ValueError(f"slowdown of rank {rank} must be a finite factor >= 1 (1.2 = 20% slower), "
+                             f"got {factor!r}")

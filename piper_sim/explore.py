@@ -33,6 +33,7 @@ from costmodel.dtypes import DTYPE_BYTES
 from costmodel.hardware import parse_cluster
 from costmodel.memory import DEFAULT_HEADROOM_BYTES, fits, memory_need
 from costmodel.model import get_costmodel
+from costmodel.stragglers import check_slow_ranks
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, check_stack_on, parse_stack, stack_to_strategy
 from costmodel.training_run import RANK_BY, RunOptions as TrainingRunOptions, TrainingRun
 from piper_sim.bands import Band
@@ -506,7 +507,8 @@ def _compile_and_simulate(task: tuple) -> tuple:
     why = settings["refusal"](plan) if settings.get("refusal") else ""
     if why:
         return cand, "simulate-only", why
-    r = simulate(plan, settings["costmodel"], memory_headroom_bytes=settings["memory_headroom_bytes"])
+    r = simulate(plan, settings["costmodel"], memory_headroom_bytes=settings["memory_headroom_bytes"],
+                 slow_ranks=settings.get("slow_ranks"))
     peak = max(x.peak_memory_bytes for x in r.rank_stats)
     device = max(x.device_bytes for x in r.rank_stats)
     states = max(x.params_bytes + x.optimizer_bytes for x in r.rank_stats)
@@ -553,7 +555,8 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
             candidates: list[Candidate] | None = None,
             progress: Callable[[str, int, int], None] | None = None, stack: Stack | str | dict | None = None,
             memory_headroom_bytes: float = DEFAULT_HEADROOM_BYTES,
-            refusal: Callable[[Any], str] | None = None, **enum_kw: Any) -> ExploreResult:
+            refusal: Callable[[Any], str] | None = None, slow_ranks: dict[int, float] | None = None,
+            **enum_kw: Any) -> ExploreResult:
     """Enumerate, screen, and simulate in order of the time bound; rows for every candidate.
     ``refusal``: a module-level function of a compiled plan giving why a back end would not run
     it ('' when it would; e.g. `executor.support.unrunnable` for ``explore --runnable``): such
@@ -561,20 +564,23 @@ def explore(model: str, cluster: str, global_batch: int, seq_len: int, costmodel
     ``stack``: the training stack every candidate runs (``costmodel.stack``: a preset name, a
     mapping or a Stack; default FA2 and fused kernels). Memory as the simulator judges it
     (`costmodel.memory.memory_need`): plans within ``memory_headroom_bytes`` of the GPU's
-    memory are ``tight`` and ranked after every plan that fits with the headroom."""
+    memory are ``tight`` and ranked after every plan that fits with the headroom.
+    ``slow_ranks``: the what-if of `piper_sim.simulator.simulate` (rank -> slowdown) on every
+    candidate: which plans degrade gracefully when a GPU is slow (the time bounds stay bounds)."""
     if "," in str(cluster) and candidates is None:  # several cluster sizes, ranked together
         return _explore_clusters([c.strip() for c in str(cluster).split(",")], progress, model=model,
                                  global_batch=global_batch, seq_len=seq_len, costmodel=costmodel, workers=workers,
                                  prune=prune, use_ray=use_ray, stack=stack,
-                                 memory_headroom_bytes=memory_headroom_bytes, **enum_kw)
+                                 memory_headroom_bytes=memory_headroom_bytes, slow_ranks=slow_ranks, **enum_kw)
     t0 = time.perf_counter()
     cl = parse_cluster(cluster)
     check_world_size(cl.world_size, f"explore cluster {cluster}", StrategyError)
+    check_slow_ranks(slow_ranks or {}, cl.world_size)
     stack = parse_stack(stack, "explore stack")
     check_stack_on(stack, cl.gpu, "explore stack")
     settings = {"model": model, "cluster": cluster, "global_batch": global_batch, "seq_len": seq_len,
                 "costmodel": costmodel, "stack": stack, "memory_headroom_bytes": memory_headroom_bytes,
-                "refusal": refusal}
+                "refusal": refusal, "slow_ranks": dict(slow_ranks or {})}
     if candidates is None:
         candidates = enumerate_candidates(model, cluster, global_batch, seq_len, **enum_kw)
     if len(candidates) > MAX_EXPLORE_CANDIDATES:

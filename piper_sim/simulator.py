@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import math
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
@@ -56,7 +55,7 @@ from costmodel.memory import adam_state_bytes
 from costmodel.memory import DEFAULT_HEADROOM_BYTES, memory_need, memory_verdict
 from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
-from costmodel.stragglers import slowest_factor
+from costmodel.stragglers import check_slow_ranks, slowest_factor
 from piper_sim import summary, trace
 from piper_sim.bands import Band, band_for, run_class
 from piper_sim.header import PlanHeader
@@ -1085,7 +1084,10 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     if isinstance(plan, str):
         plan = Plan.load(plan)
     check_layout(plan)
-    check_slow_ranks(slow_ranks or {}, plan.layout.world_size)
+    try:
+        check_slow_ranks(slow_ranks or {}, plan.layout.world_size)
+    except ValueError as e:
+        raise SimulationError(str(e)) from None
     cluster = None
     if not isinstance(costmodel, CostModel):
         spec = str(costmodel)
@@ -1156,16 +1158,6 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         memory_capacity_bytes=capacity or 0.0,
         band=_band(plan, cm, step), rerun=rerun, rerun_estimated=rerun_estimated,
     )
-
-
-def check_slow_ranks(slow_ranks: dict[int, float], world_size: int) -> None:
-    """One line naming the bad rank or slowdown (a SimulationError, a ValueError)."""
-    for rank, factor in slow_ranks.items():
-        if not 0 <= rank < world_size:
-            raise SimulationError(f"slow rank {rank} is outside the plan's ranks 0..{world_size - 1}")
-        if not (math.isfinite(factor) and factor >= 1.0):
-            raise SimulationError(f"slowdown of rank {rank} must be a finite factor >= 1 (1.2 = 20% slower), "
-                                  f"got {factor!r}")
 
 
 VERDICT_ORDER = ("fits", "tight", "oom")

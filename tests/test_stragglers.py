@@ -108,3 +108,22 @@ def test_cli_slow_ranks(tmp_path):
     bad = run("--slow-ranks", "99")
     assert bad.returncode == 2 and "slow rank 99 is outside the plan's ranks 0..7" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_explore_ranks_plans_with_a_slow_gpu():
+    """With rank 0 1.5x slower every plan is slower; a data-parallel one computes at that
+    rank's pace (a pipeline hides part of one slow stage in its bubble); a rank outside the
+    cluster is one line."""
+    from piper_sim.explore import explore
+
+    kw = dict(zero_levels=(1,), microbatch_factors=(2,), tp_degrees=(1,), prune=False, workers=1)
+    base = explore("gpt-small", "h100:1x4", 16, 512, **kw)
+    slow = explore("gpt-small", "h100:1x4", 16, 512, slow_ranks={0: 1.5}, **kw)
+    before = {r.candidate: r.step_time_s for r in base.rows if r.status == "ok"}
+    after = {r.candidate: r.step_time_s for r in slow.rows if r.status == "ok"}
+    assert before and before.keys() == after.keys()
+    assert all(after[c] > before[c] for c in before)
+    assert all(after[c] > 1.3 * before[c] for c in before if c.pp == 1) and any(c.pp > 1 for c in before)
+    assert slow.settings["slow_ranks"] == {0: 1.5}
+    with pytest.raises(ValueError, match="slow rank 4 is outside"):
+        explore("gpt-small", "h100:1x4", 16, 512, slow_ranks={4: 1.5}, **kw)

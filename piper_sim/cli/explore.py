@@ -93,6 +93,7 @@ def cmd_explore(args: argparse.Namespace) -> None:
     result = explore(args.model, args.cluster, args.global_batch, args.seq_len, costmodel=args.costmodel,
                      workers=args.workers, prune=not args.no_prune, use_ray=args.ray, stack=stack_arg(args.stack),
                      memory_headroom_bytes=headroom, refusal=_executor_refusal() if args.runnable else None,
+                     slow_ranks=dict.fromkeys(args.slow_ranks or (), args.slowdown),
                      progress=progress_printer(not (args.quiet or getattr(args, "log_quiet", 0))), **kw)
     if opts is not None:
         add_training_runs(result, opts, rank_by)
@@ -174,6 +175,11 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
     p.add_argument("--runnable", action="store_true",
                    help="keep to plans `piper-sim run` executes: the others are listed simulate-only, with why")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--slow-ranks", type=arg_int_list(0), default=None, metavar="R,R...",
+                   help="what-if: these ranks compute --slowdown times slower in every plan (which plans degrade "
+                        "gracefully when a GPU is slow)")
+    p.add_argument("--slowdown", type=float, default=1.2, metavar="X",
+                   help="how many times slower the --slow-ranks compute (default 1.2)")
     from piper_sim.cli.training import add_training_arguments
     from costmodel.training_run import RANK_BY
 
