@@ -23,19 +23,24 @@ Two mappings, tried in this order (the one used is reported per rank):
    phases: ``autograd::engine::evaluate_function`` ranges are backward,
    ``Optimizer.step#...`` ranges (torch's optimizer hook) the optimizer, comm ranges
    (``nccl:all_reduce``, ``gloo:send``, ``c10d::...``) their collective, everything else
-   forward (data loading and the loss included). Consecutive ops of one phase form one
-   phase instance; the i-th forward / backward / optimizer phase is the plan's i-th F / B /
-   OPT op in the rank's compute order, the i-th comm range of a kind the i-th plan op of
-   that kind.
+   forward (data loading and the loss included); only the loop's thread (the one holding
+   the step and optimizer ranges) and autograd's threads count. Consecutive ops of one phase
+   form one phase instance; the i-th forward / backward / optimizer phase is the plan's i-th
+   F / B / OPT op in the rank's compute order (a split backward's BI; its BW stays
+   unmatched), the i-th comm range of a kind the i-th plan op of that kind.
 
 The step: a ``ProfilerStep#N`` range (``prof.step()`` under a profiler ``schedule``, or
 ``record_function``); by default the one with the most mapped ops, the later one on a tie.
 Without any, the trace is cut after each ``Optimizer.step`` range (no optimizer: the whole
 trace is one step).
+
 An op's measured interval is its device kernels' span when the host range launched any
 (``cuda_runtime`` launches joined to ``kernel``/``gpu_memcpy``/``gpu_memset`` events by
-``correlation``), else the host range itself (CPU traces hold only ``cpu_op`` and
-``user_annotation`` events). Times are seconds from the step's start.
+``correlation``: the launches whose ``External id`` is the range's own, else those inside
+it on its thread or on a thread without plan-op ranges, autograd's; none: an empty interval
+at the range's end), else, in a trace without device work (CPU traces hold only ``cpu_op``
+and ``user_annotation`` events), the host range itself. Times are seconds from the step's
+start.
 """
 
 from __future__ import annotations
@@ -47,8 +52,6 @@ import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
-
-from piper_sim.plan import COMPUTE_KINDS
 
 __all__ = ["RankTrace", "MeasuredOp", "RankMapping", "find_trace_files", "read_rank_traces", "map_rank",
            "phase_of", "comm_kind"]
@@ -294,30 +297,38 @@ class _Device:
             c = d.args.get("correlation")
             if c is not None:
                 by_corr.setdefault(c, []).append(d)
-        self.launches = sorted(((r.ts, r.tid, by_corr[r.args["correlation"]]) for r in trace.runtime
-                                if r.args.get("correlation") in by_corr), key=lambda x: x[0])
+        linked = [r for r in trace.runtime if r.args.get("correlation") in by_corr]
+        self.launches = sorted(((r.ts, r.tid, by_corr[r.args["correlation"]]) for r in linked), key=lambda x: x[0])
         self.times = [x[0] for x in self.launches]
+        self.by_ext: dict[Any, list[Event]] = {}  # launches made directly inside a range, by its External id
+        for r in linked:
+            if r.args.get("External id") is not None:
+                self.by_ext.setdefault(r.args["External id"], []).extend(by_corr[r.args["correlation"]])
 
-    def span(self, start: float, end: float, tids: set[Any] | None) -> tuple[float, float] | None:
-        """First kernel start and last kernel end of the launches in [start, end] (µs) from
-        the threads ``tids`` (None: any thread)."""
+    def span(self, start: float, end: float, tids: set[Any] | None, ext: Any = None) -> tuple[float, float] | None:
+        """First kernel start and last kernel end of the launches a host range made: those
+        linked to its External id ``ext`` when there are any, else those in [start, end) (µs;
+        [start, start] for an empty range) from the threads ``tids`` (None: any thread)."""
         import bisect
 
-        i = bisect.bisect_left(self.times, start)
-        lo, hi = float("inf"), float("-inf")
-        while i < len(self.launches) and self.launches[i][0] <= end:
-            _, tid, devs = self.launches[i]
-            if tids is None or tid in tids:
-                for d in devs:
-                    lo, hi = min(lo, d.ts), max(hi, d.end)
-            i += 1
-        return (lo, hi) if hi >= lo else None
+        devs: list[Event] = list(self.by_ext.get(ext, ())) if ext is not None else []
+        if not devs:
+            i = bisect.bisect_left(self.times, start)
+            while i < len(self.launches) and (self.launches[i][0] < end or self.launches[i][0] == start):
+                _, tid, evs = self.launches[i]
+                if tids is None or tid in tids:
+                    devs += evs
+                i += 1
+        if not devs:
+            return None
+        return min(d.ts for d in devs), max(d.end for d in devs)
 
 
 def _measured(rank: int, op_id: str, kind: str, host: tuple[float, float], dev: _Device, tids: set[Any] | None,
-              t0: float, name: str) -> MeasuredOp:
-    span = dev.span(host[0], host[1], tids)
-    s, e = span if span else host
+              t0: float, name: str, ext: Any = None) -> MeasuredOp:
+    span = dev.span(host[0], host[1], tids, ext)
+    # in a trace with device work, a range that launched nothing took no device time
+    s, e = span if span else ((host[1], host[1]) if dev.launches else host)
     return MeasuredOp(rank, op_id, kind, (s - t0) / 1e6, (e - t0) / 1e6, (host[1] - host[0]) / 1e6,
                       (span[1] - span[0]) / 1e6 if span else float("nan"), name)
 
@@ -347,7 +358,8 @@ def _by_annotation(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _
             hits[e.name] = e
     annotated = {(e.pid, e.tid) for e in hits.values()}
     others = {e.tid for e in trace.host if (e.pid, e.tid) not in annotated}  # autograd's backward thread
-    return [_measured(trace.rank, op, kinds[op], (e.ts, e.end), dev, {e.tid} | others, s0, e.name)
+    return [_measured(trace.rank, op, kinds[op], (e.ts, e.end), dev, {e.tid} | others, s0, e.name,
+                      e.args.get("External id"))
             for op, e in sorted(hits.items(), key=lambda x: x[1].ts)]
 
 
@@ -356,6 +368,12 @@ def _by_order(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _Devic
     s0, s1 = window
     inside = [e for e in trace.host if s0 <= e.ts <= s1 and not STEP_RE.match(e.name)]
     comms = _top_level([e for e in inside if comm_kind(e.name, e.args)])
+    # the phases run on the training loop's thread (the one holding the step / optimizer ranges)
+    # and autograd's backward threads; other threads' ranges (a data loader, a pool) are left out
+    loop = {(e.pid, e.tid) for e in trace.host if STEP_RE.match(e.name) or e.name.startswith("Optimizer.")}
+    if loop:
+        loop |= {(e.pid, e.tid) for e in inside if e.name.startswith("autograd::engine::evaluate_function")}
+        inside = [e for e in inside if (e.pid, e.tid) in loop]
     comm_ids = {id(e) for e in comms}
     phases: list[tuple[str, float, float, str]] = []  # kind, start, end, first name
     for e in _top_level(inside):
@@ -425,6 +443,3 @@ def plan_ops_of(plan: Any, rank: int) -> list[tuple[str, str]]:
     streams = plan.program(rank).streams
     return [(i.id, i.kind) for s in stream_order(streams) for i in streams[s]]
 
-
-def is_compute(kind: str) -> bool:
-    return kind in COMPUTE_KINDS

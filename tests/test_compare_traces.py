@@ -1,0 +1,233 @@
+"""`piper-sim compare PLAN --trace DIR` (piper_sim.measured, piper_sim.trace_compare): real
+torch.profiler traces mapped onto plan ops and reported against the simulation. Traces of a
+plain PyTorch CPU training loop (annotated with record_function(op_id), and un-annotated: the
+fallback by order), of the executor (one 2-rank gloo run: --profile and --kineto), and a
+public trace from HolisticTraceAnalysis's test data (tests/data/public_traces, MIT)."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import sys
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+import piper_sim
+from piper_sim.cli.commands import main
+from piper_sim.measured import comm_kind, read_rank_traces
+from piper_sim.trace_compare import compare_traces
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "data"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from user_models import residual_mlp  # noqa: E402
+
+PUBLIC = os.path.join(ROOT, "tests", "data", "public_traces", "hta_mi250_minitoy_train")
+M, MBS, SEQ = 2, 4, 8
+LOOP = {"model": f"py:{os.path.join(ROOT, 'tests', 'data', 'user_models.py')}:residual_mlp", "cluster": "cpu:1",
+        "global_batch": M * MBS, "seq_len": SEQ, "microbatches": M, "dtype": "fp32", "directives": []}
+PLAN_OPS = ["F.s0.mb0", "B.s0.mb0", "F.s0.mb1", "B.s0.mb1", "OPT.s0"]  # the plan's order (asserted below)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def train_loop(path: str, annotate: bool, steps: int = 3) -> None:
+    """A plain PyTorch training loop (not the executor): the residual MLP, M micro-batches of
+    gradient accumulation, AdamW, profiled on CPU. With ``annotate`` every plan op is a
+    record_function(op_id) range (the convention) and a profiler schedule makes ProfilerStep
+    ranges; without, nothing marks the ops or the steps (the fallback by order)."""
+    torch.manual_seed(0)
+    um = residual_mlp()
+    model, loss_fn = um.module, um.loss
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [um.example_batch(MBS, SEQ, "cpu", torch.float32, k) for k in range(M)]
+    rf = record_function if annotate else (lambda name: contextlib.nullcontext())
+    # annotated: a schedule, the trace written when its active steps end (as tensorboard_trace_handler does)
+    sched = schedule(wait=0, warmup=1, active=steps - 1) if annotate else None
+    ready = (lambda p: p.export_chrome_trace(path)) if annotate else None
+    with profile(activities=[ProfilerActivity.CPU], schedule=sched, on_trace_ready=ready) as prof:
+        for _ in range(steps):
+            for k, (x, y) in enumerate(batches):
+                with rf(f"F.s0.mb{k}"):
+                    loss = loss_fn(model(x), y) / M
+                with rf(f"B.s0.mb{k}"):
+                    loss.backward()
+            with rf("OPT.s0"):
+                opt.step()
+                opt.zero_grad()
+            prof.step()
+    if not annotate:
+        prof.export_chrome_trace(path)
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    base = tmp_path_factory.mktemp("loop")
+    plan = piper_sim.compile(LOOP)
+    plan_path = str(base / "loop.plan.json")
+    plan.save(plan_path)
+    for name, annotate in (("annotated", True), ("plain", False)):
+        os.makedirs(base / name)
+        train_loop(str(base / name / "rank0.pt.trace.json"), annotate)
+    return plan, plan_path, base
+
+
+def test_plain_loop_annotated_maps_every_op_and_reports_errors(loop, capsys):
+    plan, plan_path, base = loop
+    assert [i.id for i in plan.program(0).streams["compute"]] == PLAN_OPS
+    c = compare_traces(plan, str(base / "annotated"))
+    (m,) = c.mappings
+    assert m.mapping == "annotation" and m.step in (1, 2) and len(m.ops) == 5
+    ops = c.ops.set_index("op_id")
+    assert list(c.ops["op_id"]) == PLAN_OPS and (ops["mapping"] == "annotation").all()
+    assert (ops["measured_s"] > 0).all() and (ops["simulated_s"] > 0).all()
+    assert ops["error_pct"].notna().all() and ops["ratio"].notna().all()
+    # measured = the record_function range of that op in the chosen ProfilerStep, read here independently
+    data = json.load(open(base / "annotated" / "rank0.pt.trace.json"))
+    ua = [e for e in data["traceEvents"] if e.get("cat") == "user_annotation"]
+    (stp,) = [e for e in ua if e["name"] == f"ProfilerStep#{m.step}"]
+    for op in PLAN_OPS:
+        (e,) = [e for e in ua if e["name"] == op and stp["ts"] <= e["ts"] <= stp["ts"] + stp["dur"]]
+        assert ops.loc[op, "measured_s"] == pytest.approx(e["dur"] / 1e6, rel=1e-6, abs=1e-9)
+    cat = c.categories.set_index("category")
+    assert cat.loc["forward", "measured_s"] == pytest.approx(ops.loc[["F.s0.mb0", "F.s0.mb1"], "measured_s"].sum())
+    assert cat.loc["backward", "ops_matched"] == 2 and cat.loc["optimizer", "ops_planned"] == 1
+    # CPU only, no comm: the step is the ops plus the idle between them
+    assert cat.loc["exposed comm", "measured_s"] == 0
+    assert cat.loc["step", "measured_s"] == pytest.approx(ops["measured_s"].sum() + cat.loc["idle", "measured_s"])
+    assert c.gaps and c.gaps[0].startswith("rank 0 ")
+    # the command line: text, --csv and --json written
+    out_csv, out_json = base / "ops.csv", base / "report.json"
+    assert main(["compare", plan_path, "--trace", str(base / "annotated"), "--csv", str(out_csv),
+                 "--json", str(out_json)]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0: mapped by annotation, 5 of 5 plan ops in ProfilerStep#" in text and "biggest gaps:" in text
+    rep = json.load(open(out_json))
+    assert rep["matched_ops"] == 5 and [r["op_id"] for r in rep["ops"]] == PLAN_OPS
+    assert open(out_csv).readline().startswith("rank,op_id,kind,category,mapping,measured_s,simulated_s")
+
+
+def test_plain_loop_without_annotations_maps_by_order(loop):
+    plan, _, base = loop
+    c = compare_traces(plan, str(base / "plain"))
+    (m,) = c.mappings
+    # no ProfilerStep ranges: the trace is cut after each Optimizer.step; the last of the 3 steps wins a tie
+    assert m.mapping == "order" and m.step is None and (m.window, m.windows) == (2, 3)
+    assert "step 3 of 3" in m.describe_step() and not m.unmatched_phases
+    ops = c.ops.set_index("op_id")
+    assert (ops["mapping"] == "order").all() and (ops["measured_s"] > 0).all()
+    starts = [ops.loc[op, "measured_start_s"] for op in PLAN_OPS]
+    assert starts == sorted(starts)  # F0 B0 F1 B1 OPT, in the loop's order
+    assert ops.loc["B.s0.mb0", "trace_name"].startswith("autograd::engine::evaluate_function")
+    assert ops.loc["OPT.s0", "trace_name"] == "Optimizer.step#AdamW.step"
+    # the annotated and plain loops ran the same work: backward phases are the bulk of both
+    assert ops.loc[["B.s0.mb0", "B.s0.mb1"], "measured_s"].sum() > 0
+
+
+def test_executor_traces_profile_and_kineto(tmp_path):
+    """One 2-rank gloo run of a pp2 1F1B plan with --profile (real torch.profiler traces, a
+    record_function per plan op) and --kineto (the executor's events in Kineto's shape)."""
+    from test_executor import save_plan, strategy, torchrun
+
+    from piper_sim.kineto import read_kineto_traces
+
+    plan = save_plan(tmp_path, "pp2", strategy(pp=2, sched="1f1b", m=2))
+    prof, kin = tmp_path / "prof", tmp_path / "kineto"
+    r = torchrun(2, [plan, "--steps", "2", "--profile", str(prof), "--kineto", str(kin)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    from piper_sim.plan import Plan
+
+    p = Plan.load(plan)
+    n_ops = {r_: sum(len(v) for v in p.program(r_).streams.values()) for r_ in (0, 1)}
+    for d in (prof, kin):
+        c = compare_traces(plan, str(d))
+        assert [m.mapping for m in c.mappings] == ["annotation", "annotation"]
+        assert [m.step for m in c.mappings] == [1, 1]  # both steps hold every op: the later one
+        assert [len(m.ops) for m in c.mappings] == [n_ops[0], n_ops[1]] and c.ops["measured_s"].notna().all()
+        comp = c.ops[c.ops["kind"].isin(["F", "B", "OPT"])]
+        assert (comp["measured_s"] > 0).all() and comp["error_pct"].notna().all()
+        cats = set(c.categories["category"])
+        assert {"forward", "backward", "optimizer", "comm send", "comm recv", "exposed comm", "idle"} <= cats
+    # the Kineto-shaped traces carry the executor's own op times: compare measures exactly those
+    events = read_kineto_traces(str(kin)).set_index(["rank", "op_id"])
+    for row in c.ops.itertuples(index=False):
+        ev = events.loc[(row.rank, row.op_id)]
+        assert row.measured_s == pytest.approx(ev["end"] - ev["start"], abs=2e-9)
+
+
+def test_public_trace_from_another_project(capsys, tmp_path):
+    """HolisticTraceAnalysis's MI250 toy training trace: GPU kernels on their own device, backward on
+    autograd's thread, no distributedInfo (rank 0 by order), two ProfilerStep ranges."""
+    (t,) = read_rank_traces(PUBLIC)
+    assert t.rank == 0 and t.rank_from == "order" and len(t.device) > 10
+    plan = piper_sim.compile({"model": "gpt-tiny", "cluster": "cpu:1", "global_batch": 1, "seq_len": 16,
+                              "microbatches": 1, "dtype": "fp32", "directives": []})
+    c = compare_traces(plan, PUBLIC)
+    (m,) = c.mappings
+    assert m.mapping == "order" and m.step == 1 and len(m.ops) == 3  # ProfilerStep#2 is only the profiler's stop
+    ops = c.ops.set_index("op_id")
+    assert ops["device_s"].notna().all()  # the measured times are the ops' kernels, found by correlation id
+    assert ops.loc["OPT.s0", "trace_name"] == "Optimizer.step#SGD.step"
+    cat = c.categories.set_index("category")
+    compute = cat.loc[["forward", "backward", "optimizer"], "measured_s"]
+    assert (compute > 0).all() and compute.sum() <= cat.loc["step", "measured_s"]
+    assert cat.loc["step", "measured_s"] == pytest.approx(9288.291e-6, rel=1e-6)  # ProfilerStep#1's range
+    # a plan with two micro-batches: the trace's one forward/backward maps to the first, the rest is reported
+    plan_path = str(tmp_path / "m2.plan.json")
+    piper_sim.compile({"model": "gpt-tiny", "cluster": "cpu:1", "global_batch": 2, "seq_len": 16,
+                       "microbatches": 2, "dtype": "fp32", "directives": []}).save(plan_path)
+    assert main(["compare", plan_path, "--trace", PUBLIC]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: mapped by order, 3 of 5 plan ops in ProfilerStep#1" in out
+    assert "2 plan ops not found in the traces" in out
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("missing", "no such file or folder"),
+    ("empty", "no trace files"),
+    ("unreadable", "not a readable JSON trace"),
+    ("gz-unreadable", "not a readable JSON trace"),
+    ("world", "the traces are of a 4-rank run (distributedInfo.world_size) but the plan has 1 rank"),
+    ("same-rank", "are both rank 0"),
+    ("step", "--step 9: rank 0's trace has no ProfilerStep#9"),
+])
+def test_bad_traces_are_one_line_errors(tmp_path, capsys, case, needle):
+    plan_path = str(tmp_path / "p.json")
+    piper_sim.compile({"model": "gpt-tiny", "cluster": "cpu:1", "global_batch": 1, "seq_len": 16,
+                       "microbatches": 1, "dtype": "fp32", "directives": []}).save(plan_path)
+    d = tmp_path / "tr"
+    d.mkdir()
+    extra: list[str] = []
+    if case == "missing":
+        d = tmp_path / "nope"
+    elif case == "unreadable":
+        (d / "rank0.pt.trace.json").write_text('{"traceEvents": [')
+    elif case == "gz-unreadable":
+        (d / "rank0.pt.trace.json.gz").write_bytes(b"not gzip")
+    elif case == "world":
+        (d / "rank0.json").write_text(json.dumps({"distributedInfo": {"rank": 0, "world_size": 4},
+                                                  "traceEvents": []}))
+    elif case == "same-rank":
+        for f in ("a.json", "b.json.gz"):
+            body = json.dumps({"distributedInfo": {"rank": 0}, "traceEvents": []}).encode()
+            (d / f).write_bytes(gzip.compress(body) if f.endswith(".gz") else body)
+    elif case == "step":
+        (d / "rank0.json").write_text(json.dumps({"traceEvents": []}))
+        extra = ["--step", "9"]
+    assert main(["compare", plan_path, "--trace", str(d), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and err.startswith("piper-sim: error: ")
+
+
+def test_comm_names_as_torch_records_them():
+    assert comm_kind("nccl:all_reduce") == "ALLREDUCE" and comm_kind("gloo:all_reduce") == "ALLREDUCE"
+    assert comm_kind("gloo:send") == "SEND" and comm_kind("nccl:recv") == "RECV"
+    assert comm_kind("c10d::_allgather_base_") == "ALL_GATHER"
+    assert comm_kind("record_param_comms", {"Collective name": "reduce_scatter_tensor_coalesced"}) == "REDUCE_SCATTER"
+    assert comm_kind("ncclDevKernel_SendRecv(ncclDevComm*, unsigned long, ncclWork*)") == "SEND"
+    assert comm_kind("nccl:all_to_all") == "ALL_TO_ALL"
+    assert comm_kind("aten::add_") is None and comm_kind("F.s0.mb0") is None
