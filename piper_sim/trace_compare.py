@@ -1,8 +1,9 @@
 """Why is my real run slower than the plan: measured (torch.profiler traces) vs simulated.
 
 `compare_traces(plan, trace_dir)` reads one trace per rank (`piper_sim.measured`: the
-mapping convention and its fallback by order are documented there), simulates the plan
-(every rank, unfolded) and returns a `Comparison`:
+mapping convention and its fallback by order are documented there), simulates the plan (a
+folded simulation: each traced rank is compared with its rank class's simulated replica,
+``ranks.simulated_as``) and returns a `Comparison`:
 
 - ``ops``: one row per plan op on the traced ranks: measured and simulated seconds, their
   ratio (measured / simulated) and the plan's error (100 x (simulated - measured) /
@@ -157,7 +158,11 @@ def compare_traces(plan: "Plan | str", trace_dir: str, costmodel: str = "analyti
         bad = max(t.rank for t in traces)
         raise ValueError(f"--trace {trace_dir}: {len(traces)} trace files (ranks up to {bad}) but the plan has "
                          f"{ranks_word}; compare against a plan of the traced run's parallel layout")
-    sim = simulate(plan, costmodel, fold=False)
+    sim = simulate(plan, costmodel)
+    rep = _representatives(plan, [t.rank for t in traces], {s.rank for s in sim.rank_stats})
+    if rep is None:  # a traced rank whose class the folded simulation does not show: simulate every rank
+        sim = simulate(plan, costmodel, fold=False)
+        rep = {t.rank: t.rank for t in traces}
     if sim.time_unit == "units":
         raise ValueError(f"--costmodel {costmodel}: counts in its own units, not seconds; measured times need "
                          "'analytic' or a calibration .json")
@@ -177,10 +182,11 @@ def compare_traces(plan: "Plan | str", trace_dir: str, costmodel: str = "analyti
         m = map_rank(t, plan_ops, step)
         mappings.append(m)
         got = {o.op_id: o for o in m.ops}
+        r_sim = rep[t.rank]
         for op, kind in plan_ops:
             mo = got.get(op)
             meas = mo.measured_s if mo else float("nan")
-            simd = sim_dur.get((t.rank, op), float("nan"))
+            simd = sim_dur.get((r_sim, op), float("nan"))
             op_rows.append({"rank": t.rank, "op_id": op, "kind": kind, "category": category_of(kind),
                             "mapping": m.mapping if mo else "none", "measured_s": meas, "simulated_s": simd,
                             "ratio": _ratio(meas, simd), "error_pct": _err(meas, simd),
@@ -189,10 +195,10 @@ def compare_traces(plan: "Plan | str", trace_dir: str, costmodel: str = "analyti
                             "device_s": mo.device_s if mo else float("nan"),
                             "trace_name": mo.trace_name if mo else ""})
         mc, me, mi = _rank_totals(t.rank, [(o.kind, o.start, o.end) for o in m.ops], m.step_s)
-        st = stats.get(t.rank)
+        st = stats.get(r_sim)
         sc, se, si = (st.compute_s, st.comm_exposed_s, st.idle_s) if st else _rank_totals(
-            t.rank, sim_rows.get(t.rank, []), sim.step_time_s)
-        rank_rows.append({"rank": t.rank, "file": t.path, "rank_from": t.rank_from, "mapping": m.mapping,
+            r_sim, sim_rows.get(r_sim, []), sim.step_time_s)
+        rank_rows.append({"rank": t.rank, "simulated_as": r_sim, "file": t.path, "rank_from": t.rank_from, "mapping": m.mapping,
                           "step": m.step, "ops_matched": len(m.ops), "ops_planned": m.planned,
                           "measured_step_s": m.step_s, "simulated_step_s": sim.step_time_s,
                           "measured_compute_s": mc, "simulated_compute_s": sc,
@@ -203,6 +209,21 @@ def compare_traces(plan: "Plan | str", trace_dir: str, costmodel: str = "analyti
     categories = _categories(ops, ranks)
     gaps = _gaps(ops, ranks, top)
     return Comparison(name, trace_dir, sim.costmodel, ops, categories, ranks, mappings, gaps, world)
+
+
+def _representatives(plan: "Plan", ranks: list[int], simulated: set[int]) -> dict[int, int] | None:
+    """The simulated rank that stands for each traced rank: itself, or in a folded simulation
+    the one of its rank class (same pipeline rank); None when some class is not simulated."""
+    by_class: dict[int, int] = {}
+    for s in sorted(simulated):
+        by_class.setdefault(plan.layout.coords(s)[0], s)
+    out = {}
+    for r in ranks:
+        rep = r if r in simulated else by_class.get(plan.layout.coords(r)[0])
+        if rep is None:
+            return None
+        out[r] = rep
+    return out
 
 
 def _categories(ops: "pd.DataFrame", ranks: "pd.DataFrame") -> "pd.DataFrame":

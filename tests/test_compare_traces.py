@@ -231,3 +231,24 @@ def test_comm_names_as_torch_records_them():
     assert comm_kind("ncclDevKernel_SendRecv(ncclDevComm*, unsigned long, ncclWork*)") == "SEND"
     assert comm_kind("nccl:all_to_all") == "ALL_TO_ALL"
     assert comm_kind("aten::add_") is None and comm_kind("F.s0.mb0") is None
+
+
+def test_simulated_kineto_traces_compare_to_themselves(tmp_path):
+    """A simulation written as Kineto-shaped traces (every rank: comm kernels named as NCCL's) and
+    read back as the measured run: every op, exposed comm and idle match the simulation, and rank 1
+    is compared with its rank class's simulated replica (the comparison's simulation is folded)."""
+    plan = piper_sim.compile({"model": "gpt-tiny", "cluster": "h100:1x2", "global_batch": 4, "seq_len": 64,
+                              "microbatches": 2, "directives": [{"op": "data_parallel", "degree": 2, "zero": 1}]})
+    sim = piper_sim.simulate(plan, fold=False)
+    sim.write_kineto(str(tmp_path / "k"))
+    c = compare_traces(plan, str(tmp_path / "k"))
+    assert [m.mapping for m in c.mappings] == ["annotation", "annotation"]
+    assert list(c.ranks["simulated_as"]) == [0, 0]  # dp replicas: one class, simulated once
+    assert c.ops["measured_s"].notna().all()
+    timed = c.ops[c.ops["simulated_s"] > 0]
+    assert {"comm reduce_scatter", "comm all_gather"} <= set(timed["category"])
+    # the traces keep µs with ns decimals
+    assert timed["measured_s"].to_numpy() == pytest.approx(timed["simulated_s"].to_numpy(), abs=2e-9)
+    for col in ("step_s", "compute_s", "exposed_comm_s", "idle_s"):
+        assert c.ranks[f"measured_{col}"].to_numpy() == pytest.approx(c.ranks[f"simulated_{col}"].to_numpy(),
+                                                                       abs=1e-7), col
