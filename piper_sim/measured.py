@@ -21,8 +21,9 @@ Two mappings, tried in this order (the one used is reported per rank):
    ``--kineto`` traces follow this convention for every op, comm included.)
 2. **order** (the fallback, un-annotated traces): the step's top-level host ops are split into
    phases: ``autograd::engine::evaluate_function`` ranges are backward,
-   ``Optimizer.step#...`` ranges (torch's optimizer hook) the optimizer, comm ranges
-   (``nccl:all_reduce``, ``gloo:send``, ``c10d::...``) their collective, everything else
+   ``Optimizer.step#...`` ranges (torch's optimizer hook) the optimizer, comm ranges their
+   collective (the backend's ``nccl:all_reduce``, ``gloo:send``... when the trace has them,
+   else the calling ``c10d::allreduce_``, ``record_param_comms``), everything else
    forward (data loading and the loss included); only the loop's thread (the one holding
    the step and optimizer ranges) and autograd's threads count. Consecutive ops of one phase
    form one phase instance; the i-th forward / backward / optimizer phase is the plan's i-th
@@ -68,6 +69,7 @@ COMM_PATTERNS = (("REDUCE_SCATTER", r"reduce_?scatter"), ("ALL_GATHER", r"all_?g
                  ("ALL_TO_ALL", r"all_?to_?all"), ("ALLREDUCE", r"all_?reduce"), ("SEND", r"send"),
                  ("RECV", r"recv"))
 _COMM_RE = [(k, re.compile(rf"(^|[:_. ]){p}")) for k, p in COMM_PATTERNS]
+BACKENDS = ("nccl", "gloo", "mpi", "ucc", "xccl")
 _COMM_SCOPES = ("nccl:", "gloo:", "c10d::", "record_param_comms", "ncclDevKernel", "ncclKernel")
 
 
@@ -367,12 +369,17 @@ def _by_order(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _Devic
               window: tuple[float, float]) -> tuple[list[MeasuredOp], dict[str, int]]:
     s0, s1 = window
     inside = [e for e in trace.host if s0 <= e.ts <= s1 and not STEP_RE.match(e.name)]
-    comms = _top_level([e for e in inside if comm_kind(e.name, e.args)])
     # the phases run on the training loop's thread (the one holding the step / optimizer ranges)
     # and autograd's backward threads; other threads' ranges (a data loader, a pool) are left out
     loop = {(e.pid, e.tid) for e in trace.host if STEP_RE.match(e.name) or e.name.startswith("Optimizer.")}
     if loop:
         loop |= {(e.pid, e.tid) for e in inside if e.name.startswith("autograd::engine::evaluate_function")}
+    comm = [e for e in inside if comm_kind(e.name, e.args)]
+    # a collective is the backend's range (gloo:/nccl:, on its worker threads for gloo) when the
+    # trace has them, else the range that called it (c10d::allreduce_, record_param_comms)
+    backend = [e for e in comm if e.name.split(":", 1)[0] in BACKENDS]
+    comms = _top_level(backend or [e for e in comm if not loop or (e.pid, e.tid) in loop])
+    if loop:
         inside = [e for e in inside if (e.pid, e.tid) in loop]
     comm_ids = {id(e) for e in comms}
     phases: list[tuple[str, float, float, str]] = []  # kind, start, end, first name

@@ -1,8 +1,9 @@
 """`piper-sim compare PLAN --trace DIR` (piper_sim.measured, piper_sim.trace_compare): real
 torch.profiler traces mapped onto plan ops and reported against the simulation. Traces of a
 plain PyTorch CPU training loop (annotated with record_function(op_id), and un-annotated: the
-fallback by order), of the executor (one 2-rank gloo run: --profile and --kineto), and a
-public trace from HolisticTraceAnalysis's test data (tests/data/public_traces, MIT)."""
+fallback by order; slow: a 2-process gloo data-parallel loop), of the executor (one 2-rank gloo
+run: --profile and --kineto), simulated Kineto-shaped traces, and a public trace from
+HolisticTraceAnalysis's test data (tests/data/public_traces, MIT)."""
 
 from __future__ import annotations
 
@@ -184,6 +185,56 @@ def test_public_trace_from_another_project(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "rank 0: mapped by order, 3 of 5 plan ops in ProfilerStep#1" in out
     assert "2 plan ops not found in the traces" in out
+
+
+def _dp_worker(rank: int, out: str, init: str) -> None:
+    """A plain PyTorch data-parallel loop (no DDP, no executor): two micro-batches, then one
+    gloo all-reduce per unit's gradients from the model's end (the plan's buckets), AdamW;
+    profiled on CPU without annotations."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    um = residual_mlp()
+    model = um.module
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    units = [model.stem, *model.blocks, model.head]
+    batches = [um.example_batch(MBS, SEQ, "cpu", torch.float32, M * rank + k) for k in range(M)]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            for x, y in batches:
+                (um.loss(model(x), y) / M).backward()
+            for u in reversed(units):
+                flat = torch.cat([p.grad.flatten() for p in u.parameters()])
+                dist.all_reduce(flat)
+                torch.nn.utils.vector_to_parameters(flat / 2, [p.grad for p in u.parameters()])
+            opt.step()
+            opt.zero_grad()
+    prof.export_chrome_trace(os.path.join(out, f"rank{rank}.pt.trace.json"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_plain_data_parallel_loop_maps_allreduces_by_order(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "dp"
+    out.mkdir()
+    mp.spawn(_dp_worker, args=(str(out), f"file://{tmp_path}/store"), nprocs=2)
+    plan = piper_sim.compile({**LOOP, "cluster": "cpu:2", "global_batch": 2 * M * MBS,
+                              "directives": [{"op": "data_parallel", "degree": 2, "zero": 0}]})
+    c = compare_traces(plan, str(out))
+    assert [(t.rank, t.rank_from) for t in read_rank_traces(str(out))] == [(0, "distributedInfo"),
+                                                                          (1, "distributedInfo")]
+    assert [(m.mapping, len(m.ops), m.planned) for m in c.mappings] == [("order", 11, 11)] * 2
+    ar = c.ops[c.ops["kind"] == "ALLREDUCE"]
+    assert len(ar) == 12 and (ar["trace_name"] == "gloo:all_reduce").all() and (ar["measured_s"] > 0).all()
+    # the six buckets in the plan's order (from the model's end), each after the last backward
+    for rank, sub in c.ops.groupby("rank"):
+        last_b = sub.loc[sub["op_id"] == "B.s0.mb1", "measured_start_s"].item()
+        starts = sub.loc[sub["kind"] == "ALLREDUCE", "measured_start_s"].tolist()
+        assert starts == sorted(starts) and starts[0] > last_b
+    assert c.categories.set_index("category").loc["comm allreduce", "ops_matched"] == 12
 
 
 @pytest.mark.parametrize("case,needle", [
