@@ -18,7 +18,10 @@ Two mappings, tried in this order (the one used is reported per rank):
        with record_function("OPT.s0"):       opt.step(); opt.zero_grad()
 
    (``piper-sim show PLAN`` lists each rank's op ids; the executor's ``run --profile`` and
-   ``--kineto`` traces follow this convention for every op, comm included.)
+   ``--kineto`` traces follow this convention for every op, comm included.) The ranges
+   torch.distributed.pipelining records count too (`op_id_of`: ``PP:1F3`` is ``F.s1.mb3``,
+   a single-stage schedule's ``Forward 3`` is ``F.s<stage>.mb3``), so do torchtitan's pipeline
+   runs; an optimizer left unannotated is found as torch's ``Optimizer.step#...`` range.
 2. **order** (the fallback, un-annotated traces): the step's top-level host ops are split into
    phases: ``autograd::engine::evaluate_function`` ranges are backward,
    ``Optimizer.step#...`` ranges (torch's optimizer hook) the optimizer, comm ranges their
@@ -55,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 __all__ = ["RankTrace", "MeasuredOp", "RankMapping", "find_trace_files", "read_rank_traces", "map_rank",
-           "phase_of", "comm_kind"]
+           "phase_of", "comm_kind", "op_id_of", "plan_ops_of"]
 
 TRACE_PATTERNS = ("*.pt.trace.json", "*.pt.trace.json.gz", "*.json", "*.json.gz")
 HOST_CATS = {"cpu_op", "user_annotation", "python_function"}
@@ -121,6 +124,7 @@ class MeasuredOp:
     host_s: float
     device_s: float  # span of its kernels; nan when it launched none
     trace_name: str  # the range it was found as
+    mapping: str = "annotation"  # annotation | order
 
     @property
     def measured_s(self) -> float:
@@ -327,12 +331,12 @@ class _Device:
 
 
 def _measured(rank: int, op_id: str, kind: str, host: tuple[float, float], dev: _Device, tids: set[Any] | None,
-              t0: float, name: str, ext: Any = None) -> MeasuredOp:
+              t0: float, name: str, ext: Any = None, mapping: str = "annotation") -> MeasuredOp:
     span = dev.span(host[0], host[1], tids, ext)
     # in a trace with device work, a range that launched nothing took no device time
     s, e = span if span else ((host[1], host[1]) if dev.launches else host)
     return MeasuredOp(rank, op_id, kind, (s - t0) / 1e6, (e - t0) / 1e6, (host[1] - host[0]) / 1e6,
-                      (span[1] - span[0]) / 1e6 if span else float("nan"), name)
+                      (span[1] - span[0]) / 1e6 if span else float("nan"), name, mapping)
 
 
 def _windows(trace: RankTrace) -> list[tuple[int | None, float, float]]:
@@ -350,19 +354,59 @@ def _windows(trace: RankTrace) -> list[tuple[int | None, float, float]]:
     return [(None, a, b) for a, b in zip(bounds, bounds[1:])] or [(None, min(times), max(ends))]
 
 
+_PP_ACTION = re.compile(r"^PP:(\d+)(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)$")
+_PP_SINGLE = re.compile(r"^(Forward|Backward) (\d+)$")
+_PP_KIND = {"F": "F", "B": "B", "I": "BI", "W": "BW"}
+
+
+def op_id_of(name: str, stages: Sequence[int] = ()) -> str | None:
+    """The plan op id a torch.distributed.pipelining range stands for, or None: the
+    multi-stage schedules' ``PP:<action>`` (``PP:1F3`` -> ``F.s1.mb3``, ``PP:0I2`` ->
+    ``BI.s0.mb2``, ``PP:1RECV_F0`` -> ``RECV.F.s0.mb0``), and the single-stage schedules'
+    ``Forward 3`` / ``Backward 3`` on a rank of one stage (``stages``)."""
+    m = _PP_ACTION.match(name)
+    if m:
+        stage, what, mb = int(m.group(1)), m.group(2), int(m.group(3))
+        if what in _PP_KIND:
+            return f"{_PP_KIND[what]}.s{stage}.mb{mb}"
+        direction = what[-1]  # the activation (F) or gradient (B) a stage sends or receives
+        src = stage if what.startswith("SEND") else stage - 1 if direction == "F" else stage + 1
+        return f"{what[:4]}.{direction}.s{src}.mb{mb}"
+    m = _PP_SINGLE.match(name)
+    if m and len(stages) == 1:
+        return f"{m.group(1)[0]}.s{stages[0]}.mb{int(m.group(2))}"
+    return None
+
+
+def _plan_op_name(name: str, kinds: dict[str, str], stages: Sequence[int]) -> str | None:
+    if name in kinds:
+        return name
+    alias = op_id_of(name, stages) if name.startswith(("PP:", "Forward ", "Backward ")) else None
+    return alias if alias in kinds else None
+
+
 def _by_annotation(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _Device,
-                   window: tuple[float, float]) -> list[MeasuredOp]:
+                   window: tuple[float, float], stages: Sequence[int] = ()) -> list[MeasuredOp]:
     kinds = dict(plan_ops)
     s0, s1 = window
     hits: dict[str, Event] = {}
     for e in trace.host:
-        if e.name in kinds and s0 <= e.ts <= s1 and e.name not in hits:
-            hits[e.name] = e
+        if s0 <= e.ts <= s1 and (op := _plan_op_name(e.name, kinds, stages)) and op not in hits:
+            hits[op] = e
     annotated = {(e.pid, e.tid) for e in hits.values()}
     others = {e.tid for e in trace.host if (e.pid, e.tid) not in annotated}  # autograd's backward thread
-    return [_measured(trace.rank, op, kinds[op], (e.ts, e.end), dev, {e.tid} | others, s0, e.name,
-                      e.args.get("External id"))
-            for op, e in sorted(hits.items(), key=lambda x: x[1].ts)]
+    out = [_measured(trace.rank, op, kinds[op], (e.ts, e.end), dev, {e.tid} | others, s0, e.name,
+                     e.args.get("External id"))
+           for op, e in hits.items()]
+    # an optimizer left unannotated (torch pipelining annotates only its actions): torch's own
+    # Optimizer.step ranges, in order
+    missing = [op for op, k in plan_ops if k == "OPT" and op not in hits]
+    steps = _top_level([e for e in trace.host if s0 <= e.ts <= s1 and e.name.startswith("Optimizer.step")])
+    for op, e in zip(missing, steps):
+        m = _measured(trace.rank, op, "OPT", (e.ts, e.end), dev, None, s0, e.name)
+        m.mapping = "order"
+        out.append(m)
+    return sorted(out, key=lambda m: m.start)
 
 
 def _by_order(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _Device,
@@ -406,13 +450,14 @@ def _by_order(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _Devic
         i = used.get(k, 0)
         if i < len(found.get(k, [])):
             s, e, name = found[k][i]
-            out.append(_measured(trace.rank, op, kind, (s, e), dev, None, s0, name))
+            out.append(_measured(trace.rank, op, kind, (s, e), dev, None, s0, name, mapping="order"))
             used[k] = i + 1
     left = {k: len(v) - used.get(k, 0) for k, v in found.items() if len(v) > used.get(k, 0)}
     return sorted(out, key=lambda m: m.start), left
 
 
-def map_rank(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], step: int | None = None) -> RankMapping:
+def map_rank(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], step: int | None = None,
+             stages: Sequence[int] = ()) -> RankMapping:
     """Find one step of ``trace`` and the plan ops (``(op_id, kind)`` in the rank's order:
     compute stream first) in it: by annotation where any range is named by an op id, else
     by order. ``step``: the ``ProfilerStep#N`` to use (default: the one with the most
@@ -425,12 +470,12 @@ def map_rank(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], step: int | 
             have = ", ".join(str(n) for n, _ in trace.steps) or "none"
             raise ValueError(f"--step {step}: rank {trace.rank}'s trace has no ProfilerStep#{step} "
                              f"(its steps: {have})")
-    ids = {op for op, _ in plan_ops}
-    annotated = any(e.name in ids for e in trace.host)
+    kinds = dict(plan_ops)
+    annotated = any(_plan_op_name(e.name, kinds, stages) for e in trace.host)
     best: tuple[int, float, RankMapping] | None = None
     for w, (n, s0, s1) in enumerate(windows):
         if annotated:
-            ops, left = _by_annotation(trace, plan_ops, dev, (s0, s1)), {}
+            ops, left = _by_annotation(trace, plan_ops, dev, (s0, s1), stages), {}
         else:
             ops, left = _by_order(trace, plan_ops, dev, (s0, s1))
         last = max([s1] + [s0 + m.end * 1e6 for m in ops])

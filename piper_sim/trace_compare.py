@@ -179,7 +179,7 @@ def compare_traces(plan: "Plan | str", trace_dir: str, costmodel: str = "analyti
     rank_rows: list[dict[str, Any]] = []
     for t in traces:
         plan_ops = plan_ops_of(plan, t.rank)
-        m = map_rank(t, plan_ops, step)
+        m = map_rank(t, plan_ops, step, stages=plan.program(t.rank).stages)
         mappings.append(m)
         got = {o.op_id: o for o in m.ops}
         r_sim = rep[t.rank]
@@ -188,7 +188,7 @@ def compare_traces(plan: "Plan | str", trace_dir: str, costmodel: str = "analyti
             meas = mo.measured_s if mo else float("nan")
             simd = sim_dur.get((r_sim, op), float("nan"))
             op_rows.append({"rank": t.rank, "op_id": op, "kind": kind, "category": category_of(kind),
-                            "mapping": m.mapping if mo else "none", "measured_s": meas, "simulated_s": simd,
+                            "mapping": mo.mapping if mo else "none", "measured_s": meas, "simulated_s": simd,
                             "ratio": _ratio(meas, simd), "error_pct": _err(meas, simd),
                             "measured_start_s": mo.start if mo else float("nan"),
                             "host_s": mo.host_s if mo else float("nan"),

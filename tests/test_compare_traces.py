@@ -187,6 +187,43 @@ def test_public_trace_from_another_project(capsys, tmp_path):
     assert "2 plan ops not found in the traces" in out
 
 
+def test_torch_pipelining_ranges_map_onto_plan_ops(loop, tmp_path):
+    """torch.distributed.pipelining's own ranges (a single-stage GPipe: ``Forward k`` /
+    ``Backward k``; the multi-stage schedules' ``PP:<action>``) are plan ops; the optimizer,
+    which it leaves unannotated, is torch's Optimizer.step range."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from piper_sim.measured import op_id_of
+
+    plan, _, _ = loop
+    um = residual_mlp()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        sched = ScheduleGPipe(PipelineStage(um.module, 0, 1, torch.device("cpu")), n_microbatches=M, loss_fn=um.loss)
+        x, y = um.example_batch(M * MBS, SEQ, "cpu", torch.float32, 0)
+        opt = torch.optim.AdamW(um.module.parameters())
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                sched.step(x, target=y)
+                opt.step()
+                opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+    os.makedirs(tmp_path / "pp")
+    prof.export_chrome_trace(str(tmp_path / "pp" / "rank0.pt.trace.json"))
+    c = compare_traces(plan, str(tmp_path / "pp"))
+    assert c.mappings[0].mapping == "annotation" and len(c.mappings[0].ops) == 5
+    ops = c.ops.set_index("op_id")
+    assert ops.loc["F.s0.mb1", "trace_name"] == "Forward 1" and ops.loc["B.s0.mb0", "trace_name"] == "Backward 0"
+    assert ops.loc["OPT.s0", "mapping"] == "order" and (ops["measured_s"] > 0).all()
+    # GPipe runs both forwards first: the measured order is the schedule's, not the plan's 1F1B
+    assert ops.loc["F.s0.mb1", "measured_start_s"] < ops.loc["B.s0.mb0", "measured_start_s"]
+    assert [op_id_of(n) for n in ("PP:1F3", "PP:0I2", "PP:0W2", "PP:1RECV_F0", "PP:0RECV_B1", "PP:1SEND_B1")] == \
+        ["F.s1.mb3", "BI.s0.mb2", "BW.s0.mb2", "RECV.F.s0.mb0", "RECV.B.s1.mb1", "SEND.B.s1.mb1"]
+    assert op_id_of("Forward 3") is None and op_id_of("Forward 3", [2]) == "F.s2.mb3"
+
+
 def _dp_worker(rank: int, out: str, init: str) -> None:
     """A plain PyTorch data-parallel loop (no DDP, no executor): two micro-batches, then one
     gloo all-reduce per unit's gradients from the model's end (the plan's buckets), AdamW;
