@@ -22,8 +22,9 @@ Two mappings, tried in this order (the one used is reported per rank):
    torch.distributed.pipelining records count too (`op_id_of`: ``PP:1F3`` is ``F.s1.mb3``,
    a single-stage schedule's ``Forward 3`` is ``F.s<stage>.mb3``), so do torchtitan's pipeline
    runs; an optimizer left unannotated is found as torch's ``Optimizer.step#...`` range.
-2. **order** (the fallback, un-annotated traces): the step's top-level host ops are split into
-   phases: ``autograd::engine::evaluate_function`` ranges are backward,
+2. **order** (the fallback, un-annotated traces): the step's top-level host ops (a range
+   around backward or optimizer work, such as a ``## backward ##`` annotation or a whole
+   ``train_step``, is looked into) are split into phases: ``autograd::engine::evaluate_function`` ranges are backward,
    ``Optimizer.step#...`` ranges (torch's optimizer hook) the optimizer, comm ranges their
    collective (the backend's ``nccl:all_reduce``, ``gloo:send``... when the trace has them,
    else the calling ``c10d::allreduce_``, ``record_param_comms``), everything else
@@ -409,6 +410,38 @@ def _by_annotation(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _
     return sorted(out, key=lambda m: m.start)
 
 
+def _phase_ranges(events: Sequence[Event]) -> list[Event]:
+    """The ranges the order fallback classifies: the top-level ones, except that a range around
+    backward or optimizer work that is not itself such a range (a user's ``## backward ##``, a
+    whole ``train_step``) is replaced by its children, recursively. Backward work on autograd's
+    own thread counts as inside the loop thread's range it runs during."""
+    import bisect
+
+    marks = sorted(e.ts for e in events if phase_of(e.name) in ("B", "OPT"))
+    children: dict[int, list[Event]] = {}
+    top: list[Event] = []
+    by_thread: dict[tuple[Any, Any], list[Event]] = {}
+    for e in events:
+        by_thread.setdefault((e.pid, e.tid), []).append(e)
+    for evs in by_thread.values():
+        stack: list[Event] = []
+        for e in sorted(evs, key=lambda e: (e.ts, -e.dur)):
+            while stack and e.ts >= stack[-1].end:
+                stack.pop()
+            (children.setdefault(id(stack[-1]), []) if stack else top).append(e)
+            stack.append(e)
+
+    def expand(e: Event) -> list[Event]:
+        if phase_of(e.name) != "F":
+            return [e]
+        i = bisect.bisect_left(marks, e.ts)
+        if i < len(marks) and marks[i] <= e.end:  # backward or optimizer work inside
+            return [x for c in children.get(id(e), []) for x in expand(c)]
+        return [e]
+
+    return sorted((x for e in top for x in expand(e)), key=lambda e: (e.ts, -e.dur))
+
+
 def _by_order(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _Device,
               window: tuple[float, float]) -> tuple[list[MeasuredOp], dict[str, int]]:
     s0, s1 = window
@@ -427,7 +460,7 @@ def _by_order(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _Devic
         inside = [e for e in inside if (e.pid, e.tid) in loop]
     comm_ids = {id(e) for e in comms}
     phases: list[tuple[str, float, float, str]] = []  # kind, start, end, first name
-    for e in _top_level(inside):
+    for e in _phase_ranges(inside):
         if id(e) in comm_ids:
             continue
         k = phase_of(e.name)
