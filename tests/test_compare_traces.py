@@ -36,17 +36,20 @@ PLAN_OPS = ["F.s0.mb0", "B.s0.mb0", "F.s0.mb1", "B.s0.mb1", "OPT.s0"]  # the pla
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-def train_loop(path: str, annotate: bool, steps: int = 3) -> None:
+def train_loop(path: str, annotate: bool, steps: int = 3, scopes: bool = False) -> None:
     """A plain PyTorch training loop (not the executor): the residual MLP, M micro-batches of
     gradient accumulation, AdamW, profiled on CPU. With ``annotate`` every plan op is a
     record_function(op_id) range (the convention) and a profiler schedule makes ProfilerStep
-    ranges; without, nothing marks the ops or the steps (the fallback by order)."""
+    ranges; without, nothing marks the ops or the steps (the fallback by order), or with
+    ``scopes`` only ranges that name no op (``## forward ##``, ``## backward ##``...)."""
     torch.manual_seed(0)
     um = residual_mlp()
     model, loss_fn = um.module, um.loss
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = [um.example_batch(MBS, SEQ, "cpu", torch.float32, k) for k in range(M)]
-    rf = record_function if annotate else (lambda name: contextlib.nullcontext())
+    names = {"F": "## forward ##", "B": "## backward ##", "O": "## optimizer ##"}
+    rf = record_function if annotate else (lambda name: record_function(names[name[0]]) if scopes
+                                           else contextlib.nullcontext())
     # annotated: a schedule, the trace written when its active steps end (as tensorboard_trace_handler does)
     sched = schedule(wait=0, warmup=1, active=steps - 1) if annotate else None
     ready = (lambda p: p.export_chrome_trace(path)) if annotate else None
@@ -71,9 +74,9 @@ def loop(tmp_path_factory):
     plan = piper_sim.compile(LOOP)
     plan_path = str(base / "loop.plan.json")
     plan.save(plan_path)
-    for name, annotate in (("annotated", True), ("plain", False)):
+    for name, annotate, scopes in (("annotated", True, False), ("plain", False, False), ("scoped", False, True)):
         os.makedirs(base / name)
-        train_loop(str(base / name / "rank0.pt.trace.json"), annotate)
+        train_loop(str(base / name / "rank0.pt.trace.json"), annotate, steps=2 if scopes else 3, scopes=scopes)
     return plan, plan_path, base
 
 
@@ -127,6 +130,21 @@ def test_plain_loop_without_annotations_maps_by_order(loop):
     assert ops.loc["OPT.s0", "trace_name"] == "Optimizer.step#AdamW.step"
     # the annotated and plain loops ran the same work: backward phases are the bulk of both
     assert ops.loc[["B.s0.mb0", "B.s0.mb1"], "measured_s"].sum() > 0
+
+
+def test_scope_ranges_around_phases_are_looked_into(loop):
+    """``## backward ##`` around loss.backward() holds autograd's ranges: backward, not forward;
+    ``## optimizer ##`` holds Optimizer.step."""
+    plan, _, base = loop
+    c = compare_traces(plan, str(base / "scoped"))
+    (m,) = c.mappings
+    assert m.mapping == "order" and len(m.ops) == 5 and not m.unmatched_phases
+    ops = c.ops.set_index("op_id")
+    assert ops.loc["F.s0.mb0", "trace_name"] == "## forward ##"
+    assert ops.loc["B.s0.mb1", "trace_name"].startswith("autograd::engine::evaluate_function")
+    assert ops.loc["OPT.s0", "trace_name"] == "Optimizer.step#AdamW.step"
+    starts = [ops.loc[op, "measured_start_s"] for op in PLAN_OPS]
+    assert starts == sorted(starts)
 
 
 def test_executor_traces_profile_and_kineto(tmp_path):
