@@ -58,6 +58,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from piper_sim.plan import COMPUTE_KINDS
+
 __all__ = ["RankTrace", "MeasuredOp", "RankMapping", "find_trace_files", "read_rank_traces", "map_rank",
            "phase_of", "comm_kind", "op_id_of", "plan_ops_of"]
 
@@ -126,10 +128,19 @@ class MeasuredOp:
     device_s: float  # span of its kernels; nan when it launched none
     trace_name: str  # the range it was found as
     mapping: str = "annotation"  # annotation | order
+    # when the device was busy with it (s from the step start): its kernels (a compute op's
+    # without the NCCL kernels it launched, a comm op's NCCL kernels), else [start, end]
+    busy: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def measured_s(self) -> float:
         return self.end - self.start
+
+    @property
+    def busy_s(self) -> float:
+        from piper_sim.trace import union_intervals
+
+        return sum(e - s for s, e in union_intervals(self.busy))
 
 
 @dataclass
@@ -312,10 +323,10 @@ class _Device:
             if r.args.get("External id") is not None:
                 self.by_ext.setdefault(r.args["External id"], []).extend(by_corr[r.args["correlation"]])
 
-    def span(self, start: float, end: float, tids: set[Any] | None, ext: Any = None) -> tuple[float, float] | None:
-        """First kernel start and last kernel end of the launches a host range made: those
-        linked to its External id ``ext`` when there are any, else those in [start, end) (µs;
-        [start, start] for an empty range) from the threads ``tids`` (None: any thread)."""
+    def kernels(self, start: float, end: float, tids: set[Any] | None, ext: Any = None) -> list[Event]:
+        """The device events of the launches a host range made: those linked to its External
+        id ``ext`` when there are any, else those in [start, end) (µs; [start, start] for an
+        empty range) from the threads ``tids`` (None: any thread)."""
         import bisect
 
         devs: list[Event] = list(self.by_ext.get(ext, ())) if ext is not None else []
@@ -326,18 +337,21 @@ class _Device:
                 if tids is None or tid in tids:
                     devs += evs
                 i += 1
-        if not devs:
-            return None
-        return min(d.ts for d in devs), max(d.end for d in devs)
+        return devs
 
 
 def _measured(rank: int, op_id: str, kind: str, host: tuple[float, float], dev: _Device, tids: set[Any] | None,
               t0: float, name: str, ext: Any = None, mapping: str = "annotation") -> MeasuredOp:
-    span = dev.span(host[0], host[1], tids, ext)
+    devs = dev.kernels(host[0], host[1], tids, ext)
+    span = (min(d.ts for d in devs), max(d.end for d in devs)) if devs else None
     # in a trace with device work, a range that launched nothing took no device time
     s, e = span if span else ((host[1], host[1]) if dev.launches else host)
+    is_comm = [comm_kind(d.name, d.args) is not None for d in devs]
+    busy = [d for d, c in zip(devs, is_comm) if c != (kind in COMPUTE_KINDS)] or devs
+    intervals = [((d.ts - t0) / 1e6, (d.end - t0) / 1e6) for d in busy] if busy else [((s - t0) / 1e6,
+                                                                                       (e - t0) / 1e6)]
     return MeasuredOp(rank, op_id, kind, (s - t0) / 1e6, (e - t0) / 1e6, (host[1] - host[0]) / 1e6,
-                      (span[1] - span[0]) / 1e6 if span else float("nan"), name, mapping)
+                      (span[1] - span[0]) / 1e6 if span else float("nan"), name, mapping, intervals)
 
 
 def _windows(trace: RankTrace) -> list[tuple[int | None, float, float]]:

@@ -11,7 +11,9 @@ folded simulation: each traced rank is compared with its rank class's simulated 
 - ``categories``: per category, the mean over the traced ranks of the matched ops' time:
   forward (F), backward (B, BI, BW), optimizer (OPT), ``comm <kind>`` per collective kind,
   then ``exposed comm`` (comm while no compute runs: `trace.exposed_comm`), ``idle`` (step
-  time with neither compute nor exposed comm) and ``step``;
+  time with neither compute nor exposed comm) and ``step``; on GPU traces these three count
+  the ops' kernels (``ops.busy_s``: a compute op's without the NCCL kernels it launched), not
+  their spans;
 - ``ranks``: per rank, the mapping used, step, compute, exposed comm and idle both ways;
 - ``gaps``: the biggest absolute differences (ops, and idle / exposed comm per rank) in words.
 
@@ -193,8 +195,9 @@ def compare_traces(plan: "Plan | str", trace_dir: str, costmodel: str = "analyti
                             "measured_start_s": mo.start if mo else float("nan"),
                             "host_s": mo.host_s if mo else float("nan"),
                             "device_s": mo.device_s if mo else float("nan"),
+                            "busy_s": mo.busy_s if mo else float("nan"),
                             "trace_name": mo.trace_name if mo else ""})
-        mc, me, mi = _rank_totals(t.rank, [(o.kind, o.start, o.end) for o in m.ops], m.step_s)
+        mc, me, mi = _rank_totals(t.rank, [(o.kind, a, b) for o in m.ops for a, b in o.busy], m.step_s)
         st = stats.get(r_sim)
         sc, se, si = (st.compute_s, st.comm_exposed_s, st.idle_s) if st else _rank_totals(
             r_sim, sim_rows.get(r_sim, []), sim.step_time_s)
