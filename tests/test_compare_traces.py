@@ -300,6 +300,7 @@ def test_plain_data_parallel_loop_maps_allreduces_by_order(tmp_path):
     ("world", "the traces are of a 4-rank run (distributedInfo.world_size) but the plan has 1 rank"),
     ("same-rank", "are both rank 0"),
     ("step", "--step 9: rank 0's trace has no ProfilerStep#9"),
+    ("nested", "only in subfolders (iteration_10, iteration_20); give one of them"),
 ])
 def test_bad_traces_are_one_line_errors(tmp_path, capsys, case, needle):
     plan_path = str(tmp_path / "p.json")
@@ -321,6 +322,10 @@ def test_bad_traces_are_one_line_errors(tmp_path, capsys, case, needle):
         for f in ("a.json", "b.json.gz"):
             body = json.dumps({"distributedInfo": {"rank": 0}, "traceEvents": []}).encode()
             (d / f).write_bytes(gzip.compress(body) if f.endswith(".gz") else body)
+    elif case == "nested":  # torchtitan writes iteration_N/rank{R}_trace.json
+        for it in (10, 20):
+            (d / f"iteration_{it}").mkdir()
+            (d / f"iteration_{it}" / "rank0_trace.json").write_text(json.dumps({"traceEvents": []}))
     elif case == "step":
         (d / "rank0.json").write_text(json.dumps({"traceEvents": []}))
         extra = ["--step", "9"]
