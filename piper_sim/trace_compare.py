@@ -98,8 +98,8 @@ class Comparison:
             left = (", trace phases left unmatched: " + ", ".join(f"{k} x{v}" for k, v in sorted(m.unmatched_phases
                                                                                               .items()))
                     if m.unmatched_phases else "")
-            lines.append(f"rank {m.rank}: mapped by {m.mapping}, {len(m.ops)} of {m.planned} plan ops in {step} "
-                         f"({m.step_s * 1e3:.3f} ms){left}")
+            how = f"mapped by {m.mapping}, {len(m.ops)}" if m.ops else "no plan op found, 0"
+            lines.append(f"rank {m.rank}: {how} of {m.planned} plan ops in {step} ({m.step_s * 1e3:.3f} ms){left}")
         lines.append("")
         lines.append(f"{'category (mean per rank)':<26} {'measured ms':>12} {'simulated ms':>13} {'ratio':>7} "
                      f"{'ops':>9}")
@@ -139,7 +139,8 @@ def compare_traces(plan: "Plan | str", trace_dir: str, costmodel: str = "analyti
     """Measured (the traces in ``trace_dir``) vs simulated (``plan`` under ``costmodel``);
     see the module doc. ``step``: the ``ProfilerStep#N`` to compare (default: per rank, the
     step with the most mapped ops). Raises ValueError (one line) for unusable traces, a
-    world size that differs from the plan's, or a cost model that does not count seconds."""
+    world size that differs from the plan's, no plan op found in any trace, or a cost model
+    that does not count seconds."""
     import pandas as pd
 
     from piper_sim.plan import Plan
@@ -201,12 +202,16 @@ def compare_traces(plan: "Plan | str", trace_dir: str, costmodel: str = "analyti
         st = stats.get(r_sim)
         sc, se, si = (st.compute_s, st.comm_exposed_s, st.idle_s) if st else _rank_totals(
             r_sim, sim_rows.get(r_sim, []), sim.step_time_s)
-        rank_rows.append({"rank": t.rank, "simulated_as": r_sim, "file": t.path, "rank_from": t.rank_from, "mapping": m.mapping,
-                          "step": m.step, "ops_matched": len(m.ops), "ops_planned": m.planned,
+        rank_rows.append({"rank": t.rank, "simulated_as": r_sim, "file": t.path, "rank_from": t.rank_from,
+                          "mapping": m.mapping, "step": m.step, "ops_matched": len(m.ops), "ops_planned": m.planned,
                           "measured_step_s": m.step_s, "simulated_step_s": sim.step_time_s,
                           "measured_compute_s": mc, "simulated_compute_s": sc,
                           "measured_exposed_comm_s": me, "simulated_exposed_comm_s": se,
                           "measured_idle_s": mi, "simulated_idle_s": si})
+    if not any(m.ops for m in mappings):
+        raise ValueError(f"--trace {trace_dir}: no plan op found in the traces; name each op with "
+                         "torch.profiler.record_function(op_id) (`piper-sim show PLAN` lists them), or profile "
+                         "whole training steps (forward, loss.backward(), optimizer.step()) for the fallback by order")
     ops = pd.DataFrame(op_rows)
     ranks = pd.DataFrame(rank_rows)
     categories = _categories(ops, ranks)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 from user_models import residual_mlp  # noqa: E402
 
 PUBLIC = os.path.join(ROOT, "tests", "data", "public_traces", "hta_mi250_minitoy_train")
-M, MBS, SEQ = 2, 4, 8
+M, MBS, SEQ = 2, 2, 8  # the shapes tests/test_user_model.py profiles (a warm cache in the suite)
 LOOP = {"model": f"py:{os.path.join(ROOT, 'tests', 'data', 'user_models.py')}:residual_mlp", "cluster": "cpu:1",
         "global_batch": M * MBS, "seq_len": SEQ, "microbatches": M, "dtype": "fp32", "directives": []}
 PLAN_OPS = ["F.s0.mb0", "B.s0.mb0", "F.s0.mb1", "B.s0.mb1", "OPT.s0"]  # the plan's order (asserted below)
@@ -300,6 +300,7 @@ def test_plain_data_parallel_loop_maps_allreduces_by_order(tmp_path):
     ("world", "the traces are of a 4-rank run (distributedInfo.world_size) but the plan has 1 rank"),
     ("same-rank", "are both rank 0"),
     ("step", "--step 9: rank 0's trace has no ProfilerStep#9"),
+    ("no-ops", "no plan op found in the traces; name each op with torch.profiler.record_function(op_id)"),
     ("nested", "only in subfolders (iteration_10, iteration_20); give one of them"),
 ])
 def test_bad_traces_are_one_line_errors(tmp_path, capsys, case, needle):
@@ -326,6 +327,8 @@ def test_bad_traces_are_one_line_errors(tmp_path, capsys, case, needle):
         for it in (10, 20):
             (d / f"iteration_{it}").mkdir()
             (d / f"iteration_{it}" / "rank0_trace.json").write_text(json.dumps({"traceEvents": []}))
+    elif case == "no-ops":
+        (d / "rank0.json").write_text(json.dumps({"traceEvents": []}))
     elif case == "step":
         (d / "rank0.json").write_text(json.dumps({"traceEvents": []}))
         extra = ["--step", "9"]
