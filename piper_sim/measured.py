@@ -406,8 +406,9 @@ def _by_annotation(trace: RankTrace, plan_ops: Sequence[tuple[str, str]], dev: _
     s0, s1 = window
     hits: dict[str, Event] = {}
     for e in trace.host:
-        if s0 <= e.ts <= s1 and (op := _plan_op_name(e.name, kinds, stages)) and op not in hits:
-            hits[op] = e
+        if s0 <= e.ts <= s1 and (op := _plan_op_name(e.name, kinds, stages)):
+            if op not in hits or (e.ts, -e.dur) < (hits[op].ts, -hits[op].dur):  # the first, outermost range
+                hits[op] = e
     annotated = {(e.pid, e.tid) for e in hits.values()}
     others = {e.tid for e in trace.host if (e.pid, e.tid) not in annotated}  # autograd's backward thread
     out = [_measured(trace.rank, op, kinds[op], (e.ts, e.end), dev, {e.tid} | others, s0, e.name,

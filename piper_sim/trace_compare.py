@@ -119,7 +119,8 @@ class Comparison:
             lines.append(f"... {len(shown) - max_ops} more matched ops (--csv writes them all)")
         missing = len(self.ops) - len(shown)
         if missing:
-            lines.append(f"{missing} plan ops not found in the traces (see `piper_sim.measured` for the convention)")
+            lines.append(f"{missing} plan ops not found in the traces (the convention: README, compare; "
+                         "piper_sim.measured)")
         if self.gaps:
             lines.append("")
             lines.append("biggest gaps:")
