@@ -213,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for the report, plans and measured traces (default: validation)")
     v.set_defaults(func=cmd_validate)
     from piper_sim.cli.calibrate import add_calibrate_parser
+    from piper_sim.cli.compare import add_compare_parser
     from piper_sim.cli.demo import add_demo_parser
     from piper_sim.cli.explain import add_explain_parser
     from piper_sim.cli.explore import add_explore_parser
@@ -227,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibrate_parser(sub)
     add_demo_parser(sub)
     add_interop_parsers(sub)
+    add_compare_parser(sub)
     return p
 
 
