@@ -16,6 +16,7 @@ from piper_sim.checks import arg_float, arg_int
 from piper_sim.files import check_output_dir, check_output_file
 from piper_sim.header import PlanHeader
 from piper_sim.plan import Plan, PlanError
+from piper_sim.recompute import Recompute
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -73,15 +74,28 @@ def refuse_unrunnable(plan: Plan, path: str) -> None:
 
 
 def refuse_recompute_policy(plan: Plan, path: str) -> None:
-    """The executor runs the plain recompute modes (full: every layer, selective: the attention
-    core); the other policies of `piper_sim.recompute` (op-SAC, every N-th layer, Megatron's
-    method/num_layers and modules) are simulate-only: one line naming the stage and mode."""
+    """The executor runs full and selective (attention core) recompute, and the finer policies
+    of `piper_sim.recompute` (torchtitan's op-SAC and every N-th block, Megatron's full
+    recompute with method uniform/block and num_layers) with a plain backward and no tensor or
+    context parallelism; Megatron's other selective modules are simulate-only. One line naming
+    the stage and policy."""
     h = plan.header
+    split = any(i.kind == "BI" for c in plan.classes for i in c.instructions())
     for s, mode in sorted((h.recompute or {}).items()):
         opts = (h.recompute_policy or {}).get(s)
-        if mode in ("op", "every") or opts:
+        policy = Recompute.from_header(mode, opts)
+        if policy.plain:
+            continue
+        why = ""
+        if set(policy.modules) - {"core_attn"}:
+            why = f"selective modules {sorted(set(policy.modules) - {'core_attn'})}"
+        elif plan.layout.tp > 1 or plan.layout.cp > 1:
+            why = "tensor or context parallelism"
+        elif split:
+            why = f"a split backward (BI/BW, schedule {h.schedule})"
+        if why:
             what = f"mode {mode!r}" + "".join(f", {k} {v!r}" for k, v in (opts or {}).items())
-            raise PlanError(f"{path}: recompute ({what}, stage {s}) is simulate-only in this version; "
+            raise PlanError(f"{path}: recompute ({what}, stage {s}) with {why} is simulate-only in this version; "
                             "use `piper-sim simulate`, or recompute mode full or selective")
 
 

@@ -71,6 +71,7 @@ from executor.parallel.expert import expert_index
 from executor.stage import Record, Stage, backward_full, backward_input, backward_weight, set_lr
 from executor.user_stage import UserData, UserStage, user_model_of
 from piper_sim.configs import config_of
+from piper_sim.recompute import Recompute
 from piper_sim.plan import COMPUTE_KINDS, Instruction, Plan, PlanError, missing_fields
 
 
@@ -178,8 +179,9 @@ class Runtime:
         # stage -> "full" | "selective" (plans without the header field knew only full)
         self.recompute = dict(h.recompute) if h.recompute is not None else \
             {i.stage: "full" for i in self.instructions if i.recompute}
+        policies = h.recompute_policy or {}
         for s, stage in self.stages.items():
-            stage.set_selective_recompute(self.recompute.get(s) == "selective")
+            stage.set_recompute(Recompute.from_header(self.recompute.get(s, "none"), policies.get(s)))
         self._handlers: dict[str, Handler] = {
             "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
             "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv}
@@ -419,8 +421,7 @@ class Runtime:
         env = self.envs[(s, m)]
         for axis in self.axes:
             axis.enter_pass(("F", s, m))
-        rec = stage.forward_piece(part, env.vals, env.routing, env.targets, self.loss_scale,
-                                  checkpoint=self.recompute.get(s) == "full")
+        rec = stage.forward_piece(part, env.vals, env.routing, env.targets, self.loss_scale)
         env.records[f"p{part}"] = rec
         if "loss" in rec.outputs:
             self.loss_sum += rec.outputs["loss"].detach().float()
@@ -451,7 +452,8 @@ class Runtime:
             axis.enter_pass(("B", s, m))
         rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
         if split and self.recompute.get(s) == "full":  # run the forward again; BW uses this graph
-            rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.routing, env.targets, self.loss_scale)
+            rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.routing, env.targets, self.loss_scale,
+                                               checkpoint=False)
             env.records[f"p{part}"] = rec
         if not split:
             self.dp.grads_for(s, [part])

@@ -35,10 +35,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch.autograd.graph import GradientEdge, Node
-from torch.utils.checkpoint import checkpoint as _checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as _checkpoint, create_selective_checkpoint_contexts,
+                                     set_checkpoint_early_stop)
 
 from executor.lr import ADAMW
 from piper_sim.models import Block, ModelConfig, build_units, lm_loss
+from piper_sim.recompute import Recompute
 
 
 def optimizer_impl(params: list[torch.Tensor]) -> str:
@@ -398,6 +400,33 @@ def piece_steps(segments: list[str]) -> list[tuple[str, int]]:
     return steps
 
 
+# torchtitan's op-level selective activation checkpointing [distributed/activation_checkpoint.py,
+# ``_save_list`` and ``_get_custom_policy``]: the outputs of these ops are kept, except every
+# second matmul (the count restarting per checkpointed block); everything else is recomputed.
+# The attention ops are those SDPA dispatches to on CPU and GPU (piper_sim.recompute "op").
+OP_SAC_SAVE = tuple(op for op in (
+    getattr(torch.ops.aten, name, None) for name in (
+        "mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "max"))
+    if op is not None)
+_OP_SAC_DEFAULTS = {op.default for op in OP_SAC_SAVE}
+_MM = torch.ops.aten.mm.default
+
+
+def op_sac_context():
+    """The (forward, recompute) contexts of one checkpointed block under op-SAC."""
+    counts = {False: 0, True: 0}  # matmuls seen in the forward and in the recompute
+
+    def policy(ctx, func, *args, **kwargs):
+        if func is _MM:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in _OP_SAC_DEFAULTS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 class Stage:
     """The units of one pipeline stage on this rank, cut into pieces."""
 
@@ -417,6 +446,9 @@ class Stage:
         # tensor parallel MoE (executor.parallel.tensor): f before the experts, g after them
         self.expert_input = self.expert_output = lambda t, layer: t
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
+        self.unit_names = list(units)
+        # (step kind, layer) -> (how it is recomputed: none | full | op | selective, checkpoint chunk)
+        self.step_modes: dict[tuple[str, int], tuple[str, int]] = {}
         self.local_experts = cfg.n_experts // ep if cfg.is_moe else 0
         split = any(kind == "experts" for piece in self.pieces for kind, _ in piece.steps)
         self.expert_split = split
@@ -469,42 +501,70 @@ class Stage:
         return dense, experts
 
     # forward
-    def set_selective_recompute(self, on: bool) -> None:
-        """Selective recomputation: every attention core of the stage keeps only q, k, v
-        and runs again in backward (``models.attention_core``)."""
+    def set_recompute(self, policy: Recompute) -> None:
+        """The stage's recompute policy (`piper_sim.recompute.Recompute.unit_modes`, the rule the
+        simulator prices): a ``full`` unit keeps only its input (``torch.utils.checkpoint``; a
+        Megatron uniform chunk of layers is one checkpoint), an ``op`` unit keeps what op-SAC
+        saves (`op_sac_context`), a ``selective`` one re-runs its attention core
+        (``models.attention_core``)."""
+        modes = policy.unit_modes(self.unit_names)
+        self.step_modes = {}
+        for piece in self.pieces:
+            for kind, layer in piece.steps:
+                self.step_modes[kind, layer] = modes[kind if kind in ("embed", "head") else f"layers.{layer}"]
         for name in self.units.unit_names():
             if name.startswith("layers."):
-                self.units[name].attn.recompute_core = on
+                self.units[name].attn.recompute_core = modes[name][0] == "selective"
+
+    def set_selective_recompute(self, on: bool) -> None:
+        """Selective recomputation of every attention core of the stage (``set_recompute``)."""
+        self.set_recompute(Recompute("selective" if on else "none"))
 
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
-                      targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = False) -> Record:
-        """Run piece ``i`` on ``vals`` (named tensors; outputs are added to it). With
-        ``checkpoint`` (full recomputation) every layer, expert block and the head keep only
-        their input (``torch.utils.checkpoint``) and run again in backward, one at a time."""
+                      targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = True) -> Record:
+        """Run piece ``i`` on ``vals`` (named tensors; outputs are added to it), each step
+        recomputed as the stage's policy says (`set_recompute`); ``checkpoint=False`` keeps
+        every activation (a split backward's BI re-running the forward for BW)."""
         piece = self.pieces[i]
         inputs = {n: _leaf(vals[n]) for n in piece.inputs}
         outputs: dict[str, torch.Tensor] = {}
+        chunk_of = {k: c for k, (m, c) in self.step_modes.items() if m == "full" and c >= 0} if checkpoint else {}
 
-        def run(fn, *args):
-            if not checkpoint:
+        def run(step, fn, *args):
+            mode = self.step_modes.get(step, ("none", -1))[0] if checkpoint else "none"
+            if mode not in ("full", "op"):
                 return fn(*args)
+            kw = {"context_fn": op_sac_context} if mode == "op" else {}
             with set_checkpoint_early_stop(self.recompute_early_stop):
-                return _checkpoint(fn, *args, use_reentrant=False)
+                return _checkpoint(fn, *args, use_reentrant=False, **kw)
 
+        steps = list(zip(piece.steps, piece.step_params))
         with torch.enable_grad():
             x = inputs.get("x")
-            for (kind, layer), params in zip(piece.steps, piece.step_params):
+            j = 0
+            while j < len(steps):
+                (kind, layer), params = steps[j]
+                j += 1
                 if self.before_step is not None:
                     self.before_step(params)
                 if kind == "embed":
                     x = self.units["embed"](inputs["tokens"])
+                elif kind == "layer" and (kind, layer) in chunk_of:  # a Megatron uniform chunk: one checkpoint
+                    blocks = [self._block(layer)]
+                    while j < len(steps) and chunk_of.get(steps[j][0]) == chunk_of[kind, layer]:
+                        if self.before_step is not None:
+                            self.before_step(steps[j][1])
+                        blocks.append(self._block(steps[j][0][1]))
+                        j += 1
+                    x = run((kind, layer), nn.Sequential(*blocks), x) if len(blocks) > 1 else \
+                        run((kind, layer), blocks[0], x)
                 elif kind == "layer":
-                    x = run(self._block(layer), x)
+                    x = run((kind, layer), self._block(layer), x)
                 elif kind == "head":
-                    outputs["loss"] = run(self._head_loss, x, targets) * loss_scale
+                    outputs["loss"] = run((kind, layer), self._head_loss, x, targets) * loss_scale
                 elif kind == "pre":
                     block = self._block(layer)
-                    x, h, weights, ids, shared = run(block.forward_pre, x)
+                    x, h, weights, ids, shared = run((kind, layer), block.forward_pre, x)
                     # tensor parallel: the routed tokens enter the experts' column-parallel linears
                     tokens, order, counts = block.moe.permute(self.expert_input(h, layer), ids)
                     outputs.update({f"xres.{layer}": x, f"send.{layer}": tokens, f"w.{layer}": weights})
@@ -513,7 +573,8 @@ class Stage:
                     routing[f"order.{layer}"], routing[f"counts.{layer}"] = order, counts
                     routing[f"ntok.{layer}"] = h.shape[0]
                 elif kind == "experts":
-                    y = run(self._local_experts, layer, inputs[f"recv.{layer}"], routing[f"recv_counts.{layer}"])
+                    y = run((kind, layer), self._local_experts, layer, inputs[f"recv.{layer}"],
+                            routing[f"recv_counts.{layer}"])
                     y = self.expert_output(y, layer)  # tensor parallel: the sum of the experts' partial outputs
                     outputs[f"y.{layer}"] = y
             last = piece.steps[-1][0]

@@ -82,15 +82,21 @@ class UserStage:
         """(parameters named as in the whole model, no expert parameters)."""
         return [(f"{u}.{n}", p) for u, mod in self.units.items() for n, p in mod.named_parameters()], []
 
-    def set_selective_recompute(self, on: bool) -> None:
-        if on:
-            raise PlanError("selective recompute does not apply to a user model; use mode full")
+    full_recompute = False
+
+    def set_recompute(self, policy) -> None:
+        """Plain full recompute (every unit keeps only its input) or none; the finer policies
+        need the zoo's blocks (`piper_sim.recompute`)."""
+        if not policy.plain or policy.mode == "selective":
+            raise PlanError(f"recompute mode {policy.mode!r} does not apply to a user model; use mode full")
+        self.full_recompute = policy.mode == "full"
 
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
-                      targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = False) -> Record:
+                      targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = True) -> Record:
         """Run piece ``i``'s units on ``vals`` (``tokens`` or ``x``); the last unit's output
-        goes to the loss (``loss``), any other to ``x``. ``checkpoint``: every unit keeps
-        only its input and runs again in backward."""
+        goes to the loss (``loss``), any other to ``x``. Under full recompute (and
+        ``checkpoint``) every unit keeps only its input and runs again in backward."""
+        checkpoint = checkpoint and self.full_recompute
         piece = self.pieces[i]
         inputs = {n: vals[n].detach() if n == "tokens" else _leaf(vals[n]) for n in piece.inputs}  # no input grad
         outputs: dict[str, torch.Tensor] = {}

@@ -196,19 +196,100 @@ def test_unpriced_combinations_are_refused():
     compile(s)  # no collective re-run: priced
 
 
-def test_executor_refuses_the_new_policies_in_one_line():
-    """The executor runs full and selective; op-SAC, every-N and Megatron's fields are
-    simulate-only (refused before any process group starts)."""
+def test_executor_refuses_what_it_cannot_run_in_one_line():
+    """The executor runs full, selective, op-SAC, every-N and Megatron's method/num_layers;
+    Megatron's other selective modules, and the finer policies with a split backward, are
+    simulate-only (refused before any process group starts; the compiler itself refuses the
+    finer policies with tensor or context parallelism)."""
     from executor.options import refuse_tensor_parallel
     from piper_sim.plan import PlanError
 
     base = {"model": "gpt-tiny", "cluster": "cpu:2", "global_batch": 4, "seq_len": 16, "microbatches": 2,
             "directives": [{"op": "data_parallel", "degree": 2}]}
-    refuse_tensor_parallel(compile({**base, "directives": base["directives"] + [{"op": "recompute"}]}), "p.json")
-    for rc, what in [({"mode": "op"}, "mode 'op'"), ({"mode": "every", "every": 2}, "every 2"),
-                     ({"method": "block", "num_layers": 2}, "method 'block', num_layers 2"),
-                     ({"mode": "selective", "modules": ["mlp"]}, "modules ['mlp']")]:
-        plan = compile({**base, "directives": base["directives"] + [{"op": "recompute", **rc}]})
+    pp2 = [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "zb1p"}]
+    for rc in ({}, {"mode": "op"}, {"mode": "every", "every": 2}, {"method": "block", "num_layers": 2},
+               {"method": "uniform", "num_layers": 2}, {"mode": "selective", "modules": ["core_attn"]}):
+        refuse_tensor_parallel(compile({**base, "directives": base["directives"] + [{"op": "recompute", **rc}]}),
+                               "p.json")
+    for directives, rc, what in [(base["directives"], {"mode": "selective", "modules": ["mlp"]}, "modules ['mlp']"),
+                                 (pp2, {"mode": "every", "every": 2}, "split backward"),
+                                 (pp2, {"mode": "op"}, "split backward")]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = compile({**base, "directives": directives + [{"op": "recompute", **rc}]})
         with pytest.raises(PlanError) as e:
             refuse_tensor_parallel(plan, "p.json")
         assert what in str(e.value) and "simulate-only" in str(e.value) and "\n" not in str(e.value)
+
+
+def _backward_reruns(policy) -> tuple[int, list]:
+    """(matmuls a gpt-tiny stage's backward runs beyond plain autograd's, its gradients)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from executor.stage import Stage
+    from piper_sim.models import get_config
+
+    class CountMM(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    cfg = get_config("gpt-tiny")
+    units = ["embed"] + [f"layers.{i}" for i in range(cfg.n_layers)] + ["head"]
+    stage = Stage(cfg, 0, 1, units, [units], 1, 0, torch.device("cpu"), torch.float32, seed=0)
+    stage.set_recompute(policy)
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = (torch.randint(0, cfg.vocab, (2, 32), generator=g) for _ in range(2))
+    rec = stage.forward_piece(0, {"tokens": tokens}, {}, targets, 1.0)
+    with CountMM() as count:
+        rec.outputs["loss"].backward()
+    return count.n, [p.grad for p in rec.params]
+
+
+def test_executor_stage_recomputes_what_each_policy_says():
+    """Counted at the dispatcher: the backward re-runs every matmul of every block and the
+    head under full recompute, every second one of each block under op-SAC (torchtitan's rule:
+    wq, wv, w1... kept), the whole blocks of every N-th layer, the first num_layers under
+    Megatron's block method, every layer under uniform chunks, none under selective (the
+    attention core has no matmul); the gradients are plain autograd's, bit for bit."""
+    base, grads = _backward_reruns(Recompute("none"))
+    L = 8  # gpt-tiny
+    full, _ = _backward_reruns(Recompute("full"))
+    per_block = (full - base - 1) // L  # the head's one matmul
+    assert per_block >= 4 and full - base == L * per_block + 1
+    expected = {Recompute("op"): L * (per_block // 2), Recompute("every", every=2): (L // 2) * per_block,
+                Recompute("full", method="block", num_layers=3): 3 * per_block,
+                Recompute("selective"): 0}
+    for policy, reruns in expected.items():
+        n, g = _backward_reruns(policy)
+        assert n - base == reruns, policy
+        assert all(a.equal(b) for a, b in zip(g, grads)), policy
+    n, g = _backward_reruns(Recompute("full", method="uniform", num_layers=2))
+    assert n - base >= L * per_block and all(a.equal(b) for a, b in zip(g, grads))
+
+
+def test_executor_runs_the_policies_equal_to_the_reference(tmp_path):
+    """`run --check` (the single-process reference, fp32) for op-SAC, every 2nd layer and
+    Megatron's block/uniform methods under DP2 ZeRO-1 and a PP2 1F1B, in one launch."""
+    from test_executor import GRAD_TOL, TOL, check_all, strategy
+
+    configs = {}
+    for name, rc in {"op": {"mode": "op"}, "every2": {"mode": "every", "every": 2},
+                     "block3": {"method": "block", "num_layers": 3}, "uniform2": {"method": "uniform", "num_layers": 2}
+                     }.items():
+        dp = strategy(dp=2, zero=1, m=2, mbs=2)
+        dp["directives"].append({"op": "recompute", **rc})
+        configs[f"dp2-{name}"] = dp
+    pp = strategy(pp=2, sched="1f1b", m=4, mbs=1)
+    pp["directives"].append({"op": "recompute", "mode": "op"})
+    configs["pp2-op"] = pp
+    out = check_all(tmp_path, 2, configs)
+    assert set(out) == set(configs)
+    for name, row in out.items():
+        assert row["within_tolerance"] is True and row["max_rel_param_diff"] <= TOL, (name, row)
+        assert row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
+    # one model, one batch: every DP2 policy reports the same losses
+    assert len({round(row["loss2"], 4) for name, row in out.items() if name.startswith("dp2")}) == 1
