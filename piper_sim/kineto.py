@@ -36,10 +36,13 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from costmodel.dtypes import DTYPES
+from piper_sim.kineto_kernels import Kernel, op_kernels, optimizer_kernel
 from piper_sim.trace import (COMPUTE_KINDS, event_args, events_to_dataframe, lane_name, lanes, memory_counters,
                              stream_order)
 
@@ -53,6 +56,9 @@ log = logging.getLogger(__name__)
 HOST_PID_BASE = 100000
 CORRELATION_BASE = 1 << 24
 COMPUTE_STREAM_ID = 7  # the default CUDA stream's id in Kineto traces
+LAUNCH_US = 10  # host µs of one eager aten op and its kernel launch
+QUEUE_DEPTH = 1024  # kernels a CUDA stream's launch queue holds (HTA's CUDA_MAX_LAUNCH_QUEUE_PER_STREAM)
+DEVICE_LEAD_US = 50.0  # the device timeline starts this long after the host's ProfilerStep
 # NCCL (>= 2.19) device kernel names as Kineto records them; all-to-all runs as grouped send/recv.
 NCCL_KERNELS = {
     "SEND": "ncclDevKernel_SendRecv(ncclDevComm*, unsigned long, ncclWork*)",
@@ -85,14 +91,127 @@ def _us(seconds: float) -> float:
     return round(float(seconds) * 1e6, 3)
 
 
+@dataclass
+class KernelLevel:
+    """What a kernel-level trace needs from the plan (see `kernel_level`): each compute op's
+    kernels (`piper_sim.kineto_kernels.Kernel`), each op's same-rank dependencies, and the
+    optimizer step's kernel when it has no profile rows."""
+
+    kernels: dict[str, list[Kernel]] = field(default_factory=dict)
+    deps: dict[str, list[str]] = field(default_factory=dict)
+    optimizer: tuple[str, str] = ("", "")
+
+
+def kernel_level(plan: Any, rank: int) -> KernelLevel:
+    """`KernelLevel` of one rank of a `piper_sim.plan.Plan`: the kernels of each compute
+    op from its operator profile table (``Plan.kernels``), priced on the plan's GPU."""
+    from costmodel.hardware import parse_cluster
+
+    cluster = plan.meta.get("cluster")
+    try:
+        gpu = parse_cluster(cluster).gpu if cluster else None
+    except ValueError:
+        gpu = None
+    stack = plan.meta.get("stack") or {}
+    compiled = bool(stack.get("compile", False))
+    out = KernelLevel(optimizer=optimizer_kernel(str(plan.meta.get("dtype", "bf16")),
+                                                 stack.get("optimizer") == "foreach"))
+    tables: dict[str, list[Kernel]] = {}
+    for ins in (i for lst in plan.program(rank).streams.values() for i in lst):
+        out.deps[ins.id] = list(ins.deps)
+        if ins.kind in COMPUTE_KINDS and ins.kernels and ins.kernels in plan.kernels:
+            if ins.kernels not in tables:
+                tables[ins.kernels] = op_kernels(plan.kernels[ins.kernels], gpu, compiled)
+            out.kernels[ins.id] = tables[ins.kernels]
+    return out
+
+
+def _dims(k: Kernel) -> list[list[int]]:
+    """Kineto's ``Input Dims`` of a kernel's aten op, from its profile row's shape."""
+    s = k.dims
+    if k.cls == "gemm":
+        m, n, kk, b = s
+        return [[b, m, kk], [b, kk, n]] if b > 1 else [[m, kk], [kk, n]]
+    if k.cls in ("attn_fwd", "attn_bwd"):
+        b, h, sq, skv, d = s[:5]
+        return [[b, h, sq, d], [b, h, skv, d], [b, h, skv, d]]
+    elt = DTYPES[k.dtype].bytes if k.dtype in DTYPES else 4
+    return [[int(s[0] // elt // 2) if s else 0]]  # bytes read + written: about two tensors
+
+
+def _slot(h: float, du: float, at: int) -> dict[str, float]:
+    """``ts``/``dur`` of a runtime call in the cpu op ``[h, h + du]``: whole µs (HTA rounds
+    times to µs), ``[at, at + 2]`` into a full LAUNCH_US op (1: cudaStreamWaitEvent, 4: the
+    launch, 7: cudaEventRecord), the whole op when the host is squeezed."""
+    if du >= LAUNCH_US:
+        return {"ts": h + at, "dur": 2.0}
+    return {"ts": h, "dur": du}
+
+
+def _host_schedule(ops: list, dev_items: list, order: list[int], index: dict[str, int], level: KernelLevel | None,
+                   posted: list[float], lead: float) -> tuple[list[list[int]], dict[tuple[int, int], float]]:
+    """Host µs of each kernel's launch (its cpu op's start) and each cpu op's length.
+
+    With a plan (``level``), one eager host issues every op in the order they start on the
+    device (each on the thread of its stream), LAUNCH_US per kernel, as early as that order,
+    the ops it depends on and the launch queue (QUEUE_DEPTH kernels per stream) allow: an
+    eager run's host runs ahead of the device. Without one (a measured run), each thread
+    issues from the op's posted time. Then, backwards, every launch is pulled before its
+    kernel's start (where the host is slower than the simulated device: tiny kernels)."""
+    def issuer(stream: str) -> str:
+        return "host" if level is not None else stream
+
+    launch_at: list[list[int]] = [[] for _ in ops]
+    host_end = [0] * len(ops)
+    last: dict[str, int] = {}
+    ends: dict[str, list[float]] = {}  # device end of each kernel on the stream, in launch order
+    for i in order:
+        stream, op = ops[i].stream, ops[i].op_id
+        lb = 0
+        if level is not None:
+            lb = max([host_end[index[d]] for d in level.deps.get(op, ()) if d in index] + [0])
+        else:
+            p = posted[i]
+            lb = max(0, math.floor(_us(p if p == p else ops[i].start) + lead) - LAUNCH_US)
+        prev = last.get(issuer(stream))
+        q = ends.setdefault(stream, [])
+        hs: list[int] = []
+        for _, _, ts, dur, _, _ in dev_items[i] or [(None, None, _us(ops[i].start), 0.0, {}, {})]:
+            h = max(lb, 0 if prev is None else prev + LAUNCH_US)
+            if len(q) >= QUEUE_DEPTH:
+                h = max(h, math.ceil(q[-QUEUE_DEPTH] + lead))
+            hs.append(h)
+            prev = h
+            q.append(ts + dur)
+        last[issuer(stream)] = prev
+        launch_at[i] = hs
+        host_end[i] = hs[-1] + LAUNCH_US
+    seqs: dict[str, list[tuple[int, int]]] = {}
+    for i in order:
+        seqs.setdefault(issuer(ops[i].stream), []).extend((i, j) for j in range(len(launch_at[i])))
+    span: dict[tuple[int, int], float] = {}
+    for seq in seqs.values():
+        nxt = math.inf
+        for i, j in reversed(seq):
+            items = dev_items[i]
+            ts = items[j][2] if items else _us(ops[i].start)
+            # the launch (at 0.4 of the cpu op) lands a whole µs before the kernel: HTA rounds times
+            h = int(min(launch_at[i][j], math.ceil(ts + lead) - LAUNCH_US // 2, nxt - 1))
+            launch_at[i][j] = h
+            span[(i, j)] = float(min(LAUNCH_US, nxt - h))
+            nxt = h
+    return launch_at, span
+
+
 def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: int | None = None,
                  backend: str = "nccl", dtype: str = "bf16", memory: "pd.DataFrame | None" = None,
                  static_bytes: float = 0.0, device_name: str = "", name: str = "piper-sim",
-                 step_end: float | None = None) -> dict[str, Any]:
+                 step_end: float | None = None, level: KernelLevel | None = None) -> dict[str, Any]:
     """The Kineto-shaped trace dict of one rank (see the module doc). ``df``: the event
     frame (all ranks or this one); ``memory``: `trace.MEMORY_COLUMNS` samples;
     ``static_bytes``: the rank's model states, added to the memory counter; ``step_end``:
-    end of the ``ProfilerStep`` span (default: the last event of any rank)."""
+    end of the ``ProfilerStep`` span (default: the last event of any rank); ``level``: the
+    rank's kernels and dependencies (`kernel_level`), None for one kernel per op."""
     sub = df[df["rank"] == rank].sort_values(["start", "end"], kind="stable")
     sub = sub.assign(lane=lanes(sub))  # ops of one stream in flight together get their own CUDA streams
     world = int(world_size if world_size is not None else max(int(df["rank"].max()) + 1, 1))
@@ -117,8 +236,9 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
         {"ph": "M", "name": "process_labels", "pid": dev, "tid": 0, "args": {"labels": "CUDA"}},
         {"ph": "M", "name": "process_sort_index", "pid": dev, "tid": 0, "args": {"sort_index": 2 * rank + 1}},
         {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}", "pid": host, "tid": 1,
-         "ts": 0.0, "dur": t_end, "args": {"External id": CORRELATION_BASE - 1}},
+         "ts": 0.0, "dur": 0.0, "args": {"External id": CORRELATION_BASE - 1}},
     ]
+    step_event = ev[-1]
     for s, tid in host_tids.items():
         ev.append({"ph": "M", "name": "thread_name", "pid": host, "tid": tid, "args": {"name": f"issue {s}"}})
         ev.append({"ph": "M", "name": "thread_sort_index", "pid": host, "tid": tid, "args": {"sort_index": tid}})
@@ -128,60 +248,127 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
         ev.append({"ph": "M", "name": "thread_sort_index", "pid": dev, "tid": sid, "args": {"sort_index": sid}})
 
     cols = ["stream", "op_id", "kind", "stage", "mb", "start", "end", "bytes", "flops", "peer", "lane"]
+    ops = list(sub[cols].itertuples(index=False))
     posted = sub["posted"].tolist() if "posted" in sub.columns else sub["start"].tolist()
-    # the host annotation of an op (its record_function) runs from its launch to its start on the
-    # device, cut at the next launch on the same issuing thread
-    launch = [min(_us(p if p == p else s), _us(s)) for p, s in zip(posted, sub["start"])]  # NaN: at start
-    next_launch = [float("inf")] * len(sub)
-    by_thread: dict[str, list[int]] = {}
-    for i, stream in enumerate(sub["stream"]):
-        by_thread.setdefault(stream, []).append(i)
-    for idx in by_thread.values():
-        idx.sort(key=lambda i: launch[i])
-        for a_, b_ in zip(idx, idx[1:]):
-            next_launch[a_] = launch[b_]
-    # correlation ids in Kineto's range: HTA downcasts the column and then stores event
-    # indices in it, which fails under pandas 3 when small ids made it int8/int16
-    for i, (corr, row) in enumerate(zip(range(CORRELATION_BASE, CORRELATION_BASE + len(sub)),
-                                        sub[cols].itertuples(index=False))):
-        stream, op, kind, stage, mb, start, end, nbytes, flops, peer, lane = row
-        ts, te, tp = _us(start), _us(end), launch[i]
+    corr = iter(range(CORRELATION_BASE, CORRELATION_BASE + (1 << 30)))
+
+    # device: each op's kernels (name, cpu op, ts, dur, args), filling its [start, end]
+    dev_items: list[list[tuple[str, str, float, float, dict[str, Any], dict[str, Any]]]] = []
+    for stream, op, kind, stage, mb, start, end, nbytes, flops, peer, lane in ops:
+        ts, te = _us(start), _us(end)
+        items: list[tuple[str, str, float, float, dict[str, Any], dict[str, Any]]] = []
+        if te > ts:
+            ks = level.kernels.get(op) if level is not None else None
+            if ks:
+                total = sum(k.weight for k in ks) or float(len(ks))
+                acc, t0 = 0.0, ts
+                for i, k in enumerate(ks):
+                    acc += k.weight if total != len(ks) or k.weight else 1.0
+                    t1 = te if i == len(ks) - 1 else round(ts + (te - ts) * acc / total, 3)
+                    kargs = {"flops": k.flops, "bytes": k.bytes} if k.flops else {"bytes": k.bytes}
+                    items.append((k.name, k.cpu_op, t0, round(t1 - t0, 3), kargs,
+                                  {"Input Dims": _dims(k), "Input type": [k.dtype]}))
+                    t0 = t1
+            elif kind in COMPUTE_KINDS:
+                if kind == "OPT" and level is not None and level.optimizer[0]:
+                    items.append((level.optimizer[0], level.optimizer[1], ts, round(te - ts, 3), {}, {}))
+                else:
+                    items.append((op, "aten::" + kind, ts, round(te - ts, 3), {}, {}))
+            else:
+                kname = NCCL_KERNELS.get(kind, "ncclDevKernel_Generic(ncclDevComm*, unsigned long, ncclWork*)")
+                nelems = int(nbytes // elt) if nbytes else 0
+                coll = COLLECTIVE_NAMES.get(kind, kind.lower())
+                extra = {"Collective name": coll, "In msg nelems": nelems, "Out msg nelems": nelems,
+                         "dtype": torch_dt, "Process Group Name": stream}
+                items.append((kname.format(dt=nccl_dt), "nccl:" + coll, ts, round(te - ts, 3), extra,
+                              {"Input Dims": [[nelems]], "Input type": [torch_dt]}))
+        dev_items.append(items)
+
+    order = sorted(range(len(ops)), key=lambda i: (ops[i].start, ops[i].end, i))
+    index = {ops[i].op_id: i for i in order}
+    # device times are µs after `lead`: enough for the host to launch the first kernels
+    lead = DEVICE_LEAD_US
+    for _ in range(4):
+        launch_at, span = _host_schedule(ops, dev_items, order, index, level, posted, lead)
+        low = min((h for hs in launch_at for h in hs), default=0)
+        if low >= 0:
+            break
+        lead += math.ceil(-low)
+    step_event["dur"] = round(t_end + lead, 3)
+
+    # cross-stream dependencies: cudaEventRecord after the dependency's last launch,
+    # cudaStreamWaitEvent before the op's first, and the GPU's "Stream Wait Event"
+    records: dict[int, list[tuple[int, int]]] = {}  # op index -> (record corr, waiting stream id)
+    waits: dict[int, list[tuple[int, int, int]]] = {}  # op index -> (wait corr, record corr, source stream)
+    sid_of = [sids[(o.stream, int(o.lane))] for o in ops]
+    if level is not None:
+        for i in order:
+            if not dev_items[i]:
+                continue
+            for d in level.deps.get(ops[i].op_id, ()):
+                j = index.get(d)
+                if j is None or not dev_items[j] or sid_of[j] == sid_of[i]:
+                    continue
+                rc, wc = next(corr), next(corr)
+                records.setdefault(j, []).append((rc, sid_of[i]))
+                waits.setdefault(i, []).append((wc, rc, sid_of[j]))
+
+    for i, (stream, op, kind, stage, mb, start, end, nbytes, flops, peer, lane) in enumerate(ops):
         plan_args: dict[str, Any] = {"op_id": op, **event_args(kind, stage, mb, nbytes, flops, peer)}
         tid, sid = host_tids[stream], sids[(stream, int(lane))]
-        idle = te <= ts  # took no time: no kernel; the annotation keeps where it sat on the device
-        ev.append({"ph": "X", "cat": "user_annotation", "name": op, "pid": host, "tid": tid, "ts": tp,
-                   "dur": round(max(0.0, min(ts, next_launch[i]) - tp), 3),
-                   "args": {"External id": corr, **plan_args, **({"device_ts": ts} if idle else {})}})
-        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": host, "tid": tid,
-                   "ts": tp, "dur": 0.0, "args": {"External id": corr, "correlation": corr, "cbid": 211}})
+        hs, items = launch_at[i], dev_items[i]
+        a0 = float(hs[0])
+        a1 = hs[-1] + span[(i, len(hs) - 1)]
+        ext = next(corr)
+        idle = not items  # took no time: no kernel; the annotation keeps where it sat on the device
+        ev.append({"ph": "X", "cat": "user_annotation", "name": op, "pid": host, "tid": tid, "ts": a0,
+                   "dur": round(a1 - a0, 3),
+                   "args": {"External id": ext, **plan_args,
+                            **({"device_ts": _us(start) + lead} if idle else {})}})
         if idle:
             continue
-        if kind in COMPUTE_KINDS:
-            kname, extra = op, {}
-        else:
-            kname = NCCL_KERNELS.get(kind, "ncclDevKernel_Generic(ncclDevComm*, unsigned long, ncclWork*)")
-            kname = kname.format(dt=nccl_dt)
-            nelems = int(nbytes // elt) if nbytes else 0
-            extra = {"Collective name": COLLECTIVE_NAMES.get(kind, kind.lower()), "In msg nelems": nelems,
-                     "Out msg nelems": nelems, "dtype": torch_dt, "Process Group Name": stream}
-        ev.append({"ph": "X", "cat": "kernel", "name": kname, "pid": dev, "tid": sid, "ts": ts,
-                   "dur": round(te - ts, 3),
-                   "args": {"queued": 0, "device": dev, "context": 1, "stream": sid, "correlation": corr,
-                            "External id": corr, **extra, **plan_args}})
-        ev.append({"ph": "f", "id": corr, "pid": dev, "tid": sid, "ts": ts, "cat": "ac2g",
-                   "name": "ac2g", "bp": "e"})
-        ev.append({"ph": "s", "id": corr, "pid": host, "tid": tid, "ts": tp, "cat": "ac2g", "name": "ac2g"})
+        for j, (kname, cpu_op, ts, dur, kargs, cargs) in enumerate(items):
+            h, du, ts = float(hs[j]), span[(i, j)], round(ts + lead, 3)
+            c, e = next(corr), next(corr)
+            ev.append({"ph": "X", "cat": "cpu_op", "name": cpu_op, "pid": host, "tid": tid, "ts": h, "dur": du,
+                       "args": {"External id": e, **cargs}})
+            if j == 0:
+                for wc, rc, src in waits.get(i, ()):
+                    ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamWaitEvent", "pid": host,
+                               "tid": tid, **_slot(h, du, 1), "args": {"External id": e, "correlation": wc, "cbid": 147}})
+                    ev.append({"ph": "X", "cat": "cuda_sync", "name": "Stream Wait Event", "pid": dev, "tid": sid,
+                               "ts": round(ts - 1.0, 3),  # HTA orders it before the kernel
+                               "dur": 0.0, "args": {"correlation": wc, "device": dev, "stream": sid, "event": rc,
+                                                    "wait_on_stream": src,
+                                                    "wait_on_cuda_event_record_corr_id": rc}})
+            ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": host, "tid": tid,
+                       **_slot(h, du, 4), "args": {"External id": e, "correlation": c, "cbid": 211}})
+            if j == len(items) - 1:
+                for rc, _ in records.get(i, ()):
+                    ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaEventRecord", "pid": host,
+                               "tid": tid, **_slot(h, du, 7), "args": {"External id": e, "correlation": rc, "cbid": 135}})
+            ev.append({"ph": "X", "cat": "kernel", "name": kname, "pid": dev, "tid": sid, "ts": ts, "dur": dur,
+                       "args": {"queued": 0, "device": dev, "context": 1, "stream": sid, "correlation": c,
+                                "External id": e, **kargs, "op_id": op, "kind": kind,
+                                **(plan_args if len(items) == 1 else {})}})
+            ev.append({"ph": "f", "id": c, "pid": dev, "tid": sid, "ts": ts, "cat": "ac2g", "name": "ac2g", "bp": "e"})
+            ev.append({"ph": "s", "id": c, "pid": host, "tid": tid, "ts": _slot(h, du, 4)["ts"], "cat": "ac2g",
+                       "name": "ac2g"})
 
     if memory is not None and len(memory):
         mem = memory[memory["rank"] == rank].drop_duplicates("time", keep="last")
-        prev = 0.0
+        prev_b = 0.0
         for t, b in zip(mem["time"], mem["bytes"]):
             total = static_bytes + float(b)
             ev.append({"ph": "i", "s": "t", "cat": "cpu_instant_event", "name": "[memory]", "pid": host, "tid": 1,
-                       "ts": _us(t), "args": {"Device Type": 1, "Device Id": dev, "Addr": 0, "Bytes": int(b - prev),
-                                              "Total Allocated": int(total), "Total Reserved": int(total)}})
-            prev = float(b)
-        ev += memory_counters(mem, {rank: static_bytes})
+                       "ts": _us(t) + lead,
+                       "args": {"Device Type": 1, "Device Id": dev, "Addr": 0, "Bytes": int(b - prev_b),
+                                "Total Allocated": int(total), "Total Reserved": int(total)}})
+            prev_b = float(b)
+        counters = memory_counters(mem, {rank: static_bytes})
+        for e in counters:
+            e["ts"] = round(e["ts"] + lead, 3)
+        ev += counters
 
     return {
         "schemaVersion": 1,
@@ -190,17 +377,21 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
         "displayTimeUnit": "ms",
         "baseTimeNanoseconds": 0,
         "traceName": f"rank{rank}.pt.trace.json",
-        "otherData": {"generator": name},
+        "otherData": {"generator": name, "device_offset_us": lead,
+                      "level": "kernel" if level is not None else "op"},
         "traceEvents": ev,
     }
 
 
 def write_kineto_traces(df: "pd.DataFrame", out_dir: str, *, ranks: Sequence[int] | None = None,
-                        **kwargs: Any) -> list[str]:
+                        plan: Any = None, **kwargs: Any) -> list[str]:
     """Write ``out_dir/rank{R}.pt.trace.json`` for each rank of ``df`` (or ``ranks``);
-    keyword arguments as `kineto_trace` (``static_bytes`` may be a dict rank -> bytes).
+    keyword arguments as `kineto_trace` (``static_bytes`` may be a dict rank -> bytes);
+    ``plan``: the `piper_sim.plan.Plan` that ran, for kernel-level traces (`kernel_level`).
     Returns the paths. One event per line, keys with a space after the colon: HTA finds a
-    file's rank with a regex on ``"rank": N``."""
+    file's rank with a regex on ``"rank": N``. Each file is written atomically."""
+    from piper_sim.files import atomic_write
+
     os.makedirs(out_dir, exist_ok=True)
     for old in glob.glob(os.path.join(out_dir, "rank*.pt.trace.json")):
         os.remove(old)  # a directory is one run: no stale ranks from an earlier, larger one
@@ -209,10 +400,11 @@ def write_kineto_traces(df: "pd.DataFrame", out_dir: str, *, ranks: Sequence[int
     paths = []
     for r in (sorted(df["rank"].unique().tolist()) if ranks is None else ranks):
         sb = static.get(r, 0.0) if isinstance(static, dict) else float(static or 0.0)
-        data = kineto_trace(df, int(r), static_bytes=sb, step_end=step_end, **kwargs)
+        level = kernel_level(plan, int(r)) if plan is not None else None
+        data = kineto_trace(df, int(r), static_bytes=sb, step_end=step_end, level=level, **kwargs)
         path = os.path.join(out_dir, f"rank{r}.pt.trace.json")
         events = data.pop("traceEvents")
-        with open(path, "w") as f:
+        with atomic_write(path) as f:
             f.write("{\n")
             for k, v in data.items():
                 f.write(f"  {json.dumps(k)}: {json.dumps(v)},\n")
@@ -226,27 +418,32 @@ def write_kineto_traces(df: "pd.DataFrame", out_dir: str, *, ranks: Sequence[int
 
 def read_kineto_traces(path: str) -> "pd.DataFrame":
     """Read a directory (or one file) written by `write_kineto_traces` back into the event
-    schema, from the ops' host annotations and device kernels."""
+    schema (one row per plan op, not per kernel), from the ops' host annotations and their
+    device kernels (an op's start and end: its first kernel's start, its last one's end)."""
     files = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
     rows = []
     for fp in files:
         with open(fp) as f:
             data = json.load(f)
         rank = data["distributedInfo"]["rank"]
+        offset = float(data.get("otherData", {}).get("device_offset_us", 0.0))
         tnames = {(e["pid"], e["tid"]): e["args"]["name"] for e in data["traceEvents"]
                   if e.get("ph") == "M" and e.get("name") == "thread_name"}
-        kernels = {e["args"]["op_id"]: e for e in data["traceEvents"]
-                   if e.get("ph") == "X" and e.get("cat") == "kernel" and "op_id" in e.get("args", {})}
+        spans: dict[str, list[float]] = {}
+        for e in data["traceEvents"]:
+            if e.get("ph") == "X" and e.get("cat") == "kernel" and "op_id" in e.get("args", {}):
+                s = spans.setdefault(e["args"]["op_id"], [math.inf, -math.inf])
+                s[0], s[1] = min(s[0], e["ts"]), max(s[1], e["ts"] + e["dur"])
         for e in data["traceEvents"]:
             a = e.get("args", {})
             if e.get("ph") != "X" or e.get("cat") != "user_annotation" or "op_id" not in a:
                 continue
-            k = kernels.get(a["op_id"])
-            start = (k["ts"] if k else a.get("device_ts", e["ts"] + e["dur"])) / 1e6
-            end = (k["ts"] + k["dur"]) / 1e6 if k else start
+            k = spans.get(a["op_id"])
+            start = (k[0] if k else a.get("device_ts", e["ts"] + e["dur"])) - offset
+            end = (k[1] - offset) if k else start
             stream = tnames.get((e["pid"], e["tid"]), "").removeprefix("issue ")
             rows.append({"rank": rank, "stream": stream, "op_id": a["op_id"], "kind": a["kind"],
-                         "stage": a.get("stage", -1), "mb": a.get("mb", -1), "start": start, "end": end,
-                         "bytes": a.get("bytes", 0.0), "flops": a.get("flops", 0.0), "peer": a.get("peer", -1),
-                         "posted": e["ts"] / 1e6})
+                         "stage": a.get("stage", -1), "mb": a.get("mb", -1), "start": start / 1e6,
+                         "end": end / 1e6, "bytes": a.get("bytes", 0.0), "flops": a.get("flops", 0.0),
+                         "peer": a.get("peer", -1), "posted": e["ts"] / 1e6})
     return events_to_dataframe(rows, extra_columns=("posted",))
