@@ -297,7 +297,9 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
     step_event["dur"] = round(t_end + lead, 3)
 
     # cross-stream dependencies: cudaEventRecord after the dependency's last launch,
-    # cudaStreamWaitEvent before the op's first, and the GPU's "Stream Wait Event"
+    # cudaStreamWaitEvent before the op's first, and the GPU's "Stream Wait Event". A stream
+    # runs in order: one wait per source stream, on its dependency that ends last. HTA keeps
+    # one sync per kernel, the last in time: the waits go in the order their sources end.
     records: dict[int, list[tuple[int, int]]] = {}  # op index -> (record corr, waiting stream id)
     waits: dict[int, list[tuple[int, int, int]]] = {}  # op index -> (wait corr, record corr, source stream)
     sid_of = [sids[(o.stream, int(o.lane))] for o in ops]
@@ -305,10 +307,13 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
         for i in order:
             if not dev_items[i]:
                 continue
+            last: dict[int, int] = {}  # source stream -> its dependency that ends last
             for d in level.deps.get(ops[i].op_id, ()):
                 j = index.get(d)
-                if j is None or not dev_items[j] or sid_of[j] == sid_of[i]:
-                    continue
+                if j is not None and dev_items[j] and sid_of[j] != sid_of[i]:
+                    if sid_of[j] not in last or ops[j].end > ops[last[sid_of[j]]].end:
+                        last[sid_of[j]] = j
+            for j in sorted(last.values(), key=lambda j: (ops[j].end, j)):
                 rc, wc = next(corr), next(corr)
                 records.setdefault(j, []).append((rc, sid_of[i]))
                 waits.setdefault(i, []).append((wc, rc, sid_of[j]))
@@ -333,11 +338,11 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
             ev.append({"ph": "X", "cat": "cpu_op", "name": cpu_op, "pid": host, "tid": tid, "ts": h, "dur": du,
                        "args": {"External id": e, **cargs}})
             if j == 0:
-                for wc, rc, src in waits.get(i, ()):
+                for n, (wc, rc, src) in enumerate(waits.get(i, ())):
                     ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamWaitEvent", "pid": host,
                                "tid": tid, **_slot(h, du, 1), "args": {"External id": e, "correlation": wc, "cbid": 147}})
                     ev.append({"ph": "X", "cat": "cuda_sync", "name": "Stream Wait Event", "pid": dev, "tid": sid,
-                               "ts": round(ts - 1.0, 3),  # HTA orders it before the kernel
+                               "ts": float(math.floor(ts) - len(waits[i]) + n),  # whole µs, before the kernel
                                "dur": 0.0, "args": {"correlation": wc, "device": dev, "stream": sid, "event": rc,
                                                     "wait_on_stream": src,
                                                     "wait_on_cuda_event_record_corr_id": rc}})
