@@ -11,24 +11,37 @@ class, and its file stands for the whole class). Each file has:
   ``baseTimeNanoseconds``, ``traceName``;
 - on the host (pid ``HOST_PID_BASE + rank``): a ``ProfilerStep#N`` span over the step on
   the main thread and, on one thread per plan stream, every op as a ``user_annotation``
-  named by its op id (what ``torch.profiler.record_function(op_id)`` records, from the
-  op's ``posted`` time to its start, cut at the thread's next launch) around a
-  ``cudaLaunchKernel`` (``cuda_runtime``);
+  named by its op id (what ``torch.profiler.record_function(op_id)`` records) around one
+  ``cpu_op`` per kernel, each around its ``cudaLaunchKernel`` (``cuda_runtime``);
 - on the device (pid = rank, tid = the CUDA stream id, ``args.stream``/``args.device``/
-  ``args.correlation``/``args.External id`` as Kineto writes them): one ``kernel`` per
-  op that took time; ops of one plan stream that overlap in time (the executor keeps
-  asynchronous comms in flight together) go to extra streams (`trace.lanes`). Compute
-  kernels are named by their op id (``F.s3.mb5``); comm kernels as NCCL's
+  ``args.correlation``/``args.External id`` as Kineto writes them): the op's kernels;
+  ops of one plan stream that overlap in time (the executor keeps asynchronous comms in
+  flight together) go to extra streams (`trace.lanes`). Comm kernels are named as NCCL's
   (``ncclDevKernel_SendRecv``, ``ncclDevKernel_AllReduce_Sum_f32_RING_LL``...) with NCCL's
-  record args (``Collective name``, ``In msg nelems``, ``dtype``...), so HTA
-  counts them as communication. The plan's fields (op id, kind, stage, mb, bytes, flops,
-  peer) ride along in ``args``;
+  record args (``Collective name``, ``In msg nelems``, ``dtype``...), so HTA counts them as
+  communication. The plan's fields (op id, kind, stage, mb, bytes, flops, peer) ride along
+  in ``args``;
 - memory: Kineto's ``[memory]`` instant events (``Total Allocated``, ``Bytes``) and a
   ``ph: "C"`` counter in GB that Perfetto draws as a track.
 
-Times are µs from the start of the step with ns decimals, like Kineto's. HTA rounds them
-to whole µs when it loads a trace, as it does for real ones. `read_kineto_traces` reads a
-directory back into the event schema.
+Two levels. With the plan that ran (``plan=``, `kernel_level`; what a simulation writes),
+a compute op is the kernels of its operator profile (`piper_sim.kineto_kernels`: names,
+``Input Dims``) scaled to fill exactly its simulated ``[start, end]``; one eager host
+launches every op in device order, LAUNCH_US a kernel, as far ahead of the device as a
+QUEUE_DEPTH-kernel launch queue allows; a dependency on another stream is a
+``cudaEventRecord`` after the source's last launch, a ``cudaStreamWaitEvent`` before the
+op's first, and a ``Stream Wait Event`` (``cuda_sync``) on the waiting stream, as
+torch.profiler records them with CUDA sync events on. So HTA's kernel breakdown, idle-time
+breakdown, queue length and critical path apply too. Without it (a measured run: the
+executor knows ops, not kernels), each op is one kernel named by its op id (``F.s3.mb5``),
+launched from its ``posted`` time.
+
+Times are µs with ns decimals, like Kineto's; the device's start from
+``otherData.device_offset_us`` (DEVICE_LEAD_US or more: room for the first launches), host
+events on whole µs. HTA rounds times to whole µs when it loads a trace, as it does for real
+ones, so every launch lands a whole µs before its kernel (the queue length never goes
+negative). `read_kineto_traces` reads a directory back into the event schema (one row per
+plan op).
 """
 
 from __future__ import annotations
@@ -38,11 +51,10 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from costmodel.dtypes import DTYPES
-from piper_sim.kineto_kernels import Kernel, op_kernels, optimizer_kernel
+from piper_sim.kineto_kernels import KernelLevel, input_dims, kernel_level
 from piper_sim.trace import (COMPUTE_KINDS, event_args, events_to_dataframe, lane_name, lanes, memory_counters,
                              stream_order)
 
@@ -89,54 +101,6 @@ def stream_ids(streams: Iterable[str]) -> dict[str, int]:
 
 def _us(seconds: float) -> float:
     return round(float(seconds) * 1e6, 3)
-
-
-@dataclass
-class KernelLevel:
-    """What a kernel-level trace needs from the plan (see `kernel_level`): each compute op's
-    kernels (`piper_sim.kineto_kernels.Kernel`), each op's same-rank dependencies, and the
-    optimizer step's kernel when it has no profile rows."""
-
-    kernels: dict[str, list[Kernel]] = field(default_factory=dict)
-    deps: dict[str, list[str]] = field(default_factory=dict)
-    optimizer: tuple[str, str] = ("", "")
-
-
-def kernel_level(plan: Any, rank: int) -> KernelLevel:
-    """`KernelLevel` of one rank of a `piper_sim.plan.Plan`: the kernels of each compute
-    op from its operator profile table (``Plan.kernels``), priced on the plan's GPU."""
-    from costmodel.hardware import parse_cluster
-
-    cluster = plan.meta.get("cluster")
-    try:
-        gpu = parse_cluster(cluster).gpu if cluster else None
-    except ValueError:
-        gpu = None
-    stack = plan.meta.get("stack") or {}
-    compiled = bool(stack.get("compile", False))
-    out = KernelLevel(optimizer=optimizer_kernel(str(plan.meta.get("dtype", "bf16")),
-                                                 stack.get("optimizer") == "foreach"))
-    tables: dict[str, list[Kernel]] = {}
-    for ins in (i for lst in plan.program(rank).streams.values() for i in lst):
-        out.deps[ins.id] = list(ins.deps)
-        if ins.kind in COMPUTE_KINDS and ins.kernels and ins.kernels in plan.kernels:
-            if ins.kernels not in tables:
-                tables[ins.kernels] = op_kernels(plan.kernels[ins.kernels], gpu, compiled)
-            out.kernels[ins.id] = tables[ins.kernels]
-    return out
-
-
-def _dims(k: Kernel) -> list[list[int]]:
-    """Kineto's ``Input Dims`` of a kernel's aten op, from its profile row's shape."""
-    s = k.dims
-    if k.cls == "gemm":
-        m, n, kk, b = s
-        return [[b, m, kk], [b, kk, n]] if b > 1 else [[m, kk], [kk, n]]
-    if k.cls in ("attn_fwd", "attn_bwd"):
-        b, h, sq, skv, d = s[:5]
-        return [[b, h, sq, d], [b, h, skv, d], [b, h, skv, d]]
-    elt = DTYPES[k.dtype].bytes if k.dtype in DTYPES else 4
-    return [[int(s[0] // elt // 2) if s else 0]]  # bytes read + written: about two tensors
 
 
 def _slot(h: float, du: float, at: int) -> dict[str, float]:
@@ -267,7 +231,7 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
                     t1 = te if i == len(ks) - 1 else round(ts + (te - ts) * acc / total, 3)
                     kargs = {"flops": k.flops, "bytes": k.bytes} if k.flops else {"bytes": k.bytes}
                     items.append((k.name, k.cpu_op, t0, round(t1 - t0, 3), kargs,
-                                  {"Input Dims": _dims(k), "Input type": [k.dtype]}))
+                                  {"Input Dims": input_dims(k), "Input type": [k.dtype]}))
                     t0 = t1
             elif kind in COMPUTE_KINDS:
                 if kind == "OPT" and level is not None and level.optimizer[0]:

@@ -18,13 +18,16 @@ interleaved order (each row's calls spread evenly over the op), each with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
+from costmodel.dtypes import DTYPES
 from costmodel.hardware import GPU
 from costmodel.operators import table_time
+from piper_sim.plan import COMPUTE_KINDS
 
-__all__ = ["Kernel", "op_kernels", "kernel_name", "cpu_op_name", "optimizer_kernel"]
+__all__ = ["Kernel", "KernelLevel", "kernel_level", "op_kernels", "kernel_name", "cpu_op_name",
+           "optimizer_kernel", "input_dims"]
 
 # C++ element types of torch's kernel templates
 CTYPES = {"bf16": "c10::BFloat16", "fp16": "c10::Half", "fp32": "float", "fp8": "c10::Float8_e4m3fn"}
@@ -171,3 +174,51 @@ def op_kernels(rows: Iterable, gpu: GPU | None, compiled: bool = False) -> list[
         calls += [((j + 0.5) / count, i, k) for j in range(int(count))]
     calls.sort(key=lambda c: (c[0], c[1]))
     return [k for _, _, k in calls]
+
+
+@dataclass
+class KernelLevel:
+    """What a kernel-level trace needs from the plan (see `kernel_level`): each compute op's
+    kernels (`piper_sim.kineto_kernels.Kernel`), each op's same-rank dependencies, and the
+    optimizer step's kernel when it has no profile rows."""
+
+    kernels: dict[str, list[Kernel]] = field(default_factory=dict)
+    deps: dict[str, list[str]] = field(default_factory=dict)
+    optimizer: tuple[str, str] = ("", "")
+
+
+def kernel_level(plan: Any, rank: int) -> KernelLevel:
+    """`KernelLevel` of one rank of a `piper_sim.plan.Plan`: the kernels of each compute
+    op from its operator profile table (``Plan.kernels``), priced on the plan's GPU."""
+    from costmodel.hardware import parse_cluster
+
+    cluster = plan.meta.get("cluster")
+    try:
+        gpu = parse_cluster(cluster).gpu if cluster else None
+    except ValueError:
+        gpu = None
+    stack = plan.meta.get("stack") or {}
+    compiled = bool(stack.get("compile", False))
+    out = KernelLevel(optimizer=optimizer_kernel(str(plan.meta.get("dtype", "bf16")),
+                                                 stack.get("optimizer") == "foreach"))
+    tables: dict[str, list[Kernel]] = {}
+    for ins in (i for lst in plan.program(rank).streams.values() for i in lst):
+        out.deps[ins.id] = list(ins.deps)
+        if ins.kind in COMPUTE_KINDS and ins.kernels and ins.kernels in plan.kernels:
+            if ins.kernels not in tables:
+                tables[ins.kernels] = op_kernels(plan.kernels[ins.kernels], gpu, compiled)
+            out.kernels[ins.id] = tables[ins.kernels]
+    return out
+
+
+def input_dims(k: Kernel) -> list[list[int]]:
+    """Kineto's ``Input Dims`` of a kernel's aten op, from its profile row's shape."""
+    s = k.dims
+    if k.cls == "gemm":
+        m, n, kk, b = s
+        return [[b, m, kk], [b, kk, n]] if b > 1 else [[m, kk], [kk, n]]
+    if k.cls in ("attn_fwd", "attn_bwd"):
+        b, h, sq, skv, d = s[:5]
+        return [[b, h, sq, d], [b, h, skv, d], [b, h, skv, d]]
+    elt = DTYPES[k.dtype].bytes if k.dtype in DTYPES else 4
+    return [[int(s[0] // elt // 2) if s else 0]]  # bytes read + written: about two tensors
