@@ -218,6 +218,7 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
 
     # device: each op's kernels (name, cpu op, ts, dur, args), filling its [start, end]
     dev_items: list[list[tuple[str, str, float, float, dict[str, Any], dict[str, Any]]]] = []
+    kernel_args: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
     for stream, op, kind, stage, mb, start, end, nbytes, flops, peer, lane in ops:
         ts, te = _us(start), _us(end)
         items: list[tuple[str, str, float, float, dict[str, Any], dict[str, Any]]] = []
@@ -229,9 +230,10 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
                 for i, k in enumerate(ks):
                     acc += k.weight if total != len(ks) or k.weight else 1.0
                     t1 = te if i == len(ks) - 1 else round(ts + (te - ts) * acc / total, 3)
-                    kargs = {"flops": k.flops, "bytes": k.bytes} if k.flops else {"bytes": k.bytes}
-                    items.append((k.name, k.cpu_op, t0, round(t1 - t0, 3), kargs,
-                                  {"Input Dims": input_dims(k), "Input type": [k.dtype]}))
+                    if id(k) not in kernel_args:  # an op's Kernel objects are shared by every op of its table
+                        kernel_args[id(k)] = ({"flops": k.flops, "bytes": k.bytes} if k.flops else {"bytes": k.bytes},
+                                              {"Input Dims": input_dims(k), "Input type": [k.dtype]})
+                    items.append((k.name, k.cpu_op, t0, round(t1 - t0, 3), *kernel_args[id(k)]))
                     t0 = t1
             elif kind in COMPUTE_KINDS:
                 if kind == "OPT" and level is not None and level.optimizer[0]:
@@ -299,8 +301,9 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
         for j, (kname, cpu_op, ts, dur, kargs, cargs) in enumerate(items):
             h, du, ts = float(hs[j]), span[(i, j)], round(ts + lead, 3)
             c, e = next(corr), next(corr)
-            ev.append({"ph": "X", "cat": "cpu_op", "name": cpu_op, "pid": host, "tid": tid, "ts": h, "dur": du,
-                       "args": {"External id": e, **cargs}})
+            if level is not None:  # op level: the op's annotation holds its launch
+                ev.append({"ph": "X", "cat": "cpu_op", "name": cpu_op, "pid": host, "tid": tid, "ts": h, "dur": du,
+                           "args": {"External id": e, **cargs}})
             if j == 0:
                 for n, (wc, rc, src) in enumerate(waits.get(i, ())):
                     ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamWaitEvent", "pid": host,

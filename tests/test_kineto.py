@@ -355,3 +355,18 @@ def test_hta_analyses_a_full_llama3_8b_kernel_trace(tmp_path):
     paths = result.write_kineto(str(tmp_path))
     assert all(os.path.getsize(p) < 40e6 for p in paths)
     _hta_kernel_level(result, str(tmp_path), critical_ranks=[0, 2])
+
+
+def test_cli_kineto_ops_writes_one_kernel_per_op(sim, tmp_path, capsys):
+    from piper_sim.cli import main
+
+    result, _, _ = sim
+    plan = str(tmp_path / "plan.json")
+    result.plan.save(plan)
+    assert main(["simulate", plan, "--kineto-ops"]) == 2
+    assert "--kineto-ops needs --kineto DIR" in capsys.readouterr().err
+    assert main(["simulate", plan, "--kineto", str(tmp_path / "k"), "--kineto-ops"]) == 0
+    ev = json.load(open(tmp_path / "k" / "rank0.pt.trace.json"))["traceEvents"]
+    compute = [e for e in ev if e.get("cat") == "kernel" and e["args"]["kind"] in COMPUTE]
+    assert compute and all(k["name"] == k["args"]["op_id"] for k in compute)
+    assert not any(e.get("cat") in ("cpu_op", "cuda_sync") for e in ev)
