@@ -61,8 +61,8 @@ from piper_sim.trace import (COMPUTE_KINDS, event_args, events_to_dataframe, lan
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["HOST_PID_BASE", "NCCL_KERNELS", "kineto_trace", "write_kineto_traces", "read_kineto_traces",
-           "stream_ids"]
+__all__ = ["HOST_PID_BASE", "NCCL_KERNELS", "LAUNCH_US", "QUEUE_DEPTH", "DEVICE_LEAD_US", "kineto_trace",
+           "write_kineto_traces", "read_kineto_traces", "stream_ids"]
 
 log = logging.getLogger(__name__)
 HOST_PID_BASE = 100000
@@ -70,6 +70,7 @@ CORRELATION_BASE = 1 << 24
 COMPUTE_STREAM_ID = 7  # the default CUDA stream's id in Kineto traces
 LAUNCH_US = 10  # host µs of one eager aten op and its kernel launch
 QUEUE_DEPTH = 1024  # kernels a CUDA stream's launch queue holds (HTA's CUDA_MAX_LAUNCH_QUEUE_PER_STREAM)
+Item = tuple  # a device kernel: (name, cpu op, ts µs, dur µs, kernel args, cpu op args)
 DEVICE_LEAD_US = 50.0  # the device timeline starts this long after the host's ProfilerStep
 # NCCL (>= 2.19) device kernel names as Kineto records them; all-to-all runs as grouped send/recv.
 NCCL_KERNELS = {
@@ -112,7 +113,7 @@ def _slot(h: float, du: float, at: int) -> dict[str, float]:
     return {"ts": h, "dur": du}
 
 
-def _host_schedule(ops: list, dev_items: list, order: list[int], index: dict[str, int], level: KernelLevel | None,
+def _host_schedule(ops: list, dev_items: list[list[Item]], order: list[int], index: dict[str, int], level: KernelLevel | None,
                    posted: list[float], lead: float) -> tuple[list[list[int]], dict[tuple[int, int], float]]:
     """Host µs of each kernel's launch (its cpu op's start) and each cpu op's length.
 
@@ -167,6 +168,47 @@ def _host_schedule(ops: list, dev_items: list, order: list[int], index: dict[str
     return launch_at, span
 
 
+def _device_items(ops: list, level: KernelLevel | None, dtype: str) -> list[list[Item]]:
+    """Each op's kernels, filling its ``[start, end]`` (µs from the step's start; none for
+    an op that took no time): with a ``level``, a compute op's profile kernels, each taking
+    its share of the op by its cost-model time; otherwise one kernel, named by the op id for
+    compute and as NCCL's for communication."""
+    dt = DTYPES.get(dtype, DTYPES["fp32"])
+    out: list[list[Item]] = []
+    shared: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # Kernel objects are shared by a table's ops
+    for stream, op, kind, stage, mb, start, end, nbytes, flops, peer, lane in ops:
+        ts, te = _us(start), _us(end)
+        items: list[Item] = []
+        ks = level.kernels.get(op) if level is not None else None
+        if te <= ts:
+            pass
+        elif ks:
+            weights = [k.weight for k in ks] if any(k.weight > 0 for k in ks) else [1.0] * len(ks)
+            total, acc, t0 = sum(weights), 0.0, ts
+            for i, (k, w) in enumerate(zip(ks, weights)):
+                acc += w
+                t1 = te if i == len(ks) - 1 else round(ts + (te - ts) * acc / total, 3)
+                if id(k) not in shared:
+                    shared[id(k)] = ({"flops": k.flops, "bytes": k.bytes} if k.flops else {"bytes": k.bytes},
+                                     {"Input Dims": input_dims(k), "Input type": [k.dtype]})
+                items.append((k.name, k.cpu_op, t0, round(t1 - t0, 3), *shared[id(k)]))
+                t0 = t1
+        elif kind == "OPT" and level is not None and level.optimizer[0]:
+            items.append((level.optimizer[0], level.optimizer[1], ts, round(te - ts, 3), {}, {}))
+        elif kind in COMPUTE_KINDS:
+            items.append((op, op, ts, round(te - ts, 3), {}, {}))
+        else:
+            kname = NCCL_KERNELS.get(kind, "ncclDevKernel_Generic(ncclDevComm*, unsigned long, ncclWork*)")
+            nelems = int(nbytes // dt.bytes) if nbytes else 0
+            coll = COLLECTIVE_NAMES.get(kind, kind.lower())
+            extra = {"Collective name": coll, "In msg nelems": nelems, "Out msg nelems": nelems,
+                     "dtype": dt.profiler_name, "Process Group Name": stream}
+            items.append((kname.format(dt=dt.nccl_name), "nccl:" + coll, ts, round(te - ts, 3), extra,
+                          {"Input Dims": [[nelems]], "Input type": [dt.profiler_name]}))
+        out.append(items)
+    return out
+
+
 def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: int | None = None,
                  backend: str = "nccl", dtype: str = "bf16", memory: "pd.DataFrame | None" = None,
                  static_bytes: float = 0.0, device_name: str = "", name: str = "piper-sim",
@@ -187,8 +229,6 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
         sids[(s, k)] = nxt
         nxt += 1
     host_tids = {s: i + 2 for i, s in enumerate(stream_order(sub["stream"]))}
-    dt = DTYPES.get(dtype, DTYPES["fp32"])
-    nccl_dt, torch_dt, elt = dt.nccl_name, dt.profiler_name, dt.bytes
     end_all = float(df["end"].max()) if len(df) else 0.0
     t_end = _us(end_all if step_end is None else step_end)
 
@@ -216,39 +256,7 @@ def kineto_trace(df: "pd.DataFrame", rank: int, *, step: int = 0, world_size: in
     posted = sub["posted"].tolist() if "posted" in sub.columns else sub["start"].tolist()
     corr = iter(range(CORRELATION_BASE, CORRELATION_BASE + (1 << 30)))
 
-    # device: each op's kernels (name, cpu op, ts, dur, args), filling its [start, end]
-    dev_items: list[list[tuple[str, str, float, float, dict[str, Any], dict[str, Any]]]] = []
-    kernel_args: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
-    for stream, op, kind, stage, mb, start, end, nbytes, flops, peer, lane in ops:
-        ts, te = _us(start), _us(end)
-        items: list[tuple[str, str, float, float, dict[str, Any], dict[str, Any]]] = []
-        if te > ts:
-            ks = level.kernels.get(op) if level is not None else None
-            if ks:
-                total = sum(k.weight for k in ks) or float(len(ks))
-                acc, t0 = 0.0, ts
-                for i, k in enumerate(ks):
-                    acc += k.weight if total != len(ks) or k.weight else 1.0
-                    t1 = te if i == len(ks) - 1 else round(ts + (te - ts) * acc / total, 3)
-                    if id(k) not in kernel_args:  # an op's Kernel objects are shared by every op of its table
-                        kernel_args[id(k)] = ({"flops": k.flops, "bytes": k.bytes} if k.flops else {"bytes": k.bytes},
-                                              {"Input Dims": input_dims(k), "Input type": [k.dtype]})
-                    items.append((k.name, k.cpu_op, t0, round(t1 - t0, 3), *kernel_args[id(k)]))
-                    t0 = t1
-            elif kind in COMPUTE_KINDS:
-                if kind == "OPT" and level is not None and level.optimizer[0]:
-                    items.append((level.optimizer[0], level.optimizer[1], ts, round(te - ts, 3), {}, {}))
-                else:
-                    items.append((op, "aten::" + kind, ts, round(te - ts, 3), {}, {}))
-            else:
-                kname = NCCL_KERNELS.get(kind, "ncclDevKernel_Generic(ncclDevComm*, unsigned long, ncclWork*)")
-                nelems = int(nbytes // elt) if nbytes else 0
-                coll = COLLECTIVE_NAMES.get(kind, kind.lower())
-                extra = {"Collective name": coll, "In msg nelems": nelems, "Out msg nelems": nelems,
-                         "dtype": torch_dt, "Process Group Name": stream}
-                items.append((kname.format(dt=nccl_dt), "nccl:" + coll, ts, round(te - ts, 3), extra,
-                              {"Input Dims": [[nelems]], "Input type": [torch_dt]}))
-        dev_items.append(items)
+    dev_items = _device_items(ops, level, dtype)
 
     order = sorted(range(len(ops)), key=lambda i: (ops[i].start, ops[i].end, i))
     index = {ops[i].op_id: i for i in order}

@@ -120,7 +120,8 @@ def kernel_name(cls: str, name: str, dtype: str, family: str = "hopper", compile
             return f"sm90_xmma_{kind}_implicit_gemm_{d}{d}_{d}f32_f32_nhwckrsc_nhwc_tilesize128x128x64_" \
                    "warpgroupsize1x1x1_execute_kernel__5x_cudnn"
         if family in ("hopper", "blackwell"):
-            return f"sm90_xmma_gemm_{d}{d}_{d}f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_" \
+            sm = "sm100" if family == "blackwell" else "sm90"
+            return f"{sm}_xmma_gemm_{d}{d}_{d}f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_" \
                    "execute_segment_k_off_kernel__5x_cublas"
         return f"ampere_{d}_s16816gemm_{d}_128x128_ldg8_f2f_stages_64x3_tn"
     if cls in ("attn_fwd", "attn_bwd"):
