@@ -1,6 +1,8 @@
 """Kineto-shaped traces (piper_sim.kineto): their shape, and HolisticTraceAnalysis on a
-simulated and a measured (2-rank gloo run) trace directory. The HTA tests need the dev extra
-(``pip install -e ".[dev]"``: HolisticTraceAnalysis); they are skipped without it."""
+simulated and a measured (2-rank gloo run) trace directory; kernel-level traces against the
+plan's operator profile, and HTA's temporal, kernel, idle-time, queue-length and critical-path
+analyses on them. The HTA tests need the dev extra (``pip install -e ".[dev]"``:
+HolisticTraceAnalysis, pandas < 3 for its critical path); they are skipped without it."""
 
 from __future__ import annotations
 
@@ -370,3 +372,19 @@ def test_cli_kineto_ops_writes_one_kernel_per_op(sim, tmp_path, capsys):
     compute = [e for e in ev if e.get("cat") == "kernel" and e["args"]["kind"] in COMPUTE]
     assert compute and all(k["name"] == k["args"]["op_id"] for k in compute)
     assert not any(e.get("cat") in ("cpu_op", "cuda_sync") for e in ev)
+
+
+def test_kernel_names_follow_the_stack():
+    """The profile rows name the stack's kernels (costmodel.stack); Kineto names them as its
+    libraries do: cuDNN / FA3 attention, Inductor's fused norm under torch.compile, Apex's
+    without, cuBLAS GEMMs by architecture."""
+    from piper_sim.kineto_kernels import cpu_op_name, kernel_name
+
+    assert kernel_name("attn_fwd", "cudnn", "bf16").startswith("cudnn_generated_fort_native_sdpa_sm90_flash_fprop")
+    assert "FlashAttnBwdSm90" in kernel_name("attn_bwd", "flash3", "bf16")
+    assert cpu_op_name("attn_bwd", "flash") == "aten::_scaled_dot_product_flash_attention_backward"
+    assert kernel_name("mem", "rms_norm", "bf16", compiled=True).startswith("triton_red_fused_")
+    assert kernel_name("mem", "rms_norm", "bf16").startswith("void cuApplyRMSNorm<c10::BFloat16")
+    assert kernel_name("gemm", "mm", "bf16", "ampere").startswith("ampere_bf16_s16816gemm")
+    assert kernel_name("gemm", "mm", "bf16", "blackwell").startswith("sm100_xmma_gemm_bf16bf16")
+    assert "silu_kernel_cuda<c10::BFloat16>" in kernel_name("mem", "silu", "bf16")
