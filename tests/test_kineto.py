@@ -117,6 +117,8 @@ def test_hta_reads_a_simulated_trace(sim):
     ta, temporal, idle, overlap = _hta(out)
     ranks = sorted(result.events["rank"].unique().tolist())
     assert ta.t.get_ranks() == ranks and ta.get_profiler_steps() == [0]
+    # every kernel is launched before it runs, on this host-bound tiny model too
+    assert all(d["queue_length"].min() >= 0 for d in ta.get_queue_length_time_series(ranks=ranks).values())
     _sane(temporal, idle, overlap, result.step_time_s * 1e6, ranks)
     for s in result.per_rank.itertuples():  # HTA's compute time is ours, to its rounding (< 2 µs per kernel)
         row = temporal[temporal["rank"] == s.rank].iloc[0]
@@ -134,6 +136,7 @@ def test_hta_reads_a_measured_trace_and_profile_names_ops(tmp_path):
     measured = read_kineto_traces(str(kineto))
     ta, temporal, idle, overlap = _hta(str(kineto))
     assert ta.t.get_ranks() == [0, 1] and ta.get_profiler_steps() == [1]  # the last step
+    assert all(d["queue_length"].min() >= 0 for d in ta.get_queue_length_time_series(ranks=[0, 1]).values())
     _sane(temporal, idle, overlap, measured["end"].max() * 1e6, [0, 1])
     # run --profile: torch.profiler traces with ProfilerStep#N and one record_function per plan op
     from piper_sim.plan import Plan
