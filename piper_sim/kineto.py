@@ -399,7 +399,8 @@ def write_kineto_traces(df: "pd.DataFrame", out_dir: str, *, ranks: Sequence[int
 def read_kineto_traces(path: str) -> "pd.DataFrame":
     """Read a directory (or one file) written by `write_kineto_traces` back into the event
     schema (one row per plan op, not per kernel), from the ops' host annotations and their
-    device kernels (an op's start and end: its first kernel's start, its last one's end)."""
+    device kernels (an op's start and end: its first kernel's start, its last one's end;
+    ``posted``: when the host began launching it, on the same clock)."""
     files = sorted(glob.glob(os.path.join(path, "*.json"))) if os.path.isdir(path) else [path]
     rows = []
     for fp in files:
@@ -425,5 +426,5 @@ def read_kineto_traces(path: str) -> "pd.DataFrame":
             rows.append({"rank": rank, "stream": stream, "op_id": a["op_id"], "kind": a["kind"],
                          "stage": a.get("stage", -1), "mb": a.get("mb", -1), "start": start / 1e6,
                          "end": end / 1e6, "bytes": a.get("bytes", 0.0), "flops": a.get("flops", 0.0),
-                         "peer": a.get("peer", -1), "posted": e["ts"] / 1e6})
+                         "peer": a.get("peer", -1), "posted": (e["ts"] - offset) / 1e6})
     return events_to_dataframe(rows, extra_columns=("posted",))

@@ -284,6 +284,7 @@ def test_kernel_level_trace_follows_the_operator_profile(dense, tmp_path):
     cols = ["rank", "stream", "op_id", "kind", "stage", "mb", "peer"]
     assert back[cols].equals(ev_all[cols])
     assert (back["start"] - ev_all["start"]).abs().max() < 1e-8 and (back["end"] - ev_all["end"]).abs().max() < 1e-8
+    assert (back["posted"] < back["start"]).all()  # the host began launching each op before it ran
     # kernels=False: one kernel per op, named by its op id
     ops_level = result.write_kineto(str(tmp_path / "ops"), kernels=False)
     ev0 = json.load(open(ops_level[0]))["traceEvents"]
