@@ -152,6 +152,8 @@ class SimResult:
     # (pp rank, op id) -> the re-run forward flops of a recomputing backward (`piper_sim.explain.rerun_flops`)
     rerun: dict[tuple[int, str], float] = field(repr=False, default_factory=dict)
     rerun_estimated: bool = False  # some re-run is estimated (a policy other than plain full recompute)
+    # the plan that ran: kernel-level Kineto traces read its operator profiles (`write_kineto`)
+    plan: Plan | None = field(repr=False, default=None, compare=False)
 
     @cached_property
     def events(self) -> "pd.DataFrame":
@@ -247,14 +249,17 @@ class SimResult:
         flow arrows, a memory counter per rank."""
         trace.write_chrome_trace(self.events, path, flows=True, memory=self.memory, static_bytes=self.static_bytes())
 
-    def write_kineto(self, out_dir: str) -> list[str]:
+    def write_kineto(self, out_dir: str, kernels: bool = True) -> list[str]:
         """Kineto-shaped traces, one file per simulated rank (per rank class when folded),
-        that HolisticTraceAnalysis and Perfetto read (`piper_sim.kineto`). Returns the paths."""
+        that HolisticTraceAnalysis and Perfetto read (`piper_sim.kineto`). ``kernels``: each
+        compute op as the kernels of its operator profile, with host ``cpu_op`` launches and
+        cross-stream sync events (False: one kernel per op). Returns the paths."""
         from piper_sim.kineto import write_kineto_traces
 
         header = PlanHeader.from_meta(self.meta)
         cluster = str(header.cluster or "")
         return write_kineto_traces(self.events, out_dir, world_size=self.world_size or None,
+                                   plan=self.plan if kernels else None,
                                    dtype=header.dtype or "bf16", memory=self.memory,
                                    static_bytes=self.static_bytes(), step_end=self.step_time_s,
                                    device_name=f"simulated {cluster}".strip(), name="piper-sim simulator",
@@ -1157,6 +1162,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         memory_headroom_bytes=memory_headroom_bytes,
         memory_capacity_bytes=capacity or 0.0,
         band=_band(plan, cm, step), rerun=rerun, rerun_estimated=rerun_estimated,
+        plan=plan,
     )
 
 

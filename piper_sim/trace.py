@@ -142,10 +142,12 @@ def lanes(df: "pd.DataFrame") -> list[int]:
     thread/CUDA stream per lane keeps each one's slices disjoint, as Perfetto and HTA need."""
     out = [0] * len(df)
     ends: dict[tuple[int, str], list[float]] = {}
-    order = sorted(range(len(df)), key=lambda i: (df["start"].iat[i], df["end"].iat[i]))
+    starts, stops = df["start"].tolist(), df["end"].tolist()
+    ranks, streams = df["rank"].tolist(), df["stream"].tolist()
+    order = sorted(range(len(df)), key=lambda i: (starts[i], stops[i]))
     for i in order:
-        key = (int(df["rank"].iat[i]), df["stream"].iat[i])
-        start, end = float(df["start"].iat[i]), float(df["end"].iat[i])
+        key = (int(ranks[i]), streams[i])
+        start, end = float(starts[i]), float(stops[i])
         lane_ends = ends.setdefault(key, [])
         for lane, e in enumerate(lane_ends):
             if start >= e - 1e-12:

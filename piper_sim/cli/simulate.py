@@ -25,7 +25,10 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     s.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     s.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
     s.add_argument("--kineto", metavar="DIR",
-                   help="write Kineto-shaped traces, one per simulated rank, in DIR (HolisticTraceAnalysis, Perfetto)")
+                   help="write Kineto-shaped traces, one per simulated rank, in DIR (HolisticTraceAnalysis, Perfetto): "
+                        "each compute op as the kernels of its operator profile")
+    s.add_argument("--kineto-ops", action="store_true",
+                   help="with --kineto: one kernel per plan op (smaller files, written faster)")
     s.add_argument("--timeline", metavar="OUT.png", help="write a timeline picture")
     s.add_argument("--memory", metavar="OUT.png", help="write a memory-over-time picture")
     s.add_argument("--no-fold", action="store_true", help="simulate every rank, not one per rank class")
@@ -64,6 +67,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from piper_sim.validate import load_valid_plan
 
     headroom = memory_headroom_bytes(args.memory_headroom)
+    if args.kineto_ops and not args.kineto:
+        raise ValueError("--kineto-ops needs --kineto DIR (the folder to write the traces in)")
     opts = run_options(args)
     plan = load_valid_plan(args.plan, check_hash=not args.no_hash_check)
     slow = dict.fromkeys(args.slow_ranks or (), args.slowdown)
@@ -76,7 +81,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.trace:
         result.write_trace(args.trace)
     if args.kineto:
-        result.write_kineto(args.kineto)
+        result.write_kineto(args.kineto, kernels=not args.kineto_ops)
     if args.timeline:
         result.plot_timeline(args.timeline, title=title)
     if args.memory:
