@@ -386,8 +386,8 @@ class Layout:
             return self.axis_group(group, rank)
         c = self.coords_of(rank)
         if group == "ep":  # ep consecutive data-parallel ranks
-            block = c["dp"] // self.ep
-            return [r for r in self.axis_group("dp", rank) if self.coords_of(r)["dp"] // self.ep == block]
+            first = c["dp"] // self.ep * self.ep
+            return [self.rank_at({**c, "dp": d}) for d in range(first, first + self.ep)]
         parts = group.split(":")
         if parts[0] == "stage":
             stage = int(parts[1])

@@ -448,7 +448,7 @@ class _Engine:
         self.host_bound = bool(getattr(cm, "host_bound", False))
         self.hosts: dict[int, _Host] = {}  # rank -> its issuing thread
         self.inside_until: dict[int, float] = {}  # rank -> end of the posts made from inside compute
-        replicas = self.layout.class_size  # DP replicas x CP and TP peers of a pipeline rank
+        replicas = self._class_size = self.layout.class_size  # DP replicas x CP and TP peers of a pipeline rank
         self.ranks = [self.layout.rank(c.pp_rank, 0) for c in plan.classes] if folded else \
             list(range(self.layout.world_size))
         self.class_of = {r: plan.classes[self.layout.coords(r)[0]] for r in self.ranks}
@@ -476,7 +476,9 @@ class _Engine:
 
     # --- setup ---------------------------------------------------------------------
     def _rep(self, rank: int) -> int:
-        return self.layout.rank(self.layout.coords(rank)[0], 0) if self.folded else rank
+        """The rank simulated for ``rank``: its class's first (a class is a contiguous block
+        of ``class_size`` ranks, pp being the outermost mesh axis: `Layout.class_ranks`)."""
+        return rank - rank % self._class_size if self.folded else rank
 
     def _group(self, group: str, rank: int) -> tuple[int, ...]:
         key = (group, rank)
