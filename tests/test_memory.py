@@ -236,6 +236,7 @@ def test_executor_stage_checkpoints_what_the_mode_says():
     """The executor's full recompute keeps each layer's input only (torch.utils.checkpoint);
     selective keeps all but what the attention core alone saves."""
     from executor.stage import Stage
+    from piper_sim.recompute import Recompute
 
     cfg = get_config("gpt-tiny")
     units = ["layers.0", "layers.1"]
@@ -243,9 +244,11 @@ def test_executor_stage_checkpoints_what_the_mode_says():
     params = {p.untyped_storage()._cdata for p in stage.units.parameters()}
     x = torch.randn(2, 16, cfg.hidden)
 
-    def run(checkpoint=False):
+    def run(mode="none"):
+        stage.set_recompute(Recompute(mode))
+
         def fn():
-            stage.forward_piece(0, {"x": x}, {}, None, 1.0, checkpoint=checkpoint)
+            stage.forward_piece(0, {"x": x}, {}, None, 1.0)
         saved: dict[int, int] = {}
 
         def pack(t):
@@ -259,10 +262,8 @@ def test_executor_stage_checkpoints_what_the_mode_says():
         return sum(saved.values())
 
     plain = run()
-    full = run(checkpoint=True)
-    stage.set_selective_recompute(True)
-    selective = run()
-    stage.set_selective_recompute(False)
+    full = run("full")
+    selective = run("selective")
     layer_input = 2 * 16 * cfg.hidden * 4
     assert full == 2 * layer_input  # one input per layer
     assert plain - selective == 2 * 2 * cfg.n_heads * 16 * 4  # two layers' fp32 log-sum-exp [B, H, s]
