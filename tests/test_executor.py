@@ -167,7 +167,9 @@ def test_clip_grad_norm_global_over_shards_and_stages(tmp_path):
     assert max(gpt) - min(gpt) < 1e-4 * max(gpt)
 
 
-@pytest.mark.parametrize("zero,bucket_mb", [(0, None), (1, 0.7), (2, 0.7)])
+# one launch in the fast set (ZeRO-1 with buckets); plain DP and ZeRO-2 in -m slow (the CI budget)
+@pytest.mark.parametrize("zero,bucket_mb", [pytest.param(0, None, marks=pytest.mark.slow), (1, 0.7),
+                                            pytest.param(2, 0.7, marks=pytest.mark.slow)])
 def test_gradient_buckets_reduce_during_the_last_backward(tmp_path, zero, bucket_mb):
     """DDP-style overlap: the plan lets bucket b start once the last backward reached it
     (``dep_progress``); the executor posts it from the gradient hooks, in plan order. With
