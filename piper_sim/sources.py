@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from costmodel.names import unknown_name
 from piper_sim.checks import MAX_MODEL_FILE_BYTES, integer
 from piper_sim.configs import FIELDS, ZOO, ModelConfig, check_config, check_field, config_from_dict
 
@@ -157,7 +158,7 @@ def from_model_dict(data: dict, where: str = "model") -> ModelConfig:
             raise ValueError(f"{where}: key {key!r} must be a string")
         field = FILE_KEYS.get(key, key)
         if field not in FIELDS:
-            raise ValueError(f"{where}: unknown key {key!r}; keys: {', '.join([*FILE_KEYS, *FIELDS])}")
+            raise ValueError(f"{where}: {unknown_name('key', key, [*FILE_KEYS, *FIELDS], 'keys')}")
         if field in spec:
             raise ValueError(f"{where}: key {key!r} repeats field {field!r}; give it once")
         spec[field] = value
