@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.dtypes import TRAINING_DTYPES
+from costmodel.dtypes import TRAINING_DTYPES, training_dtype
 from costmodel.names import unknown_name, unknown_names
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, parse_stack, stack_to_strategy
 from piper_sim import checks
@@ -316,9 +316,10 @@ def parse_strategy(data: Any) -> Strategy:
     global_batch = _check_int(data["global_batch"], "strategy field 'global_batch'")
     seq_len = _check_int(data["seq_len"], "strategy field 'seq_len'")
     microbatches = _check_int(data.get("microbatches", 1), "strategy field 'microbatches'")
-    dtype = data.get("dtype", "bf16")
-    if dtype not in DTYPES:
-        raise StrategyError(f"strategy field 'dtype' must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    try:  # torch's and Hugging Face's spellings too: "bfloat16" is "bf16" (the plan keeps the short name)
+        dtype = training_dtype(data.get("dtype", "bf16"), "strategy field 'dtype'")
+    except ValueError as e:
+        raise StrategyError(str(e)) from None
     directives = data.get("directives", [])
     if not isinstance(directives, list):
         raise StrategyError("strategy field 'directives' must be a list of {\"op\": ...} objects")
