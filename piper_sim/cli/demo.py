@@ -10,6 +10,9 @@
    --quick`, ~15 s) and cached per machine fingerprint under $XDG_CACHE_HOME/piper-sim
    (else ~/.cache/piper-sim); `--no-calibrate` simulates with the uncalibrated analytic
    CPU placeholders instead, and says so.
+
+Everything is written into ``--out DIR``, by default ``demo`` in piper-sim's cache folder
+(`default_out`), never into the current folder.
 """
 
 from __future__ import annotations
