@@ -8,8 +8,6 @@ import argparse
 import json
 import logging
 import os
-import pty
-import sys
 
 import pytest
 
@@ -142,62 +140,31 @@ def test_no_bar_when_stderr_is_not_a_terminal(capsys):
     assert capsys.readouterr().err == ""
 
 
-def _terminal() -> tuple[int, int]:
-    """A pseudo-terminal (master, slave) of 100 columns (a fresh one has 0: no room for a bar)."""
-    import fcntl
-    import struct
-    import termios
-
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    return master, slave
-
-
-def _drain(master: int) -> str:
-    """Everything written to the (closed) slave side: read until the pty reports its end (EIO)."""
-    chunks = []
-    while True:
-        try:
-            data = os.read(master, 1 << 16)
-        except OSError:  # EIO: the slave is closed and everything was read
-            break
-        if not data:
-            break
-        chunks.append(data)
-    os.close(master)
-    return b"".join(chunks).decode(errors="replace")
-
-
-def test_a_terminal_gets_whole_step_counts(monkeypatch):
-    master, slave = _terminal()
-    with open(slave, "w", closefd=True) as tty:
-        monkeypatch.setattr(sys, "stderr", tty)
-        tick = Counter(56, "calibrate")
-        assert not tick.bar.disable
-        for _ in range(4):
-            tick("matmul", 1 / 3)  # benchmark rounds: fractions of a step
-        assert tick.bar.n == 1 and isinstance(tick.bar.n, int)
-        for _ in range(3):
-            tick("matmul", 1 / 3)  # 7 thirds: still 2 whole steps
-        assert tick.bar.n == 2
-        tick.close()
-        tty.flush()
-    text = _drain(master)
+def test_a_terminal_gets_whole_step_counts(tty_stderr):
+    tty_stderr.attach()
+    tick = Counter(56, "calibrate")
+    assert not tick.bar.disable
+    for _ in range(4):
+        tick("matmul", 1 / 3)  # benchmark rounds: fractions of a step
+    assert tick.bar.n == 1 and isinstance(tick.bar.n, int)
+    for _ in range(3):
+        tick("matmul", 1 / 3)  # 7 thirds: still 2 whole steps
+    assert tick.bar.n == 2
+    tick.close()
+    text = tty_stderr.read()
     assert "2/56" in text and "1.33" not in text and "2.33" not in text
 
 
-def test_disabled_counter_never_draws(monkeypatch):
-    master, slave = _terminal()
-    with open(slave, "w", closefd=True) as tty:
-        monkeypatch.setattr(sys, "stderr", tty)
-        tick = Counter(5, "calibrate", enabled=False)
-        tick("x", 2.0)
-        tick.close()
-        assert tick.bar.disable
-        tty.write("end\n")
-        tty.flush()
-    text = _drain(master)
-    assert text.strip() == "end"
+def test_disabled_counter_never_draws(tty_stderr):
+    import sys
+
+    tty_stderr.attach()
+    tick = Counter(5, "calibrate", enabled=False)
+    tick("x", 2.0)
+    tick.close()
+    assert tick.bar.disable
+    sys.stderr.write("end\n")
+    assert tty_stderr.read().strip() == "end"
 
 
 # ------------------------------------------------------------------ dtypes and rope_scaling
