@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 
 from costmodel.dtypes import torch_dtype
 from executor.collectives import all_gather_flat, reduce_scatter_flat
+from piper_sim.progress import Counter
 
 KIB, MIB = 1 << 10, 1 << 20
 COLLECTIVES = ("ALLREDUCE", "REDUCE_SCATTER", "ALL_GATHER", "ALL_TO_ALL")
@@ -185,33 +186,12 @@ def step_count(cfg: BenchConfig) -> int:
 Tick = Callable[..., None]  # tick(label, steps=1.0): progress
 
 
-class Progress:
-    """A tqdm bar on stderr when tqdm is installed, else a one-line counter; call it per step."""
+class Progress(Counter):
+    """The calibration's bar on stderr (`piper_sim.progress.Counter`: whole steps, no bar when
+    stderr is not a terminal); call it per step."""
 
     def __init__(self, total: int, enabled: bool = True):
-        self.total, self.n, self.enabled, self.bar = total, 0, enabled, None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc="calibrate", unit="step", file=sys.stderr, dynamic_ncols=True)
-            except ImportError:
-                pass
-
-    def __call__(self, label: str = "", steps: float = 1.0) -> None:
-        steps = max(0.0, min(steps, self.total - self.n))  # float rounding must not overrun tqdm
-        self.n += steps
-        if self.bar is not None:
-            self.bar.set_postfix_str(label, refresh=False)
-            self.bar.update(steps)
-        elif self.enabled:
-            print(f"\rcalibrate {self.n:.0f}/{self.total} {label:<48.48}", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        elif self.enabled:
-            print(file=sys.stderr)
+        super().__init__(total, "calibrate", "step", enabled)
 
 
 # --------------------------------------------------------------------------- timing

@@ -32,6 +32,32 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
 )}
 TRAINING_DTYPES = ("bf16", "fp16", "fp32")  # what a strategy may train in
 DTYPE_BYTES: dict[str, int] = {name: d.bytes for name, d in DTYPES.items()}
+# other spellings of the formats: torch's attribute names (also as ``torch.bfloat16``), as
+# Hugging Face configs (``torch_dtype``/``dtype``) and torch write them, and the usual short ones
+DTYPE_SPELLINGS: dict[str, str] = {
+    **{d.torch_name: d.name for d in DTYPES.values()},
+    "half": "fp16", "float": "fp32", "double": "fp64", "float8": "fp8",
+    "bfloat": "bf16", "f32": "fp32", "f16": "fp16", "f64": "fp64",
+}
+
+
+def dtype_from_spelling(value: Any) -> str | None:
+    """The format name of any spelling (``bf16``, ``bfloat16``, ``torch.bfloat16``, ``BF16``), or None."""
+    if not isinstance(value, str):
+        return None
+    text = value.strip().lower().removeprefix("torch.")
+    return text if text in DTYPES else DTYPE_SPELLINGS.get(text)
+
+
+def training_dtype(value: Any, where: str, allowed: tuple[str, ...] = TRAINING_DTYPES) -> str:
+    """``value`` as one of ``allowed`` format names, whichever way it is spelled (torch's and
+    Hugging Face's ``"bfloat16"`` is ``"bf16"``); a one-line ValueError naming ``where`` otherwise."""
+    name = dtype_from_spelling(value)
+    if name not in allowed:
+        spellings = ", ".join(DTYPES[n].torch_name for n in allowed)
+        raise ValueError(f"{where} must be one of {', '.join(allowed)} (or {spellings}, also as torch.NAME); "
+                         f"got {value!r}")
+    return name
 
 
 def torch_dtype(name: Any) -> Any:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from costmodel.moe import MoEOptions
 from costmodel.stragglers import GPU_SPEED_SPREAD
+from costmodel.names import unknown_name, unknown_names
 
 # Achieved per-GPU NIC bandwidth of NCCL over 400 Gb/s rails: 32×H200 (4 p5en nodes, 8×400G EFA)
 # ring all-reduce busbw 364.9 GB/s at 4 GiB [MLE-B] over 8 rails (inferred; the ring's busbw is
@@ -250,7 +251,7 @@ def get_gpu(name: str) -> GPU:
     for k, gpu in GPUS.items():
         if key in (k, gpu.name.lower()):
             return gpu
-    raise ValueError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    raise ValueError(unknown_name("GPU", name, GPUS))
 
 
 @dataclass(frozen=True)
@@ -338,7 +339,8 @@ def _load_cluster_file(path: str) -> Cluster:
         raise ValueError(f"cluster file {path!r} needs keys gpu, nodes, gpus_per_node")
     unknown = set(data) - {"gpu", "nodes", "gpus_per_node", "moe"} - GPU_FIELDS
     if unknown:
-        raise ValueError(f"cluster file {path!r}: unknown keys {sorted(unknown)}")
+        raise ValueError(f"cluster file {path!r}: "
+                         + unknown_names("key", unknown, ["gpu", "nodes", "gpus_per_node", "moe", *sorted(GPU_FIELDS)]))
     overrides = {k: v for k, v in data.items() if k in GPU_FIELDS}
     gpu = _gpu_from(data["gpu"], overrides, path)
     try:
@@ -356,7 +358,7 @@ def _gpu_from(entry, overrides: dict, path: str) -> GPU:
     fields.update(overrides)
     unknown = set(fields) - GPU_FIELDS
     if unknown:
-        raise ValueError(f"cluster file {path!r}: unknown GPU fields {sorted(unknown)}")
+        raise ValueError(f"cluster file {path!r}: {unknown_names('GPU field', unknown, sorted(GPU_FIELDS))}")
     try:
         base = get_gpu(fields.get("name", ""))
     except ValueError:

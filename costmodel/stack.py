@@ -35,6 +35,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from costmodel.names import unknown_name, unknown_names
+
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
 NORM_KERNELS = ("fused", "eager")
 OPTIMIZERS = ("fused", "foreach")
@@ -152,10 +154,10 @@ def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
         raise StackError(f"{where} must be a preset name ({', '.join(PRESETS)}) or a mapping of stack fields")
     unknown = set(value) - _ALLOWED
     if unknown:
-        raise StackError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(_ALLOWED))}")
+        raise StackError(f"{where}: {unknown_names('field', unknown, sorted(_ALLOWED))}")
     preset = value.get("preset", "")
     if not isinstance(preset, str) or preset and preset not in PRESETS:
-        raise StackError(f"{where}: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+        raise StackError(f"{where}: {unknown_name('preset', preset, PRESETS)}")
     base = PRESETS[preset] if preset else DEFAULT
     fields: dict[str, Any] = {}
     for key, choices in STACK_FIELDS.items():

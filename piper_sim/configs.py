@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from costmodel.names import did_you_mean, unknown_name
 from piper_sim.checks import (MAX_COUNT, MAX_EXPERTS, MAX_LAYERS, MAX_MODEL_WIDTH, MAX_POSITIONS, MAX_VOCAB, integer,
                               number)
 from piper_sim.header import PlanHeader
@@ -266,8 +267,9 @@ def get_config(name: str) -> ModelConfig:
     try:
         return ZOO[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(ZOO)} "
-                         "(or a model file, 'hf:PATH' to a config.json)") from None
+        guess = did_you_mean(name, ZOO)
+        raise ValueError(f"unknown model {name!r}{f'; did you mean {guess!r}?' if guess else ''}; choose one of: "
+                         f"{', '.join(ZOO)} (or a model file, 'hf:PATH' to a config.json)") from None
 
 
 # --------------------------------------------------------------------------- plans
@@ -286,7 +288,7 @@ def config_from_dict(spec: dict[str, Any], where: str = "model") -> ModelConfig:
     """A `ModelConfig` from its field values; unknown or badly typed fields -> one-line ValueError."""
     unknown = sorted(set(spec) - set(FIELDS))
     if unknown:
-        raise ValueError(f"{where}: unknown field {unknown[0]!r}; fields: {', '.join(FIELDS)}")
+        raise ValueError(f"{where}: {unknown_name('field', unknown[0], FIELDS, 'fields')}")
     missing = [k for k, f in FIELDS.items() if f.default is dataclasses.MISSING and k not in spec]
     if missing:
         raise ValueError(f"{where}: missing field {missing[0]!r}")

@@ -24,7 +24,7 @@ from typing import Any
 from piper_sim.layouts import layout_layers, stages_of
 from piper_sim.recompute import Recompute
 from piper_sim.schedules import (SCHEDULES, Action, ScheduleError, Slot, build_schedule, canonical_schedule,
-                                 default_schedule, format_slot, known_names)
+                                 default_schedule, format_slot, guess, known_names)
 from piper_sim.strategy import Strategy, StrategyError, tp_layers
 
 _ACTION_RE = re.compile(r"^(\d+)(F|B|I|W)(\d+)$")
@@ -150,7 +150,8 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
     if sched or not has_low_level:
         name = canonical_schedule(sched["name"]) if sched else default_schedule(v)
         if name not in SCHEDULES:
-            raise StrategyError(f"schedule: unknown name {sched['name']!r}; choose one of {known_names()}")
+            raise StrategyError(f"schedule: unknown name {sched['name']!r}{guess(sched['name'])}; "
+                                f"choose one of {known_names()}")
         placement = pipe.get("placement")
         try:
             spec = build_schedule(name, pp, m, stages_per_rank=v, placement=placement)

@@ -42,7 +42,7 @@ from piper_sim.configs import tp_divisibility_error, tp_shard
 from piper_sim.axes import cp_error, cp_memory, cp_segments, explore_options, held_after, static_memory
 from piper_sim.plan import gc_paused
 from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, ScheduleError, canonical_schedule, known_names,
-                                 stages_per_rank)
+                                 guess, stages_per_rank)
 from piper_sim.sources import resolve_model
 from piper_sim.strategy import StrategyError
 from piper_sim.trace import save_figure
@@ -240,7 +240,8 @@ def enumerate_candidates(model: str, cluster: str, global_batch: int, seq_len: i
     schedules = [canonical_schedule(x) for x in (schedules or SCHEDULES)]
     unknown = [x for x in schedules if x not in SCHEDULE_TABLE]
     if unknown:
-        raise StrategyError(f"explore: unknown schedule(s) {', '.join(map(repr, unknown))}; choose from {known_names()}")
+        raise StrategyError(f"explore: unknown schedule(s) {', '.join(map(repr, unknown))}{guess(unknown[0])}; "
+                            f"choose from {known_names()}")
     tps = _divisors(cl.gpus_per_node) if tp_degrees is None else sorted(set(tp_degrees))
     tps = [t for t in tps if t == 1 or (cl.world_size % t == 0 and not tp_divisibility_error(cfg, t)
                                         and seq_len % t == 0)]

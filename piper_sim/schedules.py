@@ -429,10 +429,18 @@ def known_names() -> str:
     return ", ".join(SCHEDULES) + " (or torch's " + ", ".join(TORCH_NAMES.values()) + ")"
 
 
+def guess(name: object) -> str:
+    """`` (did you mean 'zb1p'?)`` for a mistyped schedule name ('' when nothing is close)."""
+    from costmodel.names import did_you_mean
+
+    close = did_you_mean(name, [*SCHEDULES, *TORCH_NAMES.values()])
+    return f" (did you mean {close!r}?)" if close else ""
+
+
 def _check(name: str, pp: int, m: int, spr: int | None) -> int:
     """Validate a request; return the stages per rank to use."""
     if name not in SCHEDULE_TABLE:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {known_names()}")
+        raise ScheduleError(f"unknown schedule {name!r}{guess(name)}; choose one of {known_names()}")
     if not isinstance(pp, int) or pp < 1:
         raise _fail(name, f"needs pp to be an integer >= 1 (got pp={pp!r})")
     if not isinstance(m, int) or m < 1:

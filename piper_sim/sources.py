@@ -10,7 +10,10 @@ Sources:
 - ``"hf:PATH"``: a Hugging Face ``config.json`` (the file, or a folder holding it) of one of
   the families in :data:`HF_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
   DeepSeek-V3, GPT-OSS), translated by its ``model_type``. Rotary scaling (``rope_scaling``:
-  llama3, yarn) is not modelled: it changes neither shapes nor costs;
+  llama3, yarn, linear, dynamic, longrope) is checked and not modelled: it changes neither
+  shapes nor costs (:data:`ROPE_TYPES`; another type is refused by name); ``torch_dtype`` /
+  ``dtype`` is checked (any spelling of a format) and is not the training dtype, which is the
+  strategy's ``dtype``;
 - ``"py:module:function"``: a user model factory (an annotated nn.Module, see `piper_sim.annotate`);
 - a `ModelConfig`, a dict (a Hugging Face config when it has ``model_type``, else a model
   file's mapping) or a transformers ``PretrainedConfig`` (its ``to_dict()``).
@@ -25,7 +28,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from piper_sim.checks import MAX_MODEL_FILE_BYTES, integer
+from costmodel.names import unknown_name
+from costmodel.dtypes import DTYPES, dtype_from_spelling
+from piper_sim.checks import MAX_MODEL_FILE_BYTES, integer, number
 from piper_sim.configs import FIELDS, ZOO, ModelConfig, check_config, check_field, config_from_dict
 
 MODEL_FILE_SUFFIXES = (".yaml", ".yml", ".json")
@@ -152,12 +157,15 @@ def from_model_file(path: str) -> ModelConfig:
 def from_model_dict(data: dict, where: str = "model") -> ModelConfig:
     """A model file's mapping (keys of :data:`FILE_KEYS` or `ModelConfig` fields)."""
     spec: dict[str, Any] = {}
+    _hf_dtype(_Keys(data, where))  # checked as in a Hugging Face config; the strategy's dtype trains
     for key, value in data.items():
         if not isinstance(key, str):
             raise ValueError(f"{where}: key {key!r} must be a string")
+        if key in CHECKPOINT_DTYPE_KEYS:
+            continue
         field = FILE_KEYS.get(key, key)
         if field not in FIELDS:
-            raise ValueError(f"{where}: unknown key {key!r}; keys: {', '.join([*FILE_KEYS, *FIELDS])}")
+            raise ValueError(f"{where}: {unknown_name('key', key, [*FILE_KEYS, *FIELDS, *CHECKPOINT_DTYPE_KEYS], 'keys')}")
         if field in spec:
             raise ValueError(f"{where}: key {key!r} repeats field {field!r}; give it once")
         spec[field] = value
@@ -231,6 +239,59 @@ def _rope_theta(k: _Keys, default: float) -> float:
     if isinstance(params, dict) and params.get("rope_theta") is not None and k.data.get("rope_theta") is None:
         return check_field("rope_theta", params["rope_theta"], f"{k.where}: key 'rope_parameters.rope_theta'")
     return k.typed("rope_theta", "rope_theta", default)
+
+
+# Rotary scaling types (``rope_scaling.rope_type``, older configs ``type``) that are accepted and
+# not modelled, on purpose: each only rescales the rotary frequencies (llama3: per-band factors,
+# yarn: NTK-by-parts plus an attention temperature that folds into the softmax scale, linear /
+# dynamic NTK / longrope: position or base rescaling) — the same elementwise rotation of the
+# same q and k tensors, so no shape, flop, byte or memory the cost model counts changes. A type
+# not listed is refused by name: we could not vouch that it leaves the costs alone.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def _rope_scaling(k: _Keys) -> None:
+    """Check ``rope_scaling`` (and transformers 5's ``rope_parameters``): a mapping whose type is
+    one of :data:`ROPE_TYPES` and whose ``factor``, when given, is a number > 0."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = k.data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            k.fail(key, f"must be a mapping (rope_type, factor, ...), got {value!r}")
+        # transformers 5 may give one mapping per layer type ({"full_attention": {...}, ...})
+        per_type = value if value and all(isinstance(v, dict) for v in value.values()) else {"": value}
+        for layer_type, params in per_type.items():
+            where = f"{key}.{layer_type}" if layer_type else key
+            kind = params.get("rope_type", params.get("type", "default"))
+            if kind not in ROPE_TYPES:
+                k.fail(where, f"has rope_type {kind!r}, which piper-sim does not know; known (each only rescales "
+                              f"the rotary frequencies, so costs are unchanged): {', '.join(ROPE_TYPES)}")
+            if params.get("factor") is not None:
+                number(params["factor"], f"{k.where}: key '{where}.factor'")
+
+
+CHECKPOINT_DTYPE_KEYS = ("torch_dtype", "dtype")
+
+
+def _hf_dtype(k: _Keys) -> str | None:
+    """The checkpoint's format (``torch_dtype``, transformers >= 4.56 ``dtype``) as a format name,
+    checked. It is not the training dtype: that is the strategy's ``dtype`` (default bf16), as in
+    torchtitan and Megatron, whose mixed-precision setting is independent of how the weights are
+    stored; an unknown spelling is refused by name."""
+    names = set()
+    for key in CHECKPOINT_DTYPE_KEYS:
+        value = k.data.get(key)
+        if value is None:
+            continue
+        name = dtype_from_spelling(value)
+        if name is None:
+            k.fail(key, f"is {value!r}, not a floating-point format piper-sim knows ({', '.join(DTYPES)}, "
+                        "or as torch spells them: bfloat16, float16, float32, torch.bfloat16, ...)")
+        names.add(name)
+    if len(names) > 1:
+        k.fail("dtype", f"and 'torch_dtype' disagree ({', '.join(sorted(names))}); give one")
+    return names.pop() if names else None
 
 
 def _window(k: _Keys, n_layers: int) -> dict:
@@ -355,7 +416,10 @@ def from_hf_dict(data: dict, where: str = "hf config", default_name: str = "") -
     family = data.get("model_type")
     if family not in HF_FAMILIES:
         raise ValueError(f"{where}: unsupported model_type {family!r}; supported: {', '.join(HF_FAMILIES)}")
-    spec = HF_FAMILIES[family](_Keys(data, where))
+    keys = _Keys(data, where)
+    _rope_scaling(keys)
+    _hf_dtype(keys)
+    spec = HF_FAMILIES[family](keys)
     name = data.get("_name_or_path") or default_name or family
     spec["name"] = os.path.basename(str(name).rstrip("/")) or family
     cfg = config_from_dict(spec, where)

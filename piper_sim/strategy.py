@@ -27,7 +27,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.dtypes import TRAINING_DTYPES
+from costmodel.dtypes import TRAINING_DTYPES, training_dtype
+from costmodel.names import unknown_name, unknown_names
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, parse_stack, stack_to_strategy
 from piper_sim import checks
 from piper_sim.checks import StrategyError  # noqa: F401  (defined there so piper_sim.layouts needs no strategy)
@@ -152,14 +153,13 @@ def check_directive(d: Any, index: int) -> dict[str, Any]:
         raise StrategyError(f"directive #{index} must be an object with an 'op' field (got {d!r})")
     op = d["op"]
     if not isinstance(op, str) or op not in DIRECTIVE_FIELDS:
-        raise StrategyError(f"directive #{index}: unknown op {op!r} in field 'op'; known ops: "
-                            + ", ".join(DIRECTIVE_FIELDS))
+        raise StrategyError(f"directive #{index}: {unknown_name('op', op, DIRECTIVE_FIELDS, 'known ops')} "
+                            "in field 'op'")
     required, optional = DIRECTIVE_FIELDS[op]
     unknown = d.keys() - required - optional - {"op"}
     if unknown:
-        allowed = ", ".join(sorted(required | optional)) or "none"
-        raise StrategyError(f"directive #{index} ({op}): unknown field(s) {', '.join(sorted(unknown))};"
-                            f" allowed: {allowed}")
+        allowed = sorted(required | optional) or ["none"]
+        raise StrategyError(f"directive #{index} ({op}): {unknown_names('field', unknown, allowed)}")
     missing = required - d.keys()
     if missing:
         raise StrategyError(f"directive #{index} ({op}): missing field(s) {', '.join(sorted(missing))}")
@@ -290,8 +290,7 @@ def _check_model_source(model: dict[str, Any]) -> None:
     """A user model given as ``{"source": "py:...", "kwargs": {...}}`` (piper_sim.annotate)."""
     unknown = model.keys() - {"source", "kwargs"}
     if unknown:
-        raise StrategyError(f"strategy field 'model' has unknown key(s) {', '.join(sorted(unknown))}; "
-                            "allowed: source, kwargs")
+        raise StrategyError(f"strategy field 'model': {unknown_names('key', unknown, ['source', 'kwargs'])}")
     if not isinstance(model.get("source"), str) or not model["source"].startswith("py:"):
         raise StrategyError("strategy field 'model.source' must be a string py:module:function or "
                             f"py:path/file.py:function (got {model.get('source')!r})")
@@ -305,8 +304,7 @@ def parse_strategy(data: Any) -> Strategy:
         raise StrategyError("a strategy must be a JSON object with model, cluster, global_batch, seq_len, directives")
     unknown = data.keys() - TOP_LEVEL_FIELDS
     if unknown:
-        raise StrategyError(f"unknown strategy field(s) {', '.join(sorted(unknown))}; allowed: "
-                            + ", ".join(sorted(TOP_LEVEL_FIELDS)))
+        raise StrategyError(unknown_names("strategy field", unknown, sorted(TOP_LEVEL_FIELDS)))
     for key in ("model", "cluster", "global_batch", "seq_len"):
         if key not in data:
             raise StrategyError(f"strategy is missing the field '{key}'")
@@ -318,9 +316,10 @@ def parse_strategy(data: Any) -> Strategy:
     global_batch = _check_int(data["global_batch"], "strategy field 'global_batch'")
     seq_len = _check_int(data["seq_len"], "strategy field 'seq_len'")
     microbatches = _check_int(data.get("microbatches", 1), "strategy field 'microbatches'")
-    dtype = data.get("dtype", "bf16")
-    if dtype not in DTYPES:
-        raise StrategyError(f"strategy field 'dtype' must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    try:  # torch's and Hugging Face's spellings too: "bfloat16" is "bf16" (the plan keeps the short name)
+        dtype = training_dtype(data.get("dtype", "bf16"), "strategy field 'dtype'")
+    except ValueError as e:
+        raise StrategyError(str(e)) from None
     directives = data.get("directives", [])
     if not isinstance(directives, list):
         raise StrategyError("strategy field 'directives' must be a list of {\"op\": ...} objects")

@@ -352,7 +352,7 @@ def test_cluster_file_preset_with_overrides(tmp_path):
 
 @pytest.mark.parametrize("text,match", [
     ("gpu: h100\nnodes: 1\n", "needs keys"),
-    ("gpu: h100\nnodes: 1\ngpus_per_node: 8\nnic: 1\n", "unknown keys"),
+    ("gpu: h100\nnodes: 1\ngpus_per_node: 8\nnic: 1\n", r"unknown key\(s\) nic; did you mean 'nic_bw'"),
     ("gpu: {name: tpu, nic_bw: 1}\nnodes: 1\ngpus_per_node: 8\n", "missing fields"),
     ("gpu: tpu\nnodes: 1\ngpus_per_node: 8\n", "unknown GPU"),
 ])

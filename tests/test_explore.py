@@ -173,7 +173,7 @@ def test_tensor_parallel_wins_for_405b_on_1024_h100():
     assert tp4 and r.best.step_time_s < min(x.step_time_s for x in tp4)
 
 
-def test_progress_reaches_its_total_with_pruned_candidates(capsys):
+def test_progress_reaches_its_total_with_pruned_candidates(tty_stderr):
     from piper_sim.cli.explore import progress_printer
 
     calls = []
@@ -183,9 +183,10 @@ def test_progress_reaches_its_total_with_pruned_candidates(capsys):
     for stage in ("screen", "simulate"):
         seen = [(i, n) for s, i, n in calls if s == stage]
         assert [i for i, _ in seen] == list(range(1, seen[-1][1] + 1)) and seen[-1][0] == seen[-1][1], stage
+    tty_stderr.attach()
     show = progress_printer()
     for call in calls:
         show(*call)
-    err = capsys.readouterr().err
+    err = tty_stderr.read()  # the bars are drawn on a terminal only (tests/test_cli_habits.py: none in a log)
     total = [n for s, _, n in calls if s == "simulate"][-1]
     assert f"{total}/{total}" in err and "simulate" in err

@@ -1,7 +1,7 @@
 """`piper-sim calibrate`: microbenchmark this machine and write a calibration JSON.
 
     piper-sim calibrate -o traces/calibration/NAME.json [--quick] [--nproc N] [--threads T]
-                        [--device auto|cpu|cuda] [--no-progress] [--refit OLD.json ...]
+                        [--device auto|cpu|cuda] [-q | --no-progress] [--refit OLD.json ...]
 
 Measures (calibration.microbench) matmul throughput, memory bandwidth, the tiny zoo models'
 segment times, p2p and collectives over 2..N worker processes (gloo on CPU, NCCL on
@@ -22,6 +22,19 @@ import os
 import sys
 import time
 
+from piper_sim.cli.common import progress_enabled
+
+
+DESCRIPTION = """Measure this machine (matmul throughput, memory bandwidth, the tiny models' layer times,
+send/recv and collectives over 2..N worker processes, compute/communication overlap), fit the
+cost model's parameters and write them with the raw measurements to a calibration file.
+Simulate with it by passing --costmodel FILE.json to simulate, explore or validate.
+
+examples:
+  piper-sim calibrate -o traces/calibration/mybox.json --quick     well under a minute
+  piper-sim calibrate -o mybox.json --nproc 4 --threads 1
+  piper-sim calibrate -o merged.json --refit run1.json run2.json    re-fit earlier measurements"""
+
 
 class CalibrationError(ValueError):
     """Bad `calibrate` arguments (the benchmarks raise calibration.microbench.CalibrationError)."""
@@ -30,7 +43,7 @@ class CalibrationError(ValueError):
 def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate", help="microbenchmark this machine and write a calibration JSON (cost-model parameters)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=DESCRIPTION)
     p.add_argument("-o", "--output", help="calibration file to write (.json), e.g. traces/calibration/NAME.json")
     p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and repeats (well under a minute)")
     p.add_argument("--nproc", metavar="N", help="largest worker group (default: 4 if the cores allow, else 2; "
@@ -38,7 +51,6 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", metavar="T",
                    help="intra-op threads per rank (default: $OMP_NUM_THREADS, else 1, as under torchrun)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--refit", metavar="OLD.json", nargs="+",
                    help="re-fit the raw measurements stored in calibration files (several: each point's fastest)")
     p.set_defaults(func=cmd_calibrate)
@@ -92,7 +104,7 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
         calib = build_calibration(merge_raw([_load_raw(path) for path in args.refit]))
     else:
         calib = calibrate_machine(quick=args.quick, nproc=nproc, threads=threads, device=args.device,
-                                  progress=not args.no_progress)
+                                  progress=progress_enabled(args))
     write_calibration(calib, out)
     print("\n".join(summary_lines(calib)))
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")

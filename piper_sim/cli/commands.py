@@ -156,35 +156,78 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (the usage is one ``-h`` away); sub-commands inherit it."""
+    """argparse with one-line errors (the usage is one ``-h`` away) and descriptions printed as
+    written (their example lines); sub-commands inherit it."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+DESCRIPTION = """Plan, simulate and run distributed training strategies.
+
+examples:
+  piper-sim demo                                   the whole journey on a built-in example
+  piper-sim explore --model llama3-8b --cluster h100:1x8 --global-batch 64 --seq-len 8192
+  piper-sim compile strategy.json -o plan.json && piper-sim simulate plan.json
+
+-v/-q/--no-progress work before or after the subcommand; `piper-sim SUBCOMMAND -h` for its options."""
+
+
+def _about(text: str) -> str:
+    """A subcommand's --help description from an indented triple-quoted block."""
+    import textwrap
+
+    return textwrap.dedent(text).strip("\n")
+
+
+def _build_parser() -> argparse.ArgumentParser:
     from piper_sim import __version__
 
-    p = Parser(prog="piper-sim", description=__doc__)
+    p = Parser(prog="piper-sim", description=DESCRIPTION)
     p.add_argument("--version", action="version", version=f"piper-sim {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0,
-                   help="more log output on stderr (-v: debug); before the subcommand")
+                   help="more log output on stderr (-v: debug); before or after the subcommand")
     p.add_argument("-q", "--quiet", dest="log_quiet", action="count", default=0,
-                   help="less log output (-q: warnings and errors only, -qq: errors only, no warnings)")
+                   help="less output: warnings and errors only and no progress bars (-qq: errors only, "
+                        "no warnings); before or after the subcommand")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logging unchanged)")
     sub = p.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
-    mo = sub.add_parser("models", help="list the model zoo, or print one model's parameter counts as JSON")
+    mo = sub.add_parser("models", help="list the model zoo, or print one model's parameter counts as JSON",
+                        description=_about("""
+        List the model zoo (layers, hidden size, experts, parameters), or print one model
+        resolved (a zoo name, a model file or a Hugging Face config.json) as JSON.
+
+        example:  piper-sim models --json hf:path/to/config.json"""))
     mo.add_argument("--json", metavar="SPEC", help="a zoo name, model file (PATH.yaml/.json, file:PATH) or "
                                                   "hf:PATH to a Hugging Face config.json: print it resolved, as JSON")
     mo.add_argument("--dir", metavar="DIR", help="also list the model files (and hf:DIR/NAME folders) found in DIR")
     mo.set_defaults(func=cmd_models)
-    c = sub.add_parser("compile", help="compile a strategy JSON into a plan JSON")
+    c = sub.add_parser("compile", help="compile a strategy JSON into a plan JSON", description=_about("""
+        Compile a strategy (model, cluster, batch, directives) into a validated per-rank plan
+        file, which `simulate`, `show` and `run` read.
+
+        example:  piper-sim compile strategy.json -o plan.json"""))
     c.add_argument("strategy", metavar="STRATEGY.json", help="strategy file (model, cluster, batch, directives)")
     c.add_argument("-o", "--output", metavar="PLAN.json", help="plan file to write (default: STRATEGY.plan.json)")
     c.set_defaults(func=cmd_compile)
-    e = sub.add_parser("expand", help="print a strategy with its directives expanded to the low-level set")
+    e = sub.add_parser("expand", help="print a strategy with its directives expanded to the low-level set",
+                       description=_about("""
+        Print the strategy with its high-level directives (pipeline, schedule, data_parallel,
+        ...) expanded to the low-level ones they stand for (split, place, order, replicate, ...).
+
+        example:  piper-sim expand strategy.json"""))
     e.add_argument("strategy", metavar="STRATEGY.json", help="strategy file")
     e.set_defaults(func=cmd_expand)
-    s = sub.add_parser("show", help="print a plan's per-rank order")
+    s = sub.add_parser("show", help="print a plan's per-rank order", description=_about("""
+        Print a plan's per-rank, per-stream instruction order, or its pipeline order in
+        torch.distributed.pipelining notation (--compute-order), or write torch's schedule CSV.
+
+        examples:  piper-sim show plan.json --rank 0
+                   piper-sim show plan.json --compute-order"""))
     s.add_argument("plan", metavar="PLAN.json", help="plan file from `piper-sim compile`")
     s.add_argument("--compute-order", action="store_true",
                    help="one line per pipeline rank in torch.distributed.pipelining notation")
@@ -197,7 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rank", type=arg_int(0), help="only this global rank's class")
     s.add_argument("--no-hash-check", action="store_true", help="accept a plan edited after compiling")
     s.set_defaults(func=cmd_show)
-    v = sub.add_parser("validate", help="simulate and execute strategies; report predicted vs measured")
+    v = sub.add_parser("validate", help="simulate and execute strategies; report predicted vs measured",
+                       description=_about("""
+        Simulate each strategy, run it for real on this machine's CPU processes, and report
+        predicted vs measured step times (CSV, JSON, an overlay picture and the traces in --out).
+
+        example:  piper-sim validate --suite --out validation"""))
     v.add_argument("strategies", nargs="*", metavar="STRATEGY.json", help="strategy files to validate")
     v.add_argument("--suite", action="store_true", help="add the built-in suite (10 strategies on cpu:2/cpu:4)")
     v.add_argument("--spread-suite", action="store_true",
@@ -232,6 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The `piper-sim` parser, with `-v`, `-q` and `--no-progress` on every subcommand too
+    (`piper_sim.cli.common`)."""
+    p = _build_parser()
+    from piper_sim.cli.common import add_to_subcommands
+
+    for action in p._subparsers._group_actions:
+        add_to_subcommands(action)
+    return p
+
+
 class _Stderr(logging.Handler):
     """Writes to the sys.stderr of the moment (pytest's capsys, a notebook's stream)."""
 
@@ -261,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     # process and the ranks it starts (the library itself never selects one)
     os.environ.setdefault("MPLBACKEND", "Agg")
     warnings.formatwarning = lambda msg, *a, **k: f"piper-sim: warning: {msg}\n"
-    args = build_parser().parse_args(argv)
+    from piper_sim.cli.common import merge_common
+
+    args = merge_common(build_parser().parse_args(argv))
     setup_logging(args.verbose, args.log_quiet)
     try:
         with warnings.catch_warnings():

@@ -11,6 +11,9 @@
    --quick`, ~15 s) and cached per machine fingerprint under $XDG_CACHE_HOME/piper-sim
    (else ~/.cache/piper-sim); `--no-calibrate` simulates with the uncalibrated analytic
    CPU placeholders instead, and says so.
+
+Everything is written into ``--out DIR``, by default ``demo`` in piper-sim's cache folder
+(`default_out`), never into the current folder.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import subprocess
 
 from piper_sim.checks import arg_int
+from piper_sim.cli.common import progress_enabled
 from piper_sim.cli.explore import emit_best, progress_printer
 from typing import TYPE_CHECKING
 
@@ -36,6 +40,17 @@ UNCALIBRATED = ("this machine is uncalibrated (--no-calibrate): simulating with 
                 "of costmodel/hardware.py, not measurements, so expect a large error; run without "
                 "--no-calibrate to calibrate it once (~15 s)")
 
+
+DESCRIPTION = """The user's journey on a built-in example, end to end (a few minutes on 2 cores):
+1. explore strategies for qwen3-moe-9b on h100:4x8 (simulated), print the ranked table and
+   write the CSV, the Pareto picture and the best plan with its simulated timeline;
+2. run a small plan of the winner's kinds for real on this machine's CPU processes and print
+   simulated vs measured step time (this machine is calibrated once, ~15 s, and cached).
+Files go to piper-sim's cache folder unless --out DIR is given; the first line says where.
+
+examples:
+  piper-sim demo
+  piper-sim demo --out demo-out/ --no-run"""
 
 # the winner's parallelism kinds, in the order the two-rank-per-kind demo keeps them (at most
 # `DEMO_KINDS` of them, 2 ranks each: 4 CPU processes)
@@ -116,14 +131,24 @@ def machine_costmodel(no_calibrate: bool, progress: bool = True) -> tuple[str, s
     return path, f"{'measured' if fresh else 'cached'} calibration of this machine: {path}"
 
 
+def default_out() -> str:
+    """The demo's folder when no ``--out`` is given: ``demo`` in piper-sim's cache folder
+    (`piper_sim.files.cache_dir`), never the current folder."""
+    from piper_sim.files import cache_dir
+
+    return os.path.join(cache_dir(), "demo")
+
+
 def cmd_demo(args: argparse.Namespace) -> None:
     from piper_sim.api import compile
     from piper_sim.explore import explore, format_table, plot_pareto, write_csv
     from piper_sim.simulator import simulate
     from piper_sim.cli.validation import MeasurementError, measure
 
-    quiet = args.quiet or getattr(args, "log_quiet", 0)
+    quiet = not progress_enabled(args)
+    args.out = args.out or default_out()
     os.makedirs(args.out, exist_ok=True)
+    print(f"writing into {args.out} (--out DIR to choose)")
     print(f"== 1. exploring strategies for {DEFAULT['model']} on {DEFAULT['cluster']}, "
           f"batch {DEFAULT['global_batch']}x{DEFAULT['seq_len']} (simulated)")
     # tensor parallelism does not help this 9B MoE (searched, the best is TP1): left out to keep the demo quick
@@ -178,11 +203,12 @@ def _busy_note() -> str:
 
 
 def add_demo_parser(sub) -> None:
-    p = sub.add_parser("demo", help="explore a built-in default, then run a small plan of its kind for real")
-    p.add_argument("--out", default="piper-sim-demo", help="folder for the table, pictures and plans")
+    p = sub.add_parser("demo", help="explore a built-in default, then run a small plan of its kind for real",
+                       description=DESCRIPTION)
+    p.add_argument("--out", metavar="DIR", help="folder for the table, pictures and plans (default: demo/ in "
+                                                "piper-sim's cache folder, $PIPER_SIM_CACHE_DIR or ~/.cache/piper-sim)")
     p.add_argument("--workers", type=arg_int(1), default=None, help="processes for the exploration (default: all cores)")
     p.add_argument("--no-run", action="store_true", help="skip the measured run on this machine")
     p.add_argument("--no-calibrate", action="store_true",
                    help="do not calibrate this machine: simulate the small plan uncalibrated (and say so)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_demo)

@@ -5,28 +5,39 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from costmodel.stack import PRESETS
 from piper_sim.checks import arg_int, arg_int_list
+from piper_sim.cli.common import progress_enabled
 from piper_sim.files import check_output_dir, check_output_file
 
 
-def progress_printer(enabled: bool = True):
-    """A `progress(stage, done, total)` callback drawing one tqdm bar per stage on stderr
-    (``screen``, then ``simulate``); each bar closes when it reaches its total."""
-    from tqdm import tqdm
+DESCRIPTION = """Enumerate the strategies (pipeline schedules, data parallel with ZeRO 0-3, tensor, context
+and expert parallelism, recompute, micro-batch counts) that fit a model on a cluster, simulate
+them and print them ranked by throughput, with the best one's plan and timeline on request.
 
-    bars: dict[str, tqdm] = {}
+examples:
+  piper-sim explore --model llama3-8b --cluster h100:1x8 --global-batch 64 --seq-len 8192
+  piper-sim explore --model hf:path/to/config.json --cluster h100:4x8 --global-batch 256 \\
+      --seq-len 4096 --csv all.csv --emit-best best/
+  piper-sim explore ... --tokens 1T --rank-by cost --price-per-gpu-hour 2.5"""
+
+
+def progress_printer(enabled: bool = True):
+    """A `progress(stage, done, total)` callback drawing one bar per stage on stderr
+    (``screen``, then ``simulate``; none when stderr is not a terminal: `piper_sim.progress`);
+    each bar closes when it reaches its total."""
+    from piper_sim.progress import progress_bar
+
+    bars: dict = {}
 
     def show(stage: str, i: int, n: int) -> None:
         if not enabled:
             return
         bar = bars.get(stage)
         if bar is None:
-            bar = bars[stage] = tqdm(total=n, desc=f"{stage:<8}", unit="strategy", file=sys.stderr,
-                                     dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 5.0)
-        bar.update(i - bar.n)
+            bar = bars[stage] = progress_bar(n, f"{stage:<8}", "strategy", mininterval=0.2)
+        bar.update(int(i) - bar.n)
         if i >= n:
             bar.close()
     return show
@@ -94,7 +105,7 @@ def cmd_explore(args: argparse.Namespace) -> None:
                      workers=args.workers, prune=not args.no_prune, use_ray=args.ray, stack=stack_arg(args.stack),
                      memory_headroom_bytes=headroom, refusal=_executor_refusal() if args.runnable else None,
                      slow_ranks=dict.fromkeys(args.slow_ranks or (), args.slowdown),
-                     progress=progress_printer(not (args.quiet or getattr(args, "log_quiet", 0))), **kw)
+                     progress=progress_printer(progress_enabled(args)), **kw)
     if opts is not None:
         add_training_runs(result, opts, rank_by)
     print(format_table(result, args.top))
@@ -174,7 +185,6 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
                         "and ranked after every fitting one")
     p.add_argument("--runnable", action="store_true",
                    help="keep to plans `piper-sim run` executes: the others are listed simulate-only, with why")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--slow-ranks", type=arg_int_list(0), default=None, metavar="R,R...",
                    help="what-if: these ranks compute --slowdown times slower in every plan (which plans degrade "
                         "gracefully when a GPU is slow)")
@@ -190,6 +200,7 @@ def add_explore_arguments(p: argparse.ArgumentParser, defaults: dict | None = No
 
 
 def add_explore_parser(sub) -> None:
-    p = sub.add_parser("explore", help="enumerate, simulate and rank strategies for a model and cluster")
+    p = sub.add_parser("explore", help="enumerate, simulate and rank strategies for a model and cluster",
+                       description=DESCRIPTION)
     add_explore_arguments(p)
     p.set_defaults(func=cmd_explore)

@@ -57,12 +57,23 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 def add_interop_parsers(sub) -> None:
     e = sub.add_parser("export", help="write a plan's strategy as a torchtitan TOML job config or Megatron-LM "
-                                      "arguments")
+                                      "arguments", description="""Write a plan's (or a strategy's) parallelism as a torchtitan TOML job config or
+Megatron-LM command-line arguments, to run the same strategy there.
+
+examples:
+  piper-sim export plan.json --torchtitan job.toml
+  piper-sim export plan.json --megatron args.txt""")
     e.add_argument("source", metavar="PLAN.json", help="a plan from `piper-sim compile` (or a strategy file)")
     e.add_argument("--torchtitan", metavar="JOB.toml", help="torchtitan job config to write (--job.config_file)")
     e.add_argument("--megatron", metavar="ARGS.txt", help="Megatron-LM arguments to write, one flag per line")
     e.set_defaults(func=cmd_export)
-    i = sub.add_parser("import", help="read a torchtitan TOML job config or Megatron-LM arguments into a strategy")
+    i = sub.add_parser("import", help="read a torchtitan TOML job config or Megatron-LM arguments into a strategy",
+                       description="""Read a torchtitan TOML job config or Megatron-LM arguments into a piper-sim strategy
+file, to simulate or explore around a job you already run.
+
+examples:
+  piper-sim import job.toml -o strategy.json
+  piper-sim import args.txt --cluster h100:4x8 --model llama3-8b""")
     i.add_argument("job", metavar="JOB.toml|ARGS.txt", help="torchtitan TOML (.toml) or Megatron arguments (else)")
     i.add_argument("--out", "-o", metavar="STRATEGY.json", help="strategy file to write (default: JOB.strategy.json)")
     i.add_argument("--format", choices=("torchtitan", "megatron"), help="default: by the file's suffix")

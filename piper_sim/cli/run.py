@@ -29,11 +29,23 @@ from piper_sim.checks import MAX_CPU_RANKS_PER_CORE, arg_int
 from piper_sim.plan import Plan, PlanError, RankClass
 
 GiB = 2**30
+DESCRIPTION = """Run a compiled plan for real: one process per rank through torchrun (gloo on CPU, NCCL on
+GPUs), then print the measured step times and losses. The plan is checked first (its hash,
+the world size against this node's GPUs or cores, the memory it needs), so a bad plan is
+refused with one line before any process starts. -v also shows torchrun's warnings and
+failure report (default: one line per failing rank).
+
+examples:
+  piper-sim run plan.json --steps 10
+  piper-sim run plan.json --check                  compare the losses with one unsharded process
+  piper-sim run plan.json --save ckpt/ --save-every 5 --max-restarts 2
+
+exit status: 0 done; 2 refused before launching; 1 a rank failed; 128+N stopped by signal N."""
 
 
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("run", help="execute a plan with torch.distributed (one process per rank, torchrun)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION)
     p.add_argument("plan", metavar="PLAN.json", help="plan file from `piper-sim compile`")
     p.add_argument("--nproc", type=arg_int(1), help="ranks on this node (default: the plan's world size / nnodes)")
     p.add_argument("--nnodes", type=arg_int(1), default=1, help="number of nodes (run this command on each)")
@@ -44,8 +56,6 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=arg_int(0), default=0, metavar="N",
                    help="restart the workers up to N times after a rank fails; they resume from the newest "
                         "checkpoint in --save (use --save-every) and finish the same steps")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="show torchrun's warnings and failure report (default: one line per failure)")
     add_run_options(p)
     p.set_defaults(func=cmd_run)
     return p

@@ -17,7 +17,13 @@ from piper_sim.cli.training import add_training_arguments, describe_run, plan_ru
 
 def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s = subparsers.add_parser("simulate", help="simulate one training step of a plan",
-                              description="Simulate one training step of a compiled plan.")
+                              description="""Simulate one training step of a compiled plan: step time with its error band,
+per-rank compute, exposed communication, bubble and peak memory; optionally traces and pictures.
+
+examples:
+  piper-sim simulate plan.json
+  piper-sim simulate plan.json --costmodel traces/calibration/mybox.json --timeline step.png
+  piper-sim simulate plan.json --tokens 1T --json""")
     s.add_argument("plan", help="plan JSON from `piper-sim compile`")
     s.add_argument("--costmodel", default="analytic",
                    help="'analytic' (default, on the plan's cluster), 'unit:F=1,BI=1,BW=1,comm=0', "
