@@ -233,13 +233,19 @@ def links_used(kind: str, ranks, cluster: Cluster) -> list[str]:
             return []
         port = "nvlink" if cluster.same_node((src, dst)) else "nic"
         return [f"{port}:rank{src}:tx", f"{port}:rank{dst}:rx"]
+    ports = ports_used(kind, ranks, cluster)
+    return [f"{p}:rank{r}:{d}" for p in ports for r in sorted(set(ranks)) for d in ("tx", "rx")]
+
+
+def ports_used(kind: str, ranks, cluster: Cluster) -> list[str]:
+    """The ports every member of a collective occupies, both directions (`links_used`):
+    NVLink when some node holds two or more members, the NIC when the group spans nodes."""
     _check_kind(kind)
     ranks = _group(ranks, cluster)
     if len(ranks) <= 1:
         return []
-    per_node = Counter(cluster.node_of(r) for r in ranks)
-    ports = (["nvlink"] if max(per_node.values()) > 1 else []) + (["nic"] if len(per_node) > 1 else [])
-    return [f"{p}:rank{r}:{d}" for p in ports for r in ranks for d in ("tx", "rx")]
+    per_node = Counter(r // cluster.gpus_per_node for r in ranks)  # in range: `_group` checked them
+    return (["nvlink"] if max(per_node.values()) > 1 else []) + (["nic"] if len(per_node) > 1 else [])
 
 
 def link_bandwidth(link_id: str, cluster: Cluster) -> float:
@@ -261,6 +267,5 @@ def _group(ranks, cluster: Cluster) -> list[int]:
     ranks = sorted(set(ranks))
     if not ranks:
         raise ValueError("collective over an empty group")
-    for r in ranks:
-        cluster.node_of(r)  # range check
+    cluster.node_of(ranks[0]), cluster.node_of(ranks[-1])  # range check (sorted: the extremes)
     return ranks

@@ -278,7 +278,11 @@ class Cluster:
         return rank // self.gpus_per_node
 
     def same_node(self, ranks) -> bool:
-        return len({self.node_of(r) for r in ranks}) <= 1
+        ranks = list(ranks)
+        if not ranks:
+            return True
+        self.node_of(min(ranks)), self.node_of(max(ranks))  # range check
+        return len({r // self.gpus_per_node for r in ranks}) <= 1
 
     def to_dict(self) -> dict:
         """Plain dict with inline GPU fields; `parse_cluster` reads it back (YAML or JSON)."""

@@ -72,6 +72,11 @@ class CostModel:
     def link_bandwidth(self, link_id: str) -> float:
         return math.inf
 
+    def collective_ports(self, kind: str, ranks) -> list[str] | None:
+        """The ports every member of a collective occupies (its links are
+        ``{port}:rank{r}:{tx|rx}`` for each member ``r``), or None when `links` says it another way."""
+        return None
+
     def optimizer_time(self, param_count: float) -> float:
         raise NotImplementedError
 
@@ -199,6 +204,9 @@ class AnalyticCostModel(CostModel):
 
     def links(self, kind, ranks):
         return coll.links_used(kind, ranks, self.cluster)
+
+    def collective_ports(self, kind, ranks):
+        return coll.ports_used(kind, ranks, self.cluster)
 
     def link_bandwidth(self, link_id):
         return coll.link_bandwidth(link_id, self.cluster)

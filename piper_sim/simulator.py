@@ -60,7 +60,7 @@ from piper_sim import summary, trace
 from piper_sim.bands import Band, band_for, run_class
 from piper_sim.header import PlanHeader
 from piper_sim.ir import is_inner
-from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, Instruction, Plan, gc_paused, p2p_partner_id
+from piper_sim.plan import COLLECTIVE_KINDS, COMPUTE_KINDS, P2P_KINDS, Instruction, Plan, gc_paused, p2p_partner_id
 from piper_sim.validate import check_layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -469,6 +469,7 @@ class _Engine:
         self._group_cache: dict[tuple[str, int], tuple[int, ...]] = {}
         self._bw: dict[str, float] = {}
         self._link_reps: dict[str, str] = {}
+        self._group_links: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
         self.compute_scale = self._compute_scales(slow_ranks or {})
@@ -604,21 +605,32 @@ class _Engine:
 
     # --- comm costs ------------------------------------------------------------------
     def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float) -> tuple:
-        links = self.cm.links(kind, ranks)
+        """(link, demanded bytes/s) of a transfer; the links of a (kind, group), mapped to the
+        simulated ranks' ports when folded, are derived once (a group's buckets share them)."""
+        key = (kind, ranks)
+        links = self._group_links.get(key)
+        if links is None:
+            ports = self.cm.collective_ports(kind, ranks) if self.folded and kind not in P2P_KINDS else None
+            if ports is not None:  # the same ports on every member: those of the simulated ranks
+                reps = dict.fromkeys(self._rep(r) for r in sorted(set(ranks)))
+                links = tuple(f"{p}:rank{r}:{d}" for p in ports for r in reps for d in ("tx", "rx"))
+            else:
+                links = self.cm.links(kind, ranks)
+                if self.folded:
+                    links = [self._link_rep(link) for link in links]
+            links = self._group_links[key] = tuple(dict.fromkeys(links))
         if not links or dur <= 0:
             return ()
         if kind in ("SEND", "RECV"):
             volume = nbytes
         else:
             volume = nbytes * busbw_factor(kind, len(ranks))
-        out: dict[str, float] = {}
+        out = []
         for link in links:
-            if self.folded:
-                link = self._link_rep(link)
             if link not in self._bw:
                 self._bw[link] = float(self.cm.link_bandwidth(link))
-            out[link] = min(self._bw[link], volume / dur)
-        return tuple(out.items())
+            out.append((link, min(self._bw[link], volume / dur)))
+        return tuple(out)
 
     def _link_rep(self, link: str) -> str:
         """"nvlink:rank17:tx" -> the same port of rank 17's representative."""

@@ -580,3 +580,27 @@ def test_an_fp32_plan_is_priced_and_measured_in_fp32():
     flops = plan.header.model_flops_per_step
     assert r32.mfu == pytest.approx(flops / (r32.step_time_s * 8 * H100.peak("fp32")))
     assert r32.step_time_s > 2 * r16.step_time_s
+
+
+def test_folded_links_are_the_simulated_ranks_ports_of_every_members_links():
+    """The folded simulator derives a collective's links from the ports every member uses
+    (`CostModel.collective_ports`), mapped to the simulated ranks: the same set, in the same
+    order, as mapping each member's `links_used` link to its class's representative."""
+    from costmodel.collectives import links_used
+    from piper_sim.simulator import _Engine
+
+    plan = compile({"model": "gpt-small", "cluster": "h100:4x8", "global_batch": 64, "seq_len": 512,
+                             "microbatches": 4, "directives": [
+                                 {"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"},
+                                 {"op": "data_parallel", "degree": 8, "zero": 1},
+                                 {"op": "tensor_parallel", "degree": 2}]})
+    cm = get_costmodel("analytic", parse_cluster("h100:4x8"))
+    eng = _Engine(plan, cm, folded=True)
+    checked = 0
+    for (kind, group), got in eng._group_links.items():
+        if kind in ("SEND", "RECV"):
+            continue
+        want = tuple(dict.fromkeys(eng._link_rep(link) for link in links_used(kind, group, cm.cluster)))
+        assert got == want, (kind, group)
+        checked += 1
+    assert checked >= 3
