@@ -38,6 +38,24 @@ STRATEGIES[SCALE] = {
                    {"op": "data_parallel", "degree": 4096, "zero": 1}, {"op": "expert_parallel", "degree": 64}]}
 
 
+def bare_simpy_events_per_s(events: int = 20000, procs: int = 16) -> float:
+    """Events per second of a bare simpy loop: ``procs`` processes each waiting on a chain of
+    timeouts, ``events`` timeouts in all (the floor a discrete-event simulator pays per event)."""
+    import simpy
+
+    env = simpy.Environment()
+
+    def proc(n):
+        for _ in range(n):
+            yield env.timeout(1.0)
+
+    for _ in range(procs):
+        env.process(proc(events // procs))
+    t0 = time.perf_counter()
+    env.run()
+    return events / (time.perf_counter() - t0)
+
+
 def best(plan, repeat: int, fold: bool = True):
     runs = [simulate(plan, fold=fold) for _ in range(repeat)]
     return min(runs, key=lambda r: r.sim_wall_s)
@@ -71,6 +89,7 @@ def main() -> None:
         row(label, plan.world_size, compile_s, r)
         if label == TARGET:
             target = r.sim_wall_s
+            per_event = r.num_events / r.sim_wall_s
         if label == SCALE:
             scale = r.sim_wall_s
     print(f"folding speed-up on the baseline: {base.sim_wall_s / folded.sim_wall_s:.1f}x "
@@ -78,6 +97,9 @@ def main() -> None:
     print(f"target {TARGET}: simulated in {target:.3f} s (target <= {TARGET_SIM_S:g} s, "
           f"{target / TARGET_SIM_S:.2f}x of it)")
     print(f"target {SCALE}: simulated in {scale:.3f} s (target <= 1 s, {scale:.2f}x of it)")
+    bare = max(bare_simpy_events_per_s() for _ in range(args.repeat))
+    print(f"bare simpy loop: {bare:,.0f} events/s; the simulator's cost per event on {TARGET}: "
+          f"{bare / per_event:.1f}x of it (set-up included; target <= 5x)")
 
 
 if __name__ == "__main__":
