@@ -149,7 +149,7 @@ def test_executor_runs_hsdp_equal_to_the_reference(tmp_path):
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_executor import GRAD_TOL, TOL, check_all, strategy as exec_strategy
+    from test_executor import GRAD_TOL, TOL, check_all, json_lines, save_plan, strategy as exec_strategy, torchrun
 
     def hsdp(zero, pp=1):
         s = exec_strategy(pp=pp, dp=4, zero=zero, m=2, mbs=1)
@@ -157,6 +157,18 @@ def test_executor_runs_hsdp_equal_to_the_reference(tmp_path):
         return s
 
     four = check_all(tmp_path, 4, {f"hsdp-z{z}": hsdp(z) for z in (1, 2, 3)})
+    # --clip-grad-norm: the replicas' equal shards count once in the global norm
+    clipped = {save_plan(tmp_path, f"clip-z{z}", hsdp(z)): z for z in (1, 3)}
+    r = torchrun(4, [*clipped, "--steps", "2", "--check", "--json", "--clip-grad-norm", "0.05"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    norms = {}
+    for row in json_lines(r.stdout):
+        if "grad_norm" in row:
+            norms.setdefault(clipped[row["plan"]], []).append(row["grad_norm"])
+        if "max_rel_param_diff" in row:
+            assert row["within_tolerance"] is True and row["max_rel_grad_diff"] <= GRAD_TOL, row
+    assert set(norms) == {1, 3} and all(n > 0.05 for v in norms.values() for n in v)
+    assert abs(norms[1][0] - norms[3][0]) < 1e-4 * norms[1][0]  # one model, one first-step gradient
     eight = check_all(tmp_path, 8, {"pp2-hsdp-z3": hsdp(3, pp=2)})
     rows = {**four, **eight}
     assert set(rows) == {"hsdp-z1", "hsdp-z2", "hsdp-z3", "pp2-hsdp-z3"}
@@ -165,14 +177,14 @@ def test_executor_runs_hsdp_equal_to_the_reference(tmp_path):
         assert row["max_rel_param_diff"] <= TOL and row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
 
 
-def test_run_refuses_save_and_clipping_of_hsdp_plans_before_launch(tmp_path):
+def test_run_refuses_save_and_resume_of_hsdp_plans_before_launch(tmp_path):
     import subprocess
     import sys
 
     plan = compile_strategy({**strategy(zero=3), "dtype": "fp32"}).plan
     path = tmp_path / "hsdp.json"
     plan.save(str(path))
-    for extra in (["--save", str(tmp_path / "ck")], ["--clip-grad-norm", "1.0"]):
+    for extra in (["--save", str(tmp_path / "ck")], ["--resume", str(tmp_path / "ck")]):
         r = subprocess.run([sys.executable, "-m", "piper_sim", "run", str(path), *extra], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 2, r.stderr

@@ -61,6 +61,12 @@ class DataParallel(Axis):
     def handlers(self) -> dict[str, Handler]:
         return {"ALLREDUCE": self.sync, "REDUCE_SCATTER": self.sync, "ALL_GATHER": self.gather}
 
+    def norm_share(self, name: str) -> float:
+        """Hybrid sharding: each of the dp / dp_shard replicas holds the same reduced shard,
+        so each counts 1/replicas of its square (ZeRO's disjoint shards count whole)."""
+        layout = self.rt.layout
+        return layout.dp_shard / layout.dp if layout.dp_shard else 1.0
+
     # ------------------------------------------------------------------ set-up
     def _setup_clipping(self) -> None:
         """Clipping by the global norm needs every gradient of the step before any update:
