@@ -263,10 +263,6 @@ def preflight(args, plans: list[Plan]) -> int:
         raise PlanError(f"--lr-decay {args.lr_decay} needs --decay-steps after --warmup-steps ({args.warmup_steps}); "
                         f"got --decay-steps {args.decay_steps}")
     layout = plans[0].layout
-    if layout.dp_shard and (args.save or args.resume):
-        # the checkpoint layout of replicated shards is not written yet
-        raise PlanError(f"--save and --resume do not support hybrid sharding yet (data_parallel "
-                        f"shard_degree {layout.dp_shard}); run without them")
     start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size,
                             checkpoint.schedule_dict(lr_schedule(args)), args.override_lr_schedule)[1] \
         if args.resume else 0
