@@ -3,8 +3,9 @@
 Every rank saves its flat parameters, its shard and its AdamW state under keys that name
 the content, not the rank (``s0.flat``, ``s1.e.ep1.shard0of2.exp_avg``, ``s0.tp1of2.flat``),
 so replicas of the same tensor (data- and context-parallel peers, hybrid-sharding replicas of
-a shard, DualPipe's two copies of a stage) write it once. Resuming needs the same plan (its hash), so the same layout: resharding
-onto another TP/DP layout is not supported (the flat buffers are per shard, not per parameter).
+a shard, DualPipe's two copies of a stage) write it once. Resuming needs the same plan (its
+hash), so the same layout: resharding onto another TP/DP layout is not supported (the flat
+buffers are per shard, not per parameter).
 
 ``--save DIR`` keeps one folder per saved step, the newest ``keep`` of them::
 
