@@ -336,12 +336,13 @@ def test_refuses_wrong_world_size_and_edited_plans_before_starting(tmp_path):
 # ------------------------------------------------------------------ checkpoints
 
 
-def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
-    plan = save_plan(tmp_path, "dp2z1", strategy(dp=2, zero=1, m=2, mbs=2))
+def assert_resume_matches_uninterrupted(tmp_path, plan: str, nproc: int) -> None:
+    """4 steps in one run give the losses of 2 saved steps and 2 resumed ones (the state restored:
+    the later losses differ from the earlier ones)."""
     ckpt = str(tmp_path / "ckpt")
-    full = torchrun(2, [plan, "--steps", "4", "--json"])
-    first = torchrun(2, [plan, "--steps", "2", "--json", "--save", ckpt])
-    second = torchrun(2, [plan, "--steps", "2", "--json", "--resume", ckpt])
+    full = torchrun(nproc, [plan, "--steps", "4", "--json"])
+    first = torchrun(nproc, [plan, "--steps", "2", "--json", "--save", ckpt])
+    second = torchrun(nproc, [plan, "--steps", "2", "--json", "--resume", ckpt])
     for r in (full, first, second):
         assert r.returncode == 0, r.stderr[-3000:]
     losses = [row["loss"] for row in json_lines(full.stdout)]
@@ -349,6 +350,10 @@ def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     assert [row["step"] for row in json_lines(second.stdout)] == [2, 3]
     assert losses == pytest.approx(resumed, rel=1e-6, abs=1e-7)
     assert len(losses) == 4 and losses[3] != losses[1]
+
+
+def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
+    assert_resume_matches_uninterrupted(tmp_path, save_plan(tmp_path, "dp2z1", strategy(dp=2, zero=1, m=2, mbs=2)), 2)
 
 
 def test_flat_buffer_cut_where_the_plan_cuts_its_buckets():

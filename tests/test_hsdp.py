@@ -184,18 +184,8 @@ def test_hsdp_save_and_resume_match_the_uninterrupted_run(tmp_path):
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_executor import json_lines, save_plan, strategy as exec_strategy, torchrun
+    from test_executor import assert_resume_matches_uninterrupted, save_plan, strategy as exec_strategy
 
     s = exec_strategy(dp=4, zero=3, m=2, mbs=1)
     next(d for d in s["directives"] if d["op"] == "data_parallel")["shard_degree"] = 2
-    plan, ckpt = save_plan(tmp_path, "hsdp", s), str(tmp_path / "ckpt")
-    full = torchrun(4, [plan, "--steps", "4", "--json"])
-    first = torchrun(4, [plan, "--steps", "2", "--json", "--save", ckpt])
-    second = torchrun(4, [plan, "--steps", "2", "--json", "--resume", ckpt])
-    for r in (full, first, second):
-        assert r.returncode == 0, r.stderr[-3000:]
-    losses = [row["loss"] for row in json_lines(full.stdout)]
-    resumed = [row["loss"] for row in json_lines(first.stdout) + json_lines(second.stdout)]
-    assert [row["step"] for row in json_lines(second.stdout)] == [2, 3]
-    assert len(losses) == 4 and losses[3] != losses[1]
-    assert losses == pytest.approx(resumed, rel=1e-6, abs=1e-7)
+    assert_resume_matches_uninterrupted(tmp_path, save_plan(tmp_path, "hsdp", s), 4)
