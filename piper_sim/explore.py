@@ -770,7 +770,7 @@ def format_table(result: ExploreResult, top: int = 10) -> str:
         band = f"{r.band.step_low_s:.4g}-{r.band.step_high_s:.4g}" if r.band else "-"
         tight = "  [tight: may run out of memory]" if r.status == "tight" else ""
         comm = f"{r.comm_fraction:>6.1%}" if r.comm_fraction == r.comm_fraction else f"{'-':>6}"
-        lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.tokens_per_s_per_gpu:>9,.0f} {r.step_time_s:>9.4f} {band:>17} "
+        lines.append(f"{i:>3} {r.tokens_per_s:>12,.0f} {r.tokens_per_s_per_gpu:>9,.0f} {r.step_time_s:>9.4g} {band:>17} "
                      f"{r.mfu:>6.1%} {r.idle_fraction:>6.1%} {comm} "
                      f"{r.device_memory_bytes / 2**30:>8.1f}{runs[1](r) if runs else ''}  "
                      f"{r.candidate.short()}{' @ ' + r.cluster if many else ''}{tight}")
