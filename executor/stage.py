@@ -404,12 +404,11 @@ def piece_steps(segments: list[str]) -> list[tuple[str, int]]:
 # ``_save_list`` and ``_get_custom_policy``]: the outputs of these ops are kept, except every
 # second matmul (the count restarting per checkpointed block); everything else is recomputed.
 # The attention ops are those SDPA dispatches to on CPU and GPU (piper_sim.recompute "op").
-OP_SAC_SAVE = tuple(op for op in (
+OP_SAC_SAVE = frozenset(op.default for op in (
     getattr(torch.ops.aten, name, None) for name in (
         "mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "max"))
     if op is not None)
-_OP_SAC_DEFAULTS = {op.default for op in OP_SAC_SAVE}
 _MM = torch.ops.aten.mm.default
 
 
@@ -422,7 +421,7 @@ def op_sac_context():
             counts[ctx.is_recompute] += 1
             if counts[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if func in _OP_SAC_DEFAULTS else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if func in OP_SAC_SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 
@@ -449,6 +448,7 @@ class Stage:
         self.unit_names = list(units)
         # (step kind, layer) -> (how it is recomputed: none | full | op | selective, checkpoint chunk)
         self.step_modes: dict[tuple[str, int], tuple[str, int]] = {}
+        self.uniform_chunks: dict[tuple[str, int], int] = {}  # the steps of Megatron uniform chunks -> chunk
         self.local_experts = cfg.n_experts // ep if cfg.is_moe else 0
         split = any(kind == "experts" for piece in self.pieces for kind, _ in piece.steps)
         self.expert_split = split
@@ -512,13 +512,10 @@ class Stage:
         for piece in self.pieces:
             for kind, layer in piece.steps:
                 self.step_modes[kind, layer] = modes[kind if kind in ("embed", "head") else f"layers.{layer}"]
+        self.uniform_chunks = {k: c for k, (m, c) in self.step_modes.items() if m == "full" and c >= 0}
         for name in self.units.unit_names():
             if name.startswith("layers."):
                 self.units[name].attn.recompute_core = modes[name][0] == "selective"
-
-    def set_selective_recompute(self, on: bool) -> None:
-        """Selective recomputation of every attention core of the stage (``set_recompute``)."""
-        self.set_recompute(Recompute("selective" if on else "none"))
 
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
                       targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = True) -> Record:
@@ -528,7 +525,7 @@ class Stage:
         piece = self.pieces[i]
         inputs = {n: _leaf(vals[n]) for n in piece.inputs}
         outputs: dict[str, torch.Tensor] = {}
-        chunk_of = {k: c for k, (m, c) in self.step_modes.items() if m == "full" and c >= 0} if checkpoint else {}
+        chunk_of = self.uniform_chunks if checkpoint else {}
 
         def run(step, fn, *args):
             mode = self.step_modes.get(step, ("none", -1))[0] if checkpoint else "none"

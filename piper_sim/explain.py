@@ -245,7 +245,8 @@ def explain(result: Any, name: str = "", rank: int | None = None) -> StepBreakdo
     by_rank: dict[int, list[tuple]] = {r: [] for r in stats}
     for row in result.rows:
         by_rank.setdefault(row[0], []).append(row)
-    rerun = getattr(result, "rerun", {}) or {}
+    plan = getattr(result, "plan", None)  # the re-run flops of its recomputing backwards, from the plan
+    rerun, rerun_estimated = rerun_flops(plan) if plan is not None else ({}, False)
     per_pp: dict[int, dict[str, float]] = {}
     for (pp, op), flops in rerun.items():
         per_pp.setdefault(pp, {})[op] = flops
@@ -262,7 +263,7 @@ def explain(result: Any, name: str = "", rank: int | None = None) -> StepBreakdo
     return StepBreakdown(name=name or str(result.meta.get("name") or result.meta.get("model") or "plan"),
                          step_time_s=step, terms=terms, rank=rank, world_size=result.world_size,
                          tokens_per_s=result.tokens_per_s, mfu=result.mfu, peak_memory_gib=peak / GIB,
-                         recompute_estimated=bool(getattr(result, "rerun_estimated", False)),
+                         recompute_estimated=rerun_estimated,
                          time_unit="units" if result.time_unit == "units" else "s")
 
 

@@ -149,9 +149,6 @@ class SimResult:
     pairs: dict[tuple[int, str], int] = field(repr=False, default_factory=dict)  # (pp rank, op id) -> slot
     # how far to trust step_time_s on a GPU cluster (piper_sim.bands); None off the analytic GPU model
     band: Band | None = None
-    # (pp rank, op id) -> the re-run forward flops of a recomputing backward (`piper_sim.explain.rerun_flops`)
-    rerun: dict[tuple[int, str], float] = field(repr=False, default_factory=dict)
-    rerun_estimated: bool = False  # some re-run is estimated (a policy other than plain full recompute)
     # the plan that ran: kernel-level Kineto traces read its operator profiles (`write_kineto`)
     plan: Plan | None = field(repr=False, default=None, compare=False)
 
@@ -1159,9 +1156,6 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     log.debug("simulated %d events on %d ranks in %.3f s (%s): step %.6g s", len(eng.rows), len(eng.ranks),
               time.perf_counter() - t0, "folded" if folded else "unfolded", step)
     model_flops = header.model_flops_per_step
-    from piper_sim.explain import rerun_flops
-
-    rerun, rerun_estimated = rerun_flops(plan)
     return SimResult(
         step_time_s=step,
         tokens_per_s=(tokens or 0) / step if step > 0 else 0.0,
@@ -1175,7 +1169,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         memory_verdict=None if capacity is None else _worst_verdict(s.memory_verdict for s in per_rank),
         memory_headroom_bytes=memory_headroom_bytes,
         memory_capacity_bytes=capacity or 0.0,
-        band=_band(plan, cm, step), rerun=rerun, rerun_estimated=rerun_estimated,
+        band=_band(plan, cm, step),
         plan=plan,
     )
 
