@@ -32,11 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from costmodel.memory import GiB as GIB
 from piper_sim.plan import COMPUTE_KINDS, INPUT_GRAD_KINDS, P2P_KINDS, Plan
 
 __all__ = ["Comparison", "StepBreakdown", "compare", "explain", "plot_breakdowns", "rerun_flops"]
 
-GIB = 2**30
 IDLE = "idle"
 RECOMPUTE = "recompute"
 P2P = "comm:pp"

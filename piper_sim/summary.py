@@ -1,12 +1,12 @@
-"""Short text and HTML summaries of a plan or a result for notebooks (stdlib only: the plan
-module imports it). ``repr`` is one line; ``_repr_html_`` a small two-column table."""
+"""Short text and HTML summaries of a plan or a result for notebooks (light: the plan module
+imports it). ``repr`` is one line; ``_repr_html_`` a small two-column table."""
 
 from __future__ import annotations
 
 from html import escape
 from typing import Iterable
 
-GiB = 2**30
+from costmodel.memory import GiB
 
 
 def one_line(name: str, facts: Iterable[tuple[str, str]]) -> str:

@@ -24,6 +24,7 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from costmodel.memory import GiB
 from piper_sim.plan import COMPUTE_KINDS, P2P_KINDS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -287,7 +288,7 @@ def _us(seconds: float) -> float:
 # Figure shows itself once in a notebook. Pass ``ax=`` to draw into your own axes.
 
 TIME_UNITS = {"s": 1.0, "ms": 1e3, "µs": 1e6}
-GIB = 2**30  # memory pictures are in GiB, as torch.cuda reports memory
+GIB = GiB  # memory pictures are in GiB, as torch.cuda reports memory
 
 
 def time_scale(t_end: float, unit: str | None = None) -> tuple[float, str]:
