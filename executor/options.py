@@ -71,6 +71,19 @@ def refuse_unrunnable(plan: Plan, path: str) -> None:
     refuse_tensor_parallel(plan, path)
     refuse_unbuildable_user_model(plan, path)
     refuse_tied_embeddings(plan, path)
+    refuse_multi_token_prediction(plan, path)
+
+
+def refuse_multi_token_prediction(plan: Plan, path: str) -> None:
+    """DeepSeek-V3's multi-token-prediction modules (`ModelConfig.mtp_layers`) are simulate-only:
+    the executor's stages run the main path (embedding, layers, head) and its one loss."""
+    from piper_sim.configs import config_of
+
+    h = plan.header
+    if h.user_model is None and config_of(h).mtp_layers:
+        raise PlanError(f"{path}: model {h.model} has {config_of(h).mtp_layers} multi-token-prediction module(s) "
+                        "(mtp_layers), which are simulate-only in this version; use `piper-sim simulate`, or a "
+                        "model without them (e.g. deepseek-v3 instead of deepseek-v3-mtp) to run it")
 
 
 def refuse_recompute_policy(plan: Plan, path: str) -> None:

@@ -531,13 +531,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.plan is None) == (args.family is None):
         p.error("give a PLAN.json or --family")
-    from executor.options import refuse_tensor_parallel, refuse_tied_embeddings
+    from executor.options import refuse_multi_token_prediction, refuse_tensor_parallel, refuse_tied_embeddings
     from piper_sim.compiler import compile_strategy
 
     name = args.plan or f"{args.family} on {args.ranks} ranks"
     plan = load(args.plan) if args.plan else compile_strategy(FAMILIES[args.family].strategy(args.ranks)).plan
     refuse_tensor_parallel(plan, name)  # what the executor would refuse to run
     refuse_tied_embeddings(plan, name)
+    refuse_multi_token_prediction(plan, name)
     r = scale_check(plan, args.workers, args.clip_grad_norm)
     print(f"{name}: {r.ranks} ranks, {r.calls} calls recorded, {r.seconds:.1f} s: "
           + ("ok" if r.ok else f"MISMATCH: {r.mismatch}"))

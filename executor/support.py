@@ -107,6 +107,8 @@ FEATURES: tuple[Feature, ...] = (
             match="are on two stages"),
     Feature("multi-head latent attention, shared experts (no TP/CP)", _s(DP2, EP2, dp=2),
             model_file={**MOE, "shared_experts": 1, **{k: v for k, v in MLA.items() if k not in TINY}}),
+    Feature("multi-token prediction (DeepSeek-V3 MTP modules)", _s(PP2, m=4), model_file={**TINY, "mtp_layers": 1},
+            runs=False, why="multi-token-prediction modules", match="multi-token-prediction module(s)"),
 )
 
 

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from executor import checkpoint, failures, heartbeat
-from executor.options import add_run_options, lr_schedule, preflight, refuse_tensor_parallel, refuse_tied_embeddings
+from executor.options import (add_run_options, lr_schedule, preflight, refuse_multi_token_prediction,
+                              refuse_tensor_parallel, refuse_tied_embeddings)
 from executor.collectives import Comms
 from executor.lifetime import die_with_parent
 from executor.reference import compare, compare_grads, reference_training
@@ -46,6 +47,7 @@ def load_plans(paths: list[str], world_size: int, rank: int, check_hash: bool = 
         plan = load_valid_plan(path, check_hash=check_hash)
         refuse_tensor_parallel(plan, path)
         refuse_tied_embeddings(plan, path)
+        refuse_multi_token_prediction(plan, path)
         if plan.world_size != world_size:
             raise PlanError(f"{path} was compiled for {plan.world_size} ranks "
                             f"(pp {plan.layout.pp} x dp {plan.layout.dp}) but {world_size} were launched; "

@@ -18,7 +18,8 @@ from piper_sim.axes import check_setup, cp_memory, cp_segments, gathered_kv_byte
 from piper_sim.layouts import parse_layout
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, is_inner, run_passes
 from piper_sim.memory import SegmentMemory, model_memory
-from piper_sim.configs import ModelConfig, plan_model_meta, tp_shard
+from piper_sim.configs import ModelConfig, mtp_units, plan_model_meta, tp_shard
+from piper_sim.layouts import layout_mtp_layers
 from piper_sim.plan import SPLIT_KINDS, Instruction, Layout, Plan, RankClass, RankProgram, gc_paused
 from piper_sim.profiling import SegmentCost, profile_model
 from piper_sim.checks import MAX_PLAN_INSTRUCTIONS, check_world_size
@@ -107,10 +108,12 @@ def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
         raise StrategyError(f"pipeline: {n_stages} stages but model {cfg.name} has only {cfg.n_layers} layers; "
                             "lower the pipeline degree or stages_per_rank, or give layers_per_stage with "
                             "an embedding-only first / head-only last stage (0 layers)")
+    mtp = mtp_units(cfg)  # multi-token prediction joins the head and loss (Megatron: the last stage)
     if layers_per_stage == "balanced":
         times = unit_times(segments, gpu or H100)
         layers_per_stage = cost_balanced_layers([times[f"layers.{i}"] for i in range(cfg.n_layers)],
-                                                times.get("embed", 0.0), times.get("head", 0.0), n_stages)
+                                                times.get("embed", 0.0),
+                                                times.get("head", 0.0) + sum(times[u] for u in mtp), n_stages)
     if layers_per_stage is not None:
         if len(layers_per_stage) != n_stages or sum(layers_per_stage) != cfg.n_layers:
             raise StrategyError(f"segment: layers_per_stage {layers_per_stage} must have {n_stages} entries "
@@ -129,7 +132,7 @@ def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
         if s == 0:
             units.add("embed")
         if s == n_stages - 1:
-            units.add("head")
+            units.update(["head", *mtp])
         stages.append(StageCost(stage=s, segments=[x for x in segments if x.unit in units]))
     return stages
 
@@ -305,6 +308,8 @@ def build_dag(strategy: Strategy, folded: bool = True,
         memory = cp_memory(tp_memory, cp)
         if cp > 1:
             kv_bytes = gathered_kv_bytes(shard, mbs, strategy.seq_len, DTYPE_BYTES[strategy.dtype])
+    if isinstance(cfg, ModelConfig):
+        _check_layout_mtp(strategy, cfg)
     gpu = parse_cluster(strategy.cluster).gpu
     try:
         check_stack_on(strategy.stack, gpu)
@@ -547,12 +552,23 @@ def compile_unfolded(strategy: Strategy | dict, model: object = None) -> list[Ra
     return out
 
 
+def _check_layout_mtp(strategy: Strategy, cfg: ModelConfig) -> None:
+    """A pipeline layout names the model's MTP modules (``m``), as many as it has (Megatron's rule)."""
+    pipe = next((d for d in strategy.directives if d["op"] == "pipeline" and "layout" in d), None)
+    if pipe is None:
+        return
+    n = layout_mtp_layers(pipe["layout"], "directive pipeline")
+    if n != cfg.mtp_layers:
+        raise StrategyError(f"directive pipeline field 'layout' places {n} MTP module(s) ('m') but model {cfg.name} "
+                            f"has mtp_layers = {cfg.mtp_layers}; write {cfg.mtp_layers} 'm' before the 'L'")
+
+
 def _unit_order(unit: str) -> tuple[int, int]:
     if unit == "embed":
         return (0, 0)
     if unit == "head":
-        return (2, 0)
-    return (1, int(unit.split(".")[1]))
+        return (3, 0)
+    return (2 if unit.startswith("mtp.") else 1, int(unit.split(".")[1]))
 
 
 def _model_flops(ctx: Context, strategy: Strategy, cfg: ModelConfig) -> float:

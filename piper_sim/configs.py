@@ -3,14 +3,18 @@ pipeline units and tensor-parallel shards (`piper_sim.models` re-exports all of 
 the torch modules).
 
 A model is an ordered list of *units*, the granularity at which pipeline stages are cut:
-``embed``, ``layers.0`` ... ``layers.{L-1}``, ``head``. A MoE layer is one unit made of two
+``embed``, ``layers.0`` ... ``layers.{L-1}``, then ``mtp.0`` ... ``mtp.{D-1}`` (multi-token
+prediction modules, when ``mtp_layers`` > 0), ``head``. A MoE layer is one unit made of two
 *segments* for the compiler: ``layers.i.pre`` (attention, norms, router, shared experts) and
-``layers.i.experts`` (routed experts). See :func:`unit_names` and :func:`unit_segments`.
+``layers.i.experts`` (routed experts); an MTP module is ``mtp.d`` (or ``mtp.d.pre`` and
+``mtp.d.experts``) and ``mtp.d.loss`` (its final norm, the shared output head and its loss).
+See :func:`unit_names` and :func:`unit_segments`.
 
 The zoo (:data:`ZOO`): ``gpt-tiny`` and ``moe-tiny`` (CPU tests in milliseconds), Llama 3
 8B/70B/405B, the Piper paper's MoE evaluation configs ``qwen3-moe-1b``/``qwen3-moe-9b``,
 ``deepseek-v3`` (MLA, 1 shared + 256 routed experts, top-8; ~671B total and ~37B active
-parameters; no multi-token-prediction module) and ``gpt3-175b`` (Korthikanti et al. 2022).
+parameters; no multi-token-prediction module), ``deepseek-v3-mtp`` (the same with its one MTP module,
+as it was trained and as Megatron-Bridge's "w/ MTP" runs train it) and ``gpt3-175b`` (Korthikanti et al. 2022).
 Other models come from model files and Hugging Face configs (`piper_sim.sources`).
 """
 
@@ -47,6 +51,12 @@ class ModelConfig:
     i.e. layer i is full-attention when ``(i + 1) % k == 0``: GPT-OSS k=2, Gemma 3 k=6),
     ``mlp`` ``"swiglu"`` or ``"gelu"`` (``h -> ffn -> h``), ``norm`` ``"rms"`` or ``"layer"``,
     ``dropout`` before each residual add, ``rope`` (False: no position encoding).
+    ``mtp_layers``: DeepSeek-V3's multi-token-prediction modules (arXiv 2412.19437 §2.2;
+    Hugging Face ``num_nextn_predict_layers``; Megatron-Core ``mtp_num_layers``): each an
+    RMSNorm of the hidden state and of the next token's embedding, a ``2h -> h`` projection
+    (``eh_proj``), one transformer layer (MoE when the model's later layers are), a final norm
+    and the shared output head with its own cross-entropy loss. Embedding and head are shared
+    (counted once).
     ``tp``/``sequence_parallel``: this config is one tensor-parallel rank's shard (see
     :func:`tp_shard`); every count here (``param_count``...) is of the whole model.
     """
@@ -89,6 +99,7 @@ class ModelConfig:
     dropout: float = 0.0
     rope: bool = True
     tie_embeddings: bool = False
+    mtp_layers: int = 0
     # one tensor-parallel rank's shard (profiling on meta; see tp_shard)
     tp: int = 1
     sequence_parallel: bool = False
@@ -127,6 +138,7 @@ class ModelConfig:
         return seq // self.tp if self.sequence_parallel else seq
 
     def is_moe_layer(self, i: int) -> bool:
+        """Layer ``i`` is MoE (``i >= n_layers``: the transformer layer of MTP module ``i - n_layers``)."""
         return self.is_moe and i >= self.first_dense
 
     def layer_window(self, i: int) -> int:
@@ -143,7 +155,7 @@ class ModelConfig:
         """Parameters touched per token: routed experts count ``top_k`` of ``n_experts``;
         ``embedding=False`` leaves out the input embedding table (a lookup, no matmul: OpenAI's
         convention for GPT-OSS; a tied head still counts it)."""
-        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        n_moe = sum(self.is_moe_layer(i) for i in range(self.n_layers + self.mtp_layers))
         inactive = n_moe * (self.n_experts - self.top_k) * _mlp_params(self, self.expert_ffn)
         lookup = 0 if embedding or self.tie_embeddings else self.vocab * self.hidden
         return self.param_count() - inactive - lookup
@@ -180,7 +192,14 @@ def unit_param_count(cfg: ModelConfig, name: str) -> int:
         return cfg.vocab * h
     if name == "head":
         return _norm_params(cfg) + (0 if cfg.tie_embeddings else h * cfg.vocab)
-    i = _layer_index(cfg, name)
+    if name.startswith("mtp."):  # enorm, hnorm, eh_proj (2h -> h), its layer, final norm
+        return 3 * _norm_params(cfg) + 2 * h * h + _block_params(cfg, cfg.n_layers + mtp_index(cfg, name))
+    return _block_params(cfg, _layer_index(cfg, name))
+
+
+def _block_params(cfg: ModelConfig, i: int) -> int:
+    """One transformer layer (``i >= n_layers``: an MTP module's)."""
+    h = cfg.hidden
     n = 2 * _norm_params(cfg) + _attn_params(cfg)
     if cfg.is_moe_layer(i):
         n += h * cfg.n_experts + (cfg.n_experts if cfg.router_bias else 0)
@@ -198,6 +217,9 @@ def logits_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int) -> int:
     return tokens * cfg.local_vocab * (dtype_bytes + (4 if dtype_bytes != 4 else 0))
 
 
+_DSV3 = dict(n_layers=61, hidden=7168, n_heads=128, n_kv_heads=128, ffn=18432, vocab=129280, n_experts=256, top_k=8,
+             n_shared=1, expert_ffn=2048, first_dense=3, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+             qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, norm_eps=1e-6)
 _LLAMA = dict(n_kv_heads=8, vocab=128256, max_seq=8192, rope_theta=500000.0)
 ZOO: dict[str, ModelConfig] = {
     c.name: c
@@ -219,10 +241,11 @@ ZOO: dict[str, ModelConfig] = {
         ModelConfig("qwen3-moe-9b", n_layers=24, hidden=2048, n_heads=32, n_kv_heads=8, ffn=7168, vocab=151936,
                     n_experts=8, top_k=2, expert_ffn=7168, rope_theta=1e6),
         # DeepSeek-V3 without the multi-token-prediction (MTP) module: ~671B total, ~37B active.
-        ModelConfig("deepseek-v3", n_layers=61, hidden=7168, n_heads=128, n_kv_heads=128, ffn=18432, vocab=129280,
-                    n_experts=256, top_k=8, n_shared=1, expert_ffn=2048, first_dense=3, attention="mla",
-                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-                    norm_eps=1e-6),
+        ModelConfig("deepseek-v3", **_DSV3),
+        # ... and with its one MTP module (config.json "num_nextn_predict_layers": 1; the report's
+        # D = 1, arXiv 2412.19437 §4.2): ~683B unique parameters (HF's 685B counts the module's
+        # own copies of the embedding and head).
+        ModelConfig("deepseek-v3-mtp", **_DSV3, mtp_layers=1),
         # GPT-3 175B (Brown et al. 2020, Table 2.1) as Korthikanti et al. 2022 train it (Megatron):
         # LayerNorm, GELU MLP of 4h, dropout 0.1, vocabulary padded to 51200; bias-free linears
         # and no learned position embedding here (neither changes activation memory per layer).
@@ -305,7 +328,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "top_k": (0, MAX_EXPERTS), "n_shared": (0, MAX_EXPERTS), "expert_ffn": (0, _W), "first_dense": (0, MAX_COUNT),
     "q_lora_rank": (0, _W), "kv_lora_rank": (0, _W), "qk_nope_dim": (0, _W), "qk_rope_dim": (0, _W),
     "v_head_dim": (0, _W), "kv_channels": (0, _W), "sliding_window": (0, MAX_POSITIONS),
-    "window_pattern": (0, MAX_COUNT), "tp": (1, MAX_COUNT),
+    "window_pattern": (0, MAX_COUNT), "tp": (1, MAX_COUNT), "mtp_layers": (0, 16),
 }
 # float fields -> (lower bound, whether it is excluded, upper bound excluded)
 FLOAT_RANGES: dict[str, tuple[float, bool, float]] = {
@@ -396,16 +419,36 @@ def config_of(header: PlanHeader) -> ModelConfig:
 
 
 def unit_names(cfg: ModelConfig) -> list[str]:
-    """Pipeline units in model order: ``embed``, ``layers.0`` ... ``layers.{L-1}``, ``head``."""
-    return ["embed", *(f"layers.{i}" for i in range(cfg.n_layers)), "head"]
+    """Pipeline units in model order: ``embed``, ``layers.0`` ... ``layers.{L-1}``, ``mtp.0`` ...
+    ``mtp.{D-1}``, ``head``."""
+    return ["embed", *(f"layers.{i}" for i in range(cfg.n_layers)), *mtp_units(cfg), "head"]
+
+
+def mtp_units(cfg: ModelConfig) -> list[str]:
+    """The multi-token-prediction units, in order (none when ``mtp_layers`` is 0)."""
+    return [f"mtp.{d}" for d in range(cfg.mtp_layers)]
 
 
 def unit_segments(cfg: ModelConfig, unit_name: str) -> list[str]:
-    """Segments of a unit: ``[unit]`` for dense units, ``[unit.pre, unit.experts]`` for MoE layers."""
+    """Segments of a unit: ``[unit]`` for dense units, ``[unit.pre, unit.experts]`` for MoE layers;
+    an MTP module adds ``unit.loss`` (its final norm, the shared head and its loss)."""
     if unit_name in ("embed", "head"):
         return [unit_name]
+    if unit_name.startswith("mtp."):
+        moe = cfg.is_moe_layer(cfg.n_layers + mtp_index(cfg, unit_name))
+        return [*([f"{unit_name}.pre", f"{unit_name}.experts"] if moe else [unit_name]), f"{unit_name}.loss"]
     i = _layer_index(cfg, unit_name)
     return [f"{unit_name}.pre", f"{unit_name}.experts"] if cfg.is_moe_layer(i) else [unit_name]
+
+
+def mtp_index(cfg: ModelConfig, name: str) -> int:
+    """The depth ``d`` of unit ``mtp.d``."""
+    parts = name.split(".")
+    if len(parts) != 2 or parts[0] != "mtp" or not parts[1].isdigit() or int(parts[1]) >= cfg.mtp_layers:
+        raise ValueError(f"unknown unit {name!r} for {cfg.name} ({cfg.mtp_layers} MTP module(s): "
+                         f"mtp.0..mtp.{cfg.mtp_layers - 1})" if cfg.mtp_layers else
+                         f"unknown unit {name!r}: {cfg.name} has no multi-token-prediction module")
+    return int(parts[1])
 
 
 def layer_of_kind(cfg: ModelConfig, kind: str, windowed: bool = False) -> int:

@@ -13,8 +13,10 @@ stage count is ``pp × v`` (``v`` the stages per rank) and stage ``s`` runs on r
 (loop placement), the embedding is the first letter and the loss the last, each once.
 
 piper-sim keeps the embedding on the first stage and the head on the last, so the layout
-reads into layers per stage (`layout_layers`); MTP layers (``m``) and stages holding nothing
-are refused (the zoo has no MTP module; an empty stage would only forward its input).
+reads into layers per stage (`layout_layers`); MTP modules (``m``, a model's ``mtp_layers``)
+sit with the loss in the last stage, after its layers (Megatron's own restriction is looser: a
+standalone MTP stage before the loss is refused here), and stages holding nothing are refused
+(an empty stage would only forward its input).
 """
 
 from __future__ import annotations
@@ -54,12 +56,13 @@ def parse_layout(text: str, where: str) -> list[str]:
 
 def layout_layers(text: str, where: str) -> list[int]:
     """Transformer layers per stage of a layout string, checked as Megatron's
-    ``validate_layer_layout`` checks it (plus: no MTP, no stage holding nothing)."""
+    ``validate_layer_layout`` checks it (plus: MTP only in the last stage, no stage holding nothing)."""
     stages = parse_layout(text, where)
     flat = "".join(stages)
-    if "m" in flat:
-        raise StrategyError(f"{where} field 'layout': MTP layers ('m') are not modelled (the zoo has no "
-                            "multi-token-prediction module); drop them from the layout")
+    last = stages[-1]
+    if "m" in flat and ("m" in "".join(stages[:-1]) or "t" in last[last.index("m"):]):
+        raise StrategyError(f"{where} field 'layout': MTP modules ('m') must sit in the last stage, after its "
+                            f"layers and before the loss (got {text!r}), e.g. \"...|tmL\"")
     if flat.count("E") != 1 or not stages[0].startswith("E"):
         raise StrategyError(f"{where} field 'layout' must start with the embedding E, once, in the first stage "
                             f"(got {text!r})")
@@ -83,3 +86,8 @@ def stages_of(counts: list[int], pp: int, requested: int | None, where: str) -> 
         raise StrategyError(f"{where} field 'layout' has {n} stages = {pp} × {n // pp}, but stages_per_rank is "
                             f"{requested}; drop stages_per_rank or make them agree")
     return n // pp
+
+
+def layout_mtp_layers(text: str, where: str) -> int:
+    """How many multi-token-prediction modules (``m``) a layout places."""
+    return "".join(parse_layout(text, where)).count("m")

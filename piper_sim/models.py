@@ -45,8 +45,8 @@ from piper_sim.kernel_recorder import note_kernel
 
 from piper_sim.configs import (  # noqa: F401  (re-exported: the torch-free half of this module)
     BUILTIN_ZOO, FIELDS, TP_FIELDS, ZOO, ModelConfig, _layer_index, check_config, config_from_dict, config_from_meta,
-    config_to_dict, get_config, layer_of_kind, logits_bytes, plan_model_meta, tp_divisibility_error, tp_shard, unit_names,
-    unit_param_count, unit_segments,
+    config_to_dict, get_config, layer_of_kind, logits_bytes, mtp_index, mtp_units, plan_model_meta, tp_divisibility_error,
+    tp_shard, unit_names, unit_param_count, unit_segments,
 )
 
 MAX_MATERIALISED_PARAMS = 2_000_000_000  # refuse bigger builds on a real device
@@ -562,6 +562,39 @@ class Head(nn.Module):
         return self.out(x) if self.tied_weight is None else F.linear(x, self.tied_weight)
 
 
+class MTPLayer(nn.Module):
+    """One multi-token-prediction module (DeepSeek-V3, arXiv 2412.19437 §2.2; Megatron-Core
+    ``MultiTokenPredictionLayer``): ``block(eh_proj([enorm(emb); hnorm(x)]))`` then
+    ``final_norm``, where ``x`` is the previous depth's hidden states and ``emb`` the shared
+    embedding of the tokens one further ahead; the shared output head and the loss follow
+    (segment ``mtp.d.loss``). Under tensor parallelism ``eh_proj`` is the rank's column shard
+    (Megatron: column-parallel, output gathered; that gather is not in the IR)."""
+
+    def __init__(self, cfg: ModelConfig, depth: int):
+        super().__init__()
+        self.enorm = make_norm(cfg, cfg.hidden)
+        self.hnorm = make_norm(cfg, cfg.hidden)
+        self.eh_proj = Linear(2 * cfg.hidden, cfg.hidden // cfg.tp)
+        self.block = Block(cfg, cfg.n_layers + depth)
+        self.final_norm = make_norm(cfg, cfg.hidden)
+        self.tp = cfg.tp
+
+    @property
+    def is_moe(self) -> bool:
+        return self.block.is_moe
+
+    def project(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        z = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(x)), -1))
+        return z.repeat(1, 1, self.tp) if self.tp > 1 else z  # the gathered columns (shapes only)
+
+    def forward_pre(self, x: torch.Tensor, emb: torch.Tensor):
+        """MoE segment ``pre``: as `Block.forward_pre` on the projected input."""
+        return self.block.forward_pre(self.project(x, emb))
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        return self.final_norm(self.block(self.project(x, emb)))
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross entropy (computed in fp32)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -573,6 +606,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = Embedding(cfg.local_vocab, cfg.hidden, cfg.tp if cfg.sequence_parallel else 1)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        if cfg.mtp_layers:  # simulate-only: forward() runs the main path (executor.options refuses MTP)
+            self.mtp = nn.ModuleList(MTPLayer(cfg, d) for d in range(cfg.mtp_layers))
         self.head = Head(cfg)
 
     @property
@@ -582,6 +617,8 @@ class Transformer(nn.Module):
     def unit(self, name: str) -> nn.Module:
         if name in ("embed", "head"):
             return getattr(self, name)
+        if name.startswith("mtp."):
+            return self.mtp[mtp_index(self.cfg, name)]
         return self.layers[_layer_index(self.cfg, name)]
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -600,6 +637,8 @@ def _make_unit(cfg: ModelConfig, name: str) -> nn.Module:
         return Embedding(cfg.local_vocab, cfg.hidden, cfg.tp if cfg.sequence_parallel else 1)
     if name == "head":
         return Head(cfg)
+    if name.startswith("mtp."):
+        return MTPLayer(cfg, mtp_index(cfg, name))
     return Block(cfg, _layer_index(cfg, name))
 
 
@@ -673,8 +712,9 @@ class UnitDict(nn.ModuleDict):
     Index it with unit names: ``units["layers.3"]``."""
 
     def __getitem__(self, name: str) -> nn.Module:
-        if name.startswith("layers."):
-            return self._modules["layers"][name.split(".", 1)[1]]
+        if name.startswith(("layers.", "mtp.")):
+            group, index = name.split(".", 1)
+            return self._modules[group][index]
         return self._modules[name]
 
     def __contains__(self, name: str) -> bool:
@@ -687,6 +727,7 @@ class UnitDict(nn.ModuleDict):
     def unit_names(self) -> list[str]:
         names = ["embed"] if "embed" in self._modules else []
         names += [f"layers.{i}" for i in sorted(map(int, self._modules.get("layers", {}).keys()))]
+        names += [f"mtp.{d}" for d in sorted(map(int, self._modules.get("mtp", {}).keys()))]
         return names + (["head"] if "head" in self._modules else [])
 
 
@@ -705,9 +746,10 @@ def build_units(
     units = UnitDict()
     if "embed" in built:
         units["embed"] = built["embed"]
-    layers = {str(_layer_index(cfg, n)): m for n, m in built.items() if n not in ("embed", "head")}
-    if layers:
-        units["layers"] = nn.ModuleDict(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
+    for group in ("layers", "mtp"):
+        members = {n.split(".")[1]: m for n, m in built.items() if n.startswith(group + ".")}
+        if members:
+            units[group] = nn.ModuleDict(dict(sorted(members.items(), key=lambda kv: int(kv[0]))))
     if "head" in built:
         units["head"] = built["head"]
         if cfg.tie_embeddings and real:

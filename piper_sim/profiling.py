@@ -175,7 +175,7 @@ def measure(fn: Callable, inputs: Sequence[torch.Tensor], params: Sequence[torch
 def profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, dtype: str | torch.dtype,
                  windowed: bool = False, kernels_run: ProfileKernels = ProfileKernels()) -> SegmentCost:
     """Cost of one segment kind: ``embed``, ``dense`` (layer), ``moe_pre``, ``moe_experts``,
-    ``head``; ``windowed``: of a layer with sliding-window attention; ``dtype`` a name
+    ``head``, and an MTP module's ``mtp_dense`` / ``mtp_pre`` / ``mtp_loss``; ``windowed``: of a layer with sliding-window attention; ``dtype`` a name
     (``"bf16"``) or a ``torch.dtype``; ``kernels_run`` what the training stack runs (unfused
     attention, eager norms, its dropout). Cached; ``name``/``unit`` are set to the kind."""
     return with_kernels(kernels_run, _profile_kind, cfg, kind, micro_batch, seq_len, dtype, windowed)
@@ -237,13 +237,25 @@ def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, d
         m = measure(mod, [torch.empty(per_expert, h, requires_grad=True, **meta)], params)
         scale = routed / per_expert  # = n_experts when it divides evenly
         a2a, is_expert = routed * h * nbytes, True
-    elif kind == "head":
+    elif kind in ("mtp_dense", "mtp_pre"):  # an MTP module: its projection and layer (configs.ModelConfig.mtp_layers)
+        mod = build("mtp.0")
+        embed = build("embed")  # the shared embedding of the tokens one further ahead: its gradient here
+        expert_ids = {id(p) for p in mod.block.moe.experts.parameters()} if mod.is_moe else set()
+        params = [p for p in mod.parameters() if id(p) not in expert_ids]
+        fn = mod.forward_pre if kind == "mtp_pre" else mod
+        m = measure(lambda x: fn(x, embed(tokens)), [hidden_in], params + list(embed.parameters()))
+        sp_norms = [mod.block.attn_norm, mod.block.mlp_norm]
+        qk_norms = _qk_norms(cfg, mod.block)
+    elif kind in ("head", "mtp_loss"):
         mod = build("head")
         params = list(mod.parameters())
         tied = [mod.tied_weight] if mod.tied_weight is not None else []  # the embedding's: its gradient here
         m = measure(lambda x: lm_loss(mod(x), tokens), [hidden_in], params + tied)
         out_bytes = 4  # the fp32 scalar loss
         sp_norms = [mod.norm]
+        if kind == "mtp_loss":  # the MTP's final norm is its own; the output head is the model's (shared)
+            params = list(mod.norm.parameters())
+            out_bytes = B * cfg.local_seq(s) * h * nbytes  # the main hidden states go on to the head
     else:
         raise ValueError(f"unknown segment kind {kind!r}")
 
@@ -285,10 +297,17 @@ def segment_windowed(cfg: ModelConfig, segment: str) -> bool:
     return cfg.layer_window(int(parts[1])) > 0
 
 
+# an MTP unit's segment kind -> the kind its cost is profiled as (`profile_kind`)
+MTP_PROFILE_KINDS = {"dense": "mtp_dense", "moe_pre": "mtp_pre", "moe_experts": "moe_experts", "head": "mtp_loss"}
+
+
 def segment_kind(cfg: ModelConfig, segment: str) -> str:
-    """``embed`` | ``dense`` | ``moe_pre`` | ``moe_experts`` | ``head`` for a segment name."""
-    if segment in ("embed", "head"):
+    """``embed`` | ``dense`` | ``moe_pre`` | ``moe_experts`` | ``head`` for a segment name (an MTP
+    module's segments read as the layer's kinds, its ``.loss`` as ``head``)."""
+    if segment == "embed":
         return segment
+    if segment == "head" or segment.endswith(".loss"):
+        return "head"
     if segment.endswith(".pre"):
         return "moe_pre"
     if segment.endswith(".experts"):
@@ -305,6 +324,8 @@ def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
         for seg in unit_segments(cfg, unit):
             kind = segment_kind(cfg, seg)
             windowed = kind in ("dense", "moe_pre") and segment_windowed(cfg, seg)
+            if unit.startswith("mtp."):  # priced as an MTP module's own pieces (same kinds elsewhere)
+                kind = MTP_PROFILE_KINDS[kind]
             cost = _name_attention(profile_kind(cfg, kind, micro_batch, seq_len, dtype, windowed, run), stack)
             out.append(replace(cost, name=seg, unit=unit))
     return tuple(out)

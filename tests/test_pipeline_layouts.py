@@ -54,7 +54,9 @@ def test_layout_strings_read_as_megatron_parses_them():
     ("E|t*4|L|t*4", "must end with the loss L"),
     ("EE|t*8|L", "must start with the embedding E, once"),
     ("E||t*8|L", "stage(s) [1] hold nothing"),
-    ("E|t*8|mL", "MTP layers ('m') are not modelled"),
+    ("Et*4|t*4mL", "places 1 MTP module(s) ('m') but model gpt-tiny has mtp_layers = 0"),
+    ("Et*4m|t*4L", "MTP modules ('m') must sit in the last stage"),
+    ("Et*4|tmt*3L", "MTP modules ('m') must sit in the last stage"),
     ("E|x*8|L", "letter(s) 'x'"),
     ("E|t*99999999|L", "unrolls to more than"),
 ])

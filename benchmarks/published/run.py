@@ -86,7 +86,7 @@ PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
 ENTRY_REQUIRED = {"id", "source", "metric", "published", "precision", "strategy", "stack_source"}
 ENTRY_OPTIONAL = {"setup", "approximations", "notes", "published_memory_gib", "published_memory_gb", "run_options",
-                  "set", "recompute_source"}
+                  "set", "recompute_source", "layout_source"}
 # `set`: "original" (default) or "added-later": runs added after the cost model's constants were
 # fixed, reported apart (the out-of-sample test of constants looked up after seeing the others)
 SETS = ("original", "added-later")

@@ -1,0 +1,88 @@
+"""DeepSeek-V3's multi-token-prediction (MTP) modules (issue 26 part 4; arXiv 2412.19437 §2.2,
+Megatron-Core ``MultiTokenPredictionLayer``): parameters and profiled costs equal their closed
+forms, the module joins the head's stage (in a Megatron layout string as ``m``), it lengthens the
+last stage's step, and the executor refuses it in one line."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from piper_sim.api import compile
+from piper_sim.configs import get_config, unit_names, unit_param_count, unit_segments
+from piper_sim.profiling import profile_model
+from piper_sim.simulator import simulate
+from piper_sim.sources import resolve_model
+from piper_sim.strategy import StrategyError
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+MOE_MTP = {"name": "moe-mtp", "n_layers": 4, "hidden": 64, "n_heads": 4, "n_kv_heads": 2, "ffn": 128, "vocab": 512,
+           "max_seq": 128, "experts": 4, "top_k": 2, "expert_ffn": 64, "mtp_layers": 1}
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the model files below
+
+
+def _strategy(model: dict, pp: int = 2, layout: str | None = None) -> dict:
+    import json
+
+    path = f"{model['name']}-{model['mtp_layers']}.json"
+    with open(path, "w") as f:
+        json.dump(model, f)
+    pipe = {"op": "pipeline", "degree": pp, **({"layout": layout} if layout else {})}
+    return {"model": path, "cluster": f"cpu:{pp}", "global_batch": 4, "seq_len": 32, "microbatches": 4,
+            "dtype": "fp32", "directives": [pipe, {"op": "schedule", "name": "1f1b"}]}
+
+
+def test_deepseek_v3_mtp_parameters_are_the_closed_form():
+    base, mtp = get_config("deepseek-v3"), get_config("deepseek-v3-mtp")
+    h = mtp.hidden
+    # enorm, hnorm, final norm (RMSNorm: h each), eh_proj 2h x h, and one MoE layer like layers.60
+    assert unit_param_count(mtp, "mtp.0") == 3 * h + 2 * h * h + unit_param_count(base, "layers.60")
+    assert mtp.param_count() == base.param_count() + unit_param_count(mtp, "mtp.0")
+    assert 682e9 < mtp.param_count() < 684e9  # 671B + ~11.6B (HF's 685B counts the MTP's own embedding/head)
+    from piper_sim.models import build_model
+
+    assert sum(p.numel() for p in build_model(mtp).parameters()) == mtp.param_count()
+    assert unit_names(mtp)[-2:] == ["mtp.0", "head"]
+    assert unit_segments(mtp, "mtp.0") == ["mtp.0.pre", "mtp.0.experts", "mtp.0.loss"]
+
+
+def test_mtp_segments_cost_a_layer_plus_projection_and_a_second_head():
+    cfg = resolve_model(MOE_MTP)
+    T, h = 2 * 32, cfg.hidden
+    segs = {s.name: s for s in profile_model(cfg, 2, 32, "fp32")}
+    last = f"layers.{cfg.n_layers - 1}"
+    # the projection eh_proj: a [T, 2h] x [2h, h] GEMM forward (norms and the lookup count no flops)
+    assert segs["mtp.0.pre"].fwd_flops == segs[f"{last}.pre"].fwd_flops + 2 * T * (2 * h) * h
+    assert segs["mtp.0.experts"].fwd_flops == segs[f"{last}.experts"].fwd_flops
+    assert segs["mtp.0.loss"].fwd_flops == segs["head"].fwd_flops  # final norm, the shared head, the loss
+    assert segs["mtp.0.loss"].param_count == h  # its own final norm only: the head's weight is shared
+    assert segs["mtp.0.loss"].out_bytes == 2 * 32 * h * 4  # the main hidden states go on to the head
+
+
+def test_mtp_sits_with_the_head_and_slows_the_last_stage():
+    with_mtp = compile(_strategy(MOE_MTP, layout="Et*2|t*2mL"))
+    assert with_mtp.header.stage_units[-1][-2:] == ["mtp.0", "head"]
+    plain = compile(_strategy({**MOE_MTP, "mtp_layers": 0}, layout="Et*2|t*2L"))
+    assert simulate(with_mtp).step_time_s > simulate(plain).step_time_s
+    assert compile(_strategy(MOE_MTP)).header.stage_units[-1][-2:] == ["mtp.0", "head"]  # no layout: the same
+
+
+def test_a_layout_must_place_every_mtp_module():
+    with pytest.raises(StrategyError, match=r"places 0 MTP module\(s\) \('m'\) but model moe-mtp has mtp_layers = 1"):
+        compile(_strategy(MOE_MTP, layout="Et*2|t*2L"))
+
+
+def test_the_executor_refuses_mtp_in_one_line():
+    from executor.support import unrunnable
+
+    why = unrunnable(compile(_strategy(MOE_MTP)), "p.json")
+    assert "multi-token-prediction module(s)" in why and "simulate-only" in why and "\n" not in why
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert unrunnable(compile(_strategy({**MOE_MTP, "mtp_layers": 0}))) == ""
