@@ -604,3 +604,21 @@ def test_folded_links_are_the_simulated_ranks_ports_of_every_members_links():
         assert got == want, (kind, group)
         checked += 1
     assert checked >= 3
+
+
+def test_gradient_buckets_of_a_pieced_backward_overlap_the_rest_of_it():
+    """Under TP the backward is cut per unit (pieces): a gradient bucket's reduce-scatter waits for
+    the piece that completes it, not for every piece of the last micro-batch, so the buckets of
+    the later layers go out while the first layers' backward still runs (Megatron's
+    --overlap-grad-reduce); the first bucket (the embedding's) still waits for the end."""
+    plan = compile({"model": "gpt-tiny", "cluster": "cpu:4", "global_batch": 8, "seq_len": 32, "microbatches": 4,
+                    "directives": [{"op": "data_parallel", "degree": 2, "zero": 1, "bucket_mb": 0.05},
+                                   {"op": "tensor_parallel", "degree": 2}]})
+    ev = simulate(plan, UNIT).events
+    ev = ev[ev["rank"] == 0]
+    last_backward_end = ev[ev["kind"] == "B"]["end"].max()
+    rs = ev[ev["kind"] == "REDUCE_SCATTER"]
+    rs = rs[rs["stream"] != "tp"]
+    assert len(rs) > 2
+    assert rs["start"].min() < last_backward_end  # overlapped with the backward
+    assert rs["start"].max() >= last_backward_end - 1e-9  # bucket 0 waits for the embedding's gradient

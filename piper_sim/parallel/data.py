@@ -73,18 +73,20 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                 _zero3_per_unit(ctx, dag, where, s, nodes, tag, unit_buckets(ctx, s)[tag], size, group, opt)
                 continue
             buckets = _buckets(param_bytes, setup.bucket_mb, len({x.unit for x in segs}))
-            readiness = _bucket_ready(segs, buckets)
+            sources = _bucket_sources(ctx.parts(s), segs, buckets)
             rounds = _reduce_rounds(ctx, dag, s, nodes) if zero == 2 else [(-1, -1, last_backward)]
             for b, nbytes in enumerate(buckets):
-                ready = readiness[b]
+                piece, ready = sources[b]
                 for rnd, mb, producers in rounds:
                     kind = "ALLREDUCE" if zero == 0 else "REDUCE_SCATTER"
                     sync = make_op(kind, stream[kind], stage=s, mb=mb, round=rnd, bytes=nbytes * ctx.grad_reduce_scale,
                                    group=group,
                                    dep_progress=ready, bucket=b, experts=bool(tag))
                     sn = dag.add(where, sync)
-                    for n in producers:
-                        if dag.ins(n).kind in WEIGHT_GRAD_KINDS:
+                    grads = [n for n in producers if dag.ins(n).kind in WEIGHT_GRAD_KINDS]
+                    last = max((dag.ins(n).mb for n in grads), default=-1)
+                    for n in grads:  # the last micro-batch's backward: only the piece that completes the bucket
+                        if dag.ins(n).mb != last or dag.ins(n).part == piece:
                             dag.edge(n, sn)
                     dag.edge(sn, opt)
             if zero in (1, 2):
@@ -222,24 +224,26 @@ def _group_size(ctx: Context, ins: Instruction) -> int:
     return copies // layout.ep if ins.group.endswith(":edp") else copies
 
 
-def _bucket_ready(segs: list, buckets: list[float]) -> list[float]:
-    """The share of a stage's backward done when each gradient bucket is complete. Buckets
-    are slices of the parameters in model order; the backward runs the segments in
-    reverse (and, roughly, a segment's parameters too), so bucket b is complete once it
-    reached b's first byte: the backward flops of the later segments plus the part of that
-    segment's from the byte to the segment's end, over the total (a tied embedding's
-    bucket waits for the embedding's backward, the last). Uniform shares when the profile
-    has no backward flops."""
-    flops = [x.bwd_flops for x in segs]
-    total = sum(flops)
-    if total <= 0:
-        n = len(buckets)
-        return [(n - b) / n for b in range(n)]
+def _bucket_sources(parts: list[list[SegmentCost]], segs: list, buckets: list[float]) -> list[tuple[int, float]]:
+    """For each gradient bucket: the backward piece (``Instruction.part``, an index into
+    ``parts``) that completes it and the share of that piece's backward done by then. The
+    backward runs the pieces last to first and each piece's segments in reverse, so the bucket
+    is complete once its first byte's segment is reached;
+    the pieces before it in model order (run after it) need not finish, so a reduce-scatter
+    overlaps the rest of the backward as DDP/FSDP/Megatron overlap them. Buckets are slices of
+    the parameters in model order; the share is the backward flops of the piece's later
+    segments plus the part of that segment's from the byte to its end, over the piece's (a tied
+    embedding's bucket waits for the embedding's backward, the last); strictly decreasing in
+    ``b`` so buckets ready together go out last first."""
+    piece_of = {x.name: i for i, part in enumerate(parts) for x in part}
     out = []
-    for j, inside in _first_bytes(segs, buckets):
-        # strictly decreasing in b, so buckets ready together go out last first, and only
-        # bucket 0 waits for the end of the backward
-        out.append(min(1.0, (sum(flops[j + 1:]) + inside * flops[j]) / total) - 1e-6 * len(out))
+    for b, (j, inside) in enumerate(_first_bytes(segs, buckets)):
+        piece = piece_of[segs[j].name]
+        members = parts[piece]
+        k = next(i for i, x in enumerate(members) if x.name == segs[j].name)
+        total = sum(x.bwd_flops for x in members)
+        share = (sum(x.bwd_flops for x in members[k + 1:]) + inside * members[k].bwd_flops) / total if total > 0 else 1.0
+        out.append((piece if len(parts) > 1 else 0, max(0.0, min(1.0, share) - 1e-6 * b)))
     return out
 
 
