@@ -45,14 +45,18 @@ Megatron-Core's distributed optimizer (megatron-core 0.16.1, ``megatron/core/opt
 these fields, bf16 parameters:
   default                                        master fp32, moments fp32
   ``use_precision_aware_optimizer``, ``main_params_dtype=fp32``, ``exp_avg(_sq)_dtype=bf16``,
-  no FP8 recipe or delayed scaling               master remainder, moments bf16: TE FusedAdam
-                                                 holds the master, ``store_param_remainders``
-                                                 defaults to True (optimizer_config.py L192,
+  ``OptimizerConfig.fp8_recipe`` None or         master remainder, moments bf16: TE FusedAdam
+  ``delayed`` (Megatron-LM's ``--fp8-recipe``    holds the master, ``store_param_remainders``
+  default, training/arguments.py L1393 @92c8482) defaults to True (optimizer_config.py L192,
                                                  L355-362; __init__.py L365-387;
                                                  distrib_optimizer.py L800-806)
-  the same with another FP8 recipe (mxfp8,
-  blockwise, current scaling)                    master fp32 (Megatron's own fp32 shard), moments bf16
-and ``grad_dtype`` ``fp32`` exactly when ``grad_reduce_in_fp32``.
+  the same with another ``fp8_recipe``           master fp32 (Megatron's own fp32 shard,
+                                                 distrib_optimizer.py L378), moments bf16
+                                                 (__init__.py L365-371)
+and ``grad_dtype`` ``fp32`` exactly when ``grad_reduce_in_fp32``. Megatron-Bridge copies its
+``MixedPrecisionConfig.fp8_recipe`` (default ``tensorwise``, also in bf16 runs) into the
+optimizer config (Megatron-Bridge @1804c076f training/mixed_precision.py L45-47, L117-118, L125-144),
+so its precision-aware bf16 recipes keep a whole fp32 master: master fp32, moments bf16.
 
 ``grad_dtype``, ``master_dtype`` and ``moment_dtype`` size the model states a rank holds
 (``piper_sim.parallel.data.static_memory``: ZeRO-1 shards master and moments, ZeRO-2 the

@@ -1,6 +1,6 @@
 """The dtypes the optimizer stores (costmodel.stack ``grad_dtype``, ``master_dtype``,
 ``moment_dtype``): a rank's model states and the optimizer step's bytes as closed forms, the
-bad values refused in one line, and a DeepSeek-V3-like run's memory as Megatron-Bridge stores it."""
+bad values refused in one line, and a DeepSeek-V3-like run's memory as Megatron stores it."""
 
 import dataclasses
 import itertools
@@ -17,9 +17,12 @@ from piper_sim.simulator import simulate
 from piper_sim.strategy import StrategyError, parse_strategy
 
 COMBOS = list(itertools.product(GRAD_DTYPES, MASTER_DTYPES, MOMENT_DTYPES))
-# Megatron-Bridge's DeepSeek-V3 recipe on bf16 (recipes/deepseek/deepseek_v3.py:279-283 @1804c076f,
-# grad_reduce_in_fp32 False): TE FusedAdam keeps the master as int16 remainders, bf16 moments
-BRIDGE_DSV3 = {"preset": "megatron-te", "reduce_dtype": "compute", "master_dtype": "remainder", "moment_dtype": "bf16"}
+# Megatron-Bridge's DeepSeek-V3 recipe (recipes/deepseek/deepseek_v3.py:279-283 @1804c076f,
+# grad_reduce_in_fp32 False): precision-aware, Megatron's own fp32 master, bf16 moments
+BRIDGE_DSV3 = {"preset": "megatron-te", "reduce_dtype": "compute", "moment_dtype": "bf16"}
+# Megatron-LM's --use-precision-aware-optimizer on bf16 (fp8 recipe 'delayed' by default): TE FusedAdam
+# keeps the master as int16 remainders (costmodel.stack docstring)
+MEGATRON_LM_PA = {**BRIDGE_DSV3, "master_dtype": "remainder"}
 
 
 def _strategy(zero: int = 1, stack=None, model: str = "gpt-tiny", ep: int = 0, dtype: str = "bf16") -> dict:
@@ -79,9 +82,10 @@ def test_optimizer_step_bytes_are_the_closed_forms_and_reach_the_plan():
         g, w, m = (4 if grad == "fp32" else 2), {"fp32": 4, "remainder": 2, "none": 0}[master], (4 if moment == "fp32" else 2)
         p_traffic = 2 if master == "fp32" else 4
         assert adam_step_bytes(st, 2) == g + p_traffic + 2 * w + 4 * m, (grad, master, moment)
-    assert adam_step_bytes(parse_stack(BRIDGE_DSV3), 2) == 2 + 4 + 4 + 8  # TE's remainder kernel: 18 B
+    assert adam_step_bytes(parse_stack(MEGATRON_LM_PA), 2) == 2 + 4 + 4 + 8  # TE's remainder kernel: 18 B
+    assert adam_step_bytes(parse_stack(BRIDGE_DSV3), 2) == 2 + 2 + 8 + 8
     # the plan's OPT ops move those bytes (fused: ratio 1), for the rank's shard
-    base, bridge = (compile(_strategy(stack=s)) for s in (None, BRIDGE_DSV3))
+    base, bridge = (compile(_strategy(stack=s)) for s in (None, MEGATRON_LM_PA))
     opt = [[i.bytes for i in p.classes[0].instructions() if i.kind == "OPT"] for p in (base, bridge)]
     assert opt[0] and [b / a for a, b in zip(*opt)] == pytest.approx([18 / 28] * len(opt[0]))
 
@@ -93,31 +97,33 @@ def test_bad_values_are_one_line_errors_and_describe_shows_what_differs():
     with pytest.raises(StrategyError, match="moment_dtype must be one of fp32, bf16"):
         parse_strategy(_strategy(stack={"moment_dtype": "int8"}))
     assert "master" not in DEFAULT.describe() and "grad buffer" not in DEFAULT.describe()
-    text = parse_stack({**BRIDGE_DSV3, "grad_dtype": "fp32"}).describe()
+    text = parse_stack({**MEGATRON_LM_PA, "grad_dtype": "fp32"}).describe()
     assert text.endswith("grad buffer fp32, master remainder, Adam moments bf16"), text
-    assert parse_strategy(parse_strategy(_strategy(stack=BRIDGE_DSV3)).to_json()).stack == parse_stack(BRIDGE_DSV3)
+    assert parse_strategy(parse_strategy(_strategy(stack=MEGATRON_LM_PA)).to_json()).stack == parse_stack(MEGATRON_LM_PA)
 
 
-def test_deepseek_v3_like_run_holds_less_as_megatron_bridge_stores_it():
-    """A MoE run with PP, EP and ZeRO-1 DP: the Bridge recipe's stack (remainder master, bf16
-    moments) drops each rank's optimizer state by (12 - 6) B per parameter of its shards, and
-    nothing else; the simulated peak drops by exactly that. The DeepSeek-V3 report's (fp32
-    master and gradients, bf16 moments, §3.3.3) trades 4 B of moments for 2 B more gradient."""
+def test_deepseek_v3_like_run_holds_less_as_megatron_stores_it():
+    """A MoE run with PP, EP and ZeRO-1 DP: Megatron-Bridge's recipe (fp32 master, bf16 moments)
+    drops each rank's optimizer state by (12 - 8) B per parameter of its shards, Megatron-LM's
+    precision-aware optimizer with remainders by (12 - 6) B, and nothing else changes: the
+    simulated peak drops by exactly that. The DeepSeek-V3 report's (fp32 master and gradients,
+    bf16 moments, §3.3.3) trades 4 B of moments on the shard for 2 B more gradient on every parameter."""
     strat = _strategy(model="moe-tiny", ep=2)
     _, ctx, _ = build_dag(parse_strategy(strat))
     groups = {s: ctx.param_groups(s) for s in ctx.layout.stage_ranks}
     assert any(n != groups[0][0][1] for _, n in groups[0])  # experts shard over fewer ranks than the dense part
     sims = {k: simulate(compile({**strat, "stack": st})) for k, st in
-            (("base", "megatron-te"), ("bridge", BRIDGE_DSV3),
+            (("base", "megatron-te"), ("bridge", BRIDGE_DSV3), ("megatron-lm", MEGATRON_LM_PA),
              ("report", {"preset": "megatron-te", "grad_dtype": "fp32", "moment_dtype": "bf16"}))}
     for pp_rank, stage in ((0, 0), (1, 1)):
-        base, bridge, report = (next(r for r in sims[k].rank_stats if r.pp_rank == pp_rank) for k in sims)
+        base, bridge, mlm, report = (next(r for r in sims[k].rank_stats if r.pp_rank == pp_rank) for k in sims)
         shard = sum(c / n for c, n in groups[stage])
         whole = sum(c for c, _ in groups[stage])
-        assert base.optimizer_bytes - bridge.optimizer_bytes == pytest.approx(6 * shard)
-        assert (bridge.params_bytes, bridge.grads_bytes) == (base.params_bytes, base.grads_bytes)
-        assert base.peak_memory_bytes - bridge.peak_memory_bytes == pytest.approx(6 * shard)
-        assert report.optimizer_bytes == pytest.approx(base.optimizer_bytes - 4 * shard)
+        for run, drop in ((bridge, 4), (mlm, 6)):
+            assert base.optimizer_bytes - run.optimizer_bytes == pytest.approx(drop * shard)
+            assert (run.params_bytes, run.grads_bytes) == (base.params_bytes, base.grads_bytes)
+            assert base.peak_memory_bytes - run.peak_memory_bytes == pytest.approx(drop * shard)
+        assert report.optimizer_bytes == pytest.approx(bridge.optimizer_bytes)
         assert report.grads_bytes == pytest.approx(2 * base.grads_bytes) == pytest.approx(4 * whole)
 
 
@@ -125,6 +131,6 @@ def test_executor_says_the_stored_dtypes_are_simulate_only():
     """torch's AdamW keeps its state in the parameters' dtype: `piper-sim run` names the fields it ignores."""
     from executor.options import stack_settings
 
-    _, notice = stack_settings(compile(_strategy(stack=BRIDGE_DSV3)))
+    _, notice = stack_settings(compile(_strategy(stack=MEGATRON_LM_PA)))
     assert "master_dtype remainder, moment_dtype bf16 (simulate-only" in notice, notice
     assert "simulate-only" not in stack_settings(compile(_strategy(stack="megatron-te")))[1]
