@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from costmodel.hardware import GPU, H100
+from costmodel.stack import Stack
 
 # Measured BF16 GEMM throughput on sm_90 (H100 assumed), XLA's GPU cost model [XLA],
 # as (m, n, k, TFLOP/s); efficiency = TFLOP/s / 989 (inferred).
@@ -114,6 +115,19 @@ OPTIMIZER_BYTES_RATIO = {"fused": 1.0, "foreach": FOREACH_ADAM_BYTES / FUSED_ADA
 def optimizer_bytes_ratio(implementation: str) -> float:
     """Bytes an AdamW implementation moves over the fused kernel's (``costmodel.stack`` optimizer)."""
     return OPTIMIZER_BYTES_RATIO[implementation]
+
+
+def adam_step_bytes(stack: Stack, param_bytes: int) -> float:
+    """Bytes the fused AdamW step moves per parameter as the stack stores its tensors: it reads
+    the gradient (``grad_dtype``), reads and writes both moments and the master copy, and writes
+    the parameter; it reads the parameter too when no separate fp32 master exists (fp32
+    parameters, ``master_dtype`` none, or remainders: TE's multi_tensor_adam_param_remainder
+    rebuilds the fp32 value from the bf16 parameter and its int16 remainder). The default stack's
+    bf16 step is `ADAM_BYTES_PER_PARAM`, 28 B; `optimizer_bytes_ratio` scales it for foreach."""
+    master = stack.master_bytes(param_bytes)
+    reads_param = master < 4
+    return (stack.grad_bytes(param_bytes) + param_bytes * (2 if reads_param else 1) + 2 * master
+            + 2 * stack.moment_bytes())
 
 
 def optimizer_time(gpu: GPU, params: float) -> float:

@@ -2,12 +2,16 @@
 
 Ψ parameters, N data-parallel ranks, bf16 params and grads, fp32 Adam master + m + v (12 B):
   ZeRO-0  16Ψ        ZeRO-1  4Ψ + 12Ψ/N      ZeRO-2  2Ψ + 14Ψ/N      ZeRO-3  16Ψ/N
+The stack's ``grad_dtype``, ``master_dtype`` and ``moment_dtype`` change the 2 B of gradients and
+the 12 B of optimizer state (`adam_state_bytes`; costmodel.stack).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack
 
 
 def _check(dp: int, zero: int) -> None:
@@ -17,10 +21,11 @@ def _check(dp: int, zero: int) -> None:
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero}")
 
 
-def adam_state_bytes(param_bytes: float) -> float:
-    """Optimizer state per parameter: Adam's m and v in fp32 (8 B), plus an fp32 master copy
-    (4 B) when the parameters are narrower than fp32 (mixed precision)."""
-    return 8.0 if param_bytes >= 4 else 12.0
+def adam_state_bytes(param_bytes: float, stack: Stack = DEFAULT_STACK) -> float:
+    """Optimizer state per parameter: Adam's m and v (fp32 by default: 8 B), plus a master copy
+    (fp32 by default: 4 B) when the parameters are narrower than fp32 (mixed precision), as
+    the stack stores them (`Stack.optimizer_state_bytes`)."""
+    return float(stack.optimizer_state_bytes(int(param_bytes)))
 
 
 def model_state_bytes(params: float, dp: int, zero: int, param_bytes: float = 2, grad_bytes: float = 2,

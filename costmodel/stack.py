@@ -21,10 +21,48 @@ Fields (``STACK_FIELDS`` below holds each one's choices):
 ``optimizer``     AdamW as ``fused`` (one kernel) or ``foreach`` (torch's multi-tensor ops)
 ``reduce_dtype``  dtype of the gradient all-reduce / reduce-scatter (``compute``: the compute
                   dtype; ``fp32``: FSDP2 ``reduce_dtype=float32``, Megatron ``grad_reduce_in_fp32``)
+``grad_dtype``    dtype of the gradient buffer the backward accumulates into over micro-batches
+                  (``compute`` or ``fp32``). Megatron-Core DDP: ``main_grad`` is fp32 exactly when
+                  ``grad_reduce_in_fp32`` (megatron-core 0.16.1 distributed/distributed_data_parallel.py
+                  L147; ``OptimizerConfig.main_grads_dtype`` is only checked, never read), so a
+                  Megatron run sets ``grad_dtype`` and ``reduce_dtype`` alike; FSDP2: the sharded
+                  gradient has the sharded parameter's dtype. Default ``compute``, as piper-sim has
+                  always counted it, whatever ``reduce_dtype`` says
+``master_dtype``  the optimizer's master copy of parameters narrower than fp32: ``fp32`` (4 B;
+                  Megatron's ``main_params_dtype=fp32``; FSDP2 with ``param_dtype=bf16``: its sharded
+                  fp32 parameters are the master weights), ``remainder`` (2 B: only the low 16 bits of
+                  the fp32 master beside bf16 parameters, TE FusedAdam ``store_param_remainders``,
+                  transformer_engine/pytorch/optimizers/fused_adam.py docstring), ``none`` (the
+                  optimizer updates the compute-dtype parameters themselves)
+``moment_dtype``  dtype of AdamW's exp_avg and exp_avg_sq (``fp32`` or ``bf16``: Megatron's
+                  ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` under ``use_precision_aware_optimizer``)
 ``tp_overlap``    tensor-parallel collectives overlapped with the layer's GEMMs (Megatron-Core
                   ``--tp-comm-overlap`` userbuffers, torchtitan async TP): a layer's collectives
                   run while it computes (slowing it, ``GPU.overlap_slowdown``), the next layer
                   waits for them; off: the next GEMM waits for each collective (simulate-only)
+
+Megatron-Core's distributed optimizer (megatron-core 0.16.1, ``megatron/core/optimizer/``) in
+these fields, bf16 parameters:
+  default                                        master fp32, moments fp32
+  ``use_precision_aware_optimizer``, ``main_params_dtype=fp32``, ``exp_avg(_sq)_dtype=bf16``,
+  ``OptimizerConfig.fp8_recipe`` None or         master remainder, moments bf16: TE FusedAdam
+  ``delayed`` (Megatron-LM's ``--fp8-recipe``    holds the master, ``store_param_remainders``
+  default, training/arguments.py L1393 @92c8482) defaults to True (optimizer_config.py L192,
+                                                 L355-362; __init__.py L365-387;
+                                                 distrib_optimizer.py L800-806)
+  the same with another ``fp8_recipe``           master fp32 (Megatron's own fp32 shard,
+                                                 distrib_optimizer.py L378), moments bf16
+                                                 (__init__.py L365-371)
+and ``grad_dtype`` ``fp32`` exactly when ``grad_reduce_in_fp32``. Megatron-Bridge copies its
+``MixedPrecisionConfig.fp8_recipe`` (default ``tensorwise``, also in bf16 runs) into the
+optimizer config (Megatron-Bridge @1804c076f training/mixed_precision.py L45-47, L117-118, L125-144),
+so its precision-aware bf16 recipes keep a whole fp32 master: master fp32, moments bf16.
+
+``grad_dtype``, ``master_dtype`` and ``moment_dtype`` size the model states a rank holds
+(``piper_sim.parallel.data.static_memory``: ZeRO-1 shards master and moments, ZeRO-2 the
+gradients too, ZeRO-3 the parameters as well) and the bytes the optimizer step moves
+(``costmodel.compute.adam_step_bytes``); the executor does not run them (simulate-only). Their
+defaults are piper-sim's historical count: compute-dtype gradients, fp32 master, fp32 moments.
 
 Presets (:data:`PRESETS`) are the stacks users run, each field with its source.
 """
@@ -41,6 +79,11 @@ ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
 NORM_KERNELS = ("fused", "eager")
 OPTIMIZERS = ("fused", "foreach")
 REDUCE_DTYPES = ("compute", "fp32")
+GRAD_DTYPES = ("compute", "fp32")
+MASTER_DTYPES = ("fp32", "remainder", "none")
+MOMENT_DTYPES = ("fp32", "bf16")
+# how `Stack.describe` names the stored dtypes (shown only when not the default)
+OPTIMIZER_DTYPE_LABELS = {"grad_dtype": "grad buffer", "master_dtype": "master", "moment_dtype": "Adam moments"}
 # attention kernels that exist only on Hopper (sm_90): FA3 (arXiv 2407.08608 §1)
 HOPPER_ONLY = ("flash3",)
 
@@ -59,6 +102,9 @@ class Stack:
     dropout: float | None = None
     optimizer: str = "fused"
     reduce_dtype: str = "compute"
+    grad_dtype: str = "compute"
+    master_dtype: str = "fp32"
+    moment_dtype: str = "fp32"
     tp_overlap: bool = False
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: less fragmentation (costmodel.memory)
     expandable_segments: bool = False
@@ -71,6 +117,9 @@ class Stack:
         """One line for ``show``/``simulate``, e.g. ``torchtitan-eager: attention flash2, norms eager, ...``."""
         parts = [f"attention {self.attention}", f"norms {self.norms}", f"compile {'on' if self.compile else 'off'}",
                  f"optimizer {self.optimizer}", f"grad reduce {self.reduce_dtype}"]
+        for name, label in OPTIMIZER_DTYPE_LABELS.items():
+            if getattr(self, name) != getattr(DEFAULT, name):
+                parts.append(f"{label} {getattr(self, name)}")
         if self.dropout is not None:
             parts.append(f"dropout {self.dropout:g}")
         if self.tp_overlap:
@@ -87,6 +136,24 @@ class Stack:
     def reduce_bytes(self, dtype_bytes: int) -> int:
         """Bytes per gradient element the reductions move."""
         return 4 if self.reduce_dtype == "fp32" else dtype_bytes
+
+    def grad_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per element of the gradient buffer (``grad_dtype``)."""
+        return 4 if self.grad_dtype == "fp32" else dtype_bytes
+
+    def master_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per parameter of the master copy (``master_dtype``): none for fp32 parameters."""
+        if dtype_bytes >= 4 or self.master_dtype == "none":
+            return 0
+        return 4 - dtype_bytes if self.master_dtype == "remainder" else 4
+
+    def moment_bytes(self) -> int:
+        """Bytes per parameter of AdamW's two moments (``moment_dtype``)."""
+        return 2 * (2 if self.moment_dtype == "bf16" else 4)
+
+    def optimizer_state_bytes(self, dtype_bytes: int) -> int:
+        """Bytes per parameter the optimizer holds: its master copy and moments (ZeRO-1 shards them)."""
+        return self.master_bytes(dtype_bytes) + self.moment_bytes()
 
 
 @dataclass(frozen=True)
@@ -138,6 +205,7 @@ PRESETS: dict[str, Stack] = {
 
 STACK_FIELDS: dict[str, tuple] = {
     "attention": ATTENTION_KERNELS, "norms": NORM_KERNELS, "optimizer": OPTIMIZERS, "reduce_dtype": REDUCE_DTYPES,
+    "grad_dtype": GRAD_DTYPES, "master_dtype": MASTER_DTYPES, "moment_dtype": MOMENT_DTYPES,
 }
 _ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap", "expandable_segments"}
 
@@ -192,6 +260,14 @@ def stack_to_strategy(stack: Stack) -> dict[str, Any]:
     if "compile" in out:  # compile sets the norms unless they are given: give them
         out["norms"] = stack.norms
     return out
+
+
+def check_stack_dtype(stack: Stack, dtype: str, where: str = "strategy field 'stack'") -> None:
+    """Refuse a master copy the run's parameters cannot have: remainders need bf16 parameters
+    (TE FusedAdam and Megatron store them for bf16 only; fp16 keeps the whole fp32 master)."""
+    if stack.master_dtype == "remainder" and dtype not in ("bf16", "fp32"):
+        raise StackError(f"{where}: master_dtype 'remainder' needs bf16 parameters (the plan trains in {dtype}); "
+                         "use master_dtype fp32")
 
 
 def check_stack_on(stack: Stack, gpu, where: str = "strategy field 'stack'") -> None:

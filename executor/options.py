@@ -275,7 +275,6 @@ def preflight(args, plans: list[Plan]) -> int:
     if args.lr_decay != "constant" and args.decay_steps <= args.warmup_steps:
         raise PlanError(f"--lr-decay {args.lr_decay} needs --decay-steps after --warmup-steps ({args.warmup_steps}); "
                         f"got --decay-steps {args.decay_steps}")
-    layout = plans[0].layout
     start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size,
                             checkpoint.schedule_dict(lr_schedule(args)), args.override_lr_schedule)[1] \
         if args.resume else 0
@@ -327,6 +326,11 @@ def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
         ignored.append(f"dropout {stack.dropout:g} (the model's dropout runs)")
     if stack.reduce_dtype != DEFAULT.reduce_dtype:
         ignored.append(f"reduce_dtype {stack.reduce_dtype} (gradients are reduced in the plan's dtype)")
+    stored = [f"{k} {getattr(stack, k)}" for k in ("grad_dtype", "master_dtype", "moment_dtype")
+              if getattr(stack, k) != getattr(DEFAULT, k)]
+    if stored:  # the units are built in the plan's dtype; torch's AdamW state follows the parameters
+        ignored.append(", ".join(stored) + " (simulate-only: gradients and AdamW's moments are kept in the plan's "
+                       "dtype, with no master copy)")
     runs = f"AdamW {os.environ.get('PIPER_ADAMW') or stack.optimizer}" + \
         (", expandable segments (CUDA)" if stack.expandable_segments else "")
     name = f" {stack.preset!r}" if stack.preset else ""

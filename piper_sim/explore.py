@@ -443,7 +443,7 @@ class Screener:
             return 0.0, 0.0, str(e)
         layout = Layout(pp=cand.pp, dp=cand.dp, ep=cand.ep, stage_ranks=spec.stage_ranks, tp=cand.tp, cp=cand.cp)
         ctx = Context(setup=None, stages=stages, layout=layout,  # type: ignore[arg-type]
-                      dtype_bytes=DTYPE_BYTES[self.dtype])
+                      dtype_bytes=DTYPE_BYTES[self.dtype], stack=self.stack)
         spec_key = (cand.schedule, cand.pp, cand.microbatches, cand.v)
         counts = self._mb_counts.get(spec_key)
         if counts is None:  # micro-batches per (rank, stage)

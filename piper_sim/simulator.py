@@ -55,6 +55,7 @@ from costmodel.memory import adam_state_bytes
 from costmodel.memory import DEFAULT_HEADROOM_BYTES, memory_need, memory_verdict
 from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
+from costmodel.stack import parse_stack
 from costmodel.stragglers import check_slow_ranks, slowest_factor
 from piper_sim import summary, trace
 from piper_sim.bands import Band, band_for, run_class
@@ -533,7 +534,8 @@ class _Engine:
             elif ins.kind == "OPT" and ins.flops == 0 and ins.bytes == 0 and hasattr(cm, "optimizer_time"):
                 # the plan carries no optimizer cost: Adam on the class's local parameter shard
                 pbytes = DTYPE_BYTES.get(self.dtype, 2)
-                params = cls.static_memory.get("optimizer_bytes", 0.0) / adam_state_bytes(pbytes)
+                stack = parse_stack(self.plan.header.stack or None, "plan meta.stack")
+                params = cls.static_memory.get("optimizer_bytes", 0.0) / adam_state_bytes(pbytes, stack)
                 t = cm.optimizer_time(params / max(1, n_opt))
             else:
                 gemm = tuple(ins.gemm) if ins.gemm else None

@@ -29,7 +29,7 @@ from typing import Any
 
 from costmodel.dtypes import TRAINING_DTYPES, training_dtype
 from costmodel.names import unknown_name, unknown_names
-from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, parse_stack, stack_to_strategy
+from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, check_stack_dtype, parse_stack, stack_to_strategy
 from piper_sim import checks
 from piper_sim.checks import StrategyError  # noqa: F401  (defined there so piper_sim.layouts needs no strategy)
 
@@ -328,6 +328,7 @@ def parse_strategy(data: Any) -> Strategy:
         raise StrategyError(f"strategy field 'name' must be a string (got {data['name']!r})")
     try:
         stack = parse_stack(data.get("stack"))
+        check_stack_dtype(stack, dtype)
     except StackError as e:
         raise StrategyError(f"{e}") from None
     directives = [check_directive(d, i) for i, d in enumerate(directives)]

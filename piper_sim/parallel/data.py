@@ -4,7 +4,7 @@ step's cost and the model states a rank holds."""
 
 from __future__ import annotations
 
-from costmodel.compute import ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM, optimizer_bytes_ratio
+from costmodel.compute import ADAM_FLOPS_PER_PARAM, adam_step_bytes, optimizer_bytes_ratio
 from costmodel.memory import adam_state_bytes, bucket_sizes, model_state_bytes
 from piper_sim.checks import MAX_BUCKETS_PER_STAGE
 from piper_sim.ir import Context, Node, TrainingDAG, is_inner, make_op
@@ -297,7 +297,7 @@ def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:
             continue
         local = sum(count / (n if zero else 1) for count, n in ctx.param_groups(ins.stage))
         ins.flops = ADAM_FLOPS_PER_PARAM * local
-        ins.bytes = ADAM_BYTES_PER_PARAM * local * optimizer_bytes_ratio(ctx.stack.optimizer)
+        ins.bytes = adam_step_bytes(ctx.stack, ctx.dtype_bytes) * local * optimizer_bytes_ratio(ctx.stack.optimizer)
 
 
 def prefetch_edges(ctx: Context, dag: TrainingDAG) -> None:
@@ -311,16 +311,18 @@ def prefetch_edges(ctx: Context, dag: TrainingDAG) -> None:
 
 
 def static_memory(ctx: Context, pp_rank: int, zero: int) -> dict[str, float]:
-    """Parameters, gradients and optimizer state a rank holds for the whole step."""
+    """Parameters, gradients and optimizer state a rank holds for the whole step, in the
+    dtypes the stack stores them (``grad_dtype``, ``master_dtype``, ``moment_dtype``)."""
     total = {"params_bytes": 0.0, "grads_bytes": 0.0, "optimizer_bytes": 0.0}
     pbytes = ctx.dtype_bytes
-    optim = adam_state_bytes(pbytes)
+    gbytes = ctx.stack.grad_bytes(pbytes)
+    optim = adam_state_bytes(pbytes, ctx.stack)
     for s, ranks in ctx.layout.stage_ranks.items():
         if pp_rank not in ranks:
             continue
         for count, n in ctx.param_groups(s):
             if count:
-                m = model_state_bytes(count, n, zero, param_bytes=pbytes, grad_bytes=pbytes, optim_bytes=optim)
+                m = model_state_bytes(count, n, zero, param_bytes=pbytes, grad_bytes=gbytes, optim_bytes=optim)
                 for k in total:
                     total[k] += m[k]
     return total
