@@ -7,6 +7,7 @@ from __future__ import annotations
 from costmodel.compute import ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM, optimizer_bytes_ratio
 from costmodel.memory import adam_state_bytes, bucket_sizes, model_state_bytes
 from piper_sim.checks import MAX_BUCKETS_PER_STAGE
+from piper_sim.fp8 import weight_cast_bytes
 from piper_sim.ir import Context, Node, TrainingDAG, is_inner, make_op
 from piper_sim.plan import BACKWARD_KINDS, COMPUTE_KINDS, SPLIT_KINDS, WEIGHT_GRAD_KINDS, Instruction
 from piper_sim.profiling import SegmentCost
@@ -285,7 +286,8 @@ def _buckets(param_bytes: float, bucket_mb: float | None, n_units: int) -> list[
 
 
 def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:
-    """Cost of each OPT: AdamW over the parameters this rank updates (its ZeRO shard)."""
+    """Cost of each OPT: AdamW over the parameters this rank updates (its ZeRO shard), and
+    under an FP8 stack the step's weight casts (`piper_sim.fp8.weight_cast_bytes`)."""
     zero = ctx.setup.zero
     for n in dag.g.nodes:
         ins = dag.ins(n)
@@ -294,6 +296,7 @@ def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:
         local = sum(count / (n if zero else 1) for count, n in ctx.param_groups(ins.stage))
         ins.flops = ADAM_FLOPS_PER_PARAM * local
         ins.bytes = ADAM_BYTES_PER_PARAM * local * optimizer_bytes_ratio(ctx.stack.optimizer)
+        ins.bytes += weight_cast_bytes(ctx, ins.stage)
 
 
 def prefetch_edges(ctx: Context, dag: TrainingDAG) -> None:
