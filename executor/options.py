@@ -314,6 +314,8 @@ def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
         ignored.append(f"dropout {stack.dropout:g} (the model's dropout runs)")
     if stack.reduce_dtype != DEFAULT.reduce_dtype:
         ignored.append(f"reduce_dtype {stack.reduce_dtype} (gradients are reduced in the plan's dtype)")
+    if stack.fp8 != DEFAULT.fp8:
+        ignored.append(f"fp8 {stack.fp8} (simulate-only: the linears run in the plan's dtype)")
     runs = f"AdamW {os.environ.get('PIPER_ADAMW') or stack.optimizer}" + \
         (", expandable segments (CUDA)" if stack.expandable_segments else "")
     name = f" {stack.preset!r}" if stack.preset else ""
