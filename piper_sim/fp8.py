@@ -26,24 +26,23 @@ Quantisation kernels (memory-bound rows ``fp8_quantize_*``, `costmodel.fp8.Cast`
 distinct input tensor once in the forward (rowwise and columnwise copies; q/k/v, gate/up and
 MLA's two down-projections read one tensor, which Megatron-Core's fused ``linear_qkv`` /
 ``linear_fc1`` quantise once), each linear's output gradient in the input-gradient pass, and
-the weights once per step, priced in the optimizer step (`weight_cast_bytes`).
+the weights once per step, priced in the optimizer step
+(`piper_sim.parallel.data.fp8_weight_cast_bytes`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 from costmodel.dtypes import dtype_bytes
 from costmodel.fp8 import cast_of
 from piper_sim import kernels
+from piper_sim.configs import ModelConfig
 from piper_sim.recompute import layer_table
 
-if TYPE_CHECKING:
-    from piper_sim.configs import ModelConfig
-    from piper_sim.ir import Context
-    from piper_sim.profiling import SegmentCost
+Segment = TypeVar("Segment")  # a piper_sim.profiling.SegmentCost (not imported: profiling imports this module)
 
 FP8_KINDS = ("dense", "moe_pre", "moe_experts")
 NOT_FP8 = ("router",)  # MoE gating stays in the model (or router) dtype [DSV3 §3.3][MCore router.py]
@@ -98,16 +97,17 @@ def _mem(name: str, per_call: float, dtype: str, calls: int) -> tuple:
     return ("mem", name, (round(per_call),), dtype, calls, 0.0, float(round(per_call) * calls))
 
 
-def to_fp8(rows: tuple, shapes: dict[tuple[int, int, int], int], dtype: str) -> tuple:
-    """``rows`` with up to ``shapes[(m, n, k)]`` calls of each linear GEMM shape in FP8: one byte
-    per operand element, the output in the model dtype."""
+def to_fp8(rows: tuple, shapes: dict[tuple[int, int, int], int] | None, dtype: str) -> tuple:
+    """``rows`` with up to ``shapes[(m, n, k)]`` calls of each linear GEMM shape in FP8 (``None``:
+    every linear GEMM, the routed experts'): one byte per operand element, the output in the
+    model dtype."""
     out = []
-    left = dict(shapes)
+    left = dict(shapes or {})
     for cls, name, shape, dt, count, flops, nbytes in rows:
-        take = min(count, left.get(tuple(shape[:3]), 0)) if cls == "gemm" and name in LINEAR_GEMMS \
-            and shape[3] == 1 else 0
+        linear = cls == "gemm" and name in LINEAR_GEMMS and shape[3] == 1
+        take = 0 if not linear else count if shapes is None else min(count, left.get(tuple(shape[:3]), 0))
         if take:
-            left[tuple(shape[:3])] -= take
+            left[tuple(shape[:3])] = left.get(tuple(shape[:3]), 0) - take
             m, n, k, b = shape
             out.append((cls, name, shape, "fp8", take, flops * take / count,
                         float(take * b * (m * k + k * n + m * n * dtype_bytes(dtype)))))
@@ -127,39 +127,25 @@ def _shapes(linears: list[Linear], order: tuple[int, int, int]) -> dict[tuple[in
     return acc
 
 
-def apply(cost: SegmentCost, cfg: ModelConfig, kind: str, micro_batch: int, seq: int, recipe: str, family: str,
-          dtype: str) -> SegmentCost:
+def apply(cost: Segment, cfg: ModelConfig, kind: str, micro_batch: int, seq: int, recipe: str, family: str,
+          dtype: str) -> Segment:
     """``cost`` with its block linears in FP8 and the recipe's casts added (other kinds unchanged)."""
     if recipe == "none" or kind not in FP8_KINDS:
         return cost
     linears = block_linears(cfg, kind, micro_batch, seq)
     q_f, q_bi = quantize_rows(linears, recipe, family, dtype)
+    experts = kind == "moe_experts"  # the expert MLP's GEMMs only: all of them (counts as profiling scaled them)
+
+    def shapes(order: tuple[int, int, int]) -> dict | None:
+        return None if experts else _shapes(linears, order)
+
     return replace(cost,
-                   kernels_f=kernels.merge(to_fp8(cost.kernels_f, _shapes(linears, (0, 1, 2)), dtype), q_f),
-                   kernels_bi=kernels.merge(to_fp8(cost.kernels_bi, _shapes(linears, (0, 2, 1)), dtype), q_bi),
-                   kernels_bw=to_fp8(cost.kernels_bw, _shapes(linears, (1, 2, 0)), dtype))
+                   kernels_f=kernels.merge(to_fp8(cost.kernels_f, shapes((0, 1, 2)), dtype), q_f),
+                   kernels_bi=kernels.merge(to_fp8(cost.kernels_bi, shapes((0, 2, 1)), dtype), q_bi),
+                   kernels_bw=to_fp8(cost.kernels_bw, shapes((1, 2, 0)), dtype))
 
 
 def fp8_weight_tensors(rows: tuple) -> list[tuple[int, int]]:
     """(elements of one weight, weights) of each FP8 GEMM row of a forward table (a linear's
     forward call reads one weight ``[n, k]``)."""
     return [(r[2][1] * r[2][2] * r[2][3], r[4]) for r in rows if r[0] == "gemm" and r[3] == "fp8"]
-
-
-def weight_cast_bytes(ctx: Context, stage: int) -> float:
-    """Bytes one step's weight casts move on a rank of ``stage``: each FP8 weight quantised once
-    per step (TE's weight cache over a step's micro-batches, Megatron-Core ``is_first_microbatch``;
-    with ``fp8_param_gather`` after the optimizer step), over the parameters the rank updates
-    (its ZeRO shard, its experts under expert parallelism), as the optimizer step counts them."""
-    recipe = ctx.stack.fp8
-    if recipe == "none":
-        return 0.0
-    cast, src = cast_of(recipe, ctx.gpu_family, "weight"), ctx.dtype_bytes
-    zero, ep = ctx.setup.zero, ctx.layout.ep
-    total = 0.0
-    for seg in ctx.stages[stage].segments:
-        share = ep if seg.is_expert else 1  # a rank holds 1/EP of the experts (ctx.param_groups)
-        group = ctx.shard_size(stage) // share
-        whole = sum(n * cast.nbytes(elements, src) for elements, n in fp8_weight_tensors(seg.kernels_f))
-        total += whole / share / (group if zero else 1)
-    return total

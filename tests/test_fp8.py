@@ -9,8 +9,9 @@ import pytest
 
 from costmodel.stack import Stack, StackError, parse_stack
 from piper_sim.api import compile
-from piper_sim.configs import get_config
-from piper_sim.profiling import profile_model
+from piper_sim.configs import ZOO, get_config, tp_shard
+from piper_sim.fp8 import block_linears
+from piper_sim.profiling import profile_model, segment_kind
 from piper_sim.simulator import simulate
 from piper_sim.strategy import StrategyError
 
@@ -64,6 +65,18 @@ def test_fp8_moves_exactly_the_block_linears_deepseek_v3():
     _check_moved(get_config("deepseek-v3"), "mxfp8", "blackwell",
                  {"embed": 0, "layers": 8, "pre": 8, "experts": 3 * 256, "head": 0},
                  {"embed": 0, "layers": 0, "pre": 1, "experts": 0, "head": 1})
+
+
+@pytest.mark.parametrize("name, tp", [(n, 1) for n in sorted(ZOO)] + [("llama3-70b", 8), ("qwen3-moe-9b", 4)])
+def test_every_zoo_layer_matches_its_linears(name, tp):
+    """Every linear of the closed-form layer list (piper_sim.recompute.layer_table) finds its GEMM
+    in the profile, in each pass, for every zoo model (and a tensor-parallel shard)."""
+    cfg = tp_shard(get_config(name), tp, tp > 1)
+    for seg in profile_model(cfg, 1, 256, "bf16", Stack(fp8="tensorwise")):
+        kind = segment_kind(cfg, seg.name)
+        if kind in ("dense", "moe_pre"):
+            want = len(block_linears(cfg, kind, 1, 256))
+            assert [_calls(rows, "fp8") for rows in _passes(seg).values()] == [want] * 3, seg.name
 
 
 def test_unfused_attention_bmms_stay_in_the_model_dtype():
