@@ -40,6 +40,12 @@ Fields (``STACK_FIELDS`` below holds each one's choices):
                   ``--tp-comm-overlap`` userbuffers, torchtitan async TP): a layer's collectives
                   run while it computes (slowing it, ``GPU.overlap_slowdown``), the next layer
                   waits for them; off: the next GEMM waits for each collective (simulate-only)
+``fp8``           the FP8 recipe of the transformer blocks' linear layers (`costmodel.fp8`):
+                  ``none``, ``tensorwise`` (current scaling: TE ``Float8CurrentScaling``,
+                  torchao/torchtitan float8), ``blockwise`` (1x128 / 128x128 blocks: TE
+                  ``Float8BlockScaling``, DeepSeek-V3 §3.3.1; Hopper), ``mxfp8`` (TE
+                  ``MXFP8BlockScaling``; Blackwell); embedding, output head, router and
+                  attention stay in the model dtype (simulate-only)
 
 Megatron-Core's distributed optimizer (megatron-core 0.16.1, ``megatron/core/optimizer/``) in
 these fields, bf16 parameters:
@@ -73,6 +79,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from costmodel.fp8 import RECIPES as FP8_RECIPES, unsupported as fp8_unsupported
 from costmodel.names import unknown_name, unknown_names
 
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
@@ -106,12 +113,16 @@ class Stack:
     master_dtype: str = "fp32"
     moment_dtype: str = "fp32"
     tp_overlap: bool = False
+    fp8: str = "none"  # FP8 recipe of the block linears (costmodel.fp8)
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: less fragmentation (costmodel.memory)
     expandable_segments: bool = False
     preset: str = ""  # the preset it started from ("" for none)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.fp8 == "none":  # absent: plans of stacks without FP8 read as they did before the field
+            del out["fp8"]
+        return out
 
     def describe(self) -> str:
         """One line for ``show``/``simulate``, e.g. ``torchtitan-eager: attention flash2, norms eager, ...``."""
@@ -124,6 +135,8 @@ class Stack:
             parts.append(f"dropout {self.dropout:g}")
         if self.tp_overlap:
             parts.append("TP comm overlapped")
+        if self.fp8 != "none":
+            parts.append(f"fp8 {self.fp8} (block linears)")
         if self.expandable_segments:
             parts.append("expandable segments")
         return (f"{self.preset}: " if self.preset else "") + ", ".join(parts)
@@ -206,6 +219,7 @@ PRESETS: dict[str, Stack] = {
 STACK_FIELDS: dict[str, tuple] = {
     "attention": ATTENTION_KERNELS, "norms": NORM_KERNELS, "optimizer": OPTIMIZERS, "reduce_dtype": REDUCE_DTYPES,
     "grad_dtype": GRAD_DTYPES, "master_dtype": MASTER_DTYPES, "moment_dtype": MOMENT_DTYPES,
+    "fp8": FP8_RECIPES,
 }
 _ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap", "expandable_segments"}
 
@@ -271,8 +285,14 @@ def check_stack_dtype(stack: Stack, dtype: str, where: str = "strategy field 'st
 
 
 def check_stack_on(stack: Stack, gpu, where: str = "strategy field 'stack'") -> None:
-    """Refuse a kernel the cluster's GPU (a ``costmodel.hardware.GPU``) cannot run: FA3 off Hopper."""
+    """Refuse a kernel the cluster's GPU (a ``costmodel.hardware.GPU``) cannot run: FA3 off Hopper,
+    an FP8 recipe off the GPU families it runs on (`costmodel.fp8.RECIPE_FAMILIES`)."""
     hopper = gpu.name.upper().startswith(("H100", "H200", "H800", "GH200"))
     if stack.attention in HOPPER_ONLY and not hopper:
         raise StackError(f"{where}: attention {stack.attention!r} runs on Hopper GPUs only (H100/H200/H800), "
                          f"not {gpu.name}; use flash2, cudnn, triton or unfused")
+    why = fp8_unsupported(stack.fp8, gpu.family, "fp8" in gpu.peak_flops)
+    if why:
+        fits = [r for r in FP8_RECIPES[1:] if not fp8_unsupported(r, gpu.family, "fp8" in gpu.peak_flops)]
+        raise StackError(f"{where}: fp8 {stack.fp8!r} {why}, not {gpu.name} ({gpu.family}); "
+                         f"use fp8 {' or '.join(fits + ['none'])}")

@@ -331,6 +331,8 @@ def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
     if stored:  # the units are built in the plan's dtype; torch's AdamW state follows the parameters
         ignored.append(", ".join(stored) + " (simulate-only: gradients and AdamW's moments are kept in the plan's "
                        "dtype, with no master copy)")
+    if stack.fp8 != DEFAULT.fp8:
+        ignored.append(f"fp8 {stack.fp8} (simulate-only: the linears run in the plan's dtype)")
     runs = f"AdamW {os.environ.get('PIPER_ADAMW') or stack.optimizer}" + \
         (", expandable segments (CUDA)" if stack.expandable_segments else "")
     name = f" {stack.preset!r}" if stack.preset else ""

@@ -269,16 +269,17 @@ def _check_tp_selection(cfg: ModelConfig | UserModel, setup: Setup) -> None:
 
 
 def _tp_segments(cfg: ModelConfig, setup: Setup, mbs: int, seq: int, dtype: str,
-                 stack: Stack) -> tuple[list[SegmentCost], dict[str, SegmentMemory]]:
+                 stack: Stack, family: str) -> tuple[list[SegmentCost], dict[str, SegmentMemory]]:
     """The segments one tensor-parallel rank runs and their memory: each sharded segment
     profiled on the rank's shard of the config (`tp_shard`), each unselected one on the whole
-    config (replicated over the TP group: whole parameters, whole GEMMs)."""
+    config (replicated over the TP group: whole parameters, whole GEMMs). ``family``: the GPU
+    family FP8 casts are priced for (`piper_sim.fp8`)."""
     shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
-    segments = profile_model(shard, mbs, seq, dtype, stack)
+    segments = profile_model(shard, mbs, seq, dtype, stack, family)
     memory = model_memory(shard, segments, mbs, seq, dtype, stack)
     if not setup.tp_partial:
         return segments, memory
-    whole = profile_model(cfg, mbs, seq, dtype, stack)
+    whole = profile_model(cfg, mbs, seq, dtype, stack, family)
     whole_memory = model_memory(cfg, whole, mbs, seq, dtype, stack)
     keep = [setup.tp_sharded(x.unit) for x in segments]
     return ([x if k else y for x, y, k in zip(segments, whole, keep)],
@@ -294,8 +295,17 @@ def build_dag(strategy: Strategy, folded: bool = True,
     cp = setup.cp
     seq = strategy.seq_len // cp  # the tokens of each sequence a rank holds
     kv_bytes = 0.0
+    gpu = parse_cluster(strategy.cluster).gpu
+    try:
+        check_stack_on(strategy.stack, gpu)
+    except StackError as e:
+        raise StrategyError(str(e)) from None
     if isinstance(cfg, UserModel):
         from piper_sim.user_profiling import profile_user_model, user_model_memory
+
+        if strategy.stack.fp8 != "none":
+            raise StrategyError(f"strategy field 'stack': fp8 {strategy.stack.fp8!r} applies to the transformer "
+                                "blocks of zoo and config models, not a user nn.Module; use fp8 none")
 
         dtype = torch_dtype(dtype)
         segments = profile_user_model(cfg, mbs, strategy.seq_len, dtype)
@@ -303,22 +313,18 @@ def build_dag(strategy: Strategy, folded: bool = True,
     else:
         shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
         # one context-parallel rank's share: seq / cp tokens, attention against the whole sequence
-        tp_segs, tp_memory = _tp_segments(cfg, setup, mbs, seq, dtype, strategy.stack)
+        tp_segs, tp_memory = _tp_segments(cfg, setup, mbs, seq, dtype, strategy.stack, gpu.family)
         segments = cp_segments(tp_segs, cp)
         memory = cp_memory(tp_memory, cp)
         if cp > 1:
             kv_bytes = gathered_kv_bytes(shard, mbs, strategy.seq_len, DTYPE_BYTES[strategy.dtype])
     if isinstance(cfg, ModelConfig):
         _check_layout_mtp(strategy, cfg)
-    gpu = parse_cluster(strategy.cluster).gpu
-    try:
-        check_stack_on(strategy.stack, gpu)
-    except StackError as e:
-        raise StrategyError(str(e)) from None
     ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage, gpu),
                   layout=layout, dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded,
                   memory=memory,
-                  micro_batch=mbs, seq_len=seq, hidden=cfg.hidden, kv_bytes=kv_bytes, stack=strategy.stack)
+                  micro_batch=mbs, seq_len=seq, hidden=cfg.hidden, kv_bytes=kv_bytes, stack=strategy.stack,
+                  gpu_family=gpu.family)
     dag = TrainingDAG()
     run_passes(ctx, dag, passes())
     return dag, ctx, cfg
@@ -575,7 +581,8 @@ def _model_flops(ctx: Context, strategy: Strategy, cfg: ModelConfig) -> float:
     """Useful training flops of one step (forward + backward, no recompute), all replicas
     (under tensor or context parallelism those of the whole model and sequence, not of a rank's shard)."""
     if ctx.layout.tp > 1 or ctx.layout.cp > 1:
-        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, strategy.dtype, strategy.stack)
+        segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, strategy.dtype, strategy.stack,
+                                 ctx.gpu_family)
     else:
         segments = [x for sc in ctx.stages for x in sc.segments]
     per_mb = sum(x.fwd_flops + x.bwd_input_flops + x.bwd_weight_flops for x in segments)

@@ -349,7 +349,7 @@ class Screener:
 
             shard = tp_shard(self.cfg, tp, sp)
             seq = self.settings["seq_len"] // cp
-            segments = cp_segments(profile_model(shard, mbs, seq, self.dtype, self.stack), cp)
+            segments = cp_segments(profile_model(shard, mbs, seq, self.dtype, self.stack, self.gpu.family), cp)
             self._profiles[key] = (segments, cp_memory(model_memory(shard, segments, mbs, seq, self.dtype, self.stack),
                                                        cp))
         return self._profiles[key]

@@ -86,6 +86,7 @@ class Context:
     hidden: int = 0
     kv_bytes: float = 0.0  # context parallel: one layer's K and V gathered over the cp group, per micro-batch
     stack: Stack = DEFAULT_STACK  # the kernels the run executes (costmodel.stack)
+    gpu_family: str = "hopper"  # the cluster GPU's family (costmodel.hardware): what FP8 casts move
 
     @property
     def grad_reduce_scale(self) -> float:

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from costmodel.dtypes import dtype_name, torch_dtype
 from costmodel.stack import DEFAULT as DEFAULT_STACK, ProfileKernels, Stack
 from piper_sim.profile_cache import on_disk
-from piper_sim import kernels
+from piper_sim import fp8, kernels
 from piper_sim.configs import ModelConfig, layer_of_kind, unit_names, unit_segments
 
 if TYPE_CHECKING:  # torch loads only where a segment is measured (a profile cache miss)
@@ -317,7 +317,7 @@ def segment_kind(cfg: ModelConfig, segment: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
-                   stack: Stack) -> tuple[SegmentCost, ...]:
+                   stack: Stack, family: str = "hopper") -> tuple[SegmentCost, ...]:
     out = []
     run = stack.profile_key()
     for unit in unit_names(cfg):
@@ -327,6 +327,10 @@ def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
             if unit.startswith("mtp."):  # priced as an MTP module's own pieces (same kinds elsewhere)
                 kind = MTP_PROFILE_KINDS[kind]
             cost = _name_attention(profile_kind(cfg, kind, micro_batch, seq_len, dtype, windowed, run), stack)
+            # an MTP module's layer runs in FP8 as the model's do (Megatron-Core's MTP takes the global
+            # fp8 context); its eh_proj stays in the model dtype here (a small 2h x h GEMM)
+            block = {"mtp_pre": "moe_pre", "mtp_dense": "dense"}.get(kind, kind)
+            cost = fp8.apply(cost, cfg, block, micro_batch, seq_len, stack.fp8, family, dtype)
             out.append(replace(cost, name=seg, unit=unit))
     return tuple(out)
 
@@ -348,10 +352,13 @@ def _name_attention(cost: SegmentCost, stack: Stack) -> SegmentCost:
 
 def profile_model(
     cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str | torch.dtype = "bf16", stack: Stack = DEFAULT_STACK,
+    family: str = "hopper",
 ) -> list[SegmentCost]:
     """Segment costs in model order (embed, layer segments..., head), for one micro-batch;
     ``dtype`` a name (``"bf16"``) or a ``torch.dtype``; ``stack`` the kernels the run executes
-    (``costmodel.stack``; default FA2 and fused norms)."""
+    (``costmodel.stack``; default FA2 and fused norms); ``family`` the GPU family
+    (``costmodel.hardware.GPU.family``) its FP8 casts are priced for (`piper_sim.fp8`)."""
     if micro_batch < 1 or seq_len < 1:
         raise ValueError(f"micro_batch and seq_len must be >= 1 (got {micro_batch}, {seq_len})")
-    return list(_profile_model(cfg, micro_batch, seq_len, dtype_name(dtype), stack))
+    return list(_profile_model(cfg, micro_batch, seq_len, dtype_name(dtype), stack,
+                               family if stack.fp8 != "none" else ""))

@@ -157,6 +157,10 @@ def test_a_failing_strategy_is_reported_not_raised(suite):
     assert r.status == "error" and "\n" not in r.message and r.message
 
 
+def _entry(data: dict, eid: str) -> dict:
+    return next(e for e in data["entries"] if e["id"] == eid)
+
+
 def _write(tmp_path: Path, data) -> str:
     p = tmp_path / "suite.yaml"
     p.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
@@ -171,6 +175,12 @@ def _write(tmp_path: Path, data) -> str:
     (lambda d: d["rankings"][0]["faster"].reverse(), "contradicts the published numbers"),
     (lambda d: d["rankings"][0]["faster"].append("nope"), "unknown entry id 'nope'"),
     (lambda d: d["models"]["mpt-7b"].update(hiden=1), "models.mpt-7b"),
+    # an fp8 run names its recipe in the stack (which GEMMs run in FP8, what the casts move)
+    (lambda d: _entry(d, "mb-llama3-8b-fsdp8-h100-fp8")["strategy"]["stack"].pop("fp8"),
+     "precision fp8 with strategy.stack.fp8 'none'"),
+    (lambda d: _entry(d, "mpt-7b-h100x8")["strategy"].update(stack={"fp8": "tensorwise"}),
+     "precision bf16 with strategy.stack.fp8 'tensorwise'"),
+    (lambda d: _entry(d, "mb-dsv3-b200x256-fp8")["strategy"]["stack"].update(fp8="fp4"), "fp8 must be one of"),
 ])
 def test_malformed_suite_exits_2_with_one_line(tmp_path, capsys, breakage, expect):
     data = yaml.safe_load((SUITE_DIR / "suite.yaml").read_text())

@@ -144,6 +144,20 @@ def _check_measurement(item: dict, where: str) -> None:
         _fail(where, f"precision must be one of {', '.join(PRECISIONS)}, got {item['precision']!r}")
 
 
+def _check_fp8(entry: dict, where: str) -> None:
+    """An ``fp8`` run names its recipe in the strategy's stack (``stack.fp8``), a run in another
+    precision none: the recipe decides which GEMMs run in FP8 and what the casts move."""
+    from costmodel.stack import StackError, parse_stack
+
+    try:
+        recipe = parse_stack(entry["strategy"].get("stack"), "strategy.stack").fp8
+    except StackError as e:
+        _fail(where, str(e))
+    if (entry["precision"] == "fp8") != (recipe != "none"):
+        _fail(where, f"precision {entry['precision']} with strategy.stack.fp8 {recipe!r}: an fp8 run sets the "
+                     "recipe its source used (tensorwise, blockwise, mxfp8), any other run leaves it none")
+
+
 def load_suite(path: str | Path = SUITE) -> Suite:
     """Read and check a suite file; raises SuiteError (one line) when it is malformed."""
     import yaml
@@ -187,6 +201,7 @@ def load_suite(path: str | Path = SUITE) -> Suite:
         if not isinstance(e["stack_source"], str) or not e["stack_source"].strip():
             _fail(where, "stack_source must name where the run's stack (attention kernel, norms, optimizer, "
                          "reduce dtype, compile) comes from: the project's config file and line")
+        _check_fp8(e, where)
         if e.get("set", "original") not in SETS:
             _fail(where, f"set must be one of {', '.join(SETS)} (got {e['set']!r})")
         for key in ("published_memory_gib", "published_memory_gb"):
@@ -308,17 +323,15 @@ def _published_memory_gib(entry: dict) -> float | None:
 
 
 def _costmodel_for(entry: dict, strategy: dict, costmodel: str):
-    """The analytic model with what the source says the run did: FP8 GEMMs for an ``fp8``
-    run, and the entry's ``run_options`` (e.g. DeepSeek-V3's node-limited routing and FP8
-    dispatch, as ``{"moe": {...}}`` cost-model overrides). Published facts, not fitted values."""
+    """The analytic model with the entry's ``run_options`` (e.g. DeepSeek-V3's node-limited
+    routing and FP8 dispatch, as ``{"moe": {...}}`` cost-model overrides). Published facts, not
+    fitted values. (An ``fp8`` run's FP8 GEMMs are its strategy's ``stack.fp8`` recipe.)"""
     if costmodel != "analytic":
         return costmodel
     from costmodel.hardware import parse_cluster
     from costmodel.model import AnalyticCostModel
 
     overrides = dict(entry.get("run_options", {}))
-    if entry["precision"] == "fp8":
-        overrides.setdefault("gemm_dtype", "fp8")
     return AnalyticCostModel(parse_cluster(strategy["cluster"]), overrides) if overrides else costmodel
 
 

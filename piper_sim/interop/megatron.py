@@ -315,8 +315,8 @@ def parse(text: str, where: str, cluster: str | None = None, model: Any = None,
     notes: list[str] = []
     files: dict[str, str] = {}
     if FLAGS["fp8"][0] in args or "--fp8-recipe" in args:
-        raise InteropError(f"{where}: --fp8-format: FP8 training does not map (piper-sim strategies train in bf16, "
-                           "fp16 or fp32); remove it to simulate the bf16 job")
+        raise InteropError(f"{where}: --fp8-format does not import; remove it and set the strategy's stack fp8 "
+                           "(--fp8-recipe tensorwise, blockwise or mxfp8) to simulate the FP8 job")
     cluster = cluster or ours.get("cluster")
     if not cluster:
         raise InteropError(f"{where}: Megatron arguments do not hold the world size (WORLD_SIZE); pass --cluster "

@@ -243,8 +243,8 @@ def parse(text: str, where: str, cluster: str | None = None, model: Any = None) 
     notes: list[str] = []
     ours = read_comment(text.splitlines(), where)
     if FLOAT8 in _get(data, "converters", []) or "float8" in _get(data, "converters", []):
-        raise InteropError(f"{where}: model.converters float8: float8 training does not map (piper-sim strategies "
-                           "train in bf16, fp16 or fp32); remove the converter to simulate the bf16 job")
+        raise InteropError(f"{where}: model.converters float8 does not import; remove the converter and set the "
+                           "strategy's stack fp8 (torchao's default float8 is tensorwise) to simulate the FP8 job")
     pp, tp, cp = (_int(data, k, 1, where) for k in ("pp", "tp", "cp"))
     ep, etp = _int(data, "ep", 1, where), _int(data, "etp", 1, where)
     rep, shard = _int(data, "dp_replicate", 1, where), _int(data, "dp_shard", -1, where)

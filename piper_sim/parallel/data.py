@@ -5,8 +5,10 @@ step's cost and the model states a rank holds."""
 from __future__ import annotations
 
 from costmodel.compute import ADAM_FLOPS_PER_PARAM, adam_step_bytes, optimizer_bytes_ratio
+from costmodel.fp8 import cast_of
 from costmodel.memory import adam_state_bytes, bucket_sizes, model_state_bytes
 from piper_sim.checks import MAX_BUCKETS_PER_STAGE
+from piper_sim.fp8 import fp8_weight_tensors
 from piper_sim.ir import Context, Node, TrainingDAG, is_inner, make_op
 from piper_sim.plan import BACKWARD_KINDS, COMPUTE_KINDS, SPLIT_KINDS, WEIGHT_GRAD_KINDS, Instruction
 from piper_sim.profiling import SegmentCost
@@ -289,7 +291,8 @@ def _buckets(param_bytes: float, bucket_mb: float | None, n_units: int) -> list[
 
 
 def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:
-    """Cost of each OPT: AdamW over the parameters this rank updates (its ZeRO shard)."""
+    """Cost of each OPT: AdamW over the parameters this rank updates (its ZeRO shard), and
+    under an FP8 stack the step's weight casts (`fp8_weight_cast_bytes`)."""
     zero = ctx.setup.zero
     for n in dag.g.nodes:
         ins = dag.ins(n)
@@ -298,6 +301,25 @@ def optimizer_pass(ctx: Context, dag: TrainingDAG) -> None:
         local = sum(count / (n if zero else 1) for count, n in ctx.param_groups(ins.stage))
         ins.flops = ADAM_FLOPS_PER_PARAM * local
         ins.bytes = adam_step_bytes(ctx.stack, ctx.dtype_bytes) * local * optimizer_bytes_ratio(ctx.stack.optimizer)
+        ins.bytes += fp8_weight_cast_bytes(ctx, ins.stage)
+
+
+def fp8_weight_cast_bytes(ctx: Context, stage: int) -> float:
+    """Bytes one step's FP8 weight casts move on a rank of ``stage`` (`costmodel.fp8`): each FP8
+    weight quantised once per step (TE's weight cache over a step's micro-batches, Megatron-Core
+    ``is_first_microbatch``; with ``fp8_param_gather`` after the optimizer step), over the
+    parameters the rank updates (its ZeRO shard, its experts under expert parallelism), as
+    `optimizer_pass` counts them."""
+    if ctx.stack.fp8 == "none":
+        return 0.0
+    cast, src = cast_of(ctx.stack.fp8, ctx.gpu_family, "weight"), ctx.dtype_bytes
+    total = 0.0
+    for seg in ctx.stages[stage].segments:
+        share = ctx.layout.ep if seg.is_expert else 1  # a rank holds 1/EP of the experts (ctx.param_groups)
+        group = ctx.shard_size(stage) // share
+        whole = sum(n * cast.nbytes(elements, src) for elements, n in fp8_weight_tensors(seg.kernels_f))
+        total += whole / share / (group if ctx.setup.zero else 1)
+    return total
 
 
 def prefetch_edges(ctx: Context, dag: TrainingDAG) -> None:
