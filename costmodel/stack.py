@@ -36,6 +36,10 @@ Fields (``STACK_FIELDS`` below holds each one's choices):
                   optimizer updates the compute-dtype parameters themselves)
 ``moment_dtype``  dtype of AdamW's exp_avg and exp_avg_sq (``fp32`` or ``bf16``: Megatron's
                   ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` under ``use_precision_aware_optimizer``)
+``rope``          rotary embedding as ``eager`` torch ops (mul, neg, cat, add on q and k) or one
+                  ``fused`` kernel (Megatron-Core ``apply_rope_fusion``, Inductor under compile)
+``swiglu``        SwiGLU's ``silu(gate) * up`` as ``eager`` torch ops or one ``fused`` kernel
+                  (Megatron-Core ``bias_activation_fusion``: ``bias_swiglu_impl``; Inductor)
 ``tp_overlap``    tensor-parallel collectives overlapped with the layer's GEMMs (Megatron-Core
                   ``--tp-comm-overlap`` userbuffers, torchtitan async TP): a layer's collectives
                   run while it computes (slowing it, ``GPU.overlap_slowdown``), the next layer
@@ -84,6 +88,7 @@ from costmodel.names import unknown_name, unknown_names
 
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
 NORM_KERNELS = ("fused", "eager")
+POINTWISE_KERNELS = ("eager", "fused")  # rope, swiglu
 OPTIMIZERS = ("fused", "foreach")
 REDUCE_DTYPES = ("compute", "fp32")
 GRAD_DTYPES = ("compute", "fp32")
@@ -112,6 +117,8 @@ class Stack:
     grad_dtype: str = "compute"
     master_dtype: str = "fp32"
     moment_dtype: str = "fp32"
+    rope: str = "eager"
+    swiglu: str = "eager"
     tp_overlap: bool = False
     fp8: str = "none"  # FP8 recipe of the block linears (costmodel.fp8)
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: less fragmentation (costmodel.memory)
@@ -120,8 +127,10 @@ class Stack:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        if self.fp8 == "none":  # absent: plans of stacks without FP8 read as they did before the field
-            del out["fp8"]
+        # absent at their defaults: plans of stacks without them read as they did before the fields
+        for key, default in (("fp8", "none"), ("rope", "eager"), ("swiglu", "eager")):
+            if out[key] == default:
+                del out[key]
         return out
 
     def describe(self) -> str:
@@ -133,6 +142,9 @@ class Stack:
                 parts.append(f"{label} {getattr(self, name)}")
         if self.dropout is not None:
             parts.append(f"dropout {self.dropout:g}")
+        fused = [k for k in ("rope", "swiglu") if getattr(self, k) == "fused"]
+        if fused:
+            parts.append(f"fused {' and '.join(fused)}")
         if self.tp_overlap:
             parts.append("TP comm overlapped")
         if self.fp8 != "none":
@@ -144,7 +156,7 @@ class Stack:
     def profile_key(self) -> "ProfileKernels":
         """The part of the stack that changes the profiled kernels (the profile cache key)."""
         return ProfileKernels(attention="unfused" if self.attention == "unfused" else "flash", norms=self.norms,
-                              dropout=self.dropout)
+                              dropout=self.dropout, rope=self.rope, swiglu=self.swiglu)
 
     def reduce_bytes(self, dtype_bytes: int) -> int:
         """Bytes per gradient element the reductions move."""
@@ -177,6 +189,8 @@ class ProfileKernels:
     attention: str = "flash"
     norms: str = "fused"
     dropout: float | None = None
+    rope: str = "eager"
+    swiglu: str = "eager"
 
 
 DEFAULT = Stack()
@@ -184,7 +198,7 @@ DEFAULT = Stack()
 # Named stacks. Each value names its source (repository file and line, or paper section).
 PRESETS: dict[str, Stack] = {
     # piper-sim's historical assumption: the best fused kernels everywhere
-    "fused": Stack(preset="fused"),
+    "fused": Stack(rope="fused", swiglu="fused", preset="fused"),
     # torchtitan, compile = false: torch SDPA (flash backend) [torchtitan models/attention.py];
     # RMSNorm as torch's eager decomposition [torchtitan models/norms.py, build_norm("rmsnorm") ->
     # torch.nn.RMSNorm]; AdamW implementation "foreach" [torchtitan config/job_config.py
@@ -192,15 +206,19 @@ PRESETS: dict[str, Stack] = {
     # PYTORCH_ALLOC_CONF="expandable_segments:True" [torchtitan run_train.sh L43 @b5bcd76c]
     "torchtitan": Stack(attention="flash2", norms="eager", compile=False, optimizer="foreach",
                         reduce_dtype="fp32", expandable_segments=True, preset="torchtitan"),
-    # the same with compile = true: Inductor fuses the norms (torchtitan benchmarks/
-    # llama3_h100_202412_torchtitan.md: +15.7% tokens/s from torch.compile)
-    "torchtitan-compile": Stack(attention="flash2", norms="fused", compile=True, optimizer="foreach",
+    # the same with compile = true: Inductor fuses the norms and the pointwise chains of rope and
+    # SwiGLU into generated kernels (torchtitan benchmarks/llama3_h100_202412_torchtitan.md: +15.7%
+    # tokens/s from torch.compile; TorchInductor's pointwise fusion, PyTorch torch.compile docs)
+    "torchtitan-compile": Stack(attention="flash2", norms="fused", rope="fused", swiglu="fused", compile=True,
+                                optimizer="foreach",
                                 reduce_dtype="fp32", expandable_segments=True, preset="torchtitan-compile"),
     # Megatron-Core + Transformer Engine: cuDNN fused attention on Hopper (TE attention backend
     # selection), TE fused norms, Apex/TE fused Adam, grads reduced in fp32
-    # (Megatron-Bridge recipes: grad_reduce_in_fp32 = True)
+    # (Megatron-Bridge recipes: grad_reduce_in_fp32 = True); fused rope and SwiGLU
+    # (Megatron-Bridge @1804c076f src/megatron/bridge/models/llama/llama_provider.py:52-56
+    # bias_activation_fusion, apply_rope_fusion True; gpt_provider.py bias_activation_fusion True)
     "megatron-te": Stack(attention="cudnn", norms="fused", optimizer="fused", reduce_dtype="fp32",
-                         preset="megatron-te"),
+                         rope="fused", swiglu="fused", preset="megatron-te"),
     # Megatron-LM of 2023 and its forks without --use-flash-attn (Zero Bubble v0.1.0
     # examples/pretrain_zero_bubble.sh): unfused CoreAttention, Apex fused LayerNorm, fused
     # Adam, attention and hidden dropout 0.1 (megatron/arguments.py defaults of that era)
@@ -219,7 +237,7 @@ PRESETS: dict[str, Stack] = {
 STACK_FIELDS: dict[str, tuple] = {
     "attention": ATTENTION_KERNELS, "norms": NORM_KERNELS, "optimizer": OPTIMIZERS, "reduce_dtype": REDUCE_DTYPES,
     "grad_dtype": GRAD_DTYPES, "master_dtype": MASTER_DTYPES, "moment_dtype": MOMENT_DTYPES,
-    "fp8": FP8_RECIPES,
+    "fp8": FP8_RECIPES, "rope": POINTWISE_KERNELS, "swiglu": POINTWISE_KERNELS,
 }
 _ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap", "expandable_segments"}
 
@@ -256,8 +274,9 @@ def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
         if not isinstance(value["compile"], bool):
             raise StackError(f"{where}: compile must be true or false (got {value['compile']!r})")
         fields["compile"] = value["compile"]
-        if value["compile"] and "norms" not in value:
-            fields["norms"] = "fused"  # Inductor fuses the norm's decomposition
+        for key in ("norms", "rope", "swiglu"):
+            if value["compile"] and key not in value:
+                fields[key] = "fused"  # Inductor fuses the norm's decomposition and the pointwise chains
     if "dropout" in value:
         p = value["dropout"]
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1):
@@ -271,8 +290,8 @@ def stack_to_strategy(stack: Stack) -> dict[str, Any]:
     base = PRESETS[stack.preset] if stack.preset else DEFAULT
     out: dict[str, Any] = {"preset": stack.preset} if stack.preset else {}
     out.update({k: v for k, v in stack.to_json().items() if k != "preset" and v != getattr(base, k)})
-    if "compile" in out:  # compile sets the norms unless they are given: give them
-        out["norms"] = stack.norms
+    if "compile" in out:  # compile sets the norms, rope and swiglu unless they are given: give them
+        out.update(norms=stack.norms, rope=stack.rope, swiglu=stack.swiglu)
     return out
 
 

@@ -240,8 +240,45 @@ def rope_cos_sin(seq: int, dim: int, theta: float, device, dtype) -> tuple[torch
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: ``[B, heads, seq, dim]``."""
+    if x.device.type == "meta" and _KERNELS.rope == "fused":
+        return _MetaFusedRoPE.apply(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class _MetaFusedRoPE(torch.autograd.Function):
+    """Meta stand-in for a fused rotary-embedding kernel (Megatron-Core ``apply_rope_fusion``, TE's
+    fused RoPE): one kernel reading ``x`` and writing the rotated ``x``; it keeps only the tables
+    (the rotation is linear), its backward rotates the gradient back in one kernel."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        note_kernel("rope", 2 * x.numel() * x.element_size(), x.dtype)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        note_kernel("rope_backward", 2 * grad.numel() * grad.element_size(), grad.dtype)
+        return torch.empty_like(grad), None, None
+
+
+class _MetaFusedSwiGLU(torch.autograd.Function):
+    """Meta stand-in for a fused SwiGLU kernel (Megatron-Core ``bias_swiglu_impl``): reads the gate
+    and up projections and writes ``silu(gate) * up``, saving only its two inputs; the backward
+    reads them and the output gradient and writes both input gradients, in one kernel each."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        note_kernel("swiglu", 3 * gate.numel() * gate.element_size(), gate.dtype)
+        return torch.empty_like(gate)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        note_kernel("swiglu_backward", 5 * gate.numel() * gate.element_size(), gate.dtype)
+        return torch.empty_like(gate), torch.empty_like(up)
 
 
 class _MetaFusedSoftmax(torch.autograd.Function):
@@ -415,6 +452,8 @@ class SwiGLU(nn.Module):
         self.w2 = Linear(ffn, hidden, bias)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "meta" and _KERNELS.swiglu == "fused":
+            return self.w2(_MetaFusedSwiGLU.apply(self.w1(x), self.w3(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

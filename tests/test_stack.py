@@ -269,3 +269,31 @@ def test_selective_recompute_follows_the_stack():
     legacy = backward_rows("megatron-legacy")
     assert ("mem", "scaled_masked_softmax") in legacy and not any(c.startswith("attn") for c, _ in legacy)
     assert ("attn_fwd", "cudnn") in backward_rows({"attention": "cudnn"})
+
+
+def test_fused_rope_and_swiglu_are_one_kernel_each():
+    """Megatron-Core's apply_rope_fusion and bias_swiglu (and Inductor under compile): rope reads
+    and writes q and k once, SwiGLU reads gate and up and writes its output, keeping only its two
+    inputs for backward (eager keeps the silu output too)."""
+    eager = profile_kind(LLAMA, "dense", 2, 1024, "bf16")
+    fused = profile_kind(LLAMA, "dense", 2, 1024, "bf16", kernels_run=ProfileKernels(rope="fused", swiglu="fused"))
+    T, ffn, hd = 2 * 1024, LLAMA.ffn, LLAMA.head_dim
+    q_bytes, k_bytes = T * LLAMA.n_heads * hd * 2, T * LLAMA.n_kv_heads * hd * 2
+    assert _mem(fused.kernels_f, {"rope"}) == 2 * (q_bytes + k_bytes)
+    assert _mem(fused.kernels_bi + fused.kernels_bw, {"rope_backward"}) == 2 * (q_bytes + k_bytes)
+    assert _mem(fused.kernels_f, {"swiglu"}) == 3 * T * ffn * 2
+    assert _mem(fused.kernels_bi + fused.kernels_bw, {"swiglu_backward"}) == 5 * T * ffn * 2
+    mem = lambda c: sum(r[6] for rows in (c.kernels_f, c.kernels_bi, c.kernels_bw) for r in rows if r[0] == "mem")
+    assert mem(fused) < mem(eager)
+    assert eager.saved_act_bytes - fused.saved_act_bytes == T * ffn * 2  # silu's output no longer kept
+    assert fused.fwd_flops == eager.fwd_flops  # the same GEMMs
+
+
+def test_presets_and_compile_fuse_rope_and_swiglu():
+    assert (PRESETS["megatron-te"].rope, PRESETS["megatron-te"].swiglu) == ("fused", "fused")
+    assert (PRESETS["torchtitan"].rope, PRESETS["torchtitan"].swiglu) == ("eager", "eager")
+    compiled = parse_stack({"preset": "torchtitan", "compile": True})
+    assert (compiled.norms, compiled.rope, compiled.swiglu) == ("fused", "fused", "fused")
+    assert "rope" not in Stack().to_json() and Stack(rope="fused").to_json()["rope"] == "fused"
+    with pytest.raises(StackError, match="swiglu must be one of eager, fused"):
+        parse_stack({"swiglu": "triton"})
