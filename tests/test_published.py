@@ -62,6 +62,15 @@ def test_ids_are_unique(suite):
     assert len(rids) == len(set(rids))
 
 
+def test_published_memories_say_what_they_count(suite):
+    """Every published peak memory names its kind (the counter the source read) and where."""
+    with_memory = [e for e in suite.entries if "published_memory_gib" in e or "published_memory_gb" in e]
+    assert len(with_memory) >= 10
+    for e in with_memory:
+        assert e["published_memory_kind"] in R.MEMORY_KINDS and e["memory_source"].strip(), e["id"]
+    assert {e["published_memory_kind"] for e in with_memory if e["id"].startswith("tt-")} == {"reserved"}
+
+
 def test_held_back_runs_say_what_they_need(suite):
     assert any("tensor_parallel" in h["needs"] for h in suite.held_back)
     for h in suite.held_back:
@@ -171,6 +180,11 @@ def _write(tmp_path: Path, data) -> str:
     (lambda d: d["rankings"][0]["faster"].reverse(), "contradicts the published numbers"),
     (lambda d: d["rankings"][0]["faster"].append("nope"), "unknown entry id 'nope'"),
     (lambda d: d["models"]["mpt-7b"].update(hiden=1), "models.mpt-7b"),
+    (lambda d: d["entries"][0].update(published_memory_kind="max_active"),
+     "published_memory_kind must be one of allocated, reserved, nvidia-smi (got 'max_active')"),
+    (lambda d: d["entries"][0].pop("published_memory_kind"), "published_memory_kind must be one of"),
+    (lambda d: d["entries"][0].pop("memory_source"), "memory_source must name"),
+    (lambda d: d["entries"][2].update(published_memory_kind="reserved"), "describes a published memory"),
 ])
 def test_malformed_suite_exits_2_with_one_line(tmp_path, capsys, breakage, expect):
     data = yaml.safe_load((SUITE_DIR / "suite.yaml").read_text())

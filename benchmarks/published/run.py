@@ -86,7 +86,11 @@ PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
 ENTRY_REQUIRED = {"id", "source", "metric", "published", "precision", "strategy", "stack_source"}
 ENTRY_OPTIONAL = {"setup", "approximations", "notes", "published_memory_gib", "published_memory_gb", "run_options",
-                  "set", "recompute_source", "layout_source"}
+                  "set", "recompute_source", "layout_source", "published_memory_kind", "memory_source"}
+PUBLISHED_MEMORY_KEYS = ("published_memory_gib", "published_memory_gb")
+# what a published peak memory counts (the suite's `published_memory_kind`): the torch counter it
+# was read from, or nvidia-smi (the process's whole footprint)
+MEMORY_KINDS = ("allocated", "reserved", "nvidia-smi")
 # `set`: "original" (default) or "added-later": runs added after the cost model's constants were
 # fixed, reported apart (the out-of-sample test of constants looked up after seeing the others)
 SETS = ("original", "added-later")
@@ -144,6 +148,30 @@ def _check_measurement(item: dict, where: str) -> None:
         _fail(where, f"precision must be one of {', '.join(PRECISIONS)}, got {item['precision']!r}")
 
 
+def _check_published_memory(e: dict, where: str) -> None:
+    """A published memory is a positive number with the kind it counts and where that is read."""
+    given = [k for k in PUBLISHED_MEMORY_KEYS if k in e]
+    for key in given:
+        if isinstance(e[key], bool) or not isinstance(e[key], (int, float)) or e[key] <= 0:
+            _fail(where, f"{key} must be a positive number")
+    if len(given) > 1:
+        _fail(where, "give one of published_memory_gib and published_memory_gb, not both")
+    if not given:
+        for key in ("published_memory_kind", "memory_source"):
+            if key in e:
+                _fail(where, f"{key} describes a published memory: add published_memory_gib (or _gb) or drop it")
+        return
+    kind = e.get("published_memory_kind")
+    if kind not in MEMORY_KINDS:
+        got = "missing" if kind is None else f"got {kind!r}"
+        _fail(where, f"published_memory_kind must be one of {', '.join(MEMORY_KINDS)} ({got}): what the "
+                     f"source's {given[0]} counts")
+    source = e.get("memory_source")
+    if not isinstance(source, str) or not source.strip():
+        _fail(where, "memory_source must name where the published memory's kind is read: the logging "
+                     "code's file and line")
+
+
 def load_suite(path: str | Path = SUITE) -> Suite:
     """Read and check a suite file; raises SuiteError (one line) when it is malformed."""
     import yaml
@@ -189,9 +217,7 @@ def load_suite(path: str | Path = SUITE) -> Suite:
                          "reduce dtype, compile) comes from: the project's config file and line")
         if e.get("set", "original") not in SETS:
             _fail(where, f"set must be one of {', '.join(SETS)} (got {e['set']!r})")
-        for key in ("published_memory_gib", "published_memory_gb"):
-            if key in e and (isinstance(e[key], bool) or not isinstance(e[key], (int, float)) or e[key] <= 0):
-                _fail(where, f"{key} must be a positive number")
+        _check_published_memory(e, where)
     for i, h in enumerate(held):
         where = f"{path.name}: held_back[{i}]" + (f" ({h.get('id')})" if isinstance(h, dict) else "")
         _check_keys(h, where, HELD_REQUIRED, HELD_OPTIONAL)
