@@ -62,6 +62,15 @@ def test_ids_are_unique(suite):
     assert len(rids) == len(set(rids))
 
 
+def test_published_memories_say_what_they_count(suite):
+    """Every published peak memory names its kind (the counter the source read) and where."""
+    with_memory = [e for e in suite.entries if "published_memory_gib" in e or "published_memory_gb" in e]
+    assert len(with_memory) >= 10
+    for e in with_memory:
+        assert e["published_memory_kind"] in R.MEMORY_KINDS and e["memory_source"].strip(), e["id"]
+    assert {e["published_memory_kind"] for e in with_memory if e["id"].startswith("tt-")} == {"reserved"}
+
+
 def test_held_back_runs_say_what_they_need(suite):
     assert any("tensor_parallel" in h["needs"] for h in suite.held_back)
     for h in suite.held_back:
@@ -139,7 +148,70 @@ def test_runs_simulate_and_convert(suite):
     assert set(checks.values()) == {"SKIP"}  # no ranking has both of its runs here
     summary = R.summarize(results)
     assert summary["simulated"] == 2 and summary["max_abs_error_pct"] >= summary["median_abs_error_pct"]
+    assert summary["memory_within"][1] == 1 and summary["memory_median_abs_error_pct"] == abs(zb.memory_error_pct)
+    assert zb.published_memory_kind == "allocated" and mpt.memory_error_pct is None
     assert "mpt-7b-h100x8" in R.format_table(results)
+
+
+def _rank(rank: int, allocated: float, reserved: float, runtime: float):
+    from piper_sim.simulator import RankStats
+
+    return RankStats(rank=rank, pp_rank=rank, represents=1, compute_s=1.0, comm_exposed_s=0.0, idle_s=0.0,
+                     bubble_s=0.0, peak_memory_bytes=allocated, params_bytes=0.0, grads_bytes=0.0,
+                     optimizer_bytes=0.0, activations_bytes=allocated, reserved_bytes=reserved, runtime_bytes=runtime)
+
+
+def test_same_kind_memory_reads_the_sources_counter():
+    """Each kind reads its own figure, max over ranks: here a different rank tops each kind."""
+    ranks = [_rank(0, allocated=50e9, reserved=55e9, runtime=1e9), _rank(1, allocated=40e9, reserved=56e9, runtime=1e9),
+             _rank(2, allocated=30e9, reserved=54e9, runtime=4e9)]
+    assert R.same_kind_memory_bytes("allocated", ranks) == 50e9
+    assert R.same_kind_memory_bytes("reserved", ranks) == 56e9
+    assert R.same_kind_memory_bytes("nvidia-smi", ranks) == 58e9
+    with pytest.raises(ValueError, match="max_active"):
+        R.same_kind_memory_bytes("max_active", ranks)
+
+
+def test_memory_error_is_of_the_published_kind(suite):
+    """A real tiny entry (Zero Bubble 1.5B, PP 8): the simulated figure follows the entry's kind,
+    and the error is simulated / published - 1 (published 30 GB = 27.9 GiB)."""
+    e = copy.deepcopy(suite.entry("zb-1.5b-1f1b-m24"))
+    got = {}
+    for kind in R.MEMORY_KINDS:
+        e["published_memory_kind"] = kind
+        r = R.run_entry(e)
+        assert r.ok, r.message
+        assert r.memory_error_pct == pytest.approx(100 * (r.memory_same_kind_gib / r.published_memory_gib - 1))
+        got[kind] = r
+    assert r.published_memory_gib == pytest.approx(30e9 / 2**30)
+    assert got["allocated"].memory_same_kind_gib == pytest.approx(got["allocated"].peak_memory_gib)
+    assert got["nvidia-smi"].memory_same_kind_gib == pytest.approx(got["nvidia-smi"].device_memory_gib)
+    assert got["allocated"].memory_same_kind_gib < got["reserved"].memory_same_kind_gib < got["nvidia-smi"].memory_same_kind_gib
+    bare = copy.deepcopy(suite.entry("mpt-7b-a100x8"))  # no published memory: nothing to compare
+    r = R.run_entry(bare)
+    assert r.ok and r.memory_same_kind_gib is None and r.memory_error_pct is None
+
+
+def test_memory_section_lists_errors_and_runs_that_do_not_fit():
+    def res(rid, pub=None, kind=None, sim=None, verdict="fits", status="ok"):
+        err = None if sim is None else 100 * (sim / pub - 1)
+        return R.Result(id=rid, metric="tokens_per_s_per_gpu", published=1.0, precision="bf16", published_memory_gib=pub,
+                        published_memory_kind=kind, memory_same_kind_gib=sim, memory_error_pct=err,
+                        memory_verdict=verdict, status=status)
+
+    results = [res("close", 80.0, "reserved", 72.0), res("far", 30.0, "allocated", 40.0, verdict="tight"),
+               res("no-memory", verdict="oom"), res("broken", 50.0, "nvidia-smi", status="error")]
+    text = R.format_memory_table(results)
+    lines = {ln.split()[0]: ln.split() for ln in text.splitlines()[3:] if ln.split()[0] in {"close", "far", "broken"}}
+    assert lines["close"][1:] == ["reserved", "80.0", "72.0", "-10.0%", "yes"]
+    assert lines["far"][1:] == ["allocated", "30.0", "40.0", "+33.3%", "no"]
+    assert lines["broken"][1:] == ["nvidia-smi", "50.0", "ERROR"]
+    assert "no-memory" not in text.split("trained on")[0]  # no published memory: no row
+    assert "median 21.7%, max 33.3%; 1 of 2 within 15%" in text
+    assert text.splitlines()[-1] == "trained on its GPUs but does not fit in simulation: no-memory"
+    s = R.memory_summary(results)
+    assert s["memory_within"] == (1, 2) and s["trained_but_oom"] == ["no-memory"]
+    assert s["memory_max_abs_error_pct"] == pytest.approx(100 / 3)
 
 
 def test_gpu_hours_metric_is_inverse_throughput(suite):
@@ -181,6 +253,11 @@ def _write(tmp_path: Path, data) -> str:
     (lambda d: _entry(d, "mpt-7b-h100x8")["strategy"].update(stack={"fp8": "tensorwise"}),
      "precision bf16 with strategy.stack.fp8 'tensorwise'"),
     (lambda d: _entry(d, "mb-dsv3-b200x256-fp8")["strategy"]["stack"].update(fp8="fp4"), "fp8 must be one of"),
+    (lambda d: d["entries"][0].update(published_memory_kind="max_active"),
+     "published_memory_kind must be one of allocated, reserved, nvidia-smi (got 'max_active')"),
+    (lambda d: d["entries"][0].pop("published_memory_kind"), "published_memory_kind must be one of"),
+    (lambda d: d["entries"][0].pop("memory_source"), "memory_source must name"),
+    (lambda d: d["entries"][2].update(published_memory_kind="reserved"), "describes a published memory"),
 ])
 def test_malformed_suite_exits_2_with_one_line(tmp_path, capsys, breakage, expect):
     data = yaml.safe_load((SUITE_DIR / "suite.yaml").read_text())
@@ -200,8 +277,11 @@ def test_report_exits_0_and_writes_csv(tmp_path, capsys, suite):
     assert R.main(["--only", "mpt-7b-a100x8", "--csv", str(out)]) == 0
     text = capsys.readouterr().out
     assert "mpt-7b-a100x8" in text and "median" in text and "rankings:" in text
+    assert "memory vs published" in text and "trained on its GPUs but does not fit in simulation: none" in text
+    assert text.index("memory vs published") < text.index("rankings:")
     rows = out.read_text().splitlines()
     assert len(rows) == 2 and rows[0].startswith("id,metric,published")
+    assert rows[0].endswith("published_memory_kind,memory_same_kind_gib,memory_error_pct")
     assert R.main(["--only", "no-such-run"]) == 2
 
 
