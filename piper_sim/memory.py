@@ -69,6 +69,7 @@ class SegmentMemory:
     # policies beyond none/full/selective keep
     table: LayerTable | None = field(default=None, compare=False, hash=False)
     fwd_flops: float = 0.0  # the segment's forward flops (what a checkpoint re-runs)
+    fp8_linears: bool = False  # its block linears run in FP8 (op-SAC keeps none of them: op_sac_saved)
 
     @property
     def recomputed(self) -> bool:
@@ -100,7 +101,7 @@ class SegmentMemory:
         if self.table is None:
             return self.saved
         if mode == "op":
-            return min(self.saved, op_sac_kept(self.table))
+            return min(self.saved, op_sac_kept(self.table, self.fp8_linears))
         return self.saved - self.freed(modules)
 
     def freed(self, modules: tuple[str, ...]) -> float:
@@ -172,7 +173,7 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     return SegmentMemory(kind=kind, saved=float(seg.saved_act_bytes), selective=selective,
                          checkpoint=checkpoint, temp=temp, core_flops=float(core_flops),
                          a2a_bytes=float(seg.a2a_bytes), core_kernels=core_kernels, table=table,
-                         fwd_flops=float(seg.fwd_flops))
+                         fwd_flops=float(seg.fwd_flops), fp8_linears=stack.fp8 != "none" and kind in ("dense", "moe_pre"))
 
 
 def model_memory(cfg: ModelConfig, segments: list[SegmentCost], micro_batch: int, seq: int,

@@ -160,12 +160,15 @@ class LayerTable:
     def module_bytes(self, *modules: str) -> float:
         return sum(r.nbytes for r in self.rows if r.module in modules)
 
-    def op_sac_saved(self) -> tuple[list[tuple[str, tuple[int, int, int]]], float]:
+    def op_sac_saved(self, fp8: bool = False) -> tuple[list[tuple[str, tuple[int, int, int]]], float]:
         """torchtitan op-SAC on this segment: (the mm calls whose outputs are kept, bytes kept
-        besides the checkpoint input: those outputs and the attention op's)."""
+        besides the checkpoint input: those outputs and the attention op's). ``fp8``: the block
+        linears run as torchao float8 ``torch._scaled_mm``, which torchtitan's save list does not
+        hold (only ``aten.mm``, the SDPA ops, reduce-scatter and ``aten.max``: parallelize_llama.py
+        :219-262 @e7c0cae, models/llama3/infra/parallelize.py:36-51 in 0.2.2): none is kept."""
         kept_mms, count = [], 0
         for name, shape in self.mms:
-            if name in ("router", "experts"):  # forced recompute / _grouped_mm: not counted, not saved
+            if fp8 or name in ("router", "experts"):  # _scaled_mm / forced recompute / _grouped_mm
                 continue
             count += 1
             if count % 2 == 1:
@@ -268,10 +271,11 @@ def layer_table(cfg, kind: str, micro_batch: int, seq: int, nbytes: int, a2a_byt
     return LayerTable(kind, float(t_res * h * nb), tuple(rows), tuple(mms), nb, flops)
 
 
-def op_sac_kept(table: LayerTable) -> float:
+def op_sac_kept(table: LayerTable, fp8: bool = False) -> float:
     """Bytes a layer segment keeps under torchtitan op-SAC: its checkpoint input (the layer's
-    input; nothing for a routed-expert block inside it) and the save-list outputs."""
-    return (table.input_bytes if table.kind != "moe_experts" else 0.0) + table.op_sac_saved()[1]
+    input; nothing for a routed-expert block inside it) and the save-list outputs (``fp8``:
+    `LayerTable.op_sac_saved`)."""
+    return (table.input_bytes if table.kind != "moe_experts" else 0.0) + table.op_sac_saved(fp8)[1]
 
 
 def module_freed(table: LayerTable, modules: tuple[str, ...]) -> float:

@@ -224,3 +224,20 @@ def test_executor_says_fp8_is_simulate_only():
                     "stack": {"fp8": "tensorwise"}, "directives": [{"op": "data_parallel", "degree": 2}]})
     _, notice = stack_settings(plan)
     assert "fp8 tensorwise (simulate-only: the linears run in the plan's dtype)" in notice
+
+
+def test_op_sac_keeps_no_fp8_linear_output():
+    """torchtitan's op-SAC save list holds aten.mm, not torchao float8's torch._scaled_mm
+    (parallelize_llama.py:219-262 @e7c0cae): with FP8 linears a layer keeps only its checkpoint
+    input and the attention op's outputs, and the backward re-runs every linear."""
+    from piper_sim.memory import segment_memory
+
+    cfg = get_config("llama3-8b")
+    segs = {s.name: s for s in profile_model(cfg, 1, 2048, "bf16", Stack(fp8="tensorwise"), "hopper")}
+    bf16 = segment_memory(cfg, segs["layers.1"], 1, 2048, "bf16", Stack())
+    fp8 = segment_memory(cfg, segs["layers.1"], 1, 2048, "bf16", Stack(fp8="tensorwise"))
+    table = fp8.table
+    sdpa = sum(r.nbytes for r in table.rows if r.sdpa)
+    assert fp8.kept_under("op", (), True) == table.input_bytes + sdpa
+    every_other = sum(shape[0] * shape[1] * 2 for _, shape in table.mms[::2])  # the 1st, 3rd, ... mm (bf16)
+    assert bf16.kept_under("op", (), True) == pytest.approx(table.input_bytes + sdpa + every_other)
