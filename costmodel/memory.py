@@ -130,6 +130,46 @@ NCCL_PAIR_BYTES = 544e6
 NCCL_GROUP_BYTES = 688e6
 NCCL_ALL_TO_ALL_BYTES_PER_PEER = (4.34e9 - 1.06e9) / 7
 
+# DeepEP's normal-kernel buffers, what Megatron-Core's fused_a2a.get_buffer allocates for an
+# expert-parallel group instead of NCCL all-to-all connections: the larger of the dispatch and
+# combine configs' size hints (megatron/core/transformer/moe/fused_a2a.py:44-65, megatron-core
+# 0.16.1), from DeepEP's Config.get_nvl_buffer_size_hint / get_rdma_buffer_size_hint
+# (deepseek-ai/DeepEP csrc/legacy/config.hpp @dd758ca) with Buffer.num_sms = 20 and the recommended
+# configs per EP size (deep_ep/buffers/legacy.py:246-287): EP ranks -> (NVL chunked send, NVL
+# chunked recv, RDMA chunked send, RDMA chunked recv) tokens. NVLink peers per node: 8
+# (LEGACY_NUM_MAX_NVL_PEERS); top-k slots 128, scales 128, SourceMeta 8 bytes, int64 top-k ids.
+DEEPEP_NUM_SMS = 20
+DEEPEP_NVL_PEERS = 8
+DEEPEP_DISPATCH_CONFIGS = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+                           24: (32, 288, 8, 128), 32: (32, 288, 8, 128), 48: (32, 288, 8, 128),
+                           64: (32, 288, 8, 128), 96: (20, 480, 12, 128), 128: (20, 560, 12, 128),
+                           144: (32, 720, 12, 128), 160: (28, 720, 12, 128)}
+DEEPEP_COMBINE_CONFIGS = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+                          24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 48: (1, 288, 8, 128), 64: (1, 288, 8, 128),
+                          96: (1, 480, 8, 128), 128: (1, 560, 8, 128), 144: (2, 720, 8, 128), 160: (2, 720, 8, 128)}
+
+
+def deepep_buffer_bytes(hidden_bytes: int, ranks: int) -> float:
+    """Bytes of the DeepEP buffers one rank of a ``ranks``-rank expert-parallel group allocates for
+    tokens of ``hidden_bytes`` (the config of the nearest EP size at or above it; the largest
+    beyond 160)."""
+    if ranks < 2:
+        return 0.0
+    key = min((k for k in DEEPEP_DISPATCH_CONFIGS if k >= ranks), default=max(DEEPEP_DISPATCH_CONFIGS))
+    channels, meta, topk, scales = DEEPEP_NUM_SMS // 2, 8, 128, 128
+    nvl_ranks, rdma_ranks = min(ranks, DEEPEP_NVL_PEERS), max(ranks // DEEPEP_NVL_PEERS, 1)
+    per_token = hidden_bytes + meta + topk * 8 + topk * 4 + scales * 4
+    best = 0.0
+    for configs in (DEEPEP_DISPATCH_CONFIGS, DEEPEP_COMBINE_CONFIGS):
+        _, nvl_recv, rdma_send, rdma_recv = configs[key]
+        rdma_recv = -(-rdma_recv // rdma_send) * rdma_send  # Config aligns it up to the send chunk
+        nvl = channels * nvl_ranks * ((2 * rdma_ranks + 3) * 4 + nvl_recv * per_token)
+        rdma = 0.0 if ranks <= DEEPEP_NVL_PEERS else \
+            channels * rdma_ranks * 2 * ((DEEPEP_NVL_PEERS * 2 + 2) * 4 + rdma_recv * (per_token + 16))
+        best = max(best, nvl + rdma)
+    return best
+
+
 # Reserved / allocated at the peak. The default allocator (segments split, per-stream pools):
 # 1.38-1.50 measured for Llama-2-70B FSDP on 16 A100 [LC120], 1.46-1.62 for FSDP2 + TP on 16
 # H100 [MLF150]; the lowest, 1.38, is taken. expandable_segments:True [PT-CUDA] maps 20 MiB
@@ -163,20 +203,22 @@ class MemoryNeed:
         return self.allocated + self.runtime
 
 
-def runtime_bytes(family: str, pairs: int = 0, groups: int = 0, all_to_all_peers: int = 0) -> float:
+def runtime_bytes(family: str, pairs: int = 0, groups: int = 0, all_to_all_peers: int = 0,
+                  deepep: float = 0.0) -> float:
     """What a training process holds on its GPU beyond its tensors: the CUDA context and
     library kernels, its cuBLAS workspaces and the NCCL memory of its communicators (``pairs``
-    2-rank groups, ``groups`` larger ones, all-to-all groups with ``all_to_all_peers`` peers in
-    all). 0 for CPU ranks (gloo on host memory)."""
+    2-rank groups, ``groups`` larger ones, NCCL all-to-all groups with ``all_to_all_peers`` peers
+    in all) and ``deepep`` bytes of DeepEP buffers (`deepep_buffer_bytes`). 0 for CPU ranks (gloo
+    on host memory)."""
     if family == "cpu":
         return 0.0
     workspace = CUBLAS_WORKSPACE_BYTES.get(family, 32 * MiB) * CUBLAS_HANDLES  # other families: 32 MiB (assumed)
     nccl = pairs * NCCL_PAIR_BYTES + groups * NCCL_GROUP_BYTES + all_to_all_peers * NCCL_ALL_TO_ALL_BYTES_PER_PEER
-    return CUDA_CONTEXT_BYTES + LIBRARY_KERNELS_BYTES + workspace + nccl
+    return CUDA_CONTEXT_BYTES + LIBRARY_KERNELS_BYTES + workspace + nccl + deepep
 
 
 def memory_need(static: float, transient: float, family: str, expandable_segments: bool = False, pairs: int = 0,
-                groups: int = 0, all_to_all_peers: int = 0) -> MemoryNeed:
+                groups: int = 0, all_to_all_peers: int = 0, deepep: float = 0.0) -> MemoryNeed:
     """A rank's need at its peak from the bytes it holds all step (``static``: parameters,
     gradients, optimizer state, allocated once in large blocks: rounded to 2 MiB pages, taken
     as exact) and those it allocates and frees during the step (``transient``: activations,
@@ -184,7 +226,7 @@ def memory_need(static: float, transient: float, family: str, expandable_segment
     (`RESERVED_OVER_ALLOCATED`, applied to them only: inferred), plus `runtime_bytes`."""
     ratio = 1.0 if family == "cpu" else RESERVED_OVER_ALLOCATED[bool(expandable_segments)]
     return MemoryNeed(allocated=static + transient, reserved=static + transient * ratio,
-                      runtime=runtime_bytes(family, pairs, groups, all_to_all_peers))
+                      runtime=runtime_bytes(family, pairs, groups, all_to_all_peers, deepep))
 
 
 def memory_verdict(need: MemoryNeed, capacity: float, headroom: float = DEFAULT_HEADROOM_BYTES) -> str:

@@ -48,11 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import simpy
 
-from costmodel.collectives import busbw_factor
+from costmodel.collectives import a2a_algorithm, busbw_factor
 from costmodel.dtypes import DTYPE_BYTES
 from costmodel.hardware import Cluster, parse_cluster
 from costmodel.memory import adam_state_bytes
-from costmodel.memory import DEFAULT_HEADROOM_BYTES, memory_need, memory_verdict
+from costmodel.memory import DEFAULT_HEADROOM_BYTES, deepep_buffer_bytes, memory_need, memory_verdict
 from costmodel.model import AnalyticCostModel, CostModel, UnitCostModel, get_costmodel
 from costmodel.moe import Routing
 from costmodel.stack import parse_stack
@@ -1042,10 +1042,10 @@ def _memory_device(plan: Plan, cm: CostModel):
     return None if cluster is None else cluster.gpu
 
 
-def communicators(plan: Plan, cls) -> tuple[int, int, int]:
+def communicators(plan: Plan, cls) -> tuple[int, int, int, tuple[int, ...]]:
     """The NCCL communicators a rank of this class uses, as a trainer makes them (one per group
     of ranks, one per send/recv peer, the world's): (2-rank ones, larger ones, the peers of its
-    all-to-all groups)."""
+    all-to-all groups, the sizes of those groups)."""
     rank = cls.ranks[0]
     layout = plan.layout
     peers: set[int] = set()  # pipeline ranks it sends to or receives from
@@ -1066,7 +1066,7 @@ def communicators(plan: Plan, cls) -> tuple[int, int, int]:
     pairs = sum(1 for g, a2a in groups.items() if len(g) == 2 and not a2a)
     larger = sum(1 for g, a2a in groups.items() if len(g) > 2 and not a2a)
     a2a_peers = sum(len(g) - 1 for g, a2a in groups.items() if a2a)
-    return pairs, larger, a2a_peers
+    return pairs, larger, a2a_peers, tuple(sorted(len(g) for g, a2a in groups.items() if a2a))
 
 
 def _overlapped_pairs(plan: Plan) -> dict[tuple[int, str], int]:
@@ -1134,7 +1134,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     gpu = _memory_device(plan, cm)
     capacity = None if gpu is None else float(gpu.hbm_bytes)
     expandable = bool((plan.header.stack or {}).get("expandable_segments"))
-    comms = {id(c): communicators(plan, c) for c in plan.classes} if gpu is not None else {}
+    comms = {id(c): _runtime_comms(plan, cm, communicators(plan, c)) for c in plan.classes} if gpu is not None else {}
     for r in eng.ranks:
         cls = eng.class_of[r]
         static = cls.static_memory
@@ -1183,12 +1183,26 @@ def _worst_verdict(verdicts) -> str:
     return max(verdicts, key=VERDICT_ORDER.index, default="fits")
 
 
-def _memory_fields(static: float, transient: float, gpu, expandable: bool, comms: tuple[int, int, int] | None,
+def _runtime_comms(plan: Plan, cm, comms: tuple) -> tuple[int, int, int, float]:
+    """(pairs, larger groups, NCCL all-to-all peers, DeepEP buffer bytes) for `memory_need`: an
+    all-to-all the cost model runs as DeepEP (`costmodel.collectives.a2a_algorithm`) holds DeepEP's
+    buffers (`costmodel.memory.deepep_buffer_bytes`), not NCCL all-to-all connections."""
+    pairs, larger, a2a_peers, sizes = comms
+    moe, cluster = getattr(cm, "moe", None), getattr(cm, "cluster", None)
+    if not sizes or moe is None or cluster is None or a2a_algorithm(moe, cluster) != "deepep":
+        return pairs, larger, a2a_peers, 0.0
+    from piper_sim.configs import config_of
+
+    hidden_bytes = config_of(plan.header).hidden * DTYPE_BYTES[plan.header.dtype]
+    return pairs, larger, 0, sum(deepep_buffer_bytes(hidden_bytes, n) for n in sizes)
+
+
+def _memory_fields(static: float, transient: float, gpu, expandable: bool, comms: tuple | None,
                    headroom: float) -> dict[str, Any]:
     """A rank's memory as the device holds it (`costmodel.memory.memory_need`) and its verdict."""
     if gpu is None:
         return {}
-    need = memory_need(static, transient, gpu.family, expandable, *(comms or (0, 0, 0)))
+    need = memory_need(static, transient, gpu.family, expandable, *(comms or (0, 0, 0, 0.0)))
     verdict = memory_verdict(need, float(gpu.hbm_bytes), headroom)
     return {"reserved_bytes": need.reserved, "runtime_bytes": need.runtime, "memory_verdict": verdict,
             "fits": verdict != "oom"}

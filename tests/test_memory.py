@@ -395,10 +395,40 @@ def test_simulator_counts_the_communicators_each_rank_uses():
                              "microbatches": 2, "directives": [{"op": "pipeline", "degree": 2},
                                                                {"op": "data_parallel", "degree": 2, "zero": 1},
                                                                {"op": "tensor_parallel", "degree": 2}]}).plan
-    assert [communicators(plan, c) for c in plan.classes] == [(3, 1, 0), (3, 1, 0)]
+    assert [communicators(plan, c) for c in plan.classes] == [(3, 1, 0, ()), (3, 1, 0, ())]
     moe = compile_strategy({"model": "moe-tiny", "cluster": "h100:1x4", "global_batch": 8, "seq_len": 32,
                             "microbatches": 1, "directives": [{"op": "expert_parallel", "degree": 4}]}).plan
     assert communicators(moe, moe.classes[0])[2] == 3  # a 4-rank all-to-all group: 3 peers
+
+
+def test_deepep_buffers_are_deepeps_size_hints():
+    """DeepEP's NVL/RDMA buffer hints (csrc/legacy/config.hpp) for DeepSeek-V3's 7168-wide bf16
+    tokens, 20 SMs (10 channels), the 64-rank dispatch config (NVL recv 288 tokens, RDMA recv 128)
+    and its combine config (the same sizes): far below NCCL's all-to-all connections (~0.47 GB per peer)."""
+    from costmodel.memory import NCCL_ALL_TO_ALL_BYTES_PER_PEER, deepep_buffer_bytes
+
+    per_token = 7168 * 2 + 8 + 128 * 8 + 128 * 4 + 128 * 4  # hidden, SourceMeta, top-k ids, weights, scales
+    nvl = 10 * 8 * ((2 * 8 + 3) * 4 + 288 * per_token)
+    rdma = 10 * 8 * 2 * ((8 * 2 + 2) * 4 + 128 * (per_token + 16))
+    assert deepep_buffer_bytes(7168 * 2, 64) == nvl + rdma
+    assert deepep_buffer_bytes(7168 * 2, 8) == 10 * 8 * ((2 + 3) * 4 + 256 * per_token)  # one node: no RDMA
+    assert deepep_buffer_bytes(7168 * 2, 64) < 0.03 * 63 * NCCL_ALL_TO_ALL_BYTES_PER_PEER
+
+
+def test_a_deepep_all_to_all_holds_deepeps_buffers_not_nccls():
+    from costmodel.hardware import parse_cluster
+    from costmodel.memory import deepep_buffer_bytes
+    from costmodel.model import AnalyticCostModel
+    from piper_sim.simulator import simulate
+
+    plan = compile_strategy({"model": "moe-tiny", "cluster": "h100:1x4", "global_batch": 8, "seq_len": 32,
+                             "microbatches": 1, "directives": [{"op": "expert_parallel", "degree": 4}]}).plan
+    cluster = parse_cluster("h100:1x4")
+    nccl = simulate(plan, AnalyticCostModel(cluster, {"moe": {"a2a_algorithm": "nccl"}})).rank_stats[0].runtime_bytes
+    deepep = simulate(plan, AnalyticCostModel(cluster, {"moe": {"a2a_algorithm": "deepep"}})).rank_stats[0].runtime_bytes
+    from costmodel.memory import NCCL_ALL_TO_ALL_BYTES_PER_PEER
+
+    assert nccl - deepep == pytest.approx(3 * NCCL_ALL_TO_ALL_BYTES_PER_PEER - deepep_buffer_bytes(64 * 2, 4))
 
 
 def test_simulate_reports_reserved_and_runtime_and_strict_exits_1(tmp_path, capsys):
