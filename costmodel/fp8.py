@@ -108,6 +108,16 @@ def cast_of(recipe: str, family: str, role: str) -> Cast:
         raise ValueError(f"fp8 recipe {recipe!r} does not run on {family} GPUs") from None
 
 
+def cached_element_bytes(recipe: str) -> float:
+    """Bytes per element of the FP8 input a Transformer Engine linear saves for its weight
+    gradient: the columnwise copy only (transformer_engine/pytorch/module/linear.py:596-622
+    @d0067d0da), one byte and its share of the input cast's scales. The recipe fixes it: a
+    tensorwise scale is one per tensor on Hopper and Blackwell alike, blockwise runs on Hopper
+    only, MXFP8 on Blackwell only (`RECIPE_FAMILIES`)."""
+    cast = cast_of(recipe, RECIPE_FAMILIES[recipe][0], "input")
+    return 1.0 + (cast.scale_bytes / cast.block if cast.block else 0.0)
+
+
 def unsupported(recipe: str, family: str, has_fp8_peak: bool) -> str:
     """Why ``recipe`` cannot run on a GPU of ``family`` ("" when it can)."""
     if recipe == "none":

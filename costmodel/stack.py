@@ -50,6 +50,14 @@ Fields (``STACK_FIELDS`` below holds each one's choices):
                   ``Float8BlockScaling``, DeepSeek-V3 §3.3.1; Hopper), ``mxfp8`` (TE
                   ``MXFP8BlockScaling``; Blackwell); embedding, output head, router and
                   attention stay in the model dtype (simulate-only)
+``fp8_activations`` what an FP8 linear keeps of its input for the weight gradient: ``hp`` (the
+                  high-precision input: torchao's Float8Linear, torchtitan's float8 converter,
+                  ``matmul_with_hp_or_float8_args.forward`` saves ``input_hp``, torchao
+                  float8/float8_linear.py) or ``fp8`` (the quantised columnwise copy: Transformer
+                  Engine's Linear saves its FP8 input when the weight needs a gradient,
+                  transformer_engine/pytorch/module/linear.py:596-622 @d0067d0da; DeepSeek-V3's
+                  "Low-Precision Activation", arXiv 2412.19437 §3.3.3). Counted only with ``fp8``
+                  (`piper_sim.fp8.cache_inputs`); the megatron-te preset sets ``fp8``
 
 Megatron-Core's distributed optimizer (megatron-core 0.16.1, ``megatron/core/optimizer/``) in
 these fields, bf16 parameters:
@@ -89,6 +97,7 @@ from costmodel.names import unknown_name, unknown_names
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
 NORM_KERNELS = ("fused", "eager")
 POINTWISE_KERNELS = ("eager", "fused")  # rope, swiglu
+FP8_ACTIVATIONS = ("hp", "fp8")  # what an FP8 linear saves of its input
 OPTIMIZERS = ("fused", "foreach")
 REDUCE_DTYPES = ("compute", "fp32")
 GRAD_DTYPES = ("compute", "fp32")
@@ -121,6 +130,7 @@ class Stack:
     swiglu: str = "eager"
     tp_overlap: bool = False
     fp8: str = "none"  # FP8 recipe of the block linears (costmodel.fp8)
+    fp8_activations: str = "hp"  # what those linears save of their inputs (hp | fp8)
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: less fragmentation (costmodel.memory)
     expandable_segments: bool = False
     preset: str = ""  # the preset it started from ("" for none)
@@ -131,7 +141,14 @@ class Stack:
         for key, default in (("fp8", "none"), ("rope", "eager"), ("swiglu", "eager")):
             if out[key] == default:
                 del out[key]
+        if self.fp8 == "none":  # meaningless without FP8 linears: absent, as before the field
+            del out["fp8_activations"]
         return out
+
+    @property
+    def fp8_cached_inputs(self) -> bool:
+        """Whether FP8 linears keep their inputs in FP8 for the backward (`piper_sim.fp8.cache_inputs`)."""
+        return self.fp8 != "none" and self.fp8_activations == "fp8"
 
     def describe(self) -> str:
         """One line for ``show``/``simulate``, e.g. ``torchtitan-eager: attention flash2, norms eager, ...``."""
@@ -148,7 +165,7 @@ class Stack:
         if self.tp_overlap:
             parts.append("TP comm overlapped")
         if self.fp8 != "none":
-            parts.append(f"fp8 {self.fp8} (block linears)")
+            parts.append(f"fp8 {self.fp8} (block linears{', inputs saved in fp8' if self.fp8_cached_inputs else ''})")
         if self.expandable_segments:
             parts.append("expandable segments")
         return (f"{self.preset}: " if self.preset else "") + ", ".join(parts)
@@ -216,9 +233,10 @@ PRESETS: dict[str, Stack] = {
     # selection), TE fused norms, Apex/TE fused Adam, grads reduced in fp32
     # (Megatron-Bridge recipes: grad_reduce_in_fp32 = True); fused rope and SwiGLU
     # (Megatron-Bridge @1804c076f src/megatron/bridge/models/llama/llama_provider.py:52-56
-    # bias_activation_fusion, apply_rope_fusion True; gpt_provider.py bias_activation_fusion True)
+    # bias_activation_fusion, apply_rope_fusion True; gpt_provider.py bias_activation_fusion True);
+    # with FP8, TE's linears save their FP8 input (fp8_activations, see the module docstring)
     "megatron-te": Stack(attention="cudnn", norms="fused", optimizer="fused", reduce_dtype="fp32",
-                         rope="fused", swiglu="fused", preset="megatron-te"),
+                         rope="fused", swiglu="fused", fp8_activations="fp8", preset="megatron-te"),
     # Megatron-LM of 2023 and its forks without --use-flash-attn (Zero Bubble v0.1.0
     # examples/pretrain_zero_bubble.sh): unfused CoreAttention, Apex fused LayerNorm, fused
     # Adam, attention and hidden dropout 0.1 (megatron/arguments.py defaults of that era)
@@ -237,7 +255,7 @@ PRESETS: dict[str, Stack] = {
 STACK_FIELDS: dict[str, tuple] = {
     "attention": ATTENTION_KERNELS, "norms": NORM_KERNELS, "optimizer": OPTIMIZERS, "reduce_dtype": REDUCE_DTYPES,
     "grad_dtype": GRAD_DTYPES, "master_dtype": MASTER_DTYPES, "moment_dtype": MOMENT_DTYPES,
-    "fp8": FP8_RECIPES, "rope": POINTWISE_KERNELS, "swiglu": POINTWISE_KERNELS,
+    "fp8": FP8_RECIPES, "rope": POINTWISE_KERNELS, "swiglu": POINTWISE_KERNELS, "fp8_activations": FP8_ACTIVATIONS,
 }
 _ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap", "expandable_segments"}
 

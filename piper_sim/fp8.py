@@ -28,6 +28,16 @@ MLA's two down-projections read one tensor, which Megatron-Core's fused ``linear
 ``linear_fc1`` quantise once), each linear's output gradient in the input-gradient pass, and
 the weights once per step, priced in the optimizer step
 (`piper_sim.parallel.data.fp8_weight_cast_bytes`).
+
+FP8 activation caching (the stack's ``fp8_activations: fp8``, Transformer Engine's linears and
+DeepSeek-V3 ยง3.3.3): a linear keeps its input for the weight gradient as the FP8 columnwise copy
+(`costmodel.fp8.cached_element_bytes`) instead of the high-precision tensor. In the layer's
+closed-form saved-tensor table (`piper_sim.recompute.layer_table`) the tensors only FP8 linears
+read become FP8 (`CACHED`: the norm outputs, MLA's compressed latents, the MLP activation, the
+dispatched tokens); a tensor another op still needs in high precision keeps its copy and gains
+an FP8 one (`COPIED`: the attention output flash attention's backward reads, the MLP norm's
+output the BF16 router reads beside the shared experts). `cache_inputs` rewrites the table;
+`apply` moves the profile's saved bytes by the same difference.
 """
 
 from __future__ import annotations
@@ -37,10 +47,10 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from costmodel.dtypes import dtype_bytes
-from costmodel.fp8 import cast_of
+from costmodel.fp8 import cached_element_bytes, cast_of
 from piper_sim import kernels
 from piper_sim.configs import ModelConfig
-from piper_sim.recompute import layer_table
+from piper_sim.recompute import LayerTable, SavedTensor, layer_table
 
 Segment = TypeVar("Segment")  # a piper_sim.profiling.SegmentCost (not imported: profiling imports this module)
 
@@ -49,7 +59,13 @@ NOT_FP8 = ("router",)  # MoE gating stays in the model (or router) dtype [DSV3 ย
 # linears that read the tensor an earlier linear of the layer reads (one cast serves both)
 SHARES_INPUT = ("wk", "wv", "wkv_a", "mlp.w3", "shared.w3", "experts.w3")
 QUANT_INPUT, QUANT_GRAD = "fp8_quantize_input", "fp8_quantize_grad_output"
-LINEAR_GEMMS = ("mm", "addmm")  # a linear's GEMM on meta (F.linear: mm, addmm with a bias)
+LINEAR_GEMMS = ("mm", "addmm")
+# saved tensors (`layer_table` rows) that only FP8 linears read: kept in FP8 under activation caching
+CACHED = ("attn_norm.out", "q_norm.out", "kv_norm.out", "mlp.act.out", "shared.act.out", "experts.act.out",
+          "dispatched")
+# saved tensor -> (its FP8 copy, the module it belongs to): read by an FP8 linear and, in high
+# precision, by another op (flash attention's backward; the router, when shared experts read it too)
+COPIED = {"attn.out": ("wo.input_fp8", "attn_proj"), "mlp_norm.out": ("shared.input_fp8", "shared_experts")}  # a linear's GEMM on meta (F.linear: mm, addmm with a bias)
 
 
 @dataclass(frozen=True)
@@ -128,8 +144,9 @@ def _shapes(linears: list[Linear], order: tuple[int, int, int]) -> dict[tuple[in
 
 
 def apply(cost: Segment, cfg: ModelConfig, kind: str, micro_batch: int, seq: int, recipe: str, family: str,
-          dtype: str) -> Segment:
-    """``cost`` with its block linears in FP8 and the recipe's casts added (other kinds unchanged)."""
+          dtype: str, cached: bool = False) -> Segment:
+    """``cost`` with its block linears in FP8 and the recipe's casts added (other kinds unchanged);
+    ``cached``: their inputs saved in FP8 (`cache_inputs`)."""
     if recipe == "none" or kind not in FP8_KINDS:
         return cost
     linears = block_linears(cfg, kind, micro_batch, seq)
@@ -139,10 +156,42 @@ def apply(cost: Segment, cfg: ModelConfig, kind: str, micro_batch: int, seq: int
     def shapes(order: tuple[int, int, int]) -> dict | None:
         return None if experts else _shapes(linears, order)
 
-    return replace(cost,
+    saved = cost.saved_act_bytes
+    if cached:
+        saved = max(0, round(saved + cached_delta(cfg, kind, micro_batch, seq, recipe, dtype, cost.a2a_bytes)))
+    return replace(cost, saved_act_bytes=saved,
                    kernels_f=kernels.merge(to_fp8(cost.kernels_f, shapes((0, 1, 2)), dtype), q_f),
                    kernels_bi=kernels.merge(to_fp8(cost.kernels_bi, shapes((0, 2, 1)), dtype), q_bi),
                    kernels_bw=to_fp8(cost.kernels_bw, shapes((1, 2, 0)), dtype))
+
+
+def cache_inputs(table: LayerTable, recipe: str) -> LayerTable:
+    """``table`` with its FP8 linears' inputs saved in FP8 (see the module docstring)."""
+    element = cached_element_bytes(recipe)
+    shared_experts = any(n.startswith("shared.") for n, _ in table.mms)
+    rows: list[SavedTensor] = []
+    for r in table.rows:
+        if r.name in CACHED or (r.name == "mlp_norm.out" and table.kind == "dense"):
+            rows.append(replace(r, nbytes=r.nbytes * element / table.nbytes))
+            continue
+        rows.append(r)
+        copy = 0.0
+        if r.name == "attn.out":  # wo's input: the heads' values (MLA's flash output pads them to the qk dim)
+            m, _, k = dict(table.mms)["wo"]
+            copy = m * k * element
+        elif r.name == "mlp_norm.out" and shared_experts:
+            copy = r.nbytes * element / table.nbytes
+        if copy:
+            name, module = COPIED[r.name]
+            rows.append(SavedTensor(name, copy, module))
+    return replace(table, rows=tuple(rows))
+
+
+def cached_delta(cfg: ModelConfig, kind: str, micro_batch: int, seq: int, recipe: str, dtype: str,
+                 a2a_bytes: float = 0.0) -> float:
+    """Bytes FP8 activation caching adds to one segment's saved activations (negative: frees)."""
+    table = layer_table(cfg, kind, micro_batch, seq, dtype_bytes(dtype), a2a_bytes)
+    return cache_inputs(table, recipe).saved - table.saved
 
 
 def fp8_weight_tensors(rows: tuple) -> list[tuple[int, int]]:

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from costmodel.dtypes import dtype_bytes, dtype_name, torch_dtype
 from costmodel.stack import DEFAULT as DEFAULT_STACK, ProfileKernels, Stack
+from piper_sim import fp8
 from piper_sim.configs import ModelConfig, layer_of_kind, logits_bytes
 from piper_sim.profile_cache import on_disk
 from piper_sim.profiling import (SegmentCost, measure, name_attention_rows, segment_kind, segment_windowed,
@@ -170,6 +171,11 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     elif kind == "head":
         checkpoint = unit_input
         temp = float(logits_bytes(cfg, seg.tokens, nbytes))
+    if table is not None and stack.fp8_cached_inputs:  # the profile's saved bytes are cached already
+        cached = fp8.cache_inputs(table, stack.fp8)
+        if kind != "moe_experts":
+            selective += cached.saved - table.saved
+        table = cached
     return SegmentMemory(kind=kind, saved=float(seg.saved_act_bytes), selective=selective,
                          checkpoint=checkpoint, temp=temp, core_flops=float(core_flops),
                          a2a_bytes=float(seg.a2a_bytes), core_kernels=core_kernels, table=table,

@@ -241,3 +241,50 @@ def test_op_sac_keeps_no_fp8_linear_output():
     assert fp8.kept_under("op", (), True) == table.input_bytes + sdpa
     every_other = sum(shape[0] * shape[1] * 2 for _, shape in table.mms[::2])  # the 1st, 3rd, ... mm (bf16)
     assert bf16.kept_under("op", (), True) == pytest.approx(table.input_bytes + sdpa + every_other)
+
+
+@pytest.mark.parametrize("recipe,element", [("tensorwise", 1.0), ("blockwise", 1 + 4 / 128)])
+def test_fp8_activation_caching_closed_form(recipe, element):
+    """Transformer Engine's linears save their FP8 columnwise input (linear.py:596-622 @d0067d0da):
+    with ``fp8_activations: fp8`` a Llama layer keeps its two norm outputs and the MLP activation
+    at ``element`` bytes instead of two, and adds an FP8 copy of the attention output (wo's input;
+    flash attention's backward still reads the bf16 one). torchao keeps them in bf16 (default hp)."""
+    from piper_sim.memory import segment_memory
+
+    cfg = get_config("llama3-8b")
+    s, h, ffn, heads = 2048, cfg.hidden, cfg.ffn, cfg.n_heads * cfg.head_dim
+    hp, te = Stack(fp8=recipe), Stack(fp8=recipe, fp8_activations="fp8")
+    seg_hp = {x.name: x for x in profile_model(cfg, 1, s, "bf16", hp, "hopper")}["layers.1"]
+    seg_te = {x.name: x for x in profile_model(cfg, 1, s, "bf16", te, "hopper")}["layers.1"]
+    freed = (2 * s * h + s * ffn) * (2 - element)   # attn_norm.out, mlp_norm.out, the SwiGLU product
+    added = s * heads * element                     # wo's FP8 input beside the bf16 attention output
+    assert seg_hp.saved_act_bytes - seg_te.saved_act_bytes == pytest.approx(freed - added, abs=2)
+    m_hp = segment_memory(cfg, seg_hp, 1, s, "bf16", hp)
+    m_te = segment_memory(cfg, seg_te, 1, s, "bf16", te)
+    assert m_hp.selective - m_te.selective == pytest.approx(freed - added, abs=2)
+    assert m_hp.kept("full") == m_te.kept("full")  # a checkpoint keeps the layer's bf16 input
+    assert parse_stack({"preset": "megatron-te", "fp8": recipe}).fp8_cached_inputs
+    assert not parse_stack({"preset": "torchtitan", "fp8": "tensorwise"}).fp8_cached_inputs
+
+
+def test_fp8_activation_caching_moe_experts():
+    """The routed experts keep the dispatched tokens and the SwiGLU product in FP8; the MoE layer's
+    MLP norm output stays bf16 (the router reads it) and gains an FP8 copy for the shared experts."""
+    from piper_sim.fp8 import cache_inputs
+    from piper_sim.recompute import layer_table
+
+    cfg = get_config("deepseek-v3")
+    t = 4096
+    dispatched = t * cfg.top_k * cfg.hidden * 2
+    experts = layer_table(cfg, "moe_experts", 1, t, 2, dispatched)
+    cached = cache_inputs(experts, "blockwise")
+    e = 1 + 4 / 128
+    assert experts.saved - cached.saved == pytest.approx(
+        (t * cfg.top_k * cfg.hidden + t * cfg.top_k * cfg.expert_ffn) * (2 - e))
+    pre = layer_table(cfg, "moe_pre", 1, t, 2)
+    rows = {r.name: r.nbytes for r in cache_inputs(pre, "blockwise").rows}
+    assert rows["mlp_norm.out"] == t * cfg.hidden * 2
+    assert rows["shared.input_fp8"] == pytest.approx(t * cfg.hidden * e)
+    assert rows["wo.input_fp8"] == pytest.approx(t * cfg.n_heads * cfg.v_head_dim * e)
+    with pytest.raises(StackError, match="fp8_activations must be one of hp, fp8"):
+        parse_stack({"fp8": "tensorwise", "fp8_activations": "bf16"})
