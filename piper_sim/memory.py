@@ -45,7 +45,8 @@ from piper_sim.configs import ModelConfig, layer_of_kind, logits_bytes
 from piper_sim.profile_cache import on_disk
 from piper_sim.profiling import (SegmentCost, measure, name_attention_rows, segment_kind, segment_windowed,
                                  with_kernels)
-from piper_sim.recompute import LayerTable, Recompute, layer_table, module_freed, op_sac_kept
+from piper_sim.recompute import (LayerTable, Recompute, layer_table, module_freed, op_sac_kept,
+                                 with_fused_swiglu)
 
 if TYPE_CHECKING:  # torch loads only where a layer is measured (a profile cache miss)
     import torch
@@ -171,6 +172,8 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     elif kind == "head":
         checkpoint = unit_input
         temp = float(logits_bytes(cfg, seg.tokens, nbytes))
+    if table is not None and stack.swiglu == "fused":
+        table = with_fused_swiglu(table)
     if table is not None and stack.fp8_cached_inputs:  # the profile's saved bytes are cached already
         cached = fp8.cache_inputs(table, stack.fp8)
         if kind != "moe_experts":

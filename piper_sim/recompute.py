@@ -47,7 +47,7 @@ extra backward work is priced from the forward's own kernel rows (`piper_sim.ker
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 MODES = ("full", "selective", "op", "every")
@@ -269,6 +269,13 @@ def layer_table(cfg, kind: str, micro_batch: int, seq: int, nbytes: int, a2a_byt
         if cfg.n_shared:
             mlp("shared_experts", t, cfg.n_shared * cfg.local_expert_ffn, "shared.")
     return LayerTable(kind, float(t_res * h * nb), tuple(rows), tuple(mms), nb, flops)
+
+
+def with_fused_swiglu(table: LayerTable) -> LayerTable:
+    """``table`` as a fused SwiGLU kernel saves it: its two inputs only, not ``silu(gate)``
+    (Megatron-Core ``bias_swiglu_impl``; `piper_sim.models._MetaFusedSwiGLU`, what the profile
+    measures with the stack's ``swiglu: fused``)."""
+    return replace(table, rows=tuple(r for r in table.rows if not r.name.endswith("silu.out")))
 
 
 def op_sac_kept(table: LayerTable, fp8: bool = False) -> float:

@@ -175,7 +175,9 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
             continue
         consumer = next(q for q in dag.g.successors(n) if q[0] == n[0] and dag.ins(q).kind in SPLIT_KINDS)
         c = dag.ins(consumer)
-        if forward:  # the buffer becomes what the expert piece keeps
-            c.alloc -= min(ins.bytes, c.alloc - c.free)
+        if forward:  # the buffer becomes what the expert piece keeps; the rest is freed when it ends
+            kept = min(ins.bytes, c.alloc - c.free)  # less than the buffer: FP8-cached, moe_act recomputed
+            c.alloc -= kept
+            c.free += ins.bytes - kept
         else:
             c.free += ins.bytes
