@@ -58,6 +58,14 @@ Fields (``STACK_FIELDS`` below holds each one's choices):
                   transformer_engine/pytorch/module/linear.py:596-622 @d0067d0da; DeepSeek-V3's
                   "Low-Precision Activation", arXiv 2412.19437 §3.3.3). Counted only with ``fp8``
                   (`piper_sim.fp8.cache_inputs`); the megatron-te preset sets ``fp8``
+``moe_probs``     where a MoE layer multiplies the expert outputs by the router's weights:
+                  ``combine`` (after the combine, as piper-sim's own models and Hugging Face MoE
+                  blocks do: the weighted sum keeps the combined expert outputs, the forward
+                  combine's buffer, for its backward) or ``experts`` (inside the experts: Megatron-Core
+                  ``TEGroupedMLP`` scales the activation by ``permuted_probs``, weighted_bias_swiglu_impl,
+                  and its unpermute takes no probs, megatron-core 0.16.1 transformer/moe/experts.py:680-700,
+                  token_dispatcher.py:319, 833, 1310; torchtitan ``MoEArgs.score_before_experts = True``
+                  scales the routed input): the combine's buffer is freed once the layer has added it
 
 Megatron-Core's distributed optimizer (megatron-core 0.16.1, ``megatron/core/optimizer/``) in
 these fields, bf16 parameters:
@@ -98,6 +106,7 @@ ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
 NORM_KERNELS = ("fused", "eager")
 POINTWISE_KERNELS = ("eager", "fused")  # rope, swiglu
 FP8_ACTIVATIONS = ("hp", "fp8")  # what an FP8 linear saves of its input
+MOE_PROBS = ("combine", "experts")  # where the router's weights scale the expert outputs
 OPTIMIZERS = ("fused", "foreach")
 REDUCE_DTYPES = ("compute", "fp32")
 GRAD_DTYPES = ("compute", "fp32")
@@ -131,6 +140,7 @@ class Stack:
     tp_overlap: bool = False
     fp8: str = "none"  # FP8 recipe of the block linears (costmodel.fp8)
     fp8_activations: str = "hp"  # what those linears save of their inputs (hp | fp8)
+    moe_probs: str = "combine"  # where the router's weights scale the expert outputs
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: less fragmentation (costmodel.memory)
     expandable_segments: bool = False
     preset: str = ""  # the preset it started from ("" for none)
@@ -138,7 +148,7 @@ class Stack:
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         # absent at their defaults: plans of stacks without them read as they did before the fields
-        for key, default in (("fp8", "none"), ("rope", "eager"), ("swiglu", "eager")):
+        for key, default in (("fp8", "none"), ("rope", "eager"), ("swiglu", "eager"), ("moe_probs", "combine")):
             if out[key] == default:
                 del out[key]
         if self.fp8 == "none":  # meaningless without FP8 linears: absent, as before the field
@@ -166,6 +176,8 @@ class Stack:
             parts.append("TP comm overlapped")
         if self.fp8 != "none":
             parts.append(f"fp8 {self.fp8} (block linears{', inputs saved in fp8' if self.fp8_cached_inputs else ''})")
+        if self.moe_probs == "experts":
+            parts.append("MoE probs applied in the experts")
         if self.expandable_segments:
             parts.append("expandable segments")
         return (f"{self.preset}: " if self.preset else "") + ", ".join(parts)
@@ -234,9 +246,11 @@ PRESETS: dict[str, Stack] = {
     # (Megatron-Bridge recipes: grad_reduce_in_fp32 = True); fused rope and SwiGLU
     # (Megatron-Bridge @1804c076f src/megatron/bridge/models/llama/llama_provider.py:52-56
     # bias_activation_fusion, apply_rope_fusion True; gpt_provider.py bias_activation_fusion True);
-    # with FP8, TE's linears save their FP8 input (fp8_activations, see the module docstring)
+    # with FP8, TE's linears save their FP8 input (fp8_activations); MoE experts scale their
+    # activation by the router's probs (moe_probs experts; both: see the module docstring)
     "megatron-te": Stack(attention="cudnn", norms="fused", optimizer="fused", reduce_dtype="fp32",
-                         rope="fused", swiglu="fused", fp8_activations="fp8", preset="megatron-te"),
+                         rope="fused", swiglu="fused", fp8_activations="fp8", moe_probs="experts",
+                         preset="megatron-te"),
     # Megatron-LM of 2023 and its forks without --use-flash-attn (Zero Bubble v0.1.0
     # examples/pretrain_zero_bubble.sh): unfused CoreAttention, Apex fused LayerNorm, fused
     # Adam, attention and hidden dropout 0.1 (megatron/arguments.py defaults of that era)
@@ -256,6 +270,7 @@ STACK_FIELDS: dict[str, tuple] = {
     "attention": ATTENTION_KERNELS, "norms": NORM_KERNELS, "optimizer": OPTIMIZERS, "reduce_dtype": REDUCE_DTYPES,
     "grad_dtype": GRAD_DTYPES, "master_dtype": MASTER_DTYPES, "moment_dtype": MOMENT_DTYPES,
     "fp8": FP8_RECIPES, "rope": POINTWISE_KERNELS, "swiglu": POINTWISE_KERNELS, "fp8_activations": FP8_ACTIVATIONS,
+    "moe_probs": MOE_PROBS,
 }
 _ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap", "expandable_segments"}
 

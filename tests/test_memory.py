@@ -485,7 +485,8 @@ def test_dispatch_buffer_larger_than_what_the_experts_keep_is_freed():
     """The forward dispatch's receive buffer becomes what the expert piece keeps; when that piece
     keeps less (its input cached in FP8, its activation recomputed: moe_act), the rest is freed as
     the piece ends, so every rank's step allocates what it frees and the peak does not grow with
-    the number of micro-batches."""
+    the number of micro-batches. With the router's weights applied in the experts (``moe_probs``)
+    the forward combine's buffer is not kept for the backward either."""
     import dataclasses
 
     from piper_sim.compiler import build_dag
@@ -497,9 +498,9 @@ def test_dispatch_buffer_larger_than_what_the_experts_keep_is_freed():
                                                             expert_ffn=64))
     try:
         peaks = []
-        for m in (4, 8):
+        for m, probs in ((4, "combine"), (8, "combine"), (8, "experts")):
             st = {"model": "moe-thin-experts", "cluster": "h100:1x8", "global_batch": 4 * m, "seq_len": 512,
-                  "microbatches": m, "stack": {"fp8": "tensorwise", "fp8_activations": "fp8"},
+                  "microbatches": m, "stack": {"fp8": "tensorwise", "fp8_activations": "fp8", "moe_probs": probs},
                   "directives": [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"},
                                  {"op": "data_parallel", "degree": 4}, {"op": "expert_parallel", "degree": 4},
                                  {"op": "recompute", "mode": "selective", "modules": ["moe_act"]}]}
@@ -514,5 +515,7 @@ def test_dispatch_buffer_larger_than_what_the_experts_keep_is_freed():
             assert all(abs(b) < 1 for b in balance.values()), balance
             peaks.append(max(s.activations_bytes for s in simulate(compile(st)).rank_stats))
         assert peaks[0] == pytest.approx(peaks[1])
+        # probs applied in the experts: the combined outputs are not kept for a weighted sum's backward
+        assert peaks[2] < peaks[1]
     finally:
         del ZOO["moe-thin-experts"]

@@ -130,8 +130,9 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
     recompute BI runs the piece's forward again and keeps that graph for BW.
     All-to-all receive buffers: the forward dispatch's is the expert block's input (part of
     what its piece keeps); the forward combine's (expert outputs back home) is kept for the
-    backward of the weighted sum (until the backward combine); backward ones live until the
-    piece that consumes them ends."""
+    backward of the weighted sum (until the backward combine), or, with the stack's ``moe_probs``
+    ``experts`` (the router's weights applied inside the experts), lives until the op that reads
+    it ends; backward ones live until the piece that consumes them ends."""
     ep = ctx.layout.ep
     cache: dict[tuple[int, int], PieceMemory] = {}
 
@@ -169,13 +170,20 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
             continue
         ins.alloc = ins.bytes
         forward = ins.direction == "F"
-        if forward and ins.a2a == "combine":  # kept until the backward of this combine
+        combine = forward and ins.a2a == "combine"
+        if combine and ctx.stack.moe_probs == "combine":  # kept for the backward of the weighted sum
             back = (n[0], op_id(replace(ins, direction="B", a2a="dispatch")))
             dag.ins(back).free += ins.bytes
             continue
-        consumer = next(q for q in dag.g.successors(n) if q[0] == n[0] and dag.ins(q).kind in SPLIT_KINDS)
+        local = [q for q in dag.g.successors(n) if q[0] == n[0]]
+        consumer = next((q for q in local if dag.ins(q).kind in SPLIT_KINDS), local[0] if combine and local else None)
+        if consumer is None:  # a combine whose output leaves the stage at once: freed as it ends
+            ins.free += ins.bytes
+            continue
         c = dag.ins(consumer)
-        if forward:  # the buffer becomes what the expert piece keeps; the rest is freed when it ends
+        if combine:  # probs applied in the experts (moe_probs experts): freed once the next op has read it
+            c.free += ins.bytes
+        elif forward:  # the buffer becomes what the expert piece keeps; the rest is freed when it ends
             kept = min(ins.bytes, c.alloc - c.free)  # less than the buffer: FP8-cached, moe_act recomputed
             c.alloc -= kept
             c.free += ins.bytes - kept
