@@ -622,3 +622,25 @@ def test_gradient_buckets_of_a_pieced_backward_overlap_the_rest_of_it():
     assert len(rs) > 2
     assert rs["start"].min() < last_backward_end  # overlapped with the backward
     assert rs["start"].max() >= last_backward_end - 1e-9  # bucket 0 waits for the embedding's gradient
+
+
+def test_gradient_buckets_of_a_split_backward_wait_for_its_weight_gradients():
+    """A split backward (BI pieces, then one BW per stage and micro-batch) makes the weight
+    gradients in BW: every bucket's gradient sync waits for the last micro-batch's BW, whatever
+    piece its first byte lies in (a sync on the BI piece alone would reduce unfinished gradients:
+    the executor's --check catches it, tests/test_executor_cp.py)."""
+    from piper_sim.compiler import build_dag
+    from piper_sim.strategy import parse_strategy
+
+    st = {"model": "gpt-tiny", "cluster": "cpu:8", "global_batch": 8, "seq_len": 32, "microbatches": 4,
+          "directives": [{"op": "pipeline", "degree": 2, "stages_per_rank": 2}, {"op": "schedule", "name": "zbv"},
+                         {"op": "data_parallel", "degree": 2, "zero": 1, "bucket_mb": 0.05},
+                         {"op": "tensor_parallel", "degree": 2}]}
+    dag, _, _ = build_dag(parse_strategy(st), folded=True)
+    syncs = [n for n in dag.g.nodes if dag.ins(n).kind == "REDUCE_SCATTER" and dag.ins(n).group != "tp"]
+    assert len(syncs) > 2
+    for n in syncs:
+        bw = [p for p in dag.g.predecessors(n) if dag.ins(p).kind == "BW"]
+        last = max(dag.ins(x).mb for x in dag.g.nodes if dag.ins(x).kind == "BW" and x[0] == n[0]
+                   and dag.ins(x).stage == dag.ins(n).stage)
+        assert any(dag.ins(p).mb == last for p in bw), dag.ins(n)

@@ -75,7 +75,10 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                 _zero3_per_unit(ctx, dag, where, s, nodes, tag, unit_buckets(ctx, s)[tag], size, group, opt)
                 continue
             buckets = _buckets(param_bytes, setup.bucket_mb, len({x.unit for x in segs}))
-            sources = _bucket_sources(ctx.parts(s), segs, buckets)
+            # a split backward's weight gradients come from one BW op for the whole stage: a bucket
+            # is ready part-way through it; a pieced full backward's, from the piece that completes it
+            split = any(dag.ins(n).kind == "BW" for n in last_backward)
+            sources = _bucket_sources([segs] if split else ctx.parts(s), segs, buckets)
             rounds = _reduce_rounds(ctx, dag, s, nodes) if zero == 2 else [(-1, -1, last_backward)]
             for b, nbytes in enumerate(buckets):
                 piece, ready = sources[b]
@@ -88,7 +91,7 @@ def replicate_pass(ctx: Context, dag: TrainingDAG) -> None:
                     grads = [n for n in producers if dag.ins(n).kind in WEIGHT_GRAD_KINDS]
                     last = max((dag.ins(n).mb for n in grads), default=-1)
                     for n in grads:  # the last micro-batch's backward: only the piece that completes the bucket
-                        if dag.ins(n).mb != last or dag.ins(n).part == piece:
+                        if split or dag.ins(n).mb != last or dag.ins(n).part == piece:
                             dag.edge(n, sn)
                     dag.edge(sn, opt)
             if zero in (1, 2):
