@@ -113,8 +113,9 @@ def refuse_recompute_policy(plan: Plan, path: str) -> None:
 
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
-    """The executor runs tensor parallelism (with or without sequence parallelism) for dense
-    transformer models of the zoo (`executor.parallel.tensor`), and context parallelism
+    """The executor runs tensor parallelism (with or without sequence parallelism) for the zoo's
+    transformers (GQA or, without SP, MLA; MoE with expert parallelism and without SP, shared
+    experts included: `executor.parallel.tensor`), and context parallelism
     (`refuse_context_parallel`): refuse what it cannot run before any process group starts."""
     refuse_recompute_policy(plan, path)
     refuse_context_parallel(plan, path)
@@ -172,10 +173,9 @@ def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
     tp, sp = header.tp.degree, header.tp.sequence_parallel
     checks = [
         (cfg.is_moe and sp, "a MoE model and sequence parallelism"),
-        (cfg.is_moe and cfg.n_shared > 0, "shared experts"),
         (cfg.is_moe and cfg.mlp != "swiglu", "GELU experts"),
         (cfg.is_moe and ep == 1, "a MoE model without expert parallelism"),
-        (cfg.attention == "mla", "multi-head latent attention"),
+        (cfg.attention == "mla" and sp, "multi-head latent attention and sequence parallelism"),
         (cfg.tie_embeddings and not (_tp_shards(header, "embed") == _tp_shards(header, "head")),
          "tied embeddings with only one of the embedding and the head sharded (shard_tensor)"),
         (bool(cfg.dropout), "dropout (per-rank random streams)"),

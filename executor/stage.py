@@ -28,6 +28,7 @@ a plan cuts it into.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -442,7 +443,7 @@ class Stage:
         self.recompute_early_stop = True
         # called with a step's parameters before it runs (the runtime waits there for overlapped gathers)
         self.before_step: Callable[[list[nn.Parameter]], None] | None = None
-        # tensor parallel MoE (executor.parallel.tensor): f before the experts, g after them
+        # tensor parallel MoE (executor.parallel.tensor): f before the experts (routed and shared), g after them
         self.expert_input = self.expert_output = lambda t, layer: t
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
         self.unit_names = list(units)
@@ -561,18 +562,20 @@ class Stage:
                     outputs["loss"] = run((kind, layer), self._head_loss, x, targets) * loss_scale
                 elif kind == "pre":
                     block = self._block(layer)
-                    x, h, weights, ids, shared = run((kind, layer), block.forward_pre, x)
-                    # tensor parallel: the routed tokens enter the experts' column-parallel linears
-                    tokens, order, counts = block.moe.permute(self.expert_input(h, layer), ids)
+                    # tensor parallel: the routed and shared experts' column-parallel linears read f(h)
+                    x, h, weights, ids, shared = run((kind, layer), block.forward_pre, x,
+                                                     functools.partial(self.expert_input, layer=layer))
+                    tokens, order, counts = block.moe.permute(h, ids)
                     outputs.update({f"xres.{layer}": x, f"send.{layer}": tokens, f"w.{layer}": weights})
                     if shared is not None:
                         outputs[f"shared.{layer}"] = shared
                     routing[f"order.{layer}"], routing[f"counts.{layer}"] = order, counts
                     routing[f"ntok.{layer}"] = h.shape[0]
                 elif kind == "experts":
-                    y = run((kind, layer), self._local_experts, layer, inputs[f"recv.{layer}"],
+                    # tensor parallel: the sum of the experts' partial outputs (inside the recomputed
+                    # step: a full recompute re-runs its all-reduce, as the plan's TP.R op says)
+                    y = run((kind, layer), self._reduced_experts, layer, inputs[f"recv.{layer}"],
                             routing[f"recv_counts.{layer}"])
-                    y = self.expert_output(y, layer)  # tensor parallel: the sum of the experts' partial outputs
                     outputs[f"y.{layer}"] = y
             last = piece.steps[-1][0]
             if last == "layer" or last == "embed":
@@ -582,6 +585,9 @@ class Stage:
 
     def _head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(self.units["head"](x), targets)
+
+    def _reduced_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        return self.expert_output(self._local_experts(layer, recv, counts), layer)
 
     def _local_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Tokens arrive grouped by source rank, then by local expert: regroup by expert, run

@@ -21,6 +21,7 @@ BW_KEEP_FRACTION, held_after = memory.BW_KEEP_FRACTION, memory.held_after
 cp_error, cp_memory, cp_segments, gathered_kv_bytes = (context.cp_error, context.cp_memory, context.cp_segments,
                                                         context.gathered_kv_bytes)
 static_memory, unit_buckets = data.static_memory, data.unit_buckets
+attn_grad_width = tensor.attn_grad_width
 # the techniques' own comm streams in words (`piper_sim.explain` names exposed communication by stream)
 STREAM_WORDS = {**tensor.STREAM_WORDS, **context.STREAM_WORDS}
 

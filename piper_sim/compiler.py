@@ -14,7 +14,7 @@ from costmodel.hardware import GPU, H100, parse_cluster
 from costmodel.stack import DEFAULT as DEFAULT_STACK, Stack, StackError, check_stack_on
 from piper_sim.annotate import AnnotationError, UserModel, check_user_setup, resolve_user_model
 from piper_sim.directives import Setup, expand, resolve
-from piper_sim.axes import check_setup, cp_memory, cp_segments, gathered_kv_bytes, passes, static_memory, unit_buckets
+from piper_sim.axes import attn_grad_width, check_setup, cp_memory, cp_segments, gathered_kv_bytes, passes, static_memory, unit_buckets
 from piper_sim.layouts import parse_layout
 from piper_sim.ir import Context, Node, StageCost, TrainingDAG, is_inner, run_passes
 from piper_sim.memory import SegmentMemory, model_memory
@@ -295,6 +295,7 @@ def build_dag(strategy: Strategy, folded: bool = True,
     cp = setup.cp
     seq = strategy.seq_len // cp  # the tokens of each sequence a rank holds
     kv_bytes = 0.0
+    tp_model: dict = {}  # tensor parallel: what the model's layers all-reduce (Context.tp_attn_width, ...)
     gpu = parse_cluster(strategy.cluster).gpu
     try:
         check_stack_on(strategy.stack, gpu)
@@ -318,13 +319,14 @@ def build_dag(strategy: Strategy, folded: bool = True,
         memory = cp_memory(tp_memory, cp)
         if cp > 1:
             kv_bytes = gathered_kv_bytes(shard, mbs, strategy.seq_len, DTYPE_BYTES[strategy.dtype])
+        tp_model = dict(tp_attn_width=attn_grad_width(cfg), tp_shared_experts=cfg.is_moe and cfg.n_shared > 0)
     if isinstance(cfg, ModelConfig):
         _check_layout_mtp(strategy, cfg)
     ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage, gpu),
                   layout=layout, dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded,
                   memory=memory,
                   micro_batch=mbs, seq_len=seq, hidden=cfg.hidden, kv_bytes=kv_bytes, stack=strategy.stack,
-                  gpu_family=gpu.family)
+                  gpu_family=gpu.family, **tp_model)
     dag = TrainingDAG()
     run_passes(ctx, dag, passes())
     return dag, ctx, cfg

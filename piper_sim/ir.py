@@ -85,6 +85,10 @@ class Context:
     seq_len: int = 0  # tokens of a sequence one rank holds (seq_len / cp under context parallelism)
     hidden: int = 0
     kv_bytes: float = 0.0  # context parallel: one layer's K and V gathered over the cp group, per micro-batch
+    # tensor parallel: elements per token of the attention's input-gradient all-reduce (0: hidden;
+    # MLA: its latents, piper_sim.parallel.tensor.attn_grad_width) and whether MoE layers have shared experts
+    tp_attn_width: int = 0
+    tp_shared_experts: bool = False
     stack: Stack = DEFAULT_STACK  # the kernels the run executes (costmodel.stack)
     gpu_family: str = "hopper"  # the cluster GPU's family (costmodel.hardware): what FP8 casts move
 

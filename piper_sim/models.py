@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -429,19 +430,31 @@ class MLAttention(nn.Module):
         self.recompute_core = False  # selective recomputation (see attention_core)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        c, (B, s, _) = self.cfg, x.shape
-        H, nope, rope = c.local_heads, c.qk_nope_dim, c.qk_rope_dim
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if c.q_lora_rank else self.wq(x)
+        return self.wo(self.heads(*self.latents(x), self.cfg.local_heads))
+
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the per-head up-projections read: the normalised query latent (``x`` itself
+        without ``q_lora_rank``), the normalised KV latent and the rotary key (shared by the
+        heads). Under tensor parallelism every rank computes them whole (replicated)."""
+        c = self.cfg
+        q_in = self.q_norm(self.wq_a(x)) if c.q_lora_rank else x
+        kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, c.qk_rope_dim], dim=-1)
+        return q_in, self.kv_norm(kv), k_pe
+
+    def heads(self, q_in: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, H: int) -> torch.Tensor:
+        """The ``H`` heads' up-projections and attention from `latents`: ``[B, s, H * v_head_dim]``."""
+        c, (B, s, _) = self.cfg, kv.shape
+        nope, rope = c.qk_nope_dim, c.qk_rope_dim
+        q = self.wq_b(q_in) if c.q_lora_rank else self.wq(q_in)
         q_nope, q_pe = q.view(B, s, H, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
-        kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, rope], dim=-1)
-        kv = self.wkv_b(self.kv_norm(kv)).view(B, s, H, nope + c.v_head_dim).transpose(1, 2)
+        kv = self.wkv_b(kv).view(B, s, H, nope + c.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([nope, c.v_head_dim], dim=-1)
-        cos, sin = rope_cos_sin(s, rope, c.rope_theta, x.device, x.dtype)
+        cos, sin = rope_cos_sin(s, rope, c.rope_theta, kv.device, kv.dtype)
         q_pe = apply_rope(q_pe, cos, sin)
         k_pe = apply_rope(k_pe.view(B, 1, s, rope), cos, sin).expand(B, H, s, rope)
         o = attention_core(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v, self.recompute_core,
                            dropout=c.dropout)
-        return self.wo(o.transpose(1, 2).reshape(B, s, -1))
+        return o.transpose(1, 2).reshape(B, s, -1)
 
 
 class SwiGLU(nn.Module):
@@ -547,13 +560,17 @@ class Block(nn.Module):
             x = _SPScatter.apply(x, self.sp)
         return self.drop(x) if self.drop is not None else x
 
-    def forward_pre(self, x: torch.Tensor):
+    def forward_pre(self, x: torch.Tensor, dispatch: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """MoE segment ``pre``: returns ``(x, h, weights, ids, shared)`` with ``x`` after the
         attention residual, ``h = norm(x)`` flattened to ``[T, hidden]`` (what gets
-        dispatched), routing ``weights/ids [T, k]`` and the shared-expert output (or None)."""
+        dispatched), routing ``weights/ids [T, k]`` and the shared-expert output (or None).
+        ``dispatch`` maps the router's input to the experts' (routed and shared; tensor
+        parallel: ``f``, whose backward sums both gradients in one all-reduce)."""
         x = x + self._out(self.attn(self._in(self.attn_norm(x))))
         h = self._in(self.mlp_norm(x)).reshape(-1, x.shape[-1])
         weights, ids = self.moe.route(h)
+        if dispatch is not None:
+            h = dispatch(h)
         shared = self.moe.shared(h) if self.moe.shared is not None else None
         return x, h, weights, ids, shared
 

@@ -163,6 +163,81 @@ def test_3d_tp2_pp2_dp2_on_eight_ranks_traces_every_tp_op(tmp_path):
     assert all(e["dur"] >= 0 for e in events)
 
 
+# DeepSeek-V3-shaped tiny models: multi-head latent attention (with and without a query latent),
+# one shared expert beside 4 routed ones (top-2), a dense first layer
+MLA_TINY = {"name": "mla-tiny", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 256, "attention": "mla",
+            "q_lora": 32, "kv_lora": 16, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 8}
+DSV3_TINY = {**MLA_TINY, "name": "dsv3-tiny", "experts": 4, "top_k": 2, "shared_experts": 1, "expert_ffn": 64,
+             "dense_first_layers": 1}
+
+
+def _model(tmp_path, spec: dict) -> str:
+    path = str(tmp_path / f"{spec['name']}.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return path
+
+
+def test_mla_under_tp_shards_the_heads(tmp_path):
+    """MLA under TP2: up-projections column-parallel over heads, o-proj row-parallel, the
+    down-projections and their norms whole on every rank (whole gradients: no TP.norms); the
+    backward all-reduce carries the latents' gradients (q latent + KV latent + rotary key)."""
+    from piper_sim.api import compile
+
+    mla, no_q = _model(tmp_path, MLA_TINY), _model(tmp_path, {**MLA_TINY, "name": "mla-noq", "q_lora": 0})
+    configs = {"mla-tp2": {**tp_strategy(), "model": mla}, "mla-noq-tp2": {**tp_strategy(), "model": no_q},
+               # full recomputation: the re-run forward's collectives come before the backward's (TP.R ops)
+               "mla-tp2-full": {**tp_strategy(extra=[{"op": "recompute"}]), "model": mla}}
+    ops = {i.name: i for c in compile(configs["mla-tp2"]).classes for i in c.instructions() if i.stream == "tp"
+           and i.mb == 0}
+    assert "norms" not in ops
+    seq = configs["mla-tp2"]["seq_len"]
+    assert [i.bytes for i in compile(configs["mla-tp2"]).classes[0].instructions()
+            if i.id == "TP.B.s0.mb0.l0.attn.ar"] == [seq * (32 + 16 + 4) * 4]
+    assert [i.bytes for i in compile(configs["mla-noq-tp2"]).classes[0].instructions()
+            if i.id == "TP.B.s0.mb0.l0.attn.ar"] == [seq * (64 + 16 + 4) * 4]
+    res, _ = run_checks(tmp_path, 2, configs)
+    noq = {"mla-noq-tp2": res.pop("mla-noq-tp2")}
+    assert_matches_reference(res, reference_losses(tmp_path, configs["mla-tp2"]))
+    assert_matches_reference(noq, reference_losses(tmp_path, configs["mla-noq-tp2"]))
+
+
+def test_shared_experts_and_mla_under_tp_and_ep(tmp_path):
+    """DeepSeek-V3-shaped: TP2 x EP2 (x DP2), the shared expert a column/row-parallel MLP on the
+    routed experts' input: its own forward all-reduce (``l1.shared.ar``), its input gradient
+    summed with the routed experts' in the one ``l1.moe.ar``; every plan TP op has its event."""
+    from piper_sim.plan import Plan
+
+    s = {**tp_strategy(dp=2, extra=[{"op": "expert_parallel", "degree": 2}]), "model": _model(tmp_path, DSV3_TINY)}
+    trace = str(tmp_path / "trace.json")
+    res, path = run_checks(tmp_path, 4, {"dsv3-tp2-ep2": s}, "--trace", trace)
+    assert_matches_reference(res, reference_losses(tmp_path, s))
+    plan = Plan.load(path)
+    names = [(i.direction, i.name) for i in plan.program(0).streams["tp"] if i.mb == 0]
+    assert [n for n in names if n[1].startswith("l1.")] == [("F", "l1.attn.ar"), ("F", "l1.shared.ar"),
+                                                            ("F", "l1.moe.ar"), ("B", "l1.moe.ar"),
+                                                            ("B", "l1.attn.ar")]
+    want = {(r, i.id) for r in range(4) for i in plan.program(r).streams["tp"]}
+    with open(trace) as f:
+        got = {(e["pid"], e["name"]) for e in json.load(f)["traceEvents"] if e.get("ph") == "X"
+               and e["name"].startswith("TP.")}
+    assert got == want
+
+
+@pytest.mark.slow
+def test_shared_experts_under_tp_with_full_recompute_and_zero1(tmp_path):
+    """Full recomputation re-runs the MoE block's forward collectives (``l{L}.attn.ar``,
+    ``l{L}.shared.ar``, the experts' ``l{L}.moe.ar``: TP.R ops) before its backward's, as the
+    plan orders them (with or without shared experts)."""
+    ep = {"op": "expert_parallel", "degree": 2}
+    s = {**tp_strategy(dp=2, zero=1, extra=[ep, {"op": "recompute"}]),
+         "model": _model(tmp_path, {**DSV3_TINY, "layers": 3})}
+    moe = tp_strategy(model="moe-tiny", dp=2, extra=[ep, {"op": "recompute"}])
+    res, _ = run_checks(tmp_path, 4, {"dsv3-tp2-ep2-zero1-full": s, "moe-tp2-ep2-full": moe})
+    assert_matches_reference({"moe-tp2-ep2-full": res.pop("moe-tp2-ep2-full")}, reference_losses(tmp_path, moe))
+    assert_matches_reference(res, reference_losses(tmp_path, s))
+
+
 # ------------------------------------------------------------------ in process: shards, matching, refusals
 
 
@@ -228,6 +303,19 @@ def test_refused_tp_plans_name_why(tmp_path, s, why):
         warnings.simplefilter("ignore")
         plan = compile(s)
     with pytest.raises(PlanError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        refuse_tensor_parallel(plan, "p.json")
+
+
+def test_mla_with_sequence_parallel_is_refused_in_one_line(tmp_path):
+    from executor.options import refuse_tensor_parallel
+    from piper_sim.api import compile
+    from piper_sim.plan import PlanError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile({**tp_strategy(sp=True), "model": _model(tmp_path, MLA_TINY)})
+    with pytest.raises(PlanError, match=r"^p.json: tensor parallel plans \(tp 2\) with multi-head latent attention and "
+                       r"sequence parallelism are simulate-only in this version; use `piper-sim simulate`$"):
         refuse_tensor_parallel(plan, "p.json")
 
 

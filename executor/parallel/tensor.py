@@ -8,7 +8,8 @@ output and the last MLP linear row-parallel (the same columns; a bias is added o
 the reduction), the embedding and head vocabulary-parallel (rows of the vocabulary); norms
 are replicated; MoE experts keep ``expert_ffn / T`` columns each (router replicated; the routed
 tokens pass ``f`` before the experts and their outputs ``g`` after them, `Stage.expert_input` /
-`expert_output`). So ``--check`` compares each rank's shard with the same slice of the
+`expert_output`), shared experts are a column/row-parallel MLP on the same ``f``-passed tokens
+(`TPSharedMLP`); multi-head latent attention shards its heads (`TPMLAttention`). So ``--check`` compares each rank's shard with the same slice of the
 reference parameters (`TPShard.reference_view`).
 
 The collectives run inside the modules, as autograd functions over the plan's ``tp``
@@ -53,7 +54,7 @@ from executor.collectives import all_gather_flat, group_ranks, reduce_scatter_fl
 from executor.parallel.axis import Axis, Handler, Logged, Posted
 from executor.parallel.data import is_grad_sync
 from piper_sim.header import TensorParallelHeader
-from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, SwiGLU, apply_rope, \
+from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, MLAttention, SwiGLU, apply_rope, \
     attention_core, rope_cos_sin
 
 # the compiler's stream of tensor-parallel collectives (piper_sim.ir.TP_STREAM; the IR is not
@@ -140,11 +141,33 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp: TPComm, name: str):
         ctx.tp, ctx.name = tp, name
+        ctx.save_for_backward(x.new_empty(0))  # under full recomputation: re-run the forward first (_ScatterSeq)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
+        ctx.saved_tensors
         return ctx.tp.all_reduce(g.clone(), ctx.name), None, None
+
+
+class _CopyManyToTP(torch.autograd.Function):
+    """``f`` over several tensors (MLA's latents): identity forward; backward all-reduces
+    their input gradients together, one collective."""
+
+    @staticmethod
+    def forward(ctx, tp: TPComm, name: str, *xs):
+        ctx.tp, ctx.name = tp, name
+        ctx.save_for_backward(xs[0].new_empty(0))  # as _CopyToTP
+        ctx.shapes = [x.shape for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.saved_tensors
+        flat = torch.cat([(g if g is not None else torch.zeros(s, device=grads[0].device, dtype=grads[0].dtype))
+                          .reshape(-1) for g, s in zip(grads, ctx.shapes)])
+        flat = ctx.tp.all_reduce(flat, ctx.name)
+        return (None, None, *(t.view(s) for t, s in zip(flat.split([s.numel() for s in ctx.shapes]), ctx.shapes)))
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -295,6 +318,25 @@ class TPAttention(nn.Module):
         return row(self.tp, o.transpose(1, 2).reshape(B, s, -1), self.wo, self.label)
 
 
+class TPMLAttention(MLAttention):
+    """`MLAttention` on this rank's heads (same parameter names; Megatron-Core's MLA): the
+    down-projections and their norms replicated, computed whole from the whole input (so their
+    gradients are whole), the latents and rotary key then pass ``f`` (one all-reduce of their
+    gradients, ``{label}.ar``) into the column-parallel up-projections (``wq``/``wq_b``,
+    ``wkv_b``); ``wo`` row-parallel."""
+
+    def __init__(self, base: MLAttention, tp: TPComm, label: str):
+        nn.Module.__init__(self)
+        for name, mod in base.named_children():
+            setattr(self, name, mod)
+        self.cfg, self.recompute_core, self.tp, self.label = base.cfg, base.recompute_core, tp, label
+        self.local = base.cfg.n_heads // tp.size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q_in, kv, k_pe = _CopyManyToTP.apply(self.tp, f"{self.label}.ar", *self.latents(x))
+        return row(self.tp, self.heads(q_in, kv, k_pe, self.local), self.wo, self.label)
+
+
 class TPMLP(nn.Module):
     """`SwiGLU` / `GeluMLP` on this rank's ``ffn / T`` columns (same parameter names)."""
 
@@ -311,6 +353,16 @@ class TPMLP(nn.Module):
             return row(self.tp, F.gelu(h), self.fc2, self.label)
         a, b = column(self.tp, x, [self.w1, self.w3], self.label)
         return row(self.tp, F.silu(a) * b, self.w2, self.label)
+
+
+class TPSharedMLP(TPMLP):
+    """A MoE block's shared experts (`SwiGLU`) on this rank's columns (Megatron-Core's
+    tensor-parallel ``SharedExpertMLP``): they read the routed experts' input, which already
+    passed ``f`` (`Block.forward_pre`'s ``dispatch``: one all-reduce of both input gradients);
+    the row-parallel output is all-reduced (``{label}.ar``) before it joins the routed output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return row(self.tp, F.silu(self.w1(x)) * self.w3(x), self.w2, self.label)
 
 
 class TPEmbedding(nn.Module):
@@ -435,20 +487,20 @@ def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None)
             block: Block = unit
             label = "l" + name.split(".")[1]
             attn = block.attn
-            for lin in ("wq", "wk", "wv"):
+            mla = isinstance(attn, MLAttention)
+            ups = (("wq_b" if attn.cfg.q_lora_rank else "wq"), "wkv_b") if mla else ("wq", "wk", "wv")
+            for lin in ups:
                 _columns(shard, tp, f"{name}.attn.{lin}", getattr(attn, lin))
             _take(shard, tp, f"{name}.attn.wo", attn.wo, "weight", 1)
-            block.attn = TPAttention(attn, tp, f"{label}.attn")
+            block.attn = (TPMLAttention if mla else TPAttention)(attn, tp, f"{label}.attn")
             if block.is_moe:
                 _shard_experts(stage, shard, tp, name, block)
+                if block.moe.shared is not None:
+                    _shard_mlp(shard, tp, f"{name}.moe.shared", block.moe.shared)
+                    block.moe.shared = TPSharedMLP(block.moe.shared, tp, f"{label}.shared")
                 continue
-            mlp = block.mlp
-            first, last = (["fc1"], "fc2") if isinstance(mlp, GeluMLP) else (["w1", "w3"], "w2")
-            assert isinstance(mlp, (GeluMLP, SwiGLU))
-            for lin in first:
-                _columns(shard, tp, f"{name}.mlp.{lin}", getattr(mlp, lin))
-            _take(shard, tp, f"{name}.mlp.{last}", getattr(mlp, last), "weight", 1)
-            block.mlp = TPMLP(mlp, tp, f"{label}.mlp")
+            _shard_mlp(shard, tp, f"{name}.mlp", block.mlp)
+            block.mlp = TPMLP(block.mlp, tp, f"{label}.mlp")
     stage.collect_piece_params()  # the pieces' parameters are the shards now
     if any(u.startswith("layers.") and units[u].is_moe and sharded(u) for u in units.unit_names()):
         stage.expert_input = lambda h, layer: _CopyToTP.apply(h, tp, f"l{layer}.moe.ar") \
@@ -456,6 +508,15 @@ def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None)
         stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"l{layer}.moe.ar") \
             if sharded(f"layers.{layer}") else y
     return shard
+
+
+def _shard_mlp(shard: TPShard, tp: TPComm, prefix: str, mlp: nn.Module) -> None:
+    """A dense MLP's (or the shared experts') columns: first linears column-, last row-parallel."""
+    first, last = (["fc1"], "fc2") if isinstance(mlp, GeluMLP) else (["w1", "w3"], "w2")
+    assert isinstance(mlp, (GeluMLP, SwiGLU))
+    for lin in first:
+        _columns(shard, tp, f"{prefix}.{lin}", getattr(mlp, lin))
+    _take(shard, tp, f"{prefix}.{last}", getattr(mlp, last), "weight", 1)
 
 
 def _shard_experts(stage, shard: TPShard, tp: TPComm, name: str, block: Block) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from piper_sim.configs import tp_divisibility_error
+from piper_sim.configs import ModelConfig, tp_divisibility_error
 from piper_sim.ir import Context, Node, TrainingDAG, make_op
 from piper_sim.plan import COMPUTE_KINDS, SPLIT_KINDS, WEIGHT_GRAD_KINDS, Instruction
 from piper_sim.profiling import SegmentCost, segment_kind
@@ -23,10 +23,26 @@ def layer_label(seg: SegmentCost) -> str:
     return "l" + seg.unit.split(".")[1] if seg.unit.startswith("layers.") else seg.unit
 
 
-def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float) -> list[tuple[str, str, float]]:
+def attn_grad_width(cfg: ModelConfig) -> int:
+    """Elements per token of a layer's attention input-gradient all-reduce (``f``) without
+    sequence parallelism: ``hidden`` for GQA (q/k/v are column-parallel on the layer input);
+    for multi-head latent attention the inputs of its column-parallel up-projections — the
+    normalised query latent (or the layer input without ``q_lora_rank``), the normalised KV
+    latent and the shared rotary key — as Megatron-Core's MLA gathers them (its
+    ``linear_q_up_proj``/``linear_kv_up_proj`` column-parallel, the down-projections and their
+    norms replicated on the whole input, so their weight gradients are whole: no ``TP.norms``)."""
+    if cfg.attention != "mla":
+        return cfg.hidden
+    return (cfg.q_lora_rank or cfg.hidden) + cfg.kv_lora_rank + cfg.qk_rope_dim
+
+
+def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float, attn_in: float | None = None,
+                   shared: bool = False) -> list[tuple[str, str, float]]:
     """The tensor-parallel collectives of one segment in one pass, in execution order, as
     (name, kind, bytes); ``act`` is the ``B·s·h`` activation in bytes, ``loss`` one fp32 value
-    per token. ``pas``: ``F``; ``B`` (input gradients; ``.regather`` ops feed the weight
+    per token, ``attn_in`` the bytes of the attention's input-gradient all-reduce without SP
+    (`attn_grad_width`; default ``act``), ``shared`` whether MoE layers have shared experts.
+    ``pas``: ``F``; ``B`` (input gradients; ``.regather`` ops feed the weight
     gradients). Megatron-LM's tensor parallelism (Shoeybi et al. 2019) and sequence
     parallelism (Korthikanti et al. 2022):
 
@@ -39,8 +55,14 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
       backward nothing (SP: all-gather of the output gradient); head: its input's backward
       all-reduce (SP: gather in forward, reduce-scatter and re-gather in backward) and the
       vocabulary-parallel cross entropy's three all-reduces of one fp32 per token (max,
-      target logit, sum of exponentials).
+      target logit, sum of exponentials);
+    - shared experts (Megatron-Core ``SharedExpertMLP``: a column/row-parallel MLP on the MoE
+      block's input) all-reduce their row-parallel output in forward (``{l}.shared.ar``, in the
+      ``pre`` segment that runs them); in backward the gradient of their input is summed with the
+      routed experts' in the MoE block's one ``{l}.moe.ar`` (both read the same tokens).
+      Without sequence parallelism only (the executor refuses MoE with SP; not priced under SP).
     """
+    attn_in = act if attn_in is None else attn_in
     kind = segment_kind(None, seg.name)  # type: ignore[arg-type]
     AR, AG, RS = "ALLREDUCE", "ALL_GATHER", "REDUCE_SCATTER"
     if kind == "embed":
@@ -56,7 +78,7 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
     if pas == "F":
         if kind == "moe_pre":  # the MoE block's output is reduced after the experts (see moe_experts)
             return [(f"{l}.attn.ag", AG, act), (f"{l}.attn.rs", RS, act), (f"{l}.moe.ag", AG, act)] if sp else \
-                [(f"{l}.attn.ar", AR, act)]
+                [(f"{l}.attn.ar", AR, act)] + ([(f"{l}.shared.ar", AR, act)] if shared else [])
         if kind == "moe_experts":
             return [(f"{l}.moe.rs", RS, act)] if sp else [(f"{l}.moe.ar", AR, act)]
         return [x for b in blocks for x in ([(f"{l}.{b}.ag", AG, act), (f"{l}.{b}.rs", RS, act)] if sp else
@@ -69,7 +91,7 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
             grad_in = [] if b == "moe" else [(f"{l}.{b}.ag", AG, act)]
             out += grad_in + [(f"{l}.{b}.regather", AG, act), (f"{l}.{b}.rs", RS, act)]
         else:
-            out.append((f"{l}.{b}.ar", AR, act))
+            out.append((f"{l}.{b}.ar", AR, attn_in if b == "attn" else act))
     return out
 
 
@@ -92,6 +114,8 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
         return
     sp = ctx.setup.sp
     act = float(ctx.micro_batch * ctx.seq_len * ctx.hidden * ctx.dtype_bytes)
+    attn_in = float(ctx.micro_batch * ctx.seq_len * (ctx.tp_attn_width or ctx.hidden) * ctx.dtype_bytes)
+    shared = ctx.tp_shared_experts
     loss = float(ctx.micro_batch * ctx.seq_len * 4)
     by_stage: dict[tuple[int, int], list[Node]] = {}
     for n in list(dag.g.nodes):
@@ -119,8 +143,9 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                 if not ctx.setup.tp_sharded(seg.unit):
                     continue  # replicated (shard_tensor's selection): run whole, no TP collective
                 if ins.kind != "F" and full and ctx.memory[seg.name].recomputed:
-                    chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss)]
-                for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss):
+                    chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss, attn_in, shared)]
+                for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss, attn_in,
+                                        shared):
                     if ins.kind == "BI" and x[0].endswith(".regather"):
                         regathers.setdefault(ins.mb, []).append(add("B", *x))
                     else:
