@@ -106,7 +106,7 @@ def tree_time(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
     """Tree all-reduce (reduce up, broadcast down, pipelined): chain in a node, tree across nodes."""
     if len(ranks) <= 1:
         return 0.0
-    per_node = Counter(cluster.node_of(r) for r in ranks)
+    per_node = cluster.node_counts(ranks)
     g, m = max(per_node.values()), len(per_node)
     intra, inter = intra_link(cluster), inter_link(cluster)
     bw = inter.bw if m > 1 else intra.bw
@@ -114,7 +114,7 @@ def tree_time(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
 
 
 def hierarchical_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster) -> float:
-    per_node = Counter(cluster.node_of(r) for r in ranks)
+    per_node = cluster.node_counts(ranks)
     g, m, n = max(per_node.values()), len(per_node), len(ranks)
     intra, inter = intra_link(cluster), inter_link(cluster)
     if kind == "ALLREDUCE":
@@ -135,7 +135,7 @@ NCCL_SIMPLE_NET_S = 14e-6
 
 def rails_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster) -> float:
     """NCCL's ring over nodes with one channel per NIC rail, pipelined (module doc)."""
-    per_node = Counter(cluster.node_of(r) for r in ranks)
+    per_node = cluster.node_counts(ranks)
     g_min, g_max, m, n = min(per_node.values()), max(per_node.values()), len(per_node), len(ranks)
     intra, inter = intra_link(cluster), inter_link(cluster)
     f = busbw_factor(kind, n)
