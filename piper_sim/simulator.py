@@ -467,6 +467,7 @@ class _Engine:
         self._group_cache: dict[tuple[str, int], tuple[int, ...]] = {}
         self._bw: dict[str, float] = {}
         self._link_reps: dict[str, str] = {}
+        self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._group_links: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
@@ -611,7 +612,7 @@ class _Engine:
         if links is None:
             ports = self.cm.collective_ports(kind, ranks) if self.folded and kind not in P2P_KINDS else None
             if ports is not None:  # the same ports on every member: those of the simulated ranks
-                reps = dict.fromkeys(self._rep(r) for r in sorted(set(ranks)))
+                reps = self._reps(tuple(sorted(set(ranks))))
                 links = tuple(f"{p}:rank{r}:{d}" for p in ports for r in reps for d in ("tx", "rx"))
             else:
                 links = self.cm.links(kind, ranks)
@@ -631,6 +632,18 @@ class _Engine:
             out.append((link, min(self._bw[link], volume / dur)))
         return tuple(out)
 
+    def _reps(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """The simulated ranks of ``ranks``, in order, once each (derived once per group)."""
+        reps = self._group_reps.get(ranks)
+        if reps is None:
+            if self.folded:
+                cs = self._class_size
+                reps = tuple(dict.fromkeys([r - r % cs for r in ranks]))  # `_rep`, inlined: groups of 4K ranks
+            else:
+                reps = tuple(dict.fromkeys(ranks))
+            self._group_reps[ranks] = reps
+        return reps
+
     def _link_rep(self, link: str) -> str:
         """"nvlink:rank17:tx" -> the same port of rank 17's representative."""
         rep = self._link_reps.get(link)
@@ -646,7 +659,7 @@ class _Engine:
                 dur = float(self.cm.all_to_all_time(nbytes, list(group), a2a, self.routing))
             else:
                 dur = float(self.cm.collective_time(kind, nbytes, list(group)))
-            reps = tuple(dict.fromkeys(self._rep(r) for r in group))
+            reps = self._reps(group)
             gid = self._gids.setdefault(group, len(self._gids))  # a small rendezvous key
             members = len(reps) if self.folded else len(group)
             self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes), reps, gid, members)
@@ -673,10 +686,13 @@ class _Engine:
             for r in ranks:
                 self.comm_jobs.setdefault(r, {})[job] = None
         affected: dict[_Job, None] = {job: None}
+        on_link = self.on_link
         for link, demand in links:
-            on = self.on_link.setdefault(link, {})
+            on = on_link.get(link)
+            if on is None:
+                on = on_link[link] = {}
             on[job] = demand
-            affected.update(dict.fromkeys(on))
+            affected.update(on)  # its jobs, in order (the values are not used)
         for r in ranks:
             c = self.active.get(r, 0)
             self.active[r] = c + 1
@@ -761,7 +777,7 @@ class _Engine:
         for link, _ in job.links:
             on = self.on_link[link]
             del on[job]
-            affected.update(dict.fromkeys(on))
+            affected.update(on)
         for r in job.ranks:
             self.comm_jobs.get(r, {}).pop(job, None)
             self.active[r] -= 1
@@ -793,6 +809,11 @@ class _Engine:
 
     def _collective(self, op: _Op) -> simpy.Event:
         dur, links, reps, gid, expected = op.cost
+        if expected == 1:  # a group folded into one simulated rank (or a group of one): no rendezvous
+            op.start = max(op.posted, op.after)
+            ev = self.env.event()
+            self._transfer(dur, links, reps, ev)
+            return ev
         key = (op.ins.id, gid)
         entry = self.coll_pending.get(key)
         if entry is None:
