@@ -283,8 +283,7 @@ class Cluster:
         ranks = list(ranks)
         if ranks:
             self.node_of(min(ranks)), self.node_of(max(ranks))  # range check
-        g = self.gpus_per_node
-        return Counter(r // g for r in ranks)
+        return Counter(map(self.gpus_per_node.__rfloordiv__, ranks))  # r // gpus_per_node
 
     def same_node(self, ranks) -> bool:
         ranks = list(ranks)

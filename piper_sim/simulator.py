@@ -464,7 +464,8 @@ class _Engine:
         self._coll_cache: dict[tuple, tuple] = {}
         self._p2p_cache: dict[tuple, tuple] = {}
         self._gids: dict[tuple[int, ...], int] = {}
-        self._group_cache: dict[tuple[str, int], tuple[int, ...]] = {}
+        self._group_cache: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
+        self._post_cache: dict[tuple[str, float], float] = {}
         self._bw: dict[str, float] = {}
         self._link_reps: dict[str, str] = {}
         self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -480,14 +481,21 @@ class _Engine:
         of ``class_size`` ranks, pp being the outermost mesh axis: `Layout.class_ranks`)."""
         return rank - rank % self._class_size if self.folded else rank
 
-    def _group(self, group: str, rank: int) -> tuple[int, ...]:
-        key = (group, rank)
-        if key not in self._group_cache:
+    def _group(self, ins: Instruction, rank: int) -> tuple[tuple[int, ...], int]:
+        """(ranks, small id) of collective ``ins``'s group on ``rank``, resolved and checked once
+        per (group, rank)."""
+        key = (ins.group, rank)
+        hit = self._group_cache.get(key)
+        if hit is None:
             try:
-                self._group_cache[key] = tuple(self.layout.group_ranks(group, rank))
+                ranks = tuple(self.layout.group_ranks(ins.group, rank))
             except (KeyError, ValueError) as e:
-                raise SimulationError(f"rank {rank}: cannot resolve collective group {group!r}: {e}") from None
-        return self._group_cache[key]
+                raise SimulationError(f"rank {rank}: cannot resolve collective group {ins.group!r}: {e}") from None
+            if rank not in ranks:
+                raise SimulationError(f"rank {rank}: collective {ins.id} has group {ins.group} "
+                                      f"= {list(ranks)}, which does not contain the rank")
+            hit = self._group_cache[key] = (ranks, self._gids.setdefault(ranks, len(self._gids)))
+        return hit
 
     def _compute_scales(self, slow_ranks: dict[int, float]) -> dict[int, float]:
         """Per simulated rank, how much slower its compute runs than the cost model's GPU: the
@@ -574,15 +582,12 @@ class _Engine:
                         if ins.kind == "SEND":
                             op.cost = self._p2p_cost(ins.bytes, r, op.peer)
                     elif ins.kind in COLLECTIVE_KINDS:
-                        op.group = self._group(ins.group, r)
-                        if r not in op.group:
-                            raise SimulationError(f"rank {r}: collective {ins.id} has group {ins.group} "
-                                                  f"= {list(op.group)}, which does not contain the rank")
-                        op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, ins.a2a)
+                        op.group, gid = self._group(ins, r)
+                        op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, gid, ins.a2a)
                     else:
                         raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
                     if op.dur is None and not is_inner(ins):  # inner: performed inside compute
-                        op.post = float(self.cm.post_time(ins.kind, ins.bytes))
+                        op.post = self._post_time(ins.kind, ins.bytes)
                     ops.append(op)
                 streams.append((name, ops))
             for _, ops in streams:
@@ -652,15 +657,23 @@ class _Engine:
             rep = self._link_reps[link] = f"{port}:rank{self._rep(int(rank[4:]))}:{direction}"
         return rep
 
-    def _collective_cost(self, kind: str, nbytes: float, group: tuple[int, ...], a2a: str = "") -> tuple:
-        key = (kind, nbytes, group, a2a)
+    def _post_time(self, kind: str, nbytes: float) -> float:
+        key = (kind, nbytes)
+        t = self._post_cache.get(key)
+        if t is None:
+            t = self._post_cache[key] = float(self.cm.post_time(kind, nbytes))
+        return t
+
+    def _collective_cost(self, kind: str, nbytes: float, group: tuple[int, ...], gid: int, a2a: str = "") -> tuple:
+        """(duration, links, simulated ranks, rendezvous key ``gid``, members to wait for), once
+        per (kind, bytes, group, all-to-all direction)."""
+        key = (kind, nbytes, gid, a2a)
         if key not in self._coll_cache:
             if a2a:  # an expert block's dispatch or combine
                 dur = float(self.cm.all_to_all_time(nbytes, list(group), a2a, self.routing))
             else:
                 dur = float(self.cm.collective_time(kind, nbytes, list(group)))
             reps = self._reps(group)
-            gid = self._gids.setdefault(group, len(self._gids))  # a small rendezvous key
             members = len(reps) if self.folded else len(group)
             self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes), reps, gid, members)
         return self._coll_cache[key]
