@@ -464,7 +464,8 @@ class _Engine:
         self._coll_cache: dict[tuple, tuple] = {}
         self._p2p_cache: dict[tuple, tuple] = {}
         self._gids: dict[tuple[int, ...], int] = {}
-        self._group_cache: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
+        # (group, rank) -> (its ranks, small id), for each group a simulated rank's collectives name
+        self.resolved_groups: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
         self._post_cache: dict[tuple[str, float], float] = {}
         self._bw: dict[str, float] = {}
         self._link_reps: dict[str, str] = {}
@@ -485,7 +486,7 @@ class _Engine:
         """(ranks, small id) of collective ``ins``'s group on ``rank``, resolved and checked once
         per (group, rank)."""
         key = (ins.group, rank)
-        hit = self._group_cache.get(key)
+        hit = self.resolved_groups.get(key)
         if hit is None:
             try:
                 ranks = tuple(self.layout.group_ranks(ins.group, rank))
@@ -494,7 +495,7 @@ class _Engine:
             if rank not in ranks:
                 raise SimulationError(f"rank {rank}: collective {ins.id} has group {ins.group} "
                                       f"= {list(ranks)}, which does not contain the rank")
-            hit = self._group_cache[key] = (ranks, self._gids.setdefault(ranks, len(self._gids)))
+            hit = self.resolved_groups[key] = (ranks, self._gids.setdefault(ranks, len(self._gids)))
         return hit
 
     def _compute_scales(self, slow_ranks: dict[int, float]) -> dict[int, float]:
@@ -1076,10 +1077,12 @@ def _memory_device(plan: Plan, cm: CostModel):
     return None if cluster is None else cluster.gpu
 
 
-def communicators(plan: Plan, cls) -> tuple[int, int, int, tuple[int, ...]]:
+def communicators(plan: Plan, cls, resolved: dict[tuple[str, int], tuple] | None = None
+                  ) -> tuple[int, int, int, tuple[int, ...]]:
     """The NCCL communicators a rank of this class uses, as a trainer makes them (one per group
     of ranks, one per send/recv peer, the world's): (2-rank ones, larger ones, the peers of its
-    all-to-all groups, the sizes of those groups)."""
+    all-to-all groups, the sizes of those groups). ``resolved``: (group, rank) -> (ranks, ...)
+    the simulator already resolved (the rest are resolved here)."""
     rank = cls.ranks[0]
     layout = plan.layout
     peers: set[int] = set()  # pipeline ranks it sends to or receives from
@@ -1093,7 +1096,8 @@ def communicators(plan: Plan, cls) -> tuple[int, int, int, tuple[int, ...]]:
     for peer in peers:
         groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, peer)})), False)
     for group, a2a in named.items():
-        ranks = tuple(layout.group_ranks(group, rank))
+        hit = (resolved or {}).get((group, rank))
+        ranks = hit[0] if hit is not None else tuple(layout.group_ranks(group, rank))
         groups[ranks] = groups.get(ranks, False) or a2a
     if layout.world_size > 1:
         groups.setdefault(tuple(range(layout.world_size)), False)
@@ -1168,7 +1172,8 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     gpu = _memory_device(plan, cm)
     capacity = None if gpu is None else float(gpu.hbm_bytes)
     expandable = bool((plan.header.stack or {}).get("expandable_segments"))
-    comms = {id(c): _runtime_comms(plan, cm, communicators(plan, c)) for c in plan.classes} if gpu is not None else {}
+    comms = {id(c): _runtime_comms(plan, cm, communicators(plan, c, eng.resolved_groups))
+             for c in plan.classes} if gpu is not None else {}
     for r in eng.ranks:
         cls = eng.class_of[r]
         static = cls.static_memory
