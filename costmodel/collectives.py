@@ -102,19 +102,21 @@ def ring_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     return busbw_factor(kind, n) * nbytes / link.bw + ring_steps(kind, n) * link.alpha
 
 
-def tree_time(nbytes: float, ranks: list[int], cluster: Cluster) -> float:
-    """Tree all-reduce (reduce up, broadcast down, pipelined): chain in a node, tree across nodes."""
+def tree_time(nbytes: float, ranks: list[int], cluster: Cluster, per_node: Counter | None = None) -> float:
+    """Tree all-reduce (reduce up, broadcast down, pipelined): chain in a node, tree across nodes.
+    ``per_node``: `Cluster.node_counts` of ``ranks`` when the caller has it."""
     if len(ranks) <= 1:
         return 0.0
-    per_node = Counter(cluster.node_of(r) for r in ranks)
+    per_node = cluster.node_counts(ranks) if per_node is None else per_node
     g, m = max(per_node.values()), len(per_node)
     intra, inter = intra_link(cluster), inter_link(cluster)
     bw = inter.bw if m > 1 else intra.bw
     return 2 * nbytes / bw + 2 * ((g - 1) * intra.alpha + math.ceil(math.log2(m)) * inter.alpha)
 
 
-def hierarchical_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster) -> float:
-    per_node = Counter(cluster.node_of(r) for r in ranks)
+def hierarchical_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster,
+                      per_node: Counter | None = None) -> float:
+    per_node = cluster.node_counts(ranks) if per_node is None else per_node
     g, m, n = max(per_node.values()), len(per_node), len(ranks)
     intra, inter = intra_link(cluster), inter_link(cluster)
     if kind == "ALLREDUCE":
@@ -133,9 +135,10 @@ NCCL_SIMPLE_NVLINK_S = 3.4e-6
 NCCL_SIMPLE_NET_S = 14e-6
 
 
-def rails_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster) -> float:
+def rails_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster,
+               per_node: Counter | None = None) -> float:
     """NCCL's ring over nodes with one channel per NIC rail, pipelined (module doc)."""
-    per_node = Counter(cluster.node_of(r) for r in ranks)
+    per_node = cluster.node_counts(ranks) if per_node is None else per_node
     g_min, g_max, m, n = min(per_node.values()), max(per_node.values()), len(per_node), len(ranks)
     intra, inter = intra_link(cluster), inter_link(cluster)
     f = busbw_factor(kind, n)
@@ -149,13 +152,15 @@ def algorithm_times(kind: str, nbytes: float, ranks: list[int], cluster: Cluster
     _check_kind(kind)
     ranks = _group(ranks, cluster)
     n = len(ranks)
-    link = intra_link(cluster) if cluster.same_node(ranks) else inter_link(cluster)
+    per_node = cluster.node_counts(ranks)  # once for every algorithm's formula
+    one_node = len(per_node) == 1
+    link = intra_link(cluster) if one_node else inter_link(cluster)
     times = {"ring": ring_time(kind, nbytes, n, link)}
     if kind == "ALLREDUCE":
-        times["tree"] = tree_time(nbytes, ranks, cluster)
-    times["hierarchical"] = hierarchical_time(kind, nbytes, ranks, cluster) if n > 1 else 0.0
+        times["tree"] = tree_time(nbytes, ranks, cluster, per_node)
+    times["hierarchical"] = hierarchical_time(kind, nbytes, ranks, cluster, per_node) if n > 1 else 0.0
     if kind != "ALL_TO_ALL":  # inside one node the rails ring is the ring
-        times["rails"] = times["ring"] if cluster.same_node(ranks) else rails_time(kind, nbytes, ranks, cluster)
+        times["rails"] = times["ring"] if one_node else rails_time(kind, nbytes, ranks, cluster, per_node)
     return times
 
 
@@ -202,7 +207,7 @@ def moe_all_to_all_time(nbytes: float, ranks: list[int], cluster: Cluster, direc
     scaled = nbytes * a2a_bytes_factor(direction, options)
     if a2a_algorithm(options, cluster) == "nccl":
         return collective_time("ALL_TO_ALL", scaled, ranks, cluster, algorithm)
-    nodes = len({cluster.node_of(r) for r in ranks})
+    nodes = len(cluster.node_counts(ranks))
     tr = traffic(n, nodes, routing, options.max_nodes_per_token)
     b_nvl, b_nic = cluster.gpu.ep_links
     per_copy = scaled / tr.copies
@@ -244,7 +249,7 @@ def ports_used(kind: str, ranks, cluster: Cluster) -> list[str]:
     ranks = _group(ranks, cluster)
     if len(ranks) <= 1:
         return []
-    per_node = Counter(r // cluster.gpus_per_node for r in ranks)  # in range: `_group` checked them
+    per_node = cluster.node_counts(ranks)
     return (["nvlink"] if max(per_node.values()) > 1 else []) + (["nic"] if len(per_node) > 1 else [])
 
 

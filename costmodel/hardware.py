@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 from costmodel.moe import MoEOptions
@@ -277,12 +278,19 @@ class Cluster:
             raise ValueError(f"rank {rank} outside cluster of {self.world_size} ranks")
         return rank // self.gpus_per_node
 
+    def node_counts(self, ranks) -> Counter:
+        """node -> how many of ``ranks`` it holds (the ranks range-checked as `node_of` does)."""
+        ranks = list(ranks)
+        if ranks:
+            self.node_of(min(ranks)), self.node_of(max(ranks))  # range check
+        return Counter(map(self.gpus_per_node.__rfloordiv__, ranks))  # r // gpus_per_node
+
     def same_node(self, ranks) -> bool:
         ranks = list(ranks)
         if not ranks:
             return True
-        self.node_of(min(ranks)), self.node_of(max(ranks))  # range check
-        return len({r // self.gpus_per_node for r in ranks}) <= 1
+        lo, hi = self.node_of(min(ranks)), self.node_of(max(ranks))  # range checked; nodes grow with ranks
+        return lo == hi
 
     def to_dict(self) -> dict:
         """Plain dict with inline GPU fields; `parse_cluster` reads it back (YAML or JSON)."""

@@ -464,9 +464,12 @@ class _Engine:
         self._coll_cache: dict[tuple, tuple] = {}
         self._p2p_cache: dict[tuple, tuple] = {}
         self._gids: dict[tuple[int, ...], int] = {}
-        self._group_cache: dict[tuple[str, int], tuple[int, ...]] = {}
+        # (group, rank) -> (its ranks, small id), for each group a simulated rank's collectives name
+        self.resolved_groups: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
+        self._post_cache: dict[tuple[str, float], float] = {}
         self._bw: dict[str, float] = {}
         self._link_reps: dict[str, str] = {}
+        self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._group_links: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
@@ -479,14 +482,21 @@ class _Engine:
         of ``class_size`` ranks, pp being the outermost mesh axis: `Layout.class_ranks`)."""
         return rank - rank % self._class_size if self.folded else rank
 
-    def _group(self, group: str, rank: int) -> tuple[int, ...]:
-        key = (group, rank)
-        if key not in self._group_cache:
+    def _group(self, ins: Instruction, rank: int) -> tuple[tuple[int, ...], int]:
+        """(ranks, small id) of collective ``ins``'s group on ``rank``, resolved and checked once
+        per (group, rank)."""
+        key = (ins.group, rank)
+        hit = self.resolved_groups.get(key)
+        if hit is None:
             try:
-                self._group_cache[key] = tuple(self.layout.group_ranks(group, rank))
+                ranks = tuple(self.layout.group_ranks(ins.group, rank))
             except (KeyError, ValueError) as e:
-                raise SimulationError(f"rank {rank}: cannot resolve collective group {group!r}: {e}") from None
-        return self._group_cache[key]
+                raise SimulationError(f"rank {rank}: cannot resolve collective group {ins.group!r}: {e}") from None
+            if rank not in ranks:
+                raise SimulationError(f"rank {rank}: collective {ins.id} has group {ins.group} "
+                                      f"= {list(ranks)}, which does not contain the rank")
+            hit = self.resolved_groups[key] = (ranks, self._gids.setdefault(ranks, len(self._gids)))
+        return hit
 
     def _compute_scales(self, slow_ranks: dict[int, float]) -> dict[int, float]:
         """Per simulated rank, how much slower its compute runs than the cost model's GPU: the
@@ -573,15 +583,12 @@ class _Engine:
                         if ins.kind == "SEND":
                             op.cost = self._p2p_cost(ins.bytes, r, op.peer)
                     elif ins.kind in COLLECTIVE_KINDS:
-                        op.group = self._group(ins.group, r)
-                        if r not in op.group:
-                            raise SimulationError(f"rank {r}: collective {ins.id} has group {ins.group} "
-                                                  f"= {list(op.group)}, which does not contain the rank")
-                        op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, ins.a2a)
+                        op.group, gid = self._group(ins, r)
+                        op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, gid, ins.a2a)
                     else:
                         raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
                     if op.dur is None and not is_inner(ins):  # inner: performed inside compute
-                        op.post = float(self.cm.post_time(ins.kind, ins.bytes))
+                        op.post = self._post_time(ins.kind, ins.bytes)
                     ops.append(op)
                 streams.append((name, ops))
             for _, ops in streams:
@@ -611,7 +618,7 @@ class _Engine:
         if links is None:
             ports = self.cm.collective_ports(kind, ranks) if self.folded and kind not in P2P_KINDS else None
             if ports is not None:  # the same ports on every member: those of the simulated ranks
-                reps = dict.fromkeys(self._rep(r) for r in sorted(set(ranks)))
+                reps = self._reps(tuple(sorted(set(ranks))))
                 links = tuple(f"{p}:rank{r}:{d}" for p in ports for r in reps for d in ("tx", "rx"))
             else:
                 links = self.cm.links(kind, ranks)
@@ -631,6 +638,18 @@ class _Engine:
             out.append((link, min(self._bw[link], volume / dur)))
         return tuple(out)
 
+    def _reps(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """The simulated ranks of ``ranks``, in order, once each (derived once per group)."""
+        reps = self._group_reps.get(ranks)
+        if reps is None:
+            if self.folded:
+                cs = self._class_size
+                reps = tuple(dict.fromkeys([r - r % cs for r in ranks]))  # `_rep`, inlined: groups of 4K ranks
+            else:
+                reps = tuple(dict.fromkeys(ranks))
+            self._group_reps[ranks] = reps
+        return reps
+
     def _link_rep(self, link: str) -> str:
         """"nvlink:rank17:tx" -> the same port of rank 17's representative."""
         rep = self._link_reps.get(link)
@@ -639,15 +658,23 @@ class _Engine:
             rep = self._link_reps[link] = f"{port}:rank{self._rep(int(rank[4:]))}:{direction}"
         return rep
 
-    def _collective_cost(self, kind: str, nbytes: float, group: tuple[int, ...], a2a: str = "") -> tuple:
-        key = (kind, nbytes, group, a2a)
+    def _post_time(self, kind: str, nbytes: float) -> float:
+        key = (kind, nbytes)
+        t = self._post_cache.get(key)
+        if t is None:
+            t = self._post_cache[key] = float(self.cm.post_time(kind, nbytes))
+        return t
+
+    def _collective_cost(self, kind: str, nbytes: float, group: tuple[int, ...], gid: int, a2a: str = "") -> tuple:
+        """(duration, links, simulated ranks, rendezvous key ``gid``, members to wait for), once
+        per (kind, bytes, group, all-to-all direction)."""
+        key = (kind, nbytes, gid, a2a)
         if key not in self._coll_cache:
             if a2a:  # an expert block's dispatch or combine
                 dur = float(self.cm.all_to_all_time(nbytes, list(group), a2a, self.routing))
             else:
                 dur = float(self.cm.collective_time(kind, nbytes, list(group)))
-            reps = tuple(dict.fromkeys(self._rep(r) for r in group))
-            gid = self._gids.setdefault(group, len(self._gids))  # a small rendezvous key
+            reps = self._reps(group)
             members = len(reps) if self.folded else len(group)
             self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes), reps, gid, members)
         return self._coll_cache[key]
@@ -673,10 +700,13 @@ class _Engine:
             for r in ranks:
                 self.comm_jobs.setdefault(r, {})[job] = None
         affected: dict[_Job, None] = {job: None}
+        on_link = self.on_link
         for link, demand in links:
-            on = self.on_link.setdefault(link, {})
+            on = on_link.get(link)
+            if on is None:
+                on = on_link[link] = {}
             on[job] = demand
-            affected.update(dict.fromkeys(on))
+            affected.update(on)  # its jobs, in order (the values are not used)
         for r in ranks:
             c = self.active.get(r, 0)
             self.active[r] = c + 1
@@ -761,7 +791,7 @@ class _Engine:
         for link, _ in job.links:
             on = self.on_link[link]
             del on[job]
-            affected.update(dict.fromkeys(on))
+            affected.update(on)
         for r in job.ranks:
             self.comm_jobs.get(r, {}).pop(job, None)
             self.active[r] -= 1
@@ -793,6 +823,11 @@ class _Engine:
 
     def _collective(self, op: _Op) -> simpy.Event:
         dur, links, reps, gid, expected = op.cost
+        if expected == 1:  # a group folded into one simulated rank (or a group of one): no rendezvous
+            op.start = max(op.posted, op.after)
+            ev = self.env.event()
+            self._transfer(dur, links, reps, ev)
+            return ev
         key = (op.ins.id, gid)
         entry = self.coll_pending.get(key)
         if entry is None:
@@ -1042,10 +1077,12 @@ def _memory_device(plan: Plan, cm: CostModel):
     return None if cluster is None else cluster.gpu
 
 
-def communicators(plan: Plan, cls) -> tuple[int, int, int, tuple[int, ...]]:
+def communicators(plan: Plan, cls, resolved: dict[tuple[str, int], tuple] | None = None
+                  ) -> tuple[int, int, int, tuple[int, ...]]:
     """The NCCL communicators a rank of this class uses, as a trainer makes them (one per group
     of ranks, one per send/recv peer, the world's): (2-rank ones, larger ones, the peers of its
-    all-to-all groups, the sizes of those groups)."""
+    all-to-all groups, the sizes of those groups). ``resolved``: (group, rank) -> (ranks, ...)
+    the simulator already resolved (the rest are resolved here)."""
     rank = cls.ranks[0]
     layout = plan.layout
     peers: set[int] = set()  # pipeline ranks it sends to or receives from
@@ -1059,7 +1096,8 @@ def communicators(plan: Plan, cls) -> tuple[int, int, int, tuple[int, ...]]:
     for peer in peers:
         groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, peer)})), False)
     for group, a2a in named.items():
-        ranks = tuple(layout.group_ranks(group, rank))
+        hit = (resolved or {}).get((group, rank))
+        ranks = hit[0] if hit is not None else tuple(layout.group_ranks(group, rank))
         groups[ranks] = groups.get(ranks, False) or a2a
     if layout.world_size > 1:
         groups.setdefault(tuple(range(layout.world_size)), False)
@@ -1134,7 +1172,8 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     gpu = _memory_device(plan, cm)
     capacity = None if gpu is None else float(gpu.hbm_bytes)
     expandable = bool((plan.header.stack or {}).get("expandable_segments"))
-    comms = {id(c): _runtime_comms(plan, cm, communicators(plan, c)) for c in plan.classes} if gpu is not None else {}
+    comms = {id(c): _runtime_comms(plan, cm, communicators(plan, c, eng.resolved_groups))
+             for c in plan.classes} if gpu is not None else {}
     for r in eng.ranks:
         cls = eng.class_of[r]
         static = cls.static_memory

@@ -325,6 +325,18 @@ def test_parse_cluster_presets():
     assert parse_cluster("h800:1x8").gpu.nvlink_bw == 160e9
 
 
+def test_node_counts_and_same_node_from_the_extremes():
+    c = parse_cluster("h100:4x8")
+    assert c.node_counts([31, 0, 7, 8, 30]) == {0: 2, 1: 1, 3: 2}
+    assert c.node_counts([]) == {} and c.same_node([]) and c.same_node([9, 15, 8])
+    assert not c.same_node([15, 16]) and not c.same_node([3, 12, 5])
+    for bad in ([0, 32], [-1, 3]):
+        with pytest.raises(ValueError, match="outside cluster of 32 ranks"):
+            c.node_counts(bad)
+        with pytest.raises(ValueError, match="outside cluster of 32 ranks"):
+            c.same_node(bad)
+
+
 @pytest.mark.parametrize("spec", ["h100:4y8", "h100", "h100:x8", "tpu:4x8", "cpu:two", "h100:0x8", "cpu:1x2", ""])
 def test_parse_cluster_errors(spec):
     with pytest.raises(ValueError, match="bad cluster spec|nodes >= 1"):

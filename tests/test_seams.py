@@ -241,6 +241,30 @@ def test_mesh_axes_keep_the_rank_numbering():
         assert lay.class_ranks(pp - 1) == list(range((pp - 1) * dp * tp, pp * dp * tp))
 
 
+def test_groups_are_the_ranks_their_definition_names():
+    """Every symbolic group (`Layout.group_ranks`, computed with the rank formula) against its
+    definition in coordinates, over layouts with CP, HSDP shards and two stage copies (dualpipe)."""
+    for pp, dp, cp, tp, ep, shard in itertools.product([1, 3], [2, 4], [1, 2], [1, 2], [1, 2], [0, 2]):
+        lay = Layout(pp=pp, dp=dp, ep=ep, tp=tp, cp=cp, dp_shard=shard,
+                     stage_ranks={s: sorted({s, pp - 1 - s}) for s in range(pp)})
+        for r in range(lay.world_size):
+            c = lay.coords_of(r)
+            for axis in ("pp", "dp", "cp", "tp"):
+                assert lay.group_ranks(axis, r) == [lay.rank_at({**c, axis: i}) for i in range(lay.axes[axis])]
+            assert lay.group_ranks("ep", r) == [lay.rank_at({**c, "dp": d})
+                                                for d in range(c["dp"] // ep * ep, c["dp"] // ep * ep + ep)]
+            for s in range(pp):
+                def stage(keep):
+                    return sorted(lay.rank_at({**c, "pp": p, "dp": d, "cp": k}) for p in lay.stage_ranks[s]
+                                  for d in range(dp) if keep(d) for k in range(cp))
+                assert lay.group_ranks(f"stage:{s}", r) == stage(lambda d: True)
+                assert lay.group_ranks(f"stage:{s}:edp", r) == stage(lambda d: d % ep == c["dp"] % ep)
+                if shard:
+                    assert lay.group_ranks(f"stage:{s}:shard", r) == stage(lambda d: d // shard == c["dp"] // shard)
+                    assert lay.group_ranks(f"stage:{s}:rep", r) == sorted(
+                        lay.rank_at({**c, "dp": d}) for d in range(dp) if d % shard == c["dp"] % shard)
+
+
 def test_plan_files_are_packed_and_read_back_to_the_same_content(tmp_path):
     """The file form (version 3) holds version 2's content in less space: the same hash,
     the same instructions; version 2 JSON still loads; a row with too few values is refused."""
