@@ -114,6 +114,9 @@ MODEL_FLAGS: dict[str, tuple[str, str]] = {
     "qk_nope_dim": ("--qk-head-dim", "int"),
     "qk_rope_dim": ("--qk-pos-emb-head-dim", "int"),
     "v_head_dim": ("--v-head-dim", "int"),
+    # Megatron-LM's --mtp-num-layers -> TransformerConfig.mtp_num_layers (megatron-core 0.16.1
+    # transformer/transformer_config.py:48): DeepSeek-V3's multi-token-prediction modules
+    "mtp_layers": ("--mtp-num-layers", "int"),
 }
 # flags written from several fields (see _model_args): --group-query-attention, --swiglu,
 # --normalization RMSNorm|LayerNorm, --untie-embeddings-and-output-weights,
