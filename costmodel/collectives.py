@@ -46,7 +46,9 @@ token), with the load factor L (max/mean per EP rank) and FP8 dispatch f = (1 + 
            (N−1)/N of the bytes for N nodes, whatever the node limit)
 
 Links: a group inside one node uses NVLink (`nvlink_bw`, `intra_alpha_s`); a group spanning
-nodes uses the per-GPU NIC (`nic_bw`, `inter_alpha_s`), or both in the hierarchical case.
+nodes uses the per-GPU NIC (`nic_bw`, `inter_alpha_s`), or both in the hierarchical case; a
+group spanning pods of the cluster's fabric gets the NIC at the fabric's cross-pod efficiency
+(`costmodel.hardware.Fabric`: oversubscription, ECMP collisions).
 Link ids are per rank and direction ("nvlink:rank3:tx", "nic:rank17:rx"): NVSwitch is
 non-blocking, so only transfers touching the same GPU port in the same direction compete.
 """
@@ -80,8 +82,13 @@ def intra_link(cluster: Cluster) -> Link:
     return Link(cluster.gpu.nvlink_bw, cluster.gpu.intra_alpha_s)
 
 
-def inter_link(cluster: Cluster) -> Link:
-    return Link(cluster.gpu.nic_bw, cluster.gpu.inter_alpha_s)
+def inter_link(cluster: Cluster, ranks=()) -> Link:
+    """The NIC link of a group spanning nodes; across pods of the fabric at its
+    ``cross_pod_efficiency`` (`costmodel.hardware.Fabric`)."""
+    bw = cluster.gpu.nic_bw
+    if cluster.crosses_pods(ranks):
+        bw *= cluster.fabric.cross_pod_efficiency
+    return Link(bw, cluster.gpu.inter_alpha_s)
 
 
 def busbw_factor(kind: str, n: int) -> float:
@@ -109,7 +116,7 @@ def tree_time(nbytes: float, ranks: list[int], cluster: Cluster, per_node: Count
         return 0.0
     per_node = cluster.node_counts(ranks) if per_node is None else per_node
     g, m = max(per_node.values()), len(per_node)
-    intra, inter = intra_link(cluster), inter_link(cluster)
+    intra, inter = intra_link(cluster), inter_link(cluster, ranks)
     bw = inter.bw if m > 1 else intra.bw
     return 2 * nbytes / bw + 2 * ((g - 1) * intra.alpha + math.ceil(math.log2(m)) * inter.alpha)
 
@@ -118,7 +125,7 @@ def hierarchical_time(kind: str, nbytes: float, ranks: list[int], cluster: Clust
                       per_node: Counter | None = None) -> float:
     per_node = cluster.node_counts(ranks) if per_node is None else per_node
     g, m, n = max(per_node.values()), len(per_node), len(ranks)
-    intra, inter = intra_link(cluster), inter_link(cluster)
+    intra, inter = intra_link(cluster), inter_link(cluster, ranks)
     if kind == "ALLREDUCE":
         return 2 * ring_time("REDUCE_SCATTER", nbytes, g, intra) + ring_time("ALLREDUCE", nbytes / g, m, inter)
     if kind in ("REDUCE_SCATTER", "ALL_GATHER"):
@@ -140,7 +147,7 @@ def rails_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster,
     """NCCL's ring over nodes with one channel per NIC rail, pipelined (module doc)."""
     per_node = cluster.node_counts(ranks) if per_node is None else per_node
     g_min, g_max, m, n = min(per_node.values()), max(per_node.values()), len(per_node), len(ranks)
-    intra, inter = intra_link(cluster), inter_link(cluster)
+    intra, inter = intra_link(cluster), inter_link(cluster, ranks)
     f = busbw_factor(kind, n)
     t_bw = max(f * nbytes / (g_min * inter.bw), f * nbytes * (g_max - 1) / g_max / intra.bw)
     steps, crossing = ring_steps(kind, n), ring_steps(kind, m)
@@ -154,7 +161,7 @@ def algorithm_times(kind: str, nbytes: float, ranks: list[int], cluster: Cluster
     n = len(ranks)
     per_node = cluster.node_counts(ranks)  # once for every algorithm's formula
     one_node = len(per_node) == 1
-    link = intra_link(cluster) if one_node else inter_link(cluster)
+    link = intra_link(cluster) if one_node else inter_link(cluster, ranks)
     times = {"ring": ring_time(kind, nbytes, n, link)}
     if kind == "ALLREDUCE":
         times["tree"] = tree_time(nbytes, ranks, cluster, per_node)
@@ -222,7 +229,7 @@ def p2p_time(nbytes: float, src: int, dst: int, cluster: Cluster) -> float:
     if src == dst:
         cluster.node_of(src)
         return 0.0
-    link = intra_link(cluster) if cluster.same_node((src, dst)) else inter_link(cluster)
+    link = intra_link(cluster) if cluster.same_node((src, dst)) else inter_link(cluster, (src, dst))
     return link.alpha + nbytes / link.bw
 
 

@@ -256,18 +256,66 @@ def get_gpu(name: str) -> GPU:
 
 
 @dataclass(frozen=True)
+class Fabric:
+    """The scale-out network above the nodes' NICs, as a two-tier fat tree: pods of
+    ``nodes_per_pod`` consecutive nodes under one non-blocking tier (a rail-optimised leaf
+    group), and the share of its NIC bandwidth a collective gets once its group spans pods
+    (``cross_pod_efficiency``). The default is one non-blocking tier (every node in one pod),
+    what the presets' NCCL-measured ``nic_bw`` was measured on. Sourced values to set:
+    ``1/r`` for a spine oversubscribed r:1 (the tier carries 1/r of the pods' NIC bandwidth);
+    about 0.7 for ECMP hash collisions on RoCE (Baidu AIPod: "effective bandwidth around 70 Gbps
+    on a 100 Gbps link", Baidu Intelligent Cloud, "How to eliminate network hash collisions in
+    large-model training"; Meta, Gangidi et al. SIGCOMM'24 "RDMA over Ethernet for Distributed AI
+    Training at Meta Scale": E-ECMP with QP scaling "up to 40%" faster AllReduce than baseline
+    ECMP, 1/1.4 = 0.71); 1.0 with adaptive routing or packet spraying. Prices the NIC link of
+    the collective formulas and point-to-point transfers (`costmodel.collectives.inter_link`);
+    DeepEP's measured links (`GPU.ep_links`) are kept as measured."""
+
+    nodes_per_pod: int = 0  # 0: one pod (a single non-blocking tier)
+    cross_pod_efficiency: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.nodes_per_pod, bool) or not isinstance(self.nodes_per_pod, int) or self.nodes_per_pod < 0:
+            raise ValueError(f"fabric nodes_per_pod must be an integer >= 0 (0: one pod), got {self.nodes_per_pod!r}")
+        e = self.cross_pod_efficiency
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
+            raise ValueError(f"fabric cross_pod_efficiency must be in (0, 1] (1/r for an r:1 oversubscribed "
+                             f"spine, ~0.7 under ECMP collisions), got {e!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Fabric":
+        if not isinstance(d, dict):
+            raise ValueError(f"fabric must be a mapping of nodes_per_pod, cross_pod_efficiency, got {d!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError("fabric: " + unknown_names("field", unknown, sorted(names)))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
 class Cluster:
     """`nodes` identical nodes of `gpus_per_node` GPUs; rank r lives on node r // gpus_per_node.
-    `moe`: how expert-parallel traffic and expert compute are priced (costmodel.moe)."""
+    `moe`: how expert-parallel traffic and expert compute are priced (costmodel.moe); `fabric`:
+    the network's tiers above the NICs (`Fabric`)."""
 
     gpu: GPU
     nodes: int
     gpus_per_node: int
     moe: MoEOptions = field(default_factory=MoEOptions)
+    fabric: Fabric = field(default_factory=Fabric)
 
     def __post_init__(self):
         if self.nodes < 1 or self.gpus_per_node < 1:
             raise ValueError(f"cluster needs nodes >= 1 and gpus_per_node >= 1, got {self.nodes}x{self.gpus_per_node}")
+
+    def crosses_pods(self, ranks) -> bool:
+        """Whether a group of ``ranks`` spans two pods of the fabric (pods hold consecutive nodes)."""
+        npp = self.fabric.nodes_per_pod
+        ranks = list(ranks)
+        if not npp or self.nodes <= npp or not ranks:
+            return False
+        return self.node_of(min(ranks)) // npp != self.node_of(max(ranks)) // npp
 
     @property
     def world_size(self) -> int:
@@ -297,6 +345,8 @@ class Cluster:
         out = {"gpu": dataclasses.asdict(self.gpu), "nodes": self.nodes, "gpus_per_node": self.gpus_per_node}
         if self.moe != MoEOptions():
             out["moe"] = dataclasses.asdict(self.moe)
+        if self.fabric != Fabric():
+            out["fabric"] = dataclasses.asdict(self.fabric)
         return out
 
 
@@ -314,7 +364,9 @@ def parse_cluster(spec: str) -> Cluster:
     which starts from the preset named by its `name` when there is one), `nodes`,
     `gpus_per_node`, optionally any GPU field at top level as an override, e.g.
     `nic_bw: 25e9`, and `moe` (costmodel.moe.MoEOptions fields, e.g.
-    `moe: {max_nodes_per_token: 4, fp8_dispatch: true, imbalance: 1.1}`).
+    `moe: {max_nodes_per_token: 4, fp8_dispatch: true, imbalance: 1.1}`), and `fabric`
+    (`Fabric` fields, e.g. `fabric: {nodes_per_pod: 32, cross_pod_efficiency: 0.5}` for a 2:1
+    oversubscribed spine above pods of 32 nodes).
     """
     spec = str(spec).strip()
     if spec.lower().endswith((".yaml", ".yml", ".json")) or os.path.isfile(spec):
@@ -349,20 +401,24 @@ def _load_cluster_file(path: str) -> Cluster:
                          + " ".join(str(e).split())) from None
     if not isinstance(data, dict) or not {"gpu", "nodes", "gpus_per_node"} <= data.keys():
         raise ValueError(f"cluster file {path!r} needs keys gpu, nodes, gpus_per_node")
-    unknown = set(data) - {"gpu", "nodes", "gpus_per_node", "moe"} - GPU_FIELDS
+    unknown = set(data) - {"gpu", "nodes", "gpus_per_node", "moe", "fabric"} - GPU_FIELDS
     if unknown:
-        raise ValueError(f"cluster file {path!r}: "
-                         + unknown_names("key", unknown, ["gpu", "nodes", "gpus_per_node", "moe", *sorted(GPU_FIELDS)]))
+        raise ValueError(f"cluster file {path!r}: " + unknown_names(
+            "key", unknown, ["gpu", "nodes", "gpus_per_node", "moe", "fabric", *sorted(GPU_FIELDS)]))
     overrides = {k: v for k, v in data.items() if k in GPU_FIELDS}
     gpu = _gpu_from(data["gpu"], overrides, path)
     try:
         moe = MoEOptions.from_dict(data.get("moe") or {})
     except ValueError as e:
         raise ValueError(f"cluster file {path!r}: {e}") from None
+    try:
+        fabric = Fabric.from_dict(data.get("fabric") or {})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"cluster file {path!r}: {e}") from None
     for key in ("nodes", "gpus_per_node"):
         if isinstance(data[key], bool) or not isinstance(data[key], int) or data[key] < 1:
             raise ValueError(f"cluster file {path!r}: {key} must be an integer >= 1 (got {data[key]!r})")
-    return Cluster(gpu, data["nodes"], data["gpus_per_node"], moe)
+    return Cluster(gpu, data["nodes"], data["gpus_per_node"], moe, fabric)
 
 
 def _gpu_from(entry, overrides: dict, path: str) -> GPU:
