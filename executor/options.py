@@ -211,8 +211,8 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
     """A model with tied embeddings runs with its embedding and head on one stage (full
     backward passes, no BI/BW split, no ZeRO-3: the head's piece reuses the embedding's
     weight), or on the first and the last stage of two pipeline ranks, the last holding its own
-    copy whose gradient the plan's ``AR.embed`` sums with the first's (`executor.parallel.tied`;
-    Megatron-Core's embedding group), without tensor parallelism. Refused before any process
+    copy whose gradient the plan's ``AR.embed`` sums with the first's once per step
+    (`executor.parallel.tied`; Megatron-Core's embedding group). Refused before any process
     group starts."""
     from piper_sim.configs import config_of
 
@@ -231,13 +231,11 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
         elif not any(i.tied for c in plan.classes for i in c.instructions()):
             why = (f"its embedding (stage {first}) and head (stage {last}) are on two stages but the plan has no "
                    "tied-embedding gradient all-reduce (AR.embed): recompile it")
-        elif plan.layout.tp > 1:
-            why = f"its embedding (stage {first}) and head (stage {last}) are on two stages under tensor parallelism"
-        elif h.zero == 3:
-            why = f"its embedding (stage {first}) and head (stage {last}) are on two stages under ZeRO-3"
-        elif any(i.kind == "BW" for c in plan.classes for i in c.instructions()):
-            why = (f"its embedding (stage {first}) and head (stage {last}) are on two stages and schedule "
-                   f"{h.schedule} splits the backward (BI/BW)")
+        elif any(i.tied and (i.mb >= 0 or i.round >= 0) for c in plan.classes for i in c.instructions()):
+            # a later micro-batch's backward may add to the gradient between the sum and the
+            # reduce-scatter that takes it (executor.parallel.data): that share would miss the other copy
+            why = (f"its embedding (stage {first}) and head (stage {last}) are on two stages and ZeRO-{h.zero} "
+                   "reduce-scatters every micro-batch (use data_parallel reduce \"per_step\")")
     elif h.zero == 3:
         why = "ZeRO-3 gathers the head's unit without the embedding it reuses"
     elif any(i.kind == "BW" for c in plan.classes for i in c.instructions()):

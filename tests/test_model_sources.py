@@ -441,13 +441,28 @@ def test_executor_runs_hf_models_and_matches_the_reference(tmp_path):
         assert row["max_rel_grad_diff"] <= 1e-5, (name, row)
 
 
-def test_executor_refuses_tied_embeddings_across_stages(tmp_path):
+@pytest.mark.slow
+def test_executor_runs_tied_embeddings_across_stages(tmp_path):
+    """The last stage's own copy of the tied matrix (Megatron's embedding group) runs and checks."""
     tied = _write_hf(tmp_path, "llama-bias-tied")
     path = _compile(tmp_path, "tied-pp2", _strategy(tied, pp=2))
+    r = subprocess.run([sys.executable, "-m", "piper_sim", "run", path, "--nproc", "2", "--steps", "2", "--check"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_executor_refuses_tied_embeddings_on_two_stages_of_one_rank(tmp_path):
+    """Placement v puts the embedding's and the head's stages on one rank: refused in one line."""
+    tied = _write_hf(tmp_path, "llama-bias-tied")
+    v = _strategy(tied)
+    v["cluster"] = "cpu:2"
+    v["directives"] = [{"op": "pipeline", "degree": 2, "stages_per_rank": 2, "layers_per_stage": [0, 1, 1, 1]},
+                       {"op": "schedule", "name": "zbv"}]
+    path = _compile(tmp_path, "tied-zbv", v)
     r = subprocess.run([sys.executable, "-m", "piper_sim", "run", path, "--nproc", "2"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "tie_embeddings" in r.stderr and "two stages" in r.stderr
+    assert "tie_embeddings" in r.stderr and "two stages of one pipeline rank" in r.stderr
 
 
 # ------------------------------------------------------------------ command line
