@@ -210,8 +210,8 @@ def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:
 def refuse_tied_embeddings(plan: Plan, path: str) -> None:
     """A model with tied embeddings runs with its embedding and head on one stage (full
     backward passes, no BI/BW split, no ZeRO-3: the head's piece reuses the embedding's
-    weight), or on the first and the last stage of two pipeline ranks, the last holding its own
-    copy whose gradient the plan's ``AR.embed`` sums with the first's once per step
+    weight), or on the first and the last stage, the last holding its own copy whose gradient
+    the plan's ``AR.embed`` sums with the first's once per step
     (`executor.parallel.tied`; Megatron-Core's embedding group). Refused before any process
     group starts."""
     from piper_sim.configs import config_of
@@ -224,11 +224,7 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
     first, last = stages.get("embed"), stages.get("head")
     why = ""
     if first != last:
-        where = plan.layout.stage_ranks
-        if set(where[first]) & set(where[last]):
-            why = (f"its embedding (stage {first}) and head (stage {last}) are on two stages of one pipeline "
-                   "rank (placement v / DualPipe)")
-        elif not any(i.tied for c in plan.classes for i in c.instructions()):
+        if not any(i.tied for c in plan.classes for i in c.instructions()):
             why = (f"its embedding (stage {first}) and head (stage {last}) are on two stages but the plan has no "
                    "tied-embedding gradient all-reduce (AR.embed): recompile it")
         elif any(i.tied and (i.mb >= 0 or i.round >= 0) for c in plan.classes for i in c.instructions()):

@@ -384,7 +384,8 @@ class Layout:
                         and ``dp_rank % dp_shard``), one per shard group.
         ``embed``       a tied embedding's two copies: ``rank``'s peers (same dp, cp and tp
                         rank) on the pipeline ranks of the first and the last stage
-                        (Megatron's embedding group).
+                        (Megatron's embedding group); ``rank`` alone when it holds both
+                        stages (placement v, DualPipe).
         ``ranks:a,b``   already explicit.
         """
         if group.startswith("ranks:"):
@@ -393,8 +394,10 @@ class Layout:
             return self.axis_group(group, rank)
         c = self.coords_of(rank)
         if group == "embed":
-            pps = self.stage_ranks[0] + self.stage_ranks[max(self.stage_ranks)]
-            return sorted({self.rank_at({**c, "pp": p}) for p in pps})
+            first, last = self.stage_ranks[0], self.stage_ranks[max(self.stage_ranks)]
+            if set(first) & set(last):  # both copies on each of these ranks: summed locally
+                return [rank]
+            return sorted({self.rank_at({**c, "pp": p}) for p in first + last})
         if group == "ep":  # ep consecutive data-parallel ranks
             first = c["dp"] // self.ep * self.ep
             return [self.rank_at({**c, "dp": d}) for d in range(first, first + self.ep)]

@@ -451,18 +451,14 @@ def test_executor_runs_tied_embeddings_across_stages(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
 
 
-def test_executor_refuses_tied_embeddings_on_two_stages_of_one_rank(tmp_path):
-    """Placement v puts the embedding's and the head's stages on one rank: refused in one line."""
+def test_executor_refuses_tied_embeddings_reduced_every_micro_batch(tmp_path):
+    """Two stages with ZeRO-2 reduce-scattering every micro-batch: refused in one line."""
     tied = _write_hf(tmp_path, "llama-bias-tied")
-    v = _strategy(tied)
-    v["cluster"] = "cpu:2"
-    v["directives"] = [{"op": "pipeline", "degree": 2, "stages_per_rank": 2, "layers_per_stage": [0, 1, 1, 1]},
-                       {"op": "schedule", "name": "zbv"}]
-    path = _compile(tmp_path, "tied-zbv", v)
-    r = subprocess.run([sys.executable, "-m", "piper_sim", "run", path, "--nproc", "2"], cwd=ROOT,
+    path = _compile(tmp_path, "tied-z2", _strategy(tied, pp=2, dp=2, zero=2))
+    r = subprocess.run([sys.executable, "-m", "piper_sim", "run", path, "--nproc", "4"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "tie_embeddings" in r.stderr and "two stages of one pipeline rank" in r.stderr
+    assert "tie_embeddings" in r.stderr and "reduce-scatters every micro-batch" in r.stderr
 
 
 # ------------------------------------------------------------------ command line

@@ -71,10 +71,20 @@ def test_plan_sums_the_two_copies_before_the_dp_sync_and_the_step(tied, tmp_path
     assert plan.classes[0].static_memory == other.classes[0].static_memory
 
 
+def test_one_rank_holding_both_stages_sums_them_locally(tied):
+    plan = plan_of(strategy(tied, sched="zbv", v=2))
+    mine = ops(plan, 0)
+    ar = mine["AR.embed"]
+    assert plan.layout.group_ranks(ar.group, 0) == [0]  # no transfer: the two copies are on rank 0
+    assert "AR.embed" in mine["OPT.s0"].deps and "AR.embed" in mine["OPT.s3"].deps
+    assert {d for d in ar.deps} == {f"BW.s{s}.mb{m}" for s in (0, 3) for m in range(4)}
+    assert not any(i.tied for i in plan.classes[1].instructions())
+
+
 def test_refusals_left(tied):
     cases = {
-        "are on two stages of one pipeline rank": strategy(tied, sched="zbv", v=2),
         "reduce-scatters every micro-batch": strategy(tied, DP2(2), world=4, dp=2),
+        "ZeRO-3 reduce-scatters every micro-batch": strategy(tied, DP2(3), world=4, dp=2),
     }
     for why, s in cases.items():
         msg = unrunnable(plan_of(s))
@@ -82,7 +92,8 @@ def test_refusals_left(tied):
     one_stage = {"model": tied, "cluster": "cpu:2", "global_batch": 4, "seq_len": 16, "microbatches": 2,
                  "dtype": "fp32", "directives": [DP2(3)]}
     assert "ZeRO-3 gathers the head's unit" in unrunnable(plan_of(one_stage))
-    for s in (strategy(tied), strategy(tied, sched="zb1p"), strategy(tied, DP2(1), world=4, dp=2),
+    for s in (strategy(tied), strategy(tied, sched="zb1p"), strategy(tied, sched="zbv", v=2),
+              strategy(tied, sched="dualpipe"), strategy(tied, DP2(1), world=4, dp=2),
               strategy(tied, DP2(3, reduce="per_step"), world=4, dp=2)):
         assert unrunnable(plan_of(s)) == ""
 
@@ -110,8 +121,10 @@ def test_pp2_1f1b_equals_the_reference(tied, tmp_path):
 
 @pytest.mark.slow
 def test_pp2_schedules_equal_the_reference(tied, tmp_path):
-    check(tmp_path, 2, {s: strategy(tied, sched=s, v=2 if s == "interleaved_1f1b" else 1)
-                        for s in ("gpipe", "interleaved_1f1b", "zb1p")})
+    """Two ranks (gpipe, interleaved, zb1p) and one rank holding both stages (zbv, dualpipev,
+    dualpipe: its two copies summed in place)."""
+    check(tmp_path, 2, {s: strategy(tied, sched=s, v=2 if s in ("interleaved_1f1b", "zbv", "dualpipev") else 1)
+                        for s in ("gpipe", "interleaved_1f1b", "zb1p", "zbv", "dualpipev", "dualpipe")})
 
 
 @pytest.mark.slow

@@ -6,13 +6,16 @@ seed, so equal at the start, as Megatron-Core's ``setup_embeddings_and_output_la
 them). The op all-reduces this rank's copy's gradient, in place in the flat gradient buffer,
 over the embedding group (Megatron ``_allreduce_word_embedding_grads``); the plan orders it
 before the data-parallel syncs of the buckets holding it, so both copies step identically.
-For the global gradient norm the copy counts 0 (Megatron counts a shared parameter once).
+A rank holding both stages (placement v, DualPipe) sums its two copies in place (a group of
+one rank). For the global gradient norm the copy counts 0 (Megatron counts a shared parameter
+once).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from executor.collectives import group_ranks
 from executor.parallel.axis import Axis, Handler, Posted
 from piper_sim.parallel.tied import STREAM
 from piper_sim.plan import Instruction
@@ -30,6 +33,7 @@ class TiedEmbeddings(Axis):
     def __init__(self, rt):
         self.rt = rt
         self.copy_here = any(COPY in dict(stage.units.named_parameters()) for stage in rt.stages.values())
+        self.ends = {0, rt.header.num_stages - 1}  # the stages holding a copy
 
     def stream_handlers(self) -> dict[str, Handler]:
         return {STREAM: self.allreduce}
@@ -38,7 +42,13 @@ class TiedEmbeddings(Axis):
         units = self.rt.stages[stage].units
         return units["embed"].weight if "embed" in units else units["head"].out.weight
 
-    def allreduce(self, ins: Instruction) -> Posted:
+    def allreduce(self, ins: Instruction) -> Posted | None:
+        if len(group_ranks(ins.group)) == 1:  # both copies here (placement v, DualPipe): summed in place
+            grads = [self.weight(s).grad for s in sorted(self.rt.stages) if s in self.ends]
+            total = sum(grads[1:], grads[0].clone())
+            for g in grads:
+                g.copy_(total)
+            return None
         grad = self.weight(ins.stage).grad
         return Posted(dist.all_reduce(grad, group=self.rt.comms.group(ins.stream, ins.group), async_op=True))
 

@@ -12,8 +12,9 @@ the copy (the sum over the embedding group then over the replicas is the full gr
 a ZeRO reduce-scatter the two stages' shards would cover different elements), once per
 gradient-reduce round (ZeRO-2/3 reduce every micro-batch), and before the optimizer step.
 
-Skipped when the first and the last stage share a pipeline rank (``v`` placement, DualPipe):
-there is no second rank to sum with in that case.
+When the first and the last stage share a pipeline rank (``v`` placement, DualPipe) the rank
+holds both copies: one op on that rank sums them in place, a group of one rank (no transfer;
+DualPipe's two copies of each stage are then summed by the stages' own data-parallel sync).
 """
 
 from __future__ import annotations
@@ -27,44 +28,47 @@ STREAM_WORDS = {STREAM: "tied-embedding gradient"}  # its stream in words (`pipe
 
 def tied_stages(ctx: Context) -> tuple[int, int] | None:
     """(first, last) stage whose copies are summed, or None when nothing is to sum."""
-    ranks = ctx.layout.stage_ranks
-    last = max(ranks)
-    if not ctx.tied_embeddings or last == 0 or set(ranks[0]) & set(ranks[last]):
+    last = max(ctx.layout.stage_ranks)
+    if not ctx.tied_embeddings or last == 0:
         return None
     return 0, last
 
 
 def tied_embedding_pass(ctx: Context, dag: TrainingDAG) -> None:
-    """One all-reduce of the word-embedding gradient per rank of the first and last stage and
-    reduce round: after the round's backward ops of the stage, before its DP syncs of the
-    buckets holding the embedding (first stage) or the head's copy (last), and before OPT."""
+    """One all-reduce of the word-embedding gradient per rank holding the first or the last
+    stage (both: one op for the two) and reduce round: after the round's backward ops of the
+    stage(s), before their DP syncs of the buckets holding the embedding (first stage) or the
+    head's copy (last), and before OPT."""
     stages = tied_stages(ctx)
     if stages is None:
         return
     embed = next(x for x in ctx.stages[0].segments if x.unit == "embed")
     nbytes = embed.param_bytes * ctx.grad_reduce_scale
-    for s in stages:
-        lo, hi = _unit_range(ctx, s, "embed" if s == 0 else "head")
-        nodes: dict[int, list[Node]] = {}
-        for n in dag.g.nodes:
-            if dag.ins(n).stage == s and (n[0], f"OPT.s{s}") in dag.g:  # a rank holding the stage
-                nodes.setdefault(n[0], []).append(n)
-        for where, mine in sorted(nodes.items()):
-            backward = [n for n in mine if dag.ins(n).kind in WEIGHT_GRAD_KINDS]
-            syncs = [n for n in mine if _is_dense_sync(dag.ins(n))]
-            rounds: dict[tuple[int, int], list[Node]] = {}
-            for n in syncs:
+    ranges = {s: _unit_range(ctx, s, "embed" if s == 0 else "head") for s in stages}
+    nodes: dict[int, list[Node]] = {}
+    for n in dag.g.nodes:
+        s = dag.ins(n).stage
+        if s in stages and (n[0], f"OPT.s{s}") in dag.g:  # a rank holding the stage
+            nodes.setdefault(n[0], []).append(n)
+    for where, mine in sorted(nodes.items()):
+        held = sorted({dag.ins(n).stage for n in mine})
+        backward = [n for n in mine if dag.ins(n).kind in WEIGHT_GRAD_KINDS]
+        rounds: dict[tuple[int, int], list[Node]] = {}
+        for n in mine:
+            if _is_dense_sync(dag.ins(n)):
                 rounds.setdefault((dag.ins(n).round, dag.ins(n).mb), []).append(n)
-            if not rounds:  # no data-parallel sync: once per step, after every backward
-                rounds = {(-1, -1): []}
-            for (rnd, mb), members in sorted(rounds.items()):
-                ar = dag.add(where, make_op("ALLREDUCE", STREAM, stage=s, mb=mb, round=rnd, bytes=nbytes,
-                                            group=ctx.group("embed", where), tied=True))
-                producers = {p for n in members for p in dag.g.predecessors(n) if p in backward} \
-                    if members else set(backward)
-                for p in sorted(producers):
-                    dag.edge(p, ar)
-                for n in _holding(dag, members, lo, hi, ctx.grad_reduce_scale):
+        if not rounds:  # no data-parallel sync: once per step, after every backward
+            rounds = {(-1, -1): []}
+        for (rnd, mb), members in sorted(rounds.items()):
+            ar = dag.add(where, make_op("ALLREDUCE", STREAM, stage=held[0], mb=mb, round=rnd, bytes=nbytes,
+                                        group=ctx.group("embed", where), tied=True))
+            producers = {p for n in members for p in dag.g.predecessors(n) if p in backward} \
+                if members else set(backward)
+            for p in sorted(producers):
+                dag.edge(p, ar)
+            for s in held:
+                lo, hi = ranges[s]
+                for n in _holding(dag, [n for n in members if dag.ins(n).stage == s], lo, hi, ctx.grad_reduce_scale):
                     dag.edge(ar, n)
                 dag.edge(ar, (where, f"OPT.s{s}"))
 
