@@ -48,9 +48,18 @@ class TiedEmbeddings(Axis):
             total = sum(grads[1:], grads[0].clone())
             for g in grads:
                 g.copy_(total)
+            if self.rt.cuda:
+                self._compute_waits(ins)()
             return None
         grad = self.weight(ins.stage).grad
-        return Posted(dist.all_reduce(grad, group=self.rt.comms.group(ins.stream, ins.group), async_op=True))
+        work = dist.all_reduce(grad, group=self.rt.comms.group(ins.stream, ins.group), async_op=True)
+        return Posted(work, self._compute_waits(ins) if self.rt.cuda else None)
+
+    def _compute_waits(self, ins: Instruction):
+        """CUDA: a ZeRO reduce-scatter takes its bucket on the compute stream
+        (`DataParallel._take_grads_in_compute_order`), which must see the summed gradient."""
+        streams = self.rt.cuda_streams
+        return lambda: streams["compute"].wait_stream(streams[ins.stream])
 
     def norm_share(self, name: str) -> float:
         return 0.0 if self.copy_here and name == COPY else 1.0
