@@ -9,7 +9,9 @@ group, the first and last pipeline ranks of each model replica (Megatron
 ``_allreduce_word_embedding_grads``, megatron-core ``distributed/finalize_model_grads.py``),
 so both copies step identically. It runs before the data-parallel sync of the buckets holding
 the copy (the sum over the embedding group then over the replicas is the full gradient; after
-a ZeRO reduce-scatter the two stages' shards would cover different elements), once per
+a ZeRO reduce-scatter the two stages' shards would cover different elements; Megatron runs it
+after its DP sync instead, keeping the shared embedding in a bucket of its own,
+``distributed/param_and_grad_buffer.py``, so both shards cover the same elements), once per
 gradient-reduce round (ZeRO-2/3 reduce every micro-batch), and before the optimizer step.
 
 When the first and the last stage share a pipeline rank (``v`` placement, DualPipe) the rank
