@@ -208,9 +208,12 @@ def refuse_unbuildable_user_model(plan: Plan, path: str) -> None:
 
 
 def refuse_tied_embeddings(plan: Plan, path: str) -> None:
-    """A model with tied embeddings runs only with its embedding and head on one stage, full
-    backward passes (no BI/BW split) and without ZeRO-3: the executor shares no weight between
-    stages, pieces or gathered units. Refused before any process group starts."""
+    """A model with tied embeddings runs with its embedding and head on one stage (full
+    backward passes, no BI/BW split, no ZeRO-3: the head's piece reuses the embedding's
+    weight), or on the first and the last stage, the last holding its own copy whose gradient
+    the plan's ``AR.embed`` sums with the first's once per step
+    (`executor.parallel.tied`; Megatron-Core's embedding group). Refused before any process
+    group starts."""
     from piper_sim.configs import config_of
 
     h = plan.header
@@ -218,9 +221,17 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
         return
     units = h.stage_units
     stages = {u: s for s, names in enumerate(units) for u in names if u in ("embed", "head")}
+    first, last = stages.get("embed"), stages.get("head")
     why = ""
-    if stages.get("embed") != stages.get("head"):
-        why = f"its embedding (stage {stages.get('embed')}) and head (stage {stages.get('head')}) are on two stages"
+    if first != last:
+        if not any(i.tied for c in plan.classes for i in c.instructions()):
+            why = (f"its embedding (stage {first}) and head (stage {last}) are on two stages but the plan has no "
+                   "tied-embedding gradient all-reduce (AR.embed): recompile it")
+        elif any(i.tied and (i.mb >= 0 or i.round >= 0) for c in plan.classes for i in c.instructions()):
+            # a later micro-batch's backward may add to the gradient between the sum and the
+            # reduce-scatter that takes it (executor.parallel.data): that share would miss the other copy
+            why = (f"its embedding (stage {first}) and head (stage {last}) are on two stages and ZeRO-{h.zero} "
+                   "reduce-scatters every micro-batch (use data_parallel reduce \"per_step\")")
     elif h.zero == 3:
         why = "ZeRO-3 gathers the head's unit without the embedding it reuses"
     elif any(i.kind == "BW" for c in plan.classes for i in c.instructions()):

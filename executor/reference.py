@@ -50,7 +50,12 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {n: p.detach() for n, p in model.named_parameters()}, losses
+    out = {n: p.detach() for n, p in model.named_parameters()}
+    if cfg.tie_embeddings:  # a last stage's own copy of the tied matrix (executor.parallel.tied) is this one
+        out["head.out.weight"] = out["embed.weight"]
+        if first_grads is not None and "embed.weight" in first_grads:
+            first_grads["head.out.weight"] = first_grads["embed.weight"]
+    return out, losses
 
 
 def _gather_flat(fp: FlatParams, comms, piece, like: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from piper_sim.ir import Pass
-from piper_sim.parallel import context, data, expert, hybrid, memory, pipeline, tensor
+from piper_sim.parallel import context, data, expert, hybrid, memory, pipeline, tensor, tied
 
 # what the compiler and the explorer share with the techniques (they reach them only here)
 BW_KEEP_FRACTION, held_after = memory.BW_KEEP_FRACTION, memory.held_after
@@ -23,7 +23,7 @@ cp_error, cp_memory, cp_segments, gathered_kv_bytes = (context.cp_error, context
 static_memory, unit_buckets = data.static_memory, data.unit_buckets
 attn_grad_width = tensor.attn_grad_width
 # the techniques' own comm streams in words (`piper_sim.explain` names exposed communication by stream)
-STREAM_WORDS = {**tensor.STREAM_WORDS, **context.STREAM_WORDS}
+STREAM_WORDS = {**tensor.STREAM_WORDS, **context.STREAM_WORDS, **tied.STREAM_WORDS}
 
 Check = Callable[..., None]  # (model config, setup, strategy, cluster) -> None; raises StrategyError
 # (an explorer candidate, GPUs per node) -> the variants the technique adds to it, each a tuple of
@@ -50,6 +50,7 @@ AXES: tuple[Axis, ...] = (
     Axis("cp", passes=(("layer", context.context_pass), ("edges", context.context_edges)), check=context.check),
     Axis("dp", passes=(("sync", data.replicate_pass), ("sync", data.optimizer_pass), ("edges", data.prefetch_edges),
                        ("memory", data.grad_bucket_memory))),
+    Axis("tied", passes=(("sync", tied.tied_embedding_pass),)),  # before hsdp: its syncs are the DP ones
     Axis("hsdp", passes=(("sync", hybrid.replica_allreduce_pass),), check=hybrid.check, explore=hybrid.explore),
 )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import re
 import time
 from dataclasses import dataclass
@@ -134,7 +136,22 @@ def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
         if s == n_stages - 1:
             units.update(["head", *mtp])
         stages.append(StageCost(stage=s, segments=[x for x in segments if x.unit in units]))
+    if cfg.tie_embeddings and n_stages > 1:
+        _own_output_copy(stages)
     return stages
+
+
+def _own_output_copy(stages: list[StageCost]) -> None:
+    """A tied model's embedding and head on two stages: the last stage holds its own copy of
+    the word-embedding matrix for the output layer (Megatron-Core ``LanguageModule``'s
+    ``output_layer.weight`` off the first stage), with its gradients and optimizer state,
+    kept equal by `piper_sim.parallel.tied`; the head segment owns those parameters."""
+    embed = next(x for x in stages[0].segments if x.unit == "embed")
+    last = stages[-1].segments
+    for i, x in enumerate(last):
+        if x.unit == "head":
+            last[i] = dataclasses.replace(x, param_count=x.param_count + embed.param_count,
+                                          param_bytes=x.param_bytes + embed.param_bytes)
 
 
 def _user_stage_costs(model: UserModel, segments: list[SegmentCost], n_stages: int,
@@ -326,7 +343,8 @@ def build_dag(strategy: Strategy, folded: bool = True,
                   layout=layout, dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded,
                   memory=memory,
                   micro_batch=mbs, seq_len=seq, hidden=cfg.hidden, kv_bytes=kv_bytes, stack=strategy.stack,
-                  gpu_family=gpu.family, **tp_model)
+                  gpu_family=gpu.family, tied_embeddings=isinstance(cfg, ModelConfig) and cfg.tie_embeddings,
+                  **tp_model)
     dag = TrainingDAG()
     run_passes(ctx, dag, passes())
     return dag, ctx, cfg

@@ -89,6 +89,7 @@ class Context:
     # MLA: its latents, piper_sim.parallel.tensor.attn_grad_width) and whether MoE layers have shared experts
     tp_attn_width: int = 0
     tp_shared_experts: bool = False
+    tied_embeddings: bool = False  # the head projects with the embedding's matrix (piper_sim.parallel.tied)
     stack: Stack = DEFAULT_STACK  # the kernels the run executes (costmodel.stack)
     gpu_family: str = "hopper"  # the cluster GPU's family (costmodel.hardware): what FP8 casts move
 
@@ -205,7 +206,8 @@ def op_id(ins: Instruction) -> str:
     ``RS.s{stage}[.mb{mb}|.i{round}][.e].b{bucket}``, ``AG.{direction}.s{stage}.i{round}[.e].b{bucket}``
     (ZeRO-3), ``A2A.{direction}.s{stage}.mb{mb}.e{block}.{dispatch|combine}`` (named after the
     forward op: a backward dispatch is the backward of the forward combine), and
-    ``TP.{direction}.s{stage}.mb{mb}.{name}`` / ``TP.s{stage}.{name}``, ``CP.{direction}.s{stage}.mb{mb}.{name}``."""
+    ``TP.{direction}.s{stage}.mb{mb}.{name}`` / ``TP.s{stage}.{name}``, ``CP.{direction}.s{stage}.mb{mb}.{name}``,
+    ``AR[.mb{mb}|.i{round}].embed`` (a tied embedding's gradient, the first and last stage alike)."""
     k, s, e = ins.kind, ins.stage, ".e" if ins.experts else ""
     if k == "OPT":
         return f"OPT.s{s}"
@@ -216,6 +218,9 @@ def op_id(ins: Instruction) -> str:
     if k == "ALL_TO_ALL":
         name = ins.a2a if ins.direction == "F" else _A2A_MIRROR[ins.a2a]
         return f"A2A.{ins.direction}.s{s}.mb{ins.mb}.e{ins.block}.{name}"
+    if ins.tied:  # a tied embedding's gradient all-reduce (piper_sim.parallel.tied)
+        label = f".i{ins.round}" if ins.round >= 0 else f".mb{ins.mb}" if ins.mb >= 0 else ""
+        return f"AR{label}.embed"  # one id on both stages' ranks: a collective pairs by id
     if is_inner(ins):  # named after its stream: TP.… on ``tp``, CP.… on ``cp``
         axis = ins.stream.upper()
         return f"{axis}.{ins.direction}.s{s}.mb{ins.mb}.{ins.name}" if ins.direction else f"{axis}.s{s}.{ins.name}"

@@ -612,6 +612,15 @@ class Head(nn.Module):
     def tie(self, weight: torch.Tensor) -> None:
         self._tied = [weight]
 
+    def own_copy(self, weight: torch.Tensor) -> None:
+        """A tied head on a stage without the embedding: its output layer is a parameter of
+        its own (``head.out.weight``), equal to ``weight`` (the embedding's, built from the
+        same seed, as Megatron-Core's last stage holds ``output_layer.weight``); the executor
+        sums the two copies' gradients (`executor.parallel.tied`)."""
+        del self._tied
+        self.out = Linear(weight.shape[1], weight.shape[0])
+        self.out.weight = nn.Parameter(weight.detach().clone())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
         x = _SPGather.apply(x, self.sp) if self.sp > 1 else x
@@ -791,13 +800,10 @@ def build_units(
     cfg: ModelConfig, names: list[str], device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0
 ) -> UnitDict:
     """Build only the requested units, with the same weights as ``build_model(cfg, seed=seed)``.
-    A tied head is built on a real device only with the embedding (whose matrix it uses)."""
+    A tied head built with the embedding projects with its matrix; without it (the embedding on
+    another pipeline stage), with its own copy of that matrix (`Head.own_copy`)."""
     _check_size(cfg, sum(unit_param_count(cfg, n) for n in names), device)
     real = torch.device(device).type != "meta"
-    if cfg.tie_embeddings and real and "head" in names and "embed" not in names:
-        raise ValueError(f"{cfg.name} ties its embeddings (tie_embeddings): the head must run with the embedding "
-                         "on one stage (the executor does not share a weight between pipeline stages); "
-                         "use one pipeline stage or untie the model")
     built = {n: _construct(lambda: _make_unit(cfg, n), device, dtype, seed, [n]) for n in names}
     units = UnitDict()
     if "embed" in built:
@@ -808,8 +814,11 @@ def build_units(
             units[group] = nn.ModuleDict(dict(sorted(members.items(), key=lambda kv: int(kv[0]))))
     if "head" in built:
         units["head"] = built["head"]
-        if cfg.tie_embeddings and real:
+        if cfg.tie_embeddings and real and "embed" in built:
             units["head"].tie(units["embed"].weight)
+        elif cfg.tie_embeddings and real:  # the embedding on another stage: the head's own copy of it
+            embed = _construct(lambda: _make_unit(cfg, "embed"), device, dtype, seed, ["embed"])
+            units["head"].own_copy(embed.weight)
     return units
 
 

@@ -164,6 +164,9 @@ class Instruction:
              piece using the bucket) may run ``needed_at`` of its work (where its first
              parameter is used) before it waits for this gather. Not a dependency: the
              gather has none, and the compute op does not list it.
+    tied:    ALLREDUCE of a tied embedding's word-embedding gradient between its two copies,
+             the first stage's embedding and the last stage's output layer, over the
+             ``embed`` group (Megatron-Core ``_allreduce_word_embedding_grads``).
     """
 
     id: str
@@ -197,6 +200,7 @@ class Instruction:
     name: str = ""
     needed_by: str = ""
     needed_at: float = 0.0
+    tied: bool = False
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS
@@ -235,7 +239,7 @@ def missing_fields(ins: Instruction) -> list[str]:
         need += [("direction", ins.direction in ("F", "B")), ("block", ins.block >= 0),
                  ("a2a", ins.a2a in ("dispatch", "combine")), ("group", bool(ins.group))]
     elif k in COLLECTIVE_KINDS:
-        need += [("group", bool(ins.group)), ("bucket or name", ins.bucket >= 0 or bool(ins.name))]
+        need += [("group", bool(ins.group)), ("bucket or name", ins.bucket >= 0 or bool(ins.name) or ins.tied)]
         if ins.bucket >= 0 and ins.direction:  # a ZeRO-3 gather before one forward / backward
             need += [("round", ins.round >= 0), ("mb", ins.mb >= 0)]
     return [f for f, ok in need if not ok]
@@ -383,6 +387,10 @@ class Layout:
                         (the same ``dp_rank // dp_shard``).
         ``stage:S:rep`` hybrid sharding: ``rank``'s replicas of its shard (same pp, cp, tp
                         and ``dp_rank % dp_shard``), one per shard group.
+        ``embed``       a tied embedding's two copies: ``rank``'s peers (same dp, cp and tp
+                        rank) on the pipeline ranks of the first and the last stage
+                        (Megatron's embedding group); ``rank`` alone when it holds both
+                        stages (placement v, DualPipe).
         ``ranks:a,b``   already explicit.
         """
         if group.startswith("ranks:"):
@@ -391,6 +399,11 @@ class Layout:
             return self.axis_group(group, rank)
         pp, dp, cp, tp = self._coords(rank)
         index = self._index
+        if group == "embed":
+            first, last = self.stage_ranks[0], self.stage_ranks[max(self.stage_ranks)]
+            if set(first) & set(last):  # both copies on each of these ranks: summed locally
+                return [rank]
+            return sorted({index((p, dp, cp, tp)) for p in first + last})
         if group == "ep":  # ep consecutive data-parallel ranks
             first = dp // self.ep * self.ep
             return [index((pp, d, cp, tp)) for d in range(first, first + self.ep)]

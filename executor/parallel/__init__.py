@@ -9,6 +9,7 @@ flattens the parameters that result.
     context  CP chunks, all-gather and ring attention
     data     flat parameter buffers, DP gradient syncs, ZeRO 1-3 shards and gathers (HSDP too), clipping
     expert   the all-to-all token exchanges of expert blocks
+    tied     a tied embedding's gradient all-reduce between the first and the last stage
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from executor.parallel.context import ContextParallel
 from executor.parallel.data import DataParallel
 from executor.parallel.expert import ExpertParallel
 from executor.parallel.tensor import TensorParallel
+from executor.parallel.tied import TiedEmbeddings
 
-AXES: tuple[type[Axis], ...] = (TensorParallel, ContextParallel, DataParallel, ExpertParallel)
+AXES: tuple[type[Axis], ...] = (TensorParallel, ContextParallel, DataParallel, ExpertParallel, TiedEmbeddings)
 
 
 def apply_axes(rt) -> list[Axis]:
