@@ -430,11 +430,13 @@ class _DropOutputFn(torch.autograd.Function):
 
 
 def _checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
-    """``fn(*args)`` as a checkpoint (keeps its inputs, its backward re-runs it): Megatron's
-    ``tensor_parallel.checkpoint`` of the ``mlp``, ``moe`` and ``shared_experts`` modules."""
-    from torch.utils.checkpoint import checkpoint
+    """``fn(*args)`` as a checkpoint (keeps its inputs, its backward re-runs it whole, as
+    Megatron's ``tensor_parallel.checkpoint`` of the ``mlp``, ``moe`` and ``shared_experts``
+    modules does and the plan prices it: no early stop before the last matmul)."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    return checkpoint(fn, *args, use_reentrant=False)
+    with set_checkpoint_early_stop(False):
+        return checkpoint(fn, *args, use_reentrant=False)
 
 
 def attention_core_inputs(cfg: "ModelConfig", batch: int, seq: int, device="meta",

@@ -21,7 +21,7 @@ from test_executor import GRAD_TOL, TOL, check_all, strategy  # noqa: E402
 from executor.stage import Stage  # noqa: E402
 from piper_sim.configs import unit_names  # noqa: E402
 from piper_sim.models import get_config  # noqa: E402
-from piper_sim.recompute import Recompute, layer_table, module_freed  # noqa: E402
+from piper_sim.recompute import Recompute, layer_table, module_freed, module_recompute_flops  # noqa: E402
 from piper_sim.sources import resolve_model  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -42,7 +42,10 @@ class _Count(TorchDispatchMode):
         self.ops: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.__name__.split(".")[0]] += 1
+        name = func.__name__.split(".")[0]
+        self.ops[name] += 1
+        if name == "mm":  # flops of x[m, k] @ w[k, n]
+            self.ops["mm_flops"] += 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
         return func(*args, **(kwargs or {}))
 
 
@@ -72,10 +75,21 @@ def _run(cfg, modules: tuple[str, ...]) -> tuple[int, Counter, list[torch.Tensor
     return held, count.ops, [p.grad for p in rec.params]
 
 
+def _tables(cfg):
+    kinds = [["moe_pre", "moe_experts"] if cfg.is_moe_layer(i) else ["dense"] for i in range(cfg.n_layers)]
+    return [layer_table(cfg, k, B, S, F32) for ks in kinds for k in ks]
+
+
 def _sim_freed(cfg, modules: tuple[str, ...]) -> float:
     """What the simulator says ``modules`` drop from every layer (fp32 layer tables)."""
-    kinds = [["moe_pre", "moe_experts"] if cfg.is_moe_layer(i) else ["dense"] for i in range(cfg.n_layers)]
-    return sum(module_freed(layer_table(cfg, k, B, S, F32), modules) for ks in kinds for k in ks)
+    return sum(module_freed(t, modules) for t in _tables(cfg))
+
+
+def _sim_rerun_flops(cfg, modules: tuple[str, ...]) -> float:
+    """The forward flops the simulator says ``modules`` re-run in every layer's backward (an
+    expert block's forward: its tokens through the experts' three matmuls)."""
+    experts = 2.0 * T * cfg.top_k * cfg.hidden * cfg.expert_ffn * (3 if cfg.mlp != "gelu" else 2)
+    return sum(module_recompute_flops(t, modules, experts if t.kind == "moe_experts" else 0.0) for t in _tables(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +104,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", ["gpt-tiny", "moe-tiny", "dsv3-tiny"])
 def test_each_module_reruns_and_frees_what_megatron_wraps(models, name):
     """Per module, beyond plain autograd: the backward re-runs the module's forward (its matmuls
-    counted at the dispatcher; the norms' rsqrt and the experts' silu for the dropped outputs) and
+    counted at the dispatcher, their flops the simulator's `module_recompute_flops`; the norms'
+    rsqrt and the experts' silu for the dropped outputs) and
     the forward keeps what the simulator says it frees less (`module_freed`; equal for mlp,
     moe_act, shared_experts; the eager CPU kernels add named tensors to layernorm, moe and
     mla_up_proj); the gradients are plain autograd's (checkpoints bit for bit; a dropped output's
@@ -108,12 +123,12 @@ def test_each_module_reruns_and_frees_what_megatron_wraps(models, name):
     combine = moe_layers * (2 * T * k * h * F32 + T * k * F32 + 3 * T * k * 8)
     cases = {"layernorm": (0, {"rsqrt": 2 * L}, norm_extra)}  # module: (matmuls, other ops re-run, extra bytes)
     if dense:
-        cases["mlp"] = (2 * dense, {"silu": dense}, 0)  # w1 and w3 (w2's output is not saved: early stop)
+        cases["mlp"] = (3 * dense, {"silu": dense}, 0)  # w1, w3 and w2, as Megatron and the plan re-run it
     if moe_layers:
         cases["moe_act"] = (0, {"silu": E * moe_layers}, 0)
         cases["moe"] = ((1 + 3 * E + 3 * shared) * moe_layers, {"topk": moe_layers}, combine)
     if moe_layers and shared:
-        cases["shared_experts"] = (2 * moe_layers, {"silu": moe_layers}, 0)
+        cases["shared_experts"] = (3 * moe_layers, {"silu": moe_layers}, 0)
     core_held, core_ops, _ = _run(cfg, ("core_attn",))
     if cfg.attention == "mla":
         H, qk, nope, v, rope = cfg.n_heads, cfg.qk_nope_dim + cfg.qk_rope_dim, cfg.qk_nope_dim, cfg.v_head_dim, \
@@ -127,6 +142,7 @@ def test_each_module_reruns_and_frees_what_megatron_wraps(models, name):
         held, ops, grads = _run(cfg, ("core_attn", module) if mla else (module,))
         rerun = ops - (core_ops if mla else base_ops)
         assert rerun["mm"] == mms, (module, rerun)
+        assert rerun["mm_flops"] == _sim_rerun_flops(cfg, (module,)), (module, rerun["mm_flops"])
         for op, n in others.items():
             assert rerun[op] == n, (module, op, rerun)
         freed = (core_held if mla else base_held) - held
