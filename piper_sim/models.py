@@ -368,7 +368,9 @@ class DropOutput:
     outputs' storage (their metadata stays) and registers the recompute on the gradient of the
     ``hooks`` tensors, which must arrive before those consumers' backward; the recompute runs
     ``fn`` again and copies its outputs into the released storage. ``fn`` must be deterministic
-    (no dropout). Megatron's ``layernorm``, ``moe_act`` and ``mla_up_proj`` selective modules."""
+    (no dropout). Megatron's ``layernorm``, ``moe_act`` and ``mla_up_proj`` selective modules.
+    Gradients are plain autograd's to fp32 round-off: the nested backward sums an input's
+    gradient contributions in another order."""
 
     def __init__(self, fn: Callable):
         self.fn, self.ctx, self.outputs = fn, None, ()
@@ -423,7 +425,8 @@ class _DropOutputFn(torch.autograd.Function):
         if ctx.outputs is None:
             raise RuntimeError("DropOutput: the backward reached a dropped output before its recompute hook ran")
         pairs = [(o, g) for o, g in zip(ctx.outputs, grads) if g is not None and o.requires_grad]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         got = tuple(t.grad if t.requires_grad else None for t in ctx.inputs)
         ctx.inputs = ctx.outputs = None
         return (None, *got)
