@@ -1,6 +1,7 @@
 """Megatron's selective recompute modules in the executor (`piper_sim.models.Block.
 set_recompute_modules`): in one process, what each module's backward re-runs (counted at the
-dispatcher) and what its forward no longer keeps (saved-tensor bytes, against the simulator's
+dispatcher, against the plan's re-run kernels and `piper_sim.recompute.module_recompute_flops`)
+and what its forward no longer keeps (saved-tensor bytes, against the simulator's
 `piper_sim.recompute.module_freed`); under torchrun (gloo), PP2 1F1B and DP2 runs of a dense,
 a MoE and a DeepSeek-V3-shaped MLA model equal to the single-process reference."""
 
@@ -93,8 +94,30 @@ def _sim_rerun_flops(cfg, modules: tuple[str, ...]) -> float:
 
 
 @pytest.fixture(scope="module")
-def models():
-    return {c.name: c for c in (get_config("gpt-tiny"), get_config("moe-tiny"), resolve_model(DSV3_TINY))}
+def models(tmp_path_factory):
+    """name -> (config, the model as a strategy names it)."""
+    path = tmp_path_factory.mktemp("models") / "dsv3-tiny.json"
+    path.write_text(json.dumps(DSV3_TINY))
+    return {"gpt-tiny": (get_config("gpt-tiny"), "gpt-tiny"), "moe-tiny": (get_config("moe-tiny"), "moe-tiny"),
+            "dsv3-tiny": (resolve_model(DSV3_TINY), str(path))}
+
+
+def _plan_reruns(model: str, modules: tuple[str, ...]) -> Counter:
+    """Kernel calls the plan's backward lists beyond the plain backward's, per kernel name (an
+    H100 stack: fused norms, flash attention; ``mm`` for every GEMM)."""
+    from piper_sim.api import compile
+
+    def calls(d: list) -> Counter:
+        plan = compile({"model": model, "cluster": "h100:1x1", "global_batch": B, "seq_len": S, "microbatches": 1,
+                        "directives": d})
+        b = next(i for c in plan.classes for i in c.instructions() if i.kind == "B")
+        out: Counter = Counter()
+        for cls, name, _, _, n, _, _ in plan.kernels[b.kernels]:
+            out["mm" if cls == "gemm" else name] += n
+        return out
+
+    rc = [{"op": "recompute", "mode": "selective", "modules": list(modules)}]
+    return calls(rc) - calls([])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -108,9 +131,10 @@ def test_each_module_reruns_and_frees_what_megatron_wraps(models, name):
     rsqrt and the experts' silu for the dropped outputs) and
     the forward keeps what the simulator says it frees less (`module_freed`; equal for mlp,
     moe_act, shared_experts; the eager CPU kernels add named tensors to layernorm, moe and
-    mla_up_proj); the gradients are plain autograd's (checkpoints bit for bit; a dropped output's
-    nested backward sums its input's gradient in another order: 1e-6)."""
-    cfg = models[name]
+    mla_up_proj); the plan's backward lists the same re-run GEMMs, activations and norms; the
+    gradients are plain autograd's (checkpoints bit for bit; a dropped output's nested backward
+    sums its input's gradient in another order: 1e-6)."""
+    cfg, source = models[name]
     h, L, E, k = cfg.hidden, cfg.n_layers, cfg.n_experts, cfg.top_k
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
     dense = L - moe_layers
@@ -147,6 +171,11 @@ def test_each_module_reruns_and_frees_what_megatron_wraps(models, name):
             assert rerun[op] == n, (module, op, rerun)
         freed = (core_held if mla else base_held) - held
         assert freed > 0 and freed == _sim_freed(cfg, (module,)) + extra, (module, freed, _sim_freed(cfg, (module,)))
+        # the plan's backward re-runs the same GEMMs, activations and norms (the rsqrt of each)
+        planned = _plan_reruns(source, ("core_attn", module) if mla else (module,)) - \
+            (_plan_reruns(source, ("core_attn",)) if mla else Counter())
+        assert planned["mm"] == rerun["mm"] and planned["silu"] == rerun["silu"], (module, planned, rerun)
+        assert planned["rms_norm"] == rerun["rsqrt"], (module, planned, rerun)
         exact = module in ("mlp", "moe", "shared_experts")
         assert all((a.equal(b) if exact else _rel(a, b) < 1e-6) for a, b in zip(grads, base_grads)), module
     # the modules that do not apply to this model change nothing
