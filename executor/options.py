@@ -89,9 +89,9 @@ def refuse_multi_token_prediction(plan: Plan, path: str) -> None:
 def refuse_recompute_policy(plan: Plan, path: str) -> None:
     """The executor runs full and selective (attention core) recompute, and the finer policies
     of `piper_sim.recompute` (torchtitan's op-SAC and every N-th block, Megatron's full
-    recompute with method uniform/block and num_layers) with a plain backward and no tensor or
-    context parallelism; Megatron's other selective modules are simulate-only. One line naming
-    the stage and policy."""
+    recompute with method uniform/block and num_layers, Megatron's selective ``modules``:
+    `piper_sim.models.Block.set_recompute_modules`) with a plain backward and no tensor or
+    context parallelism. One line naming the stage and policy."""
     h = plan.header
     split = any(i.kind == "BI" for c in plan.classes for i in c.instructions())
     for s, mode in sorted((h.recompute or {}).items()):
@@ -100,9 +100,7 @@ def refuse_recompute_policy(plan: Plan, path: str) -> None:
         if policy.plain:
             continue
         why = ""
-        if set(policy.modules) - {"core_attn"}:
-            why = f"selective modules {sorted(set(policy.modules) - {'core_attn'})}"
-        elif plan.layout.tp > 1 or plan.layout.cp > 1:
+        if plan.layout.tp > 1 or plan.layout.cp > 1:
             why = "tensor or context parallelism"
         elif split:
             why = f"a split backward (BI/BW, schedule {h.schedule})"

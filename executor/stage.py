@@ -506,8 +506,9 @@ class Stage:
         """The stage's recompute policy (`piper_sim.recompute.Recompute.unit_modes`, the rule the
         simulator prices): a ``full`` unit keeps only its input (``torch.utils.checkpoint``; a
         Megatron uniform chunk of layers is one checkpoint), an ``op`` unit keeps what op-SAC
-        saves (`op_sac_context`), a ``selective`` one re-runs its attention core
-        (``models.attention_core``)."""
+        saves (`op_sac_context`), a ``selective`` one recomputes Megatron's selective modules
+        (default ``core_attn``, the attention core: ``models.attention_core``; the others as
+        ``models.Block.set_recompute_modules`` wraps them)."""
         modes = policy.unit_modes(self.unit_names)
         self.step_modes = {}
         for piece in self.pieces:
@@ -516,7 +517,7 @@ class Stage:
         self.uniform_chunks = {k: c for k, (m, c) in self.step_modes.items() if m == "full" and c >= 0}
         for name in self.units.unit_names():
             if name.startswith("layers."):
-                self.units[name].attn.recompute_core = modes[name][0] == "selective"
+                self.units[name].set_recompute_modules(policy.module_set if modes[name][0] == "selective" else ())
 
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
                       targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = True) -> Record:
@@ -566,6 +567,7 @@ class Stage:
                     x, h, weights, ids, shared = run((kind, layer), block.forward_pre, x,
                                                      functools.partial(self.expert_input, layer=layer))
                     tokens, order, counts = block.moe.permute(h, ids)
+                    block.release_mlp_norm(weights, shared)  # Megatron's layernorm module: h read
                     outputs.update({f"xres.{layer}": x, f"send.{layer}": tokens, f"w.{layer}": weights})
                     if shared is not None:
                         outputs[f"shared.{layer}"] = shared

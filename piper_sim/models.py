@@ -34,6 +34,7 @@ all-gathers and reduce-scatters). Built on a real device only with ``tp == 1``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from typing import Callable
 
@@ -360,6 +361,87 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute:
     return attention(q, k, v, window, dropout)
 
 
+class DropOutput:
+    """Megatron-Core's ``CheckpointWithoutOutput`` (tensor_parallel/random.py), written here:
+    `run` computes ``fn(*args)`` keeping only its inputs (none of ``fn``'s internals); `discard`,
+    called once the consumers that save the outputs for backward have run, releases the
+    outputs' storage (their metadata stays) and registers the recompute on the gradient of the
+    ``hooks`` tensors, which must arrive before those consumers' backward; the recompute runs
+    ``fn`` again and copies its outputs into the released storage. ``fn`` must be deterministic
+    (no dropout). Megatron's ``layernorm``, ``moe_act`` and ``mla_up_proj`` selective modules.
+    Gradients are plain autograd's to fp32 round-off: the nested backward sums an input's
+    gradient contributions in another order."""
+
+    def __init__(self, fn: Callable):
+        self.fn, self.ctx, self.outputs = fn, None, ()
+
+    def _call(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.fn(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        # each output owns its storage (a view would release, and be refilled from, its base's)
+        return tuple(t if t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
+                     else t.clone(memory_format=torch.contiguous_format) for t in out)
+
+    def run(self, *args: torch.Tensor):
+        out = _DropOutputFn.apply(self, *args)
+        self.outputs = out if isinstance(out, tuple) else (out,)
+        return out
+
+    def discard(self, *hooks: torch.Tensor | None) -> None:
+        for t in self.outputs:
+            t.untyped_storage().resize_(0)
+        for h in hooks:
+            if h is not None and h.requires_grad:
+                h.register_hook(self._recompute)
+
+    def _recompute(self, _grad: torch.Tensor) -> None:
+        ctx, self.ctx = self.ctx, None
+        if ctx is None:  # an earlier hook ran it
+            return
+        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = self._call(*inputs)
+        with torch.no_grad():
+            for kept, new in zip(self.outputs, out):
+                kept.untyped_storage().resize_(new.untyped_storage().nbytes())
+                kept.untyped_storage().copy_(new.untyped_storage())
+        ctx.inputs, ctx.outputs, self.outputs = inputs, out, ()
+
+
+class _DropOutputFn(torch.autograd.Function):
+    """The autograd node of a `DropOutput`: its backward differentiates the recomputed graph."""
+
+    @staticmethod
+    def forward(ctx, holder: DropOutput, *args: torch.Tensor):
+        with torch.no_grad():
+            out = holder._call(*args)
+        ctx.save_for_backward(*args)
+        ctx.inputs = ctx.outputs = None
+        holder.ctx = ctx
+        return out if len(out) > 1 else out[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        if ctx.outputs is None:
+            raise RuntimeError("DropOutput: the backward reached a dropped output before its recompute hook ran")
+        pairs = [(o, g) for o, g in zip(ctx.outputs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        got = tuple(t.grad if t.requires_grad else None for t in ctx.inputs)
+        ctx.inputs = ctx.outputs = None
+        return (None, *got)
+
+
+def _checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """``fn(*args)`` as a checkpoint (keeps its inputs, its backward re-runs it whole, as
+    Megatron's ``tensor_parallel.checkpoint`` of the ``mlp``, ``moe`` and ``shared_experts``
+    modules does and the plan prices it: no early stop before the last matmul)."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    with set_checkpoint_early_stop(False):
+        return checkpoint(fn, *args, use_reentrant=False)
+
+
 def attention_core_inputs(cfg: "ModelConfig", batch: int, seq: int, device="meta",
                           dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tensors of the shapes one layer's attention core receives (q, k, v ``[B, heads, s, d]``)."""
@@ -410,7 +492,10 @@ class MLAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V2/V3) with the real projection shapes.
 
     Simplified: no KV-cache absorption tricks, plain softmax scale ``1/sqrt(qk_head_dim)``.
+    ``recompute_up_proj``: Megatron's ``mla_up_proj`` selective module (`up_proj` a `DropOutput`).
     """
+
+    recompute_up_proj = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -444,6 +529,18 @@ class MLAttention(nn.Module):
     def heads(self, q_in: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, H: int) -> torch.Tensor:
         """The ``H`` heads' up-projections and attention from `latents`: ``[B, s, H * v_head_dim]``."""
         c, (B, s, _) = self.cfg, kv.shape
+        up = functools.partial(self.up_proj, H=H)
+        keep = DropOutput(up) if self.recompute_up_proj and torch.is_grad_enabled() else None
+        q, k, v = keep.run(q_in, kv, k_pe) if keep is not None else up(q_in, kv, k_pe)
+        o = attention_core(q, k, v, self.recompute_core, dropout=c.dropout)
+        if keep is not None:  # q, k, v dropped; re-made when the core's output gradient arrives
+            keep.discard(o)
+        return o.transpose(1, 2).reshape(B, s, -1)
+
+    def up_proj(self, q_in: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, H: int):
+        """The up-projections and rotary embedding (Megatron-Core ``qkv_up_proj_and_rope_apply``):
+        the attention core's ``q, k, v [B, H, s, d]`` from the normalised latents and rotary key."""
+        c, (B, s, _) = self.cfg, kv.shape
         nope, rope = c.qk_nope_dim, c.qk_rope_dim
         q = self.wq_b(q_in) if c.q_lora_rank else self.wq(q_in)
         q_nope, q_pe = q.view(B, s, H, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
@@ -452,12 +549,25 @@ class MLAttention(nn.Module):
         cos, sin = rope_cos_sin(s, rope, c.rope_theta, kv.device, kv.dtype)
         q_pe = apply_rope(q_pe, cos, sin)
         k_pe = apply_rope(k_pe.view(B, 1, s, rope), cos, sin).expand(B, H, s, rope)
-        o = attention_core(torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v, self.recompute_core,
-                           dropout=c.dropout)
-        return o.transpose(1, 2).reshape(B, s, -1)
+        return torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _dropped_act(act: Callable, out: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    """``out(act(*args))`` with the activation's output and internals dropped until the
+    gradient of ``out``'s output arrives (Megatron's ``moe_act``: `DropOutput`)."""
+    keep = DropOutput(act)
+    y = out(keep.run(*args))
+    keep.discard(y)
+    return y
 
 
 class SwiGLU(nn.Module):
+    recompute_act = False  # Megatron's moe_act selective module (routed experts; `_dropped_act`)
+
     def __init__(self, hidden: int, ffn: int, bias: bool = False):
         super().__init__()
         self.w1 = Linear(hidden, ffn, bias)  # gate
@@ -467,11 +577,15 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "meta" and _KERNELS.swiglu == "fused":
             return self.w2(_MetaFusedSwiGLU.apply(self.w1(x), self.w3(x)))
+        if self.recompute_act and torch.is_grad_enabled():
+            return _dropped_act(_swiglu, self.w2, self.w1(x), self.w3(x))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class GeluMLP(nn.Module):
     """``h -> ffn -> h`` with GELU (GPT-3)."""
+
+    recompute_act = False  # as `SwiGLU`'s
 
     def __init__(self, hidden: int, ffn: int, bias: bool = False):
         super().__init__()
@@ -479,6 +593,8 @@ class GeluMLP(nn.Module):
         self.fc2 = Linear(ffn, hidden, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute_act and torch.is_grad_enabled():
+            return _dropped_act(F.gelu, self.fc2, self.fc1(x))
         return self.fc2(F.gelu(self.fc1(x)))
 
 
@@ -537,7 +653,11 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp_or_moe(norm(x))``
     (with dropout before each residual add when ``cfg.dropout``). Under sequence parallelism
-    ``x`` is the rank's sequence shard: gathered after each norm, scattered before each add."""
+    ``x`` is the rank's sequence shard: gathered after each norm, scattered before each add.
+    ``recompute_modules``: the Megatron selective modules it recomputes (`set_recompute_modules`)."""
+
+    recompute_modules: frozenset[str] = frozenset()
+    _mlp_norm_keep: "DropOutput | None" = None
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -551,6 +671,50 @@ class Block(nn.Module):
             self.mlp = make_mlp(cfg, cfg.local_ffn)
         self.drop = Dropout(cfg.dropout) if cfg.dropout else None
         self.sp = cfg.tp if cfg.sequence_parallel else 1
+
+    def set_recompute_modules(self, modules) -> None:
+        """Recompute Megatron's selective ``modules`` (`piper_sim.recompute.MODULES`) as
+        Megatron-Core does [megatron/core/transformer/transformer_layer.py, moe/moe_layer.py,
+        moe/experts.py, multi_latent_attention.py]: ``core_attn`` (`attention_core`);
+        ``layernorm`` both norms' outputs dropped (`DropOutput`) until the attention's or the
+        MLP/MoE block's output gradient arrives; ``mlp`` a dense layer's MLP a checkpoint;
+        ``moe`` the whole MoE block (router, experts, shared experts) one checkpoint;
+        ``shared_experts`` the shared experts a checkpoint; ``moe_act`` the routed experts'
+        activations dropped; ``mla_up_proj`` MLA's up-projections and rope (`MLAttention.up_proj`).
+        ``moe`` covers ``shared_experts`` and ``moe_act`` (what they drop it never keeps)."""
+        m = frozenset(modules)
+        self.recompute_modules = m
+        self.attn.recompute_core = "core_attn" in m
+        if hasattr(self.attn, "recompute_up_proj"):
+            self.attn.recompute_up_proj = "mla_up_proj" in m
+        if self.is_moe:
+            for e in self.moe.experts:
+                e.recompute_act = "moe_act" in m and "moe" not in m
+
+    def _recomputes(self, module: str) -> bool:
+        return module in self.recompute_modules and torch.is_grad_enabled()
+
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, "DropOutput | None"]:
+        """``norm(x)``; under ``layernorm`` with the `DropOutput` that will drop its output."""
+        if not self._recomputes("layernorm"):
+            return norm(x), None
+        keep = DropOutput(norm)
+        return keep.run(x), keep
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        n, keep = self._norm(self.attn_norm, x)
+        a = self.attn(self._in(n))
+        if keep is not None:
+            keep.discard(a)
+        return x + self._out(a)
+
+    def release_mlp_norm(self, *hooks: torch.Tensor | None) -> None:
+        """Under ``layernorm`` on a MoE layer: drop the MLP norm's output now that the router,
+        the shared experts and the dispatch have read it; the first gradient of ``hooks`` (the
+        routing weights, the shared experts' output) recomputes it. A no-op otherwise."""
+        keep, self._mlp_norm_keep = self._mlp_norm_keep, None
+        if keep is not None:
+            keep.discard(*hooks)
 
     def _in(self, x: torch.Tensor) -> torch.Tensor:
         return _SPGather.apply(x, self.sp) if self.sp > 1 else x
@@ -566,12 +730,15 @@ class Block(nn.Module):
         dispatched), routing ``weights/ids [T, k]`` and the shared-expert output (or None).
         ``dispatch`` maps the router's input to the experts' (routed and shared; tensor
         parallel: ``f``, whose backward sums both gradients in one all-reduce)."""
-        x = x + self._out(self.attn(self._in(self.attn_norm(x))))
-        h = self._in(self.mlp_norm(x)).reshape(-1, x.shape[-1])
+        x = self._attention(x)
+        n, self._mlp_norm_keep = self._norm(self.mlp_norm, x)  # dropped by `release_mlp_norm`
+        h = self._in(n).reshape(-1, x.shape[-1])
         weights, ids = self.moe.route(h)
         if dispatch is not None:
             h = dispatch(h)
-        shared = self.moe.shared(h) if self.moe.shared is not None else None
+        shared = None
+        if self.moe.shared is not None:
+            shared = _checkpoint(self.moe.shared, h) if self._recomputes("shared_experts") else self.moe.shared(h)
         return x, h, weights, ids, shared
 
     @staticmethod
@@ -582,10 +749,31 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_moe:
-            x = x + self._out(self.attn(self._in(self.attn_norm(x))))
-            return x + self._out(self.mlp(self._in(self.mlp_norm(x))))
+            x = self._attention(x)
+            n, keep = self._norm(self.mlp_norm, x)
+            m = _checkpoint(self.mlp, self._in(n)) if self._recomputes("mlp") else self.mlp(self._in(n))
+            if keep is not None:
+                keep.discard(m)
+            return x + self._out(m)
+        if self._recomputes("moe"):  # Megatron's MoELayer forward under one checkpoint
+            x = self._attention(x)
+            n, keep = self._norm(self.mlp_norm, x)
+            y = _checkpoint(self._moe_block, n)
+            if keep is not None:
+                keep.discard(y)
+            return x + y
         x, h, weights, ids, shared = self.forward_pre(x)
-        return self.forward_post(x, self.moe.routed(h, weights, ids), shared)
+        routed = self.moe.routed(h, weights, ids)
+        self.release_mlp_norm(weights, shared)
+        return self.forward_post(x, routed, shared)
+
+    def _moe_block(self, n: torch.Tensor) -> torch.Tensor:
+        """The MoE block on the MLP norm's output ``n`` (as `forward_pre` and `forward_post` compute it)."""
+        h = n.reshape(-1, n.shape[-1])
+        weights, ids = self.moe.route(h)
+        shared = self.moe.shared(h) if self.moe.shared is not None else None
+        routed = self.moe.routed(h, weights, ids)
+        return (routed if shared is None else routed + shared).view_as(n)
 
 
 class Head(nn.Module):

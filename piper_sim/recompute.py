@@ -36,8 +36,10 @@ its backward runs again:
                     norms' outputs and statistics dropped, ``CheckpointWithoutOutput``); ``mlp`` (the
                     dense MLP a checkpoint: its internals); ``moe_act`` (the experts' activation
                     output); ``moe`` (the whole MoE block, not with expert parallelism);
-                    ``shared_experts``; ``mla_up_proj`` (MLA's up-projections and rope: q, k, v and
-                    the two latent norm outputs).
+                    ``shared_experts``; ``mla_up_proj`` (MLA's up-projections and rope: q, k and v;
+                    the two latent norm outputs are the checkpoint's inputs and stay
+                    [multi_latent_attention.py ``qkv_up_checkpoint.checkpoint(
+                    qkv_up_proj_and_rope_apply, q_compressed, kv_compressed, ...)``]).
 
 Activation bytes of a policy are closed forms over one layer's saved-tensor table
 (`layer_table`, fused norms and flash attention: what autograd keeps for a piper-sim block;
@@ -228,12 +230,12 @@ def layer_table(cfg, kind: str, micro_batch: int, seq: int, nbytes: int, a2a_byt
         qk = cfg.qk_nope_dim + cfg.qk_rope_dim
         if cfg.q_lora_rank:
             mm("wq_a", cfg.q_lora_rank, h)
-            rows.append(SavedTensor("q_norm.out", t * cfg.q_lora_rank * nb, "mla_up_proj"))
+            rows.append(SavedTensor("q_norm.out", t * cfg.q_lora_rank * nb, "attn_proj"))  # mla_up_proj's input
             mm("wq_b", H * qk, cfg.q_lora_rank)
         else:
             mm("wq", H * qk, h)
         mm("wkv_a", cfg.kv_lora_rank + cfg.qk_rope_dim, h)
-        rows.append(SavedTensor("kv_norm.out", t * cfg.kv_lora_rank * nb, "mla_up_proj"))
+        rows.append(SavedTensor("kv_norm.out", t * cfg.kv_lora_rank * nb, "attn_proj"))  # mla_up_proj's input
         mm("wkv_b", H * (cfg.qk_nope_dim + cfg.v_head_dim), cfg.kv_lora_rank)
         rows.extend([SavedTensor("q", t * H * qk * nb, "mla_up_proj"), SavedTensor("k", t * H * qk * nb, "mla_up_proj"),
                      SavedTensor("v", t * H * qk * nb, "mla_up_proj")])  # v padded to the qk head dim (flash)

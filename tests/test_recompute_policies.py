@@ -197,10 +197,10 @@ def test_unpriced_combinations_are_refused():
 
 
 def test_executor_refuses_what_it_cannot_run_in_one_line():
-    """The executor runs full, selective, op-SAC, every-N and Megatron's method/num_layers;
-    Megatron's other selective modules, and the finer policies with a split backward, are
-    simulate-only (refused before any process group starts; the compiler itself refuses the
-    finer policies with tensor or context parallelism)."""
+    """The executor runs full, selective, op-SAC, every-N, Megatron's method/num_layers and
+    selective modules; the finer policies with a split backward, and Megatron's modules under
+    tensor parallelism, are simulate-only (refused before any process group starts; the compiler
+    itself refuses op-SAC and every-N, and the modules that re-run TP collectives, under TP/CP)."""
     from executor.options import refuse_tensor_parallel
     from piper_sim.plan import PlanError
 
@@ -208,10 +208,13 @@ def test_executor_refuses_what_it_cannot_run_in_one_line():
             "directives": [{"op": "data_parallel", "degree": 2}]}
     pp2 = [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "zb1p"}]
     for rc in ({}, {"mode": "op"}, {"mode": "every", "every": 2}, {"method": "block", "num_layers": 2},
-               {"method": "uniform", "num_layers": 2}, {"mode": "selective", "modules": ["core_attn"]}):
+               {"method": "uniform", "num_layers": 2}, {"mode": "selective", "modules": ["core_attn"]},
+               {"mode": "selective", "modules": ["layernorm", "mlp", "moe_act", "moe", "shared_experts", "mla_up_proj"]}):
         refuse_tensor_parallel(compile({**base, "directives": base["directives"] + [{"op": "recompute", **rc}]}),
                                "p.json")
-    for directives, rc, what in [(base["directives"], {"mode": "selective", "modules": ["mlp"]}, "modules ['mlp']"),
+    tp2 = [{"op": "tensor_parallel", "degree": 2}]
+    for directives, rc, what in [(tp2, {"mode": "selective", "modules": ["layernorm"]}, "tensor or context parallelism"),
+                                 (pp2, {"mode": "selective", "modules": ["mlp"]}, "split backward"),
                                  (pp2, {"mode": "every", "every": 2}, "split backward"),
                                  (pp2, {"mode": "op"}, "split backward")]:
         with warnings.catch_warnings():

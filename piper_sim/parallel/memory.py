@@ -79,11 +79,41 @@ def _gemm_rows(f_rows: tuple, shapes: list[tuple[int, int, int]]) -> tuple:
     return kernels.merge(out)
 
 
+_NORMS = ("rms_norm", "layer_norm", "native_layer_norm")
+_ACTS = ("silu", "gelu", "swiglu")  # the eager SwiGLU's gating mul is matched by its bytes
+
+
+def _module_mem_rows(f_rows: tuple, table, mods: tuple[str, ...]) -> tuple:
+    """The memory-bound kernels Megatron's selective ``mods`` re-run besides their matmuls, from
+    one segment's forward rows: ``layernorm`` the two residual-stream norms (a call reads and
+    writes the layer input: ``2 * input_bytes``); the activation of the segment's MLP when its
+    module is named (``mlp`` a dense layer's, ``shared_experts`` or ``moe`` a MoE ``pre``'s,
+    ``moe_act`` the routed experts': silu and the gating mul with 3/2 of its bytes, or gelu, or
+    a fused swiglu); ``mla_up_proj`` the fused rotary kernels. Eager norms and rotary kernels
+    (decomposed into small ops) are not matched, so not priced."""
+    def per_call(r):
+        return r[6] / r[4]
+
+    out = []
+    if "layernorm" in mods and table.kind != "moe_experts":
+        out += [(*r[:4], min(r[4], 2), 0.0, per_call(r) * min(r[4], 2)) for r in f_rows
+                if r[0] == "mem" and r[1] in _NORMS and per_call(r) == 2 * table.input_bytes]
+    act = {"dense": ("mlp",), "moe_pre": ("shared_experts", "moe"), "moe_experts": ("moe_act",)}[table.kind]
+    if any(m in mods for m in act):
+        acts = [r for r in f_rows if r[0] == "mem" and r[1] in _ACTS]
+        gates = {1.5 * per_call(r) for r in acts if r[1] == "silu"}
+        out += acts + [r for r in f_rows if r[0] == "mem" and r[1] == "mul" and per_call(r) in gates]
+    if "mla_up_proj" in mods and any(r.module == "mla_up_proj" for r in table.rows):
+        out += [r for r in f_rows if r[0] == "mem" and r[1] == "rope"]
+    return kernels.merge(out)
+
+
 def _policy_rerun(ctx: Context, stage: int, part: int) -> tuple[float, tuple]:
     """(flops, kernel rows) a B/BI piece re-runs under its stage's `Recompute` policy: the
     forward of its full units; under op-SAC the forward minus the kept mm calls and the
     attention op (`LayerTable.op_sac_saved`); under Megatron's selective modules their
-    forward (core_attn: the measured core)."""
+    forward (core_attn: the measured core; their matmuls and memory-bound kernels:
+    `_module_mem_rows`)."""
     policy = ctx.setup.policy(stage)
     modes = _stage_unit_modes(ctx, stage)
     flops, rows = 0.0, []
@@ -117,7 +147,7 @@ def _policy_rerun(ctx: Context, stage: int, part: int) -> tuple[float, tuple]:
                      "mla_up_proj": ("wq_b", "wkv_b")}
             prefixes = tuple(p for x in mods for p in names.get(x, ()))
             shapes = [shape for name, shape in m.table.mms if prefixes and name.startswith(prefixes)]
-            rows.append(_gemm_rows(f_rows, shapes))
+            rows.extend([_gemm_rows(f_rows, shapes), _module_mem_rows(f_rows, m.table, mods)])
     return flops, kernels.merge(*rows)
 
 
