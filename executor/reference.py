@@ -13,7 +13,7 @@ from executor.lr import LRSchedule
 from executor.stage import FlatParams, keep_first_grads, make_optimizer, set_lr
 from costmodel.dtypes import torch_dtype
 from piper_sim.configs import config_of
-from piper_sim.models import build_model, lm_loss
+from piper_sim.models import DropoutStream, build_model, lm_loss, set_dropout_stream
 from piper_sim.plan import Plan
 
 
@@ -40,7 +40,12 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
     losses = []
     for step in range(steps):
         tokens, targets = data.batch(step)
-        loss = lm_loss(model(tokens.to(device)), targets.to(device))
+        # dropout masks from the per-(step, sample, layer, site) stream the executor's ranks draw from
+        set_dropout_stream(DropoutStream(h.seed, step, range(h.global_batch), h.seq_len) if cfg.dropout else None)
+        try:
+            loss = lm_loss(model(tokens.to(device)), targets.to(device))
+        finally:
+            set_dropout_stream(None)
         loss.backward()
         keep_first_grads(first_grads, step, model.named_parameters())
         if clip_grad_norm is not None:

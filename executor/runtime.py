@@ -68,9 +68,11 @@ from executor.lr import LRSchedule
 from executor.parallel import DataParallel, apply_axes
 from executor.parallel.axis import Handler, Logged, Posted
 from executor.parallel.expert import expert_index
+from executor.parallel.tensor import TensorParallel
 from executor.stage import Record, Stage, backward_full, backward_input, backward_weight, set_lr
 from executor.user_stage import UserData, UserStage, user_model_of
 from piper_sim.configs import config_of
+from piper_sim.models import DropoutStream, set_dropout_stream
 from piper_sim.recompute import Recompute
 from piper_sim.plan import COMPUTE_KINDS, Instruction, Plan, PlanError, missing_fields
 
@@ -193,6 +195,7 @@ class Runtime:
             self.cuda_streams = {name: torch.cuda.Stream(device) for name in self.prog.streams}
         self.completions = Completions()
         self.step_index = 0
+        self.dropout_positions = self._dropout_positions()
         self.captured_grads: dict[str, torch.Tensor] = {}
         self.stepped_grads: dict[tuple[int, str], torch.Tensor] = {}  # what each optimizer stepped (capture)
 
@@ -265,6 +268,7 @@ class Runtime:
                     current = self.inflight[token[1]][0]
                     self.completed(token, t_end, err)
             current = None
+            set_dropout_stream(None)
             for axis in self.axes:
                 axis.end_step()
             loss = self.loss_sum.clone()
@@ -406,8 +410,34 @@ class Runtime:
             tokens, targets = axis.local_batch(tokens, targets)
         return tokens, targets
 
+    def _dropout_positions(self) -> torch.Tensor | None:
+        """The true sequence positions this rank's dropout sites see (None: the whole sequence):
+        its context-parallel chunks (`local_batch`), under sequence parallelism its tensor-parallel
+        rank's shard of them."""
+        if self.user_model or not self.cfg.dropout:
+            return None
+        pos = torch.arange(self.seq)[None]
+        for axis in self.axes:
+            pos, _ = axis.local_batch(pos, pos)
+        pos = pos[0]
+        tp = next((a.comm for a in self.axes if isinstance(a, TensorParallel)), None)
+        if tp is not None and tp.sp:
+            n = len(pos) // tp.size
+            pos = pos[tp.index * n:(tp.index + 1) * n]
+        return None if torch.equal(pos, torch.arange(self.seq)) else pos
+
+    def _dropout_stream(self, m: int) -> None:
+        """Point the model's dropout at micro-batch ``m``'s rows of the step (`models.DropoutStream`):
+        set before its forward and before its backward ops (a recomputed forward draws the same masks)."""
+        if self.user_model or not self.cfg.dropout:
+            return
+        lo = self.dp_rank * (self.header.global_batch // self.layout.dp) + m * self.mbs
+        set_dropout_stream(DropoutStream(self.header.seed, self.step_index, range(lo, lo + self.mbs), self.seq,
+                                         self.dropout_positions))
+
     def _forward(self, ins: Instruction) -> None:
         s, m, part = ins.stage, ins.mb, ins.part
+        self._dropout_stream(m)
         stage = self.stages[s]
         if part == 0:
             env = self.envs[(s, m)] = MicroBatch()
@@ -446,6 +476,7 @@ class Runtime:
 
     def _backward(self, ins: Instruction) -> None:
         s, m, part = ins.stage, ins.mb, ins.part
+        self._dropout_stream(m)
         env = self.backward_env(s, m)
         split = ins.kind == "BI"
         for axis in self.axes:
@@ -469,6 +500,7 @@ class Runtime:
                 del self.envs[(s, m)]
 
     def _backward_weight(self, ins: Instruction) -> None:
+        self._dropout_stream(ins.mb)
         env = self.envs.pop((ins.stage, ins.mb))
         self.dp.grads_for(ins.stage, range(len(self.header.stage_parts[ins.stage])))
         with self.dp.writing(ins.id, [p for rec in env.records.values() for p in rec.params]):

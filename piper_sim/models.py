@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -157,15 +158,69 @@ def make_norm(cfg: "ModelConfig", dim: int) -> nn.Module:
     return LayerNorm(dim, cfg.norm_eps) if cfg.norm == "layer" else RMSNorm(dim, cfg.norm_eps)
 
 
-class Dropout(nn.Module):
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
+@dataclass(frozen=True)
+class DropoutStream:
+    """Where real-device dropout masks come from: one stream per (step, sample, layer, site),
+    so any split of the batch, the layers or the sequence draws the single-process masks.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    ``rows``: the global sample index of each row of the batch running; ``positions``: the
+    true sequence positions of the tokens a dropout site sees (None: all ``seq_len``; a
+    context-parallel rank's load-balanced chunks, a sequence-parallel rank's shard of them).
+    Every rank draws a site's full ``[seq_len, hidden]`` mask of a sample and keeps its
+    positions, so tensor, sequence and context parallel ranks hold exactly the reference's
+    mask elements and ``--check`` holds bit-for-bit up to reduction order. (Megatron instead
+    forks a per-TP-rank seed for the tensor-parallel region, ``tensor_parallel.random``'s
+    ``CudaRNGStatesTracker``, so its masks differ from a single GPU's.)"""
+
+    seed: int
+    step: int
+    rows: range
+    seq_len: int
+    positions: torch.Tensor | None = None
+
+
+_DROPOUT_STREAM: DropoutStream | None = None
+
+
+def set_dropout_stream(stream: DropoutStream | None) -> None:
+    """The stream the `Dropout` sites of the batch about to run (forward, or a backward that
+    recomputes) draw from; None: torch's global generator (``F.dropout``)."""
+    global _DROPOUT_STREAM
+    _DROPOUT_STREAM = stream
+
+
+def dropout_mask(stream: DropoutStream, layer: int, site: int, p: float, shape: torch.Size,
+                 device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The scaled keep-mask (``0`` or ``1 / (1 - p)``) of ``[B, s_local, hidden]`` at ``site``
+    of ``layer`` for the stream's rows and positions."""
+    B, s, h = shape
+    if len(stream.rows) != B or s != (stream.seq_len if stream.positions is None else len(stream.positions)):
+        raise RuntimeError(f"dropout: a [{B}, {s}, {h}] input does not match the stream's {len(stream.rows)} rows "
+                           f"and {s if stream.positions is None else len(stream.positions)} positions")
+    gen = torch.Generator(device=device)
+    masks = []
+    for row in stream.rows:
+        gen.manual_seed(unit_seed(stream.seed, f"dropout:{stream.step}:{row}:{layer}:{site}"))
+        keep = torch.rand(stream.seq_len, h, generator=gen, device=device) >= p
+        masks.append(keep if stream.positions is None else keep[stream.positions.to(device)])
+    return torch.stack(masks).to(dtype) * (1.0 / (1.0 - p))
+
+
+class Dropout(nn.Module):
+    """Dropout at a ``layer``'s residual sites; on a real device with a `DropoutStream` set,
+    its masks come from the stream (`dropout_mask`), else from torch's global generator."""
+
+    def __init__(self, p: float, layer: int = 0):
+        super().__init__()
+        self.p, self.layer = p, layer
+
+    def forward(self, x: torch.Tensor, site: int = 0) -> torch.Tensor:
         if x.device.type == "meta":
             return _MetaDropout.apply(x)
-        return F.dropout(x, self.p, self.training)
+        stream = _DROPOUT_STREAM
+        if stream is None or not self.training or self.p == 0:
+            return F.dropout(x, self.p, self.training)
+        return x * dropout_mask(stream, self.layer, site, self.p, x.shape, x.device, x.dtype)
 
 
 class _MetaDropout(torch.autograd.Function):
@@ -669,7 +724,7 @@ class Block(nn.Module):
             self.moe = MoE(cfg)
         else:
             self.mlp = make_mlp(cfg, cfg.local_ffn)
-        self.drop = Dropout(cfg.dropout) if cfg.dropout else None
+        self.drop = Dropout(cfg.dropout, layer) if cfg.dropout else None
         self.sp = cfg.tp if cfg.sequence_parallel else 1
 
     def set_recompute_modules(self, modules) -> None:
@@ -706,7 +761,7 @@ class Block(nn.Module):
         a = self.attn(self._in(n))
         if keep is not None:
             keep.discard(a)
-        return x + self._out(a)
+        return x + self._out(a, 0)
 
     def release_mlp_norm(self, *hooks: torch.Tensor | None) -> None:
         """Under ``layernorm`` on a MoE layer: drop the MLP norm's output now that the router,
@@ -719,10 +774,11 @@ class Block(nn.Module):
     def _in(self, x: torch.Tensor) -> torch.Tensor:
         return _SPGather.apply(x, self.sp) if self.sp > 1 else x
 
-    def _out(self, x: torch.Tensor) -> torch.Tensor:
+    def _out(self, x: torch.Tensor, site: int) -> torch.Tensor:
+        """The sublayer output (``site`` 0: attention, 1: MLP) scattered (SP) and dropped out."""
         if self.sp > 1:
             x = _SPScatter.apply(x, self.sp)
-        return self.drop(x) if self.drop is not None else x
+        return self.drop(x, site) if self.drop is not None else x
 
     def forward_pre(self, x: torch.Tensor, dispatch: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """MoE segment ``pre``: returns ``(x, h, weights, ids, shared)`` with ``x`` after the
@@ -754,7 +810,7 @@ class Block(nn.Module):
             m = _checkpoint(self.mlp, self._in(n)) if self._recomputes("mlp") else self.mlp(self._in(n))
             if keep is not None:
                 keep.discard(m)
-            return x + self._out(m)
+            return x + self._out(m, 1)
         if self._recomputes("moe"):  # Megatron's MoELayer forward under one checkpoint
             x = self._attention(x)
             n, keep = self._norm(self.mlp_norm, x)
