@@ -158,7 +158,6 @@ def refuse_context_parallel(plan: Plan, path: str) -> None:
     cfg = config_of(h)
     checks = [
         (cfg.attention == "mla", "multi-head latent attention"),
-        (bool(cfg.dropout), "dropout (per-rank random streams)"),
     ]
     why = next((w for bad, w in checks if bad), "")
     if why:
@@ -176,7 +175,6 @@ def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
         (cfg.attention == "mla" and sp, "multi-head latent attention and sequence parallelism"),
         (cfg.tie_embeddings and not (_tp_shards(header, "embed") == _tp_shards(header, "head")),
          "tied embeddings with only one of the embedding and the head sharded (shard_tensor)"),
-        (bool(cfg.dropout), "dropout (per-rank random streams)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),
         (header.zero == 3 and sp, "ZeRO-3 and sequence parallelism"),
         # the per-unit reduce-scatters hand the gradients off before the stage's TP.norms sums them

@@ -315,12 +315,12 @@ def test_explorer_adds_cp_candidates_for_long_sequences():
 
 
 def test_executor_refuses_unsupported_cp_plans_before_any_process_group(tmp_path):
-    path, model = str(tmp_path / "cp.json"), tmp_path / "drop.json"
-    model.write_text('{"name": "drop", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 256, '
-                     '"dropout": 0.1}')
+    path, model = str(tmp_path / "cp.json"), tmp_path / "mla.json"
+    model.write_text('{"name": "mla", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 256, '
+                     '"attention": "mla", "kv_lora_rank": 8, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 8}')
     compile(strategy(model=str(model), cp=2, pp=1, m=1, seq=64, cluster="cpu:2", world=2)).save(path)
     r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", path], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 2 and "context_parallel (cp 2) with dropout (per-rank random streams) is simulate-only" \
+    assert r.returncode == 2 and "context_parallel (cp 2) with multi-head latent attention is simulate-only" \
         in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "torch.distributed" not in r.stderr

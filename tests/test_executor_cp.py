@@ -173,7 +173,6 @@ def test_a_collective_the_plan_does_not_list_is_named():
 @pytest.mark.parametrize("spec, why", [
     ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 8},
      "with multi-head latent attention is simulate-only"),
-    ({"dropout": 0.1}, r"with dropout \(per-rank random streams\) is simulate-only"),
 ])
 def test_refused_cp_plans_name_the_field(tmp_path, spec, why):
     from executor.options import refuse_tensor_parallel
