@@ -144,8 +144,8 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
 
 def refuse_context_parallel(plan: Plan, path: str) -> None:
     """The executor runs context parallelism (`executor.parallel.context`) for transformers
-    of the zoo and model files with grouped-query attention (sliding windows, qk_norm and MoE
-    included); one line naming what it cannot run."""
+    of the zoo and model files with grouped-query attention (sliding windows, qk_norm, MoE and
+    dropout included); one line naming what it cannot run."""
     cp = plan.layout.cp
     if cp == 1:
         return

@@ -52,7 +52,10 @@ def test_tp_sp_and_pipeline_with_dropout_match_the_reference(tmp_path):
     configs = {"tp2": tp_strategy(model=m), "tp2-sp": tp_strategy(model=m, sp=True),
                # full recomputation draws the same masks again in backward
                "tp2-sp-full": tp_strategy(model=m, sp=True, extra=[{"op": "recompute"}]),
-               "pp2": strategy(m, pp=2, m=2)}
+               "pp2": strategy(m, pp=2, m=2),
+               # stage 0 runs F0 F1 B0 B1: each recomputing backward draws its own micro-batch's masks
+               "pp2-full": {**strategy(m, pp=2, m=2), "directives": [*strategy(m, pp=2, m=2)["directives"],
+                                                                      {"op": "recompute"}]}}
     res, _ = run_checks(tmp_path, 2, configs)
     ref = reference_losses(tmp_path, configs["tp2"])
     no_dropout = reference_losses(tmp_path, tp_strategy(model=model_file(tmp_path, dropout=0.0)))
