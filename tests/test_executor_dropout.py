@@ -63,6 +63,7 @@ def test_tp_sp_and_pipeline_with_dropout_match_the_reference(tmp_path):
     assert_matches_reference(res, ref)
 
 
+@pytest.mark.slow  # the fast set keeps the mask-slicing unit test and the TP/SP/PP run
 def test_cp_allgather_and_ring_with_dropout_match_the_reference(tmp_path):
     m = model_file(tmp_path)
     configs = {"cp2": cp_strategy(model=m), "cp2-ring": cp_strategy(model=m, style="ring"),
