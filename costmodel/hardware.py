@@ -312,8 +312,10 @@ class Cluster:
     def crosses_pods(self, ranks) -> bool:
         """Whether a group of ``ranks`` spans two pods of the fabric (pods hold consecutive nodes)."""
         npp = self.fabric.nodes_per_pod
+        if not npp or self.nodes <= npp:  # one pod: every collective formula asks, keep it cheap
+            return False
         ranks = list(ranks)
-        if not npp or self.nodes <= npp or not ranks:
+        if not ranks:
             return False
         return self.node_of(min(ranks)) // npp != self.node_of(max(ranks)) // npp
 

@@ -59,13 +59,13 @@ NOT_FP8 = ("router",)  # MoE gating stays in the model (or router) dtype [DSV3 Â
 # linears that read the tensor an earlier linear of the layer reads (one cast serves both)
 SHARES_INPUT = ("wk", "wv", "wkv_a", "mlp.w3", "shared.w3", "experts.w3")
 QUANT_INPUT, QUANT_GRAD = "fp8_quantize_input", "fp8_quantize_grad_output"
-LINEAR_GEMMS = ("mm", "addmm")
+LINEAR_GEMMS = ("mm", "addmm")  # a linear's GEMM on meta (F.linear: mm, addmm with a bias)
 # saved tensors (`layer_table` rows) that only FP8 linears read: kept in FP8 under activation caching
 CACHED = ("attn_norm.out", "q_norm.out", "kv_norm.out", "mlp.act.out", "shared.act.out", "experts.act.out",
           "dispatched")
 # saved tensor -> (its FP8 copy, the module it belongs to): read by an FP8 linear and, in high
 # precision, by another op (flash attention's backward; the router, when shared experts read it too)
-COPIED = {"attn.out": ("wo.input_fp8", "attn_proj"), "mlp_norm.out": ("shared.input_fp8", "shared_experts")}  # a linear's GEMM on meta (F.linear: mm, addmm with a bias)
+COPIED = {"attn.out": ("wo.input_fp8", "attn_proj"), "mlp_norm.out": ("shared.input_fp8", "shared_experts")}
 
 
 @dataclass(frozen=True)
