@@ -108,6 +108,13 @@ def cast_of(recipe: str, family: str, role: str) -> Cast:
         raise ValueError(f"fp8 recipe {recipe!r} does not run on {family} GPUs") from None
 
 
+# DeepSeek-V3 keeps the attention output (the input of the linear after attention, which the
+# attention backward reads too) in "a customized E5M6 data format" [arXiv 2412.19437 §3.3.3
+# "Low-Precision Activation" (1)]: 1 sign + 5 exponent + 6 mantissa bits = 12 bits, stored packed
+# (1.5 B: inferred: the format's only gain over BF16 is its size)
+E5M6_BYTES = 1.5
+
+
 def cached_element_bytes(recipe: str) -> float:
     """Bytes per element of the FP8 input a Transformer Engine linear saves for its weight
     gradient: the columnwise copy only (transformer_engine/pytorch/module/linear.py:596-622

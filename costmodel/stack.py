@@ -56,8 +56,11 @@ Fields (``STACK_FIELDS`` below holds each one's choices):
                   float8/float8_linear.py) or ``fp8`` (the quantised columnwise copy: Transformer
                   Engine's Linear saves its FP8 input when the weight needs a gradient,
                   transformer_engine/pytorch/module/linear.py:596-622 @d0067d0da; DeepSeek-V3's
-                  "Low-Precision Activation", arXiv 2412.19437 §3.3.3). Counted only with ``fp8``
-                  (`piper_sim.fp8.cache_inputs`); the megatron-te preset sets ``fp8``
+                  "Low-Precision Activation", arXiv 2412.19437 §3.3.3) or ``deepseek`` (all of
+                  DeepSeek-V3's §3.3.3: ``fp8``, and the MoE SwiGLU's inputs cached in FP8, the
+                  attention output kept once in E5M6 for both the output linear and the attention
+                  backward). Counted only with ``fp8`` (`piper_sim.fp8.cache_inputs`); the
+                  megatron-te preset sets ``fp8``
 ``moe_probs``     where a MoE layer multiplies the expert outputs by the router's weights:
                   ``combine`` (after the combine, as piper-sim's own models and Hugging Face MoE
                   blocks do: the weighted sum keeps the combined expert outputs, the forward
@@ -105,7 +108,7 @@ from costmodel.names import unknown_name, unknown_names
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
 NORM_KERNELS = ("fused", "eager")
 POINTWISE_KERNELS = ("eager", "fused")  # rope, swiglu
-FP8_ACTIVATIONS = ("hp", "fp8")  # what an FP8 linear saves of its input
+FP8_ACTIVATIONS = ("hp", "fp8", "deepseek")  # what an FP8 linear (and DeepSeek-V3's MoE SwiGLU) saves
 MOE_PROBS = ("combine", "experts")  # where the router's weights scale the expert outputs
 OPTIMIZERS = ("fused", "foreach")
 REDUCE_DTYPES = ("compute", "fp32")
@@ -139,7 +142,7 @@ class Stack:
     swiglu: str = "eager"
     tp_overlap: bool = False
     fp8: str = "none"  # FP8 recipe of the block linears (costmodel.fp8)
-    fp8_activations: str = "hp"  # what those linears save of their inputs (hp | fp8)
+    fp8_activations: str = "hp"  # what those linears save of their inputs (hp | fp8 | deepseek)
     moe_probs: str = "combine"  # where the router's weights scale the expert outputs
     # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: less fragmentation (costmodel.memory)
     expandable_segments: bool = False
@@ -158,7 +161,7 @@ class Stack:
     @property
     def fp8_cached_inputs(self) -> bool:
         """Whether FP8 linears keep their inputs in FP8 for the backward (`piper_sim.fp8.cache_inputs`)."""
-        return self.fp8 != "none" and self.fp8_activations == "fp8"
+        return self.fp8 != "none" and self.fp8_activations in ("fp8", "deepseek")
 
     def describe(self) -> str:
         """One line for ``show``/``simulate``, e.g. ``torchtitan-eager: attention flash2, norms eager, ...``."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from costmodel.dtypes import dtype_bytes
-from costmodel.fp8 import cached_element_bytes, cast_of
+from costmodel.fp8 import E5M6_BYTES, cached_element_bytes, cast_of
 from piper_sim import kernels
 from piper_sim.configs import ModelConfig
 from piper_sim.recompute import LayerTable, SavedTensor, layer_table
@@ -66,6 +66,10 @@ CACHED = ("attn_norm.out", "q_norm.out", "kv_norm.out", "mlp.act.out", "shared.a
 # saved tensor -> (its FP8 copy, the module it belongs to): read by an FP8 linear and, in high
 # precision, by another op (flash attention's backward; the router, when shared experts read it too)
 COPIED = {"attn.out": ("wo.input_fp8", "attn_proj"), "mlp_norm.out": ("shared.input_fp8", "shared_experts")}
+# DeepSeek-V3 (``fp8_activations: deepseek``, arXiv 2412.19437 §3.3.3 (2)): "we cache the inputs of
+# the SwiGLU operator [in MoE] and recompute its output in the backward pass. These activations
+# are also stored in FP8 with our fine-grained quantization method"
+SWIGLU_INPUTS = ("experts.w1.out", "experts.w3.out", "shared.w1.out", "shared.w3.out")
 
 
 @dataclass(frozen=True)
@@ -144,9 +148,9 @@ def _shapes(linears: list[Linear], order: tuple[int, int, int]) -> dict[tuple[in
 
 
 def apply(cost: Segment, cfg: ModelConfig, kind: str, micro_batch: int, seq: int, recipe: str, family: str,
-          dtype: str, cached: bool = False) -> Segment:
+          dtype: str, cached: bool = False, mode: str = "fp8") -> Segment:
     """``cost`` with its block linears in FP8 and the recipe's casts added (other kinds unchanged);
-    ``cached``: their inputs saved in FP8 (`cache_inputs`)."""
+    ``cached``: their inputs saved in FP8 (`cache_inputs`, ``mode`` the stack's ``fp8_activations``)."""
     if recipe == "none" or kind not in FP8_KINDS:
         return cost
     linears = block_linears(cfg, kind, micro_batch, seq)
@@ -158,21 +162,27 @@ def apply(cost: Segment, cfg: ModelConfig, kind: str, micro_batch: int, seq: int
 
     saved = cost.saved_act_bytes
     if cached:
-        saved = max(0, round(saved + cached_delta(cfg, kind, micro_batch, seq, recipe, dtype, cost.a2a_bytes)))
+        saved = max(0, round(saved + cached_delta(cfg, kind, micro_batch, seq, recipe, dtype, cost.a2a_bytes, mode)))
     return replace(cost, saved_act_bytes=saved,
                    kernels_f=kernels.merge(to_fp8(cost.kernels_f, shapes((0, 1, 2)), dtype), q_f),
                    kernels_bi=kernels.merge(to_fp8(cost.kernels_bi, shapes((0, 2, 1)), dtype), q_bi),
                    kernels_bw=to_fp8(cost.kernels_bw, shapes((1, 2, 0)), dtype))
 
 
-def cache_inputs(table: LayerTable, recipe: str) -> LayerTable:
-    """``table`` with its FP8 linears' inputs saved in FP8 (see the module docstring)."""
+def cache_inputs(table: LayerTable, recipe: str, mode: str = "fp8") -> LayerTable:
+    """``table`` with its FP8 linears' inputs saved in FP8 (see the module docstring); ``mode``
+    ``deepseek``: also the MoE SwiGLU's inputs (`SWIGLU_INPUTS`), and the attention output kept
+    once, in E5M6 (`costmodel.fp8.E5M6_BYTES`), for the output linear and the attention backward."""
     element = cached_element_bytes(recipe)
     shared_experts = any(n.startswith("shared.") for n, _ in table.mms)
     rows: list[SavedTensor] = []
     for r in table.rows:
-        if r.name in CACHED or (r.name == "mlp_norm.out" and table.kind == "dense"):
+        if r.name in CACHED or (r.name == "mlp_norm.out" and table.kind == "dense") or \
+                (mode == "deepseek" and r.name in SWIGLU_INPUTS):
             rows.append(replace(r, nbytes=r.nbytes * element / table.nbytes))
+            continue
+        if mode == "deepseek" and r.name == "attn.out":
+            rows.append(replace(r, nbytes=r.nbytes * E5M6_BYTES / table.nbytes))
             continue
         rows.append(r)
         copy = 0.0
@@ -188,10 +198,10 @@ def cache_inputs(table: LayerTable, recipe: str) -> LayerTable:
 
 
 def cached_delta(cfg: ModelConfig, kind: str, micro_batch: int, seq: int, recipe: str, dtype: str,
-                 a2a_bytes: float = 0.0) -> float:
+                 a2a_bytes: float = 0.0, mode: str = "fp8") -> float:
     """Bytes FP8 activation caching adds to one segment's saved activations (negative: frees)."""
     table = layer_table(cfg, kind, micro_batch, seq, dtype_bytes(dtype), a2a_bytes)
-    return cache_inputs(table, recipe).saved - table.saved
+    return cache_inputs(table, recipe, mode).saved - table.saved
 
 
 def fp8_weight_tensors(rows: tuple) -> list[tuple[int, int]]:

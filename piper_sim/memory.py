@@ -175,7 +175,7 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     if table is not None and stack.swiglu == "fused":
         table = with_fused_swiglu(table)
     if table is not None and stack.fp8_cached_inputs:  # the profile's saved bytes are cached already
-        cached = fp8.cache_inputs(table, stack.fp8)
+        cached = fp8.cache_inputs(table, stack.fp8, stack.fp8_activations)
         if kind != "moe_experts":
             selective += cached.saved - table.saved
         table = cached

@@ -330,7 +330,8 @@ def _profile_model(cfg: ModelConfig, micro_batch: int, seq_len: int, dtype: str,
             # an MTP module's layer runs in FP8 as the model's do (Megatron-Core's MTP takes the global
             # fp8 context); its eh_proj stays in the model dtype here (a small 2h x h GEMM)
             block = {"mtp_pre": "moe_pre", "mtp_dense": "dense"}.get(kind, kind)
-            cost = fp8.apply(cost, cfg, block, micro_batch, seq_len, stack.fp8, family, dtype, stack.fp8_cached_inputs)
+            cost = fp8.apply(cost, cfg, block, micro_batch, seq_len, stack.fp8, family, dtype, stack.fp8_cached_inputs,
+                             stack.fp8_activations)
             out.append(replace(cost, name=seg, unit=unit))
     return tuple(out)
 

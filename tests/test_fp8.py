@@ -286,5 +286,31 @@ def test_fp8_activation_caching_moe_experts():
     assert rows["mlp_norm.out"] == t * cfg.hidden * 2
     assert rows["shared.input_fp8"] == pytest.approx(t * cfg.hidden * e)
     assert rows["wo.input_fp8"] == pytest.approx(t * cfg.n_heads * cfg.v_head_dim * e)
-    with pytest.raises(StackError, match="fp8_activations must be one of hp, fp8"):
+    with pytest.raises(StackError, match="fp8_activations must be one of hp, fp8, deepseek"):
         parse_stack({"fp8": "tensorwise", "fp8_activations": "bf16"})
+
+
+def test_fp8_activation_caching_deepseek_recipe():
+    """``fp8_activations: deepseek`` (arXiv 2412.19437 §3.3.3): on top of ``fp8``, the MoE SwiGLU's
+    two inputs (routed and shared experts) in FP8, and the attention output kept once at 12 bits
+    (E5M6) with no FP8 copy for wo; a dense layer's SwiGLU inputs stay bf16."""
+    from piper_sim.fp8 import cache_inputs
+    from piper_sim.recompute import layer_table
+
+    cfg = get_config("deepseek-v3")
+    t, e = 4096, 1 + 4 / 128
+    dispatched = t * cfg.top_k * cfg.hidden * 2
+    experts = layer_table(cfg, "moe_experts", 1, t, 2, dispatched)
+    te, ds = cache_inputs(experts, "blockwise"), cache_inputs(experts, "blockwise", "deepseek")
+    assert te.saved - ds.saved == pytest.approx(2 * t * cfg.top_k * cfg.expert_ffn * (2 - e))
+    pre = layer_table(cfg, "moe_pre", 1, t, 2)
+    te, ds = ({r.name: r.nbytes for r in cache_inputs(pre, "blockwise", m).rows} for m in ("fp8", "deepseek"))
+    qk = cfg.qk_nope_dim + cfg.qk_rope_dim
+    assert ds["attn.out"] == pytest.approx(t * cfg.n_heads * qk * 1.5) and "wo.input_fp8" not in ds
+    assert te["attn.out"] == t * cfg.n_heads * qk * 2 and "wo.input_fp8" in te
+    shared_ffn = cfg.n_shared * cfg.expert_ffn
+    assert ds["shared.w1.out"] == ds["shared.w3.out"] == pytest.approx(t * shared_ffn * e)
+    assert te["shared.w1.out"] == t * shared_ffn * 2
+    dense = {r.name: r.nbytes for r in cache_inputs(layer_table(cfg, "dense", 1, t, 2), "blockwise", "deepseek").rows}
+    assert dense["mlp.w1.out"] == t * cfg.ffn * 2
+    assert parse_stack({"fp8": "blockwise", "fp8_activations": "deepseek"}).fp8_cached_inputs
