@@ -169,10 +169,8 @@ def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
     """What in this model and plan the executor cannot run tensor-parallel ('' when it can)."""
     tp, sp = header.tp.degree, header.tp.sequence_parallel
     checks = [
-        (cfg.is_moe and sp, "a MoE model and sequence parallelism"),
         (cfg.is_moe and cfg.mlp != "swiglu", "GELU experts"),
         (cfg.is_moe and ep == 1, "a MoE model without expert parallelism"),
-        (cfg.attention == "mla" and sp, "multi-head latent attention and sequence parallelism"),
         (cfg.tie_embeddings and not (_tp_shards(header, "embed") == _tp_shards(header, "head")),
          "tied embeddings with only one of the embedding and the head sharded (shard_tensor)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),

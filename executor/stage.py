@@ -443,8 +443,11 @@ class Stage:
         self.recompute_early_stop = True
         # called with a step's parameters before it runs (the runtime waits there for overlapped gathers)
         self.before_step: Callable[[list[nn.Parameter]], None] | None = None
-        # tensor parallel MoE (executor.parallel.tensor): f before the experts (routed and shared), g after them
+        # tensor parallel MoE (executor.parallel.tensor): f before the experts (routed and shared), g after them;
+        # with sequence parallelism instead `expert_tp(layer, recv, counts, run)` around the local experts
+        # (their tokens gathered over TP, their outputs reduce-scattered back)
         self.expert_input = self.expert_output = lambda t, layer: t
+        self.expert_tp: Callable[..., torch.Tensor] | None = None
         self.pieces = [Piece(piece_steps(p), []) for p in parts]
         self.unit_names = list(units)
         # (step kind, layer) -> (how it is recomputed: none | full | op | selective, checkpoint chunk)
@@ -589,6 +592,8 @@ class Stage:
         return self.loss_fn(self.units["head"](x), targets)
 
     def _reduced_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        if self.expert_tp is not None:
+            return self.expert_tp(layer, recv, counts, self._local_experts)
         return self.expert_output(self._local_experts(layer, recv, counts), layer)
 
     def _local_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:

@@ -336,7 +336,8 @@ def build_dag(strategy: Strategy, folded: bool = True,
         memory = cp_memory(tp_memory, cp)
         if cp > 1:
             kv_bytes = gathered_kv_bytes(shard, mbs, strategy.seq_len, DTYPE_BYTES[strategy.dtype])
-        tp_model = dict(tp_attn_width=attn_grad_width(cfg), tp_shared_experts=cfg.is_moe and cfg.n_shared > 0)
+        tp_model = dict(tp_attn_width=attn_grad_width(cfg), tp_shared_experts=cfg.is_moe and cfg.n_shared > 0,
+                        tp_top_k=cfg.top_k if cfg.is_moe else 0)
     if isinstance(cfg, ModelConfig):
         _check_layout_mtp(strategy, cfg)
     ctx = Context(setup=setup, stages=stage_costs(cfg, segments, setup.num_stages, setup.layers_per_stage, gpu),

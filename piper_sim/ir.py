@@ -86,9 +86,11 @@ class Context:
     hidden: int = 0
     kv_bytes: float = 0.0  # context parallel: one layer's K and V gathered over the cp group, per micro-batch
     # tensor parallel: elements per token of the attention's input-gradient all-reduce (0: hidden;
-    # MLA: its latents, piper_sim.parallel.tensor.attn_grad_width) and whether MoE layers have shared experts
+    # MLA: its latents, piper_sim.parallel.tensor.attn_grad_width), whether MoE layers have shared experts
+    # and their top-k (MoE under SP: the experts' tokens gathered over TP are top-k copies of the sequence)
     tp_attn_width: int = 0
     tp_shared_experts: bool = False
+    tp_top_k: int = 0
     tied_embeddings: bool = False  # the head projects with the embedding's matrix (piper_sim.parallel.tied)
     stack: Stack = DEFAULT_STACK  # the kernels the run executes (costmodel.stack)
     gpu_family: str = "hopper"  # the cluster GPU's family (costmodel.hardware): what FP8 casts move

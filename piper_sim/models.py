@@ -576,15 +576,21 @@ class MLAttention(nn.Module):
         """What the per-head up-projections read: the normalised query latent (``x`` itself
         without ``q_lora_rank``), the normalised KV latent and the rotary key (shared by the
         heads). Under tensor parallelism every rank computes them whole (replicated)."""
-        c = self.cfg
-        q_in = self.q_norm(self.wq_a(x)) if c.q_lora_rank else x
-        kv, k_pe = self.wkv_a(x).split([c.kv_lora_rank, c.qk_rope_dim], dim=-1)
-        return q_in, self.kv_norm(kv), k_pe
+        return self.normed_latents(self.wq_a(x) if self.cfg.q_lora_rank else x, self.wkv_a(x))
 
-    def heads(self, q_in: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, H: int) -> torch.Tensor:
-        """The ``H`` heads' up-projections and attention from `latents`: ``[B, s, H * v_head_dim]``."""
+    def normed_latents(self, q: torch.Tensor, kv_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`latents` from the down-projections' outputs: ``q`` (``wq_a``'s; without
+        ``q_lora_rank`` passed on as it is) and ``kv_a`` (``wkv_a``'s)."""
+        c = self.cfg
+        kv, k_pe = kv_a.split([c.kv_lora_rank, c.qk_rope_dim], dim=-1)
+        return (self.q_norm(q) if c.q_lora_rank else q), self.kv_norm(kv), k_pe
+
+    def heads(self, q_in: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, H: int,
+              q_projected: bool = False) -> torch.Tensor:
+        """The ``H`` heads' up-projections and attention from `latents`: ``[B, s, H * v_head_dim]``
+        (``q_projected``: ``q_in`` is already the heads' queries, ``wq`` applied)."""
         c, (B, s, _) = self.cfg, kv.shape
-        up = functools.partial(self.up_proj, H=H)
+        up = functools.partial(self.up_proj, H=H, q_projected=q_projected)
         keep = DropOutput(up) if self.recompute_up_proj and torch.is_grad_enabled() else None
         q, k, v = keep.run(q_in, kv, k_pe) if keep is not None else up(q_in, kv, k_pe)
         o = attention_core(q, k, v, self.recompute_core, dropout=c.dropout)
@@ -592,12 +598,12 @@ class MLAttention(nn.Module):
             keep.discard(o)
         return o.transpose(1, 2).reshape(B, s, -1)
 
-    def up_proj(self, q_in: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, H: int):
+    def up_proj(self, q_in: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, H: int, q_projected: bool = False):
         """The up-projections and rotary embedding (Megatron-Core ``qkv_up_proj_and_rope_apply``):
         the attention core's ``q, k, v [B, H, s, d]`` from the normalised latents and rotary key."""
         c, (B, s, _) = self.cfg, kv.shape
         nope, rope = c.qk_nope_dim, c.qk_rope_dim
-        q = self.wq_b(q_in) if c.q_lora_rank else self.wq(q_in)
+        q = q_in if q_projected else self.wq_b(q_in) if c.q_lora_rank else self.wq(q_in)
         q_nope, q_pe = q.view(B, s, H, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
         kv = self.wkv_b(kv).view(B, s, H, nope + c.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([nope, c.v_head_dim], dim=-1)
@@ -785,17 +791,28 @@ class Block(nn.Module):
         attention residual, ``h = norm(x)`` flattened to ``[T, hidden]`` (what gets
         dispatched), routing ``weights/ids [T, k]`` and the shared-expert output (or None).
         ``dispatch`` maps the router's input to the experts' (routed and shared; tensor
-        parallel: ``f``, whose backward sums both gradients in one all-reduce)."""
+        parallel: ``f``, whose backward sums both gradients in one all-reduce). Under sequence
+        parallelism the router and the dispatch read the rank's shard (Megatron-Core's
+        all-to-all dispatcher), the shared experts gather it (`_shared`)."""
         x = self._attention(x)
         n, self._mlp_norm_keep = self._norm(self.mlp_norm, x)  # dropped by `release_mlp_norm`
-        h = self._in(n).reshape(-1, x.shape[-1])
+        h = n.reshape(-1, x.shape[-1])
         weights, ids = self.moe.route(h)
         if dispatch is not None:
             h = dispatch(h)
         shared = None
         if self.moe.shared is not None:
-            shared = _checkpoint(self.moe.shared, h) if self._recomputes("shared_experts") else self.moe.shared(h)
+            shared = _checkpoint(self._shared, h, n) if self._recomputes("shared_experts") else self._shared(h, n)
         return x, h, weights, ids, shared
+
+    def _shared(self, h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """The shared experts on the tokens ``h [T, hidden]`` (``n``: their ``[B, s, hidden]``
+        shape); under sequence parallelism a column/row-parallel MLP with SP's gather and
+        scatter around it (Megatron-Core ``SharedExpertMLP``)."""
+        if self.sp == 1:
+            return self.moe.shared(h)
+        y = self.moe.shared(_SPGather.apply(h.view(n.shape), self.sp))
+        return _SPScatter.apply(y, self.sp).reshape(-1, h.shape[-1])
 
     @staticmethod
     def forward_post(x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
@@ -827,7 +844,7 @@ class Block(nn.Module):
         """The MoE block on the MLP norm's output ``n`` (as `forward_pre` and `forward_post` compute it)."""
         h = n.reshape(-1, n.shape[-1])
         weights, ids = self.moe.route(h)
-        shared = self.moe.shared(h) if self.moe.shared is not None else None
+        shared = self._shared(h, n) if self.moe.shared is not None else None
         routed = self.moe.routed(h, weights, ids)
         return (routed if shared is None else routed + shared).view_as(n)
 

@@ -61,7 +61,9 @@ class SegmentCost:
     Under tensor parallelism every count is one rank's share; ``out_bytes`` is what the rank
     sends (its sequence shard under sequence parallelism), ``tp_partial_params`` the replicated
     parameters whose gradients are partial per rank and so all-reduced over the tensor-parallel
-    group: under sequence parallelism the norms (each sees only the rank's sequence shard);
+    group: under sequence parallelism the norms (each sees only the rank's sequence shard), a
+    MoE layer's router (it routes the shard) and MLA's down-projections and their norms
+    (`_sp_partial`);
     with ``qk_norm`` (Qwen3) the query/key norms too (each rank normalises only its heads, so
     gets their share of the gradient; Megatron-Core all-reduces them over TP likewise).
     """
@@ -220,14 +222,14 @@ def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, d
         mod = build(f"layers.{layer_of_kind(cfg, kind, windowed)}")
         params = list(mod.parameters())
         m = measure(mod, [hidden_in], params)
-        sp_norms = [mod.attn_norm, mod.mlp_norm]
+        sp_norms = _sp_partial(cfg, mod)
         qk_norms = _qk_norms(cfg, mod)
     elif kind == "moe_pre":
         mod = build(f"layers.{layer_of_kind(cfg, kind, windowed)}")
         expert_ids = {id(p) for p in mod.moe.experts.parameters()}
         params = [p for p in mod.parameters() if id(p) not in expert_ids]
         m = measure(mod.forward_pre, [hidden_in], params)
-        sp_norms = [mod.attn_norm, mod.mlp_norm]
+        sp_norms = _sp_partial(cfg, mod)
         qk_norms = _qk_norms(cfg, mod)
     elif kind == "moe_experts":
         routed = T * cfg.top_k
@@ -236,7 +238,8 @@ def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, d
         params = list(mod.parameters())
         m = measure(mod, [torch.empty(per_expert, h, requires_grad=True, **meta)], params)
         scale = routed / per_expert  # = n_experts when it divides evenly
-        a2a, is_expert = routed * h * nbytes, True
+        # each TP rank dispatches the copies of its own tokens: its sequence shard under SP
+        a2a, is_expert = routed * h * nbytes // (s // cfg.local_seq(s)), True
     elif kind in ("mtp_dense", "mtp_pre"):  # an MTP module: its projection and layer (configs.ModelConfig.mtp_layers)
         mod = build("mtp.0")
         embed = build("embed")  # the shared embedding of the tokens one further ahead: its gradient here
@@ -244,7 +247,7 @@ def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, d
         params = [p for p in mod.parameters() if id(p) not in expert_ids]
         fn = mod.forward_pre if kind == "mtp_pre" else mod
         m = measure(lambda x: fn(x, embed(tokens)), [hidden_in], params + list(embed.parameters()))
-        sp_norms = [mod.block.attn_norm, mod.block.mlp_norm]
+        sp_norms = _sp_partial(cfg, mod.block)
         qk_norms = _qk_norms(cfg, mod.block)
     elif kind in ("head", "mtp_loss"):
         mod = build("head")
@@ -282,6 +285,20 @@ def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, d
         tp_partial_params=sum(p.numel() for n in (sp_norms if cfg.sequence_parallel else []) + qk_norms
                               for p in n.parameters()),
     )
+
+
+def _sp_partial(cfg: ModelConfig, layer) -> list:
+    """A layer's replicated modules that see only the rank's sequence shard's share under
+    sequence parallelism (`SegmentCost.tp_partial_params`): its norms, a MoE layer's router
+    (it routes the shard: Megatron-Core marks it ``sequence_parallel``), and multi-head latent
+    attention's down-projections and their norms (whole on every rank, on the gathered
+    sequence, but fed by this rank's heads' gradients only)."""
+    mods = [layer.attn_norm, layer.mlp_norm] + ([layer.moe.router] if layer.is_moe else [])
+    attn = layer.attn
+    if cfg.attention == "mla":
+        mods += [attn.wq_a, attn.q_norm] if cfg.q_lora_rank else []
+        mods += [attn.wkv_a, attn.kv_norm]
+    return mods
 
 
 def _qk_norms(cfg: ModelConfig, layer) -> list:

@@ -224,16 +224,63 @@ def test_shared_experts_and_mla_under_tp_and_ep(tmp_path):
     assert got == want
 
 
+def test_moe_under_tp_sp_and_ep_routes_each_shard(tmp_path):
+    """MoE under TP2+SP with EP2 (x DP2), as Megatron-Core's all-to-all dispatcher with SP: each
+    TP rank routes and dispatches its own sequence shard, the experts' tokens are all-gathered over
+    TP after the dispatch (``l{L}.moe.ag``) and their partial outputs reduce-scattered before the
+    combine (``l{L}.moe.rs``); DeepSeek-V3-shaped (MLA, a shared expert: column/row-parallel with
+    SP's ``l{L}.shared.ag|rs``); the router's partial gradient joins ``TP.s0.norms``."""
+    from piper_sim.plan import Plan
+
+    ep = {"op": "expert_parallel", "degree": 2}
+    dsv3 = {**tp_strategy(sp=True, dp=2, extra=[ep]), "model": _model(tmp_path, DSV3_TINY)}
+    moe = tp_strategy(model="moe-tiny", sp=True, dp=2, extra=[ep])
+    res, _ = run_checks(tmp_path, 4, {"dsv3-tp2-sp-ep2": dsv3, "moe-tp2-sp-ep2": moe})
+    assert_matches_reference({"moe-tp2-sp-ep2": res.pop("moe-tp2-sp-ep2")}, reference_losses(tmp_path, moe))
+    assert_matches_reference(res, reference_losses(tmp_path, dsv3))
+    plan = Plan.load(save_plan(tmp_path, "dsv3-tp2-sp-ep2", dsv3))
+    names = [(i.direction, i.name) for i in plan.program(0).streams["tp"] if i.mb == 0]
+    assert [n for n in names if n[1].startswith("l1.")] == [
+        ("F", "l1.attn.ag"), ("F", "l1.attn.rs"), ("F", "l1.shared.ag"), ("F", "l1.shared.rs"),
+        ("F", "l1.moe.ag"), ("F", "l1.moe.rs"), ("B", "l1.moe.ag"), ("B", "l1.moe.rs"),
+        ("B", "l1.shared.ag"), ("B", "l1.shared.regather"), ("B", "l1.shared.rs"),
+        ("B", "l1.attn.ag"), ("B", "l1.attn.regather"), ("B", "l1.attn.rs")]
+    ops = {i.id: i for i in plan.program(0).streams["tp"]}
+    seq, act = dsv3["seq_len"], dsv3["seq_len"] * 64 * 4  # micro-batch 1, fp32
+    assert ops["TP.F.s0.mb0.l1.moe.ag"].bytes == 2 * act and ops["TP.F.s0.mb0.l1.attn.ag"].bytes == act  # top-2
+    router = 64 * 4  # and the MLA down-projections, their norms, the layers' norms: partial per rank under SP
+    mla = 64 * 32 + 32 + 64 * (16 + 4) + 16
+    assert ops["TP.s0.norms"].bytes == (2 * (2 * 64 + mla) + router + 64) * 4 and seq
+
+
+def test_mla_under_tp_and_sequence_parallel(tmp_path):
+    """MLA under TP2+SP: the down-projections (and ``wq`` without a query latent) read the gathered
+    sequence (``l{L}.attn.ag``; backward ``.regather`` and ``.rs``), their norms and the replicated
+    down-projections get this rank's heads' share of the gradient (summed by ``TP.s0.norms``), the
+    o-proj reduce-scatters; with and without a query latent, and under full recomputation."""
+    mla, no_q = _model(tmp_path, MLA_TINY), _model(tmp_path, {**MLA_TINY, "name": "mla-noq", "q_lora": 0})
+    configs = {"mla-tp2-sp": {**tp_strategy(sp=True), "model": mla},
+               "mla-noq-tp2-sp": {**tp_strategy(sp=True), "model": no_q},
+               "mla-tp2-sp-full": {**tp_strategy(sp=True, extra=[{"op": "recompute"}]), "model": mla}}
+    res, _ = run_checks(tmp_path, 2, configs)
+    noq = {"mla-noq-tp2-sp": res.pop("mla-noq-tp2-sp")}
+    assert_matches_reference(res, reference_losses(tmp_path, configs["mla-tp2-sp"]))
+    assert_matches_reference(noq, reference_losses(tmp_path, configs["mla-noq-tp2-sp"]))
+
+
 @pytest.mark.slow
 def test_shared_experts_under_tp_with_full_recompute_and_zero1(tmp_path):
     """Full recomputation re-runs the MoE block's forward collectives (``l{L}.attn.ar``,
     ``l{L}.shared.ar``, the experts' ``l{L}.moe.ar``: TP.R ops) before its backward's, as the
-    plan orders them (with or without shared experts)."""
+    plan orders them (with or without shared experts; with SP its gathers and scatters)."""
     ep = {"op": "expert_parallel", "degree": 2}
     s = {**tp_strategy(dp=2, zero=1, extra=[ep, {"op": "recompute"}]),
          "model": _model(tmp_path, {**DSV3_TINY, "layers": 3})}
     moe = tp_strategy(model="moe-tiny", dp=2, extra=[ep, {"op": "recompute"}])
-    res, _ = run_checks(tmp_path, 4, {"dsv3-tp2-ep2-zero1-full": s, "moe-tp2-ep2-full": moe})
+    # with SP: the experts' gather and scatter over TP re-run too (TP.R.*.moe.ag|rs)
+    sp = {**tp_strategy(sp=True, dp=2, zero=1, extra=[ep, {"op": "recompute"}]), "model": s["model"]}
+    res, _ = run_checks(tmp_path, 4, {"dsv3-tp2-ep2-zero1-full": s, "moe-tp2-ep2-full": moe,
+                                      "dsv3-tp2-sp-ep2-zero1-full": sp})
     assert_matches_reference({"moe-tp2-ep2-full": res.pop("moe-tp2-ep2-full")}, reference_losses(tmp_path, moe))
     assert_matches_reference(res, reference_losses(tmp_path, s))
 
@@ -286,8 +333,7 @@ def test_plan_tp_ops_must_match_the_collectives_performed():
 
 @pytest.mark.parametrize("s, why", [
     (tp_strategy(model="moe-tiny"), "with a MoE model without expert parallelism are simulate-only"),
-    (tp_strategy(model="moe-tiny", sp=True, dp=2, extra=[{"op": "expert_parallel", "degree": 2}]),
-     "with a MoE model and sequence parallelism are simulate-only"),
+    (tp_strategy(model="moe-tiny", sp=True), "with a MoE model without expert parallelism are simulate-only"),
     (tp_strategy(sp=True, pp=2, m=4, sched="zb1p"),
      "with sequence parallelism and a split backward (BI/BW, schedule zb1p) are simulate-only"),
     (tp_strategy(pp=2, m=4, sched="zbv", extra=[{"op": "recompute"}]),
@@ -306,16 +352,18 @@ def test_refused_tp_plans_name_why(tmp_path, s, why):
         refuse_tensor_parallel(plan, "p.json")
 
 
-def test_mla_with_sequence_parallel_is_refused_in_one_line(tmp_path):
+def test_moe_with_sequence_parallel_but_no_expert_parallel_is_refused_in_one_line(tmp_path):
+    """MoE and MLA with SP run; MoE without expert parallelism is still refused, in one line."""
     from executor.options import refuse_tensor_parallel
     from piper_sim.api import compile
     from piper_sim.plan import PlanError
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = compile({**tp_strategy(sp=True), "model": _model(tmp_path, MLA_TINY)})
-    with pytest.raises(PlanError, match=r"^p.json: tensor parallel plans \(tp 2\) with multi-head latent attention and "
-                       r"sequence parallelism are simulate-only in this version; use `piper-sim simulate`$"):
+        plan = compile({**tp_strategy(sp=True), "model": _model(tmp_path, DSV3_TINY)})
+        refuse_tensor_parallel(compile({**tp_strategy(sp=True), "model": _model(tmp_path, MLA_TINY)}), "p.json")
+    with pytest.raises(PlanError, match=r"^p.json: tensor parallel plans \(tp 2\) with a MoE model without expert "
+                       r"parallelism are simulate-only in this version; use `piper-sim simulate`$"):
         refuse_tensor_parallel(plan, "p.json")
 
 

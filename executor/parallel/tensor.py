@@ -8,7 +8,9 @@ output and the last MLP linear row-parallel (the same columns; a bias is added o
 the reduction), the embedding and head vocabulary-parallel (rows of the vocabulary); norms
 are replicated; MoE experts keep ``expert_ffn / T`` columns each (router replicated; the routed
 tokens pass ``f`` before the experts and their outputs ``g`` after them, `Stage.expert_input` /
-`expert_output`), shared experts are a column/row-parallel MLP on the same ``f``-passed tokens
+`expert_output`; under sequence parallelism each rank routes its shard and the experts'
+tokens are all-gathered over TP after the dispatch, their outputs reduce-scattered before the
+combine, `sp_experts`), shared experts are a column/row-parallel MLP on the same ``f``-passed tokens
 (`TPSharedMLP`); multi-head latent attention shards its heads (`TPMLAttention`). So ``--check`` compares each rank's shard with the same slice of the
 reference parameters (`TPShard.reference_view`).
 
@@ -131,6 +133,48 @@ class TPComm:
         # on gloo the piece is a view of the whole reduced buffer: keep only the piece alive
         return out.clone() if out.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() else out
 
+    def gather_rows(self, x: torch.Tensor, name: str, counts: list[int] | None = None,
+                    sizes: list[int] | None = None) -> tuple[torch.Tensor, list[list[int]]]:
+        """All-gather of each member's rows ``[n_r, h]`` (``n_r`` differing: routed tokens),
+        in member order; returns them and every member's ``counts``. Given ``counts`` (this
+        member's rows per group, summing to ``n_r``) the members first exchange them, then the
+        rows, padded to the longest (Megatron-Core's dispatcher gathers the token counts too):
+        one logged collective; given every member's ``sizes``, only the rows."""
+        got: dict[str, Any] = {}
+
+        def run():
+            per = [[n] for n in sizes] if sizes is not None else None
+            if per is None:
+                mine = torch.tensor(counts, dtype=torch.int64, device=x.device)
+                every = mine.new_empty(self.size * mine.numel())
+                all_gather_flat(every, mine, self.index, self.size, group=self.group)
+                per = every.view(self.size, -1).tolist()
+            lens = [sum(c) for c in per]
+            m = max(lens)
+            out = x.new_empty(self.size * m, *x.shape[1:])
+            if m:
+                pad = torch.cat([x, x.new_zeros(m - x.shape[0], *x.shape[1:])])
+                all_gather_flat(out, pad, self.index, self.size, group=self.group)
+            got["rows"] = torch.cat([out[i * m:i * m + n] for i, n in enumerate(lens)])
+            got["per"] = per
+        self._run(name, "ALL_GATHER", run)
+        return got["rows"], got["per"]
+
+    def scatter_rows(self, y: torch.Tensor, sizes: list[int], name: str) -> torch.Tensor:
+        """Sum over the group of ``y`` (every member's rows end to end, ``sizes`` of them),
+        this member's rows (`gather_rows`' reverse): a reduce-scatter of blocks padded to the
+        longest."""
+        m, got = max(sizes), {}
+
+        def run():
+            full = y.new_zeros(self.size * m, *y.shape[1:])
+            for i, (block, n) in enumerate(zip(y.split(sizes), sizes)):
+                full[i * m:i * m + n] = block
+            piece = reduce_scatter_flat(full.view(-1), self.index, self.size, group=self.group)[1] if m else full
+            got["rows"] = piece.view(m, *y.shape[1:])[:sizes[self.index]].clone()
+        self._run(name, "REDUCE_SCATTER", run)
+        return got["rows"]
+
 
 # --------------------------------------------------------------------------- autograd functions
 
@@ -197,6 +241,53 @@ class _ScatterSeq(torch.autograd.Function):
     def backward(ctx, g):
         ctx.saved_tensors
         return ctx.tp.gather_seq(g, ctx.bwd), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """MoE under sequence parallelism: all-gather over TP of the experts' routed tokens (each
+    member's counts exchanged first, `TPComm.gather_rows`); backward: reduce-scatter of their
+    gradients. ``per`` receives every member's counts."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPComm, counts: list[int], fwd: str, bwd: str, per: list):
+        rows, every = tp.gather_rows(x, fwd, counts=counts)
+        ctx.tp, ctx.bwd, ctx.sizes = tp, bwd, [sum(c) for c in every]
+        per.extend(every)
+        return rows
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.tp.scatter_rows(g, ctx.sizes, ctx.bwd), None, None, None, None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """MoE under sequence parallelism: reduce-scatter over TP of the experts' partial outputs
+    back to the members whose tokens they are; backward: all-gather of the gradients."""
+
+    @staticmethod
+    def forward(ctx, y, tp: TPComm, sizes: list[int], fwd: str, bwd: str):
+        ctx.tp, ctx.sizes, ctx.bwd = tp, sizes, bwd
+        ctx.save_for_backward(y.new_empty(0))  # as _ScatterSeq: a full recompute re-runs the forward first
+        return tp.scatter_rows(y, sizes, fwd)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors
+        return ctx.tp.gather_rows(g.contiguous(), ctx.bwd, sizes=ctx.sizes)[0], None, None, None, None
+
+
+def sp_experts(tp: TPComm, layer: int, recv: torch.Tensor, counts: list[list[int]], run) -> torch.Tensor:
+    """A MoE layer's local experts under tensor and sequence parallelism (Megatron-Core's
+    all-to-all dispatcher with SP): the tokens the EP dispatch brought this rank (``counts``:
+    per source rank, per local expert) are all-gathered over TP (``l{L}.moe.ag``), each expert's
+    ``expert_ffn / T`` columns run on all of them (``run``: `executor.stage.Stage._local_experts`)
+    and the partial outputs are reduce-scattered back to their members (``l{L}.moe.rs``)."""
+    n, per = len(counts[0]), []
+    rows = _GatherRows.apply(recv, tp, [c for row in counts for c in row], f"l{layer}.moe.ag", f"l{layer}.moe.rs",
+                             per)
+    groups = [p[i:i + n] for p in per for i in range(0, len(p), n)]  # member, then source rank
+    y = run(layer, rows, groups)
+    return _ScatterRows.apply(y, tp, [sum(p) for p in per], f"l{layer}.moe.rs", f"l{layer}.moe.ag")
 
 
 class _GatherColumns(torch.autograd.Function):
@@ -323,7 +414,11 @@ class TPMLAttention(MLAttention):
     down-projections and their norms replicated, computed whole from the whole input (so their
     gradients are whole), the latents and rotary key then pass ``f`` (one all-reduce of their
     gradients, ``{label}.ar``) into the column-parallel up-projections (``wq``/``wq_b``,
-    ``wkv_b``); ``wo`` row-parallel."""
+    ``wkv_b``); ``wo`` row-parallel. Under sequence parallelism the linears that read the input
+    (the down-projections; ``wq`` without a query latent) are column linears on the gathered
+    sequence (`column`: ``{label}.ag``, in backward ``.regather`` and the reduce-scatter of the
+    input gradient, ``.rs``); their input gradients, partial per rank (its heads), are summed
+    by that reduce-scatter, the replicated weights' by ``TP.s{S}.norms`` (as the norms')."""
 
     def __init__(self, base: MLAttention, tp: TPComm, label: str):
         nn.Module.__init__(self)
@@ -333,8 +428,13 @@ class TPMLAttention(MLAttention):
         self.local = base.cfg.n_heads // tp.size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q_in, kv, k_pe = _CopyManyToTP.apply(self.tp, f"{self.label}.ar", *self.latents(x))
-        return row(self.tp, self.heads(q_in, kv, k_pe, self.local), self.wo, self.label)
+        if not self.tp.sp:
+            q_in, kv, k_pe = _CopyManyToTP.apply(self.tp, f"{self.label}.ar", *self.latents(x))
+            return row(self.tp, self.heads(q_in, kv, k_pe, self.local), self.wo, self.label)
+        lora = bool(self.cfg.q_lora_rank)
+        q, kv_a = column(self.tp, x, [self.wq_a if lora else self.wq, self.wkv_a], self.label)
+        q_in, kv, k_pe = self.normed_latents(q, kv_a)
+        return row(self.tp, self.heads(q_in, kv, k_pe, self.local, q_projected=not lora), self.wo, self.label)
 
 
 class TPMLP(nn.Module):
@@ -359,9 +459,13 @@ class TPSharedMLP(TPMLP):
     """A MoE block's shared experts (`SwiGLU`) on this rank's columns (Megatron-Core's
     tensor-parallel ``SharedExpertMLP``): they read the routed experts' input, which already
     passed ``f`` (`Block.forward_pre`'s ``dispatch``: one all-reduce of both input gradients);
-    the row-parallel output is all-reduced (``{label}.ar``) before it joins the routed output."""
+    the row-parallel output is all-reduced (``{label}.ar``) before it joins the routed output.
+    Under sequence parallelism the tokens are the rank's shard: a column/row-parallel MLP with
+    SP's all-gather and reduce-scatter (`TPMLP`: ``{label}.ag``, ``.rs``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.sp:  # x [T/tp, h]: one sequence of the shard's tokens for SP's gather
+            return TPMLP.forward(self, x[None])[0]
         return row(self.tp, F.silu(self.w1(x)) * self.w3(x), self.w2, self.label)
 
 
@@ -502,7 +606,11 @@ def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None)
             _shard_mlp(shard, tp, f"{name}.mlp", block.mlp)
             block.mlp = TPMLP(block.mlp, tp, f"{label}.mlp")
     stage.collect_piece_params()  # the pieces' parameters are the shards now
-    if any(u.startswith("layers.") and units[u].is_moe and sharded(u) for u in units.unit_names()):
+    moe_tp = any(u.startswith("layers.") and units[u].is_moe and sharded(u) for u in units.unit_names())
+    if moe_tp and tp.sp:  # the router and dispatch read the shard; the experts gather over TP (sp_experts)
+        stage.expert_tp = lambda layer, recv, counts, run: sp_experts(tp, layer, recv, counts, run) \
+            if sharded(f"layers.{layer}") else run(layer, recv, counts)
+    elif moe_tp:
         stage.expert_input = lambda h, layer: _CopyToTP.apply(h, tp, f"l{layer}.moe.ar") \
             if sharded(f"layers.{layer}") else h
         stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"l{layer}.moe.ar") \

@@ -37,11 +37,12 @@ def attn_grad_width(cfg: ModelConfig) -> int:
 
 
 def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float, attn_in: float | None = None,
-                   shared: bool = False) -> list[tuple[str, str, float]]:
+                   shared: bool = False, routed: float | None = None) -> list[tuple[str, str, float]]:
     """The tensor-parallel collectives of one segment in one pass, in execution order, as
     (name, kind, bytes); ``act`` is the ``B·s·h`` activation in bytes, ``loss`` one fp32 value
     per token, ``attn_in`` the bytes of the attention's input-gradient all-reduce without SP
-    (`attn_grad_width`; default ``act``), ``shared`` whether MoE layers have shared experts.
+    (`attn_grad_width`; default ``act``), ``shared`` whether MoE layers have shared experts,
+    ``routed`` the bytes of a MoE layer's routed token copies, ``top_k · act`` (default ``act``).
     ``pas``: ``F``; ``B`` (input gradients; ``.regather`` ops feed the weight
     gradients). Megatron-LM's tensor parallelism (Shoeybi et al. 2019) and sequence
     parallelism (Korthikanti et al. 2022):
@@ -59,10 +60,18 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
     - shared experts (Megatron-Core ``SharedExpertMLP``: a column/row-parallel MLP on the MoE
       block's input) all-reduce their row-parallel output in forward (``{l}.shared.ar``, in the
       ``pre`` segment that runs them); in backward the gradient of their input is summed with the
-      routed experts' in the MoE block's one ``{l}.moe.ar`` (both read the same tokens).
-      Without sequence parallelism only (the executor refuses MoE with SP; not priced under SP).
+      routed experts' in the MoE block's one ``{l}.moe.ar`` (both read the same tokens);
+    - MoE with SP (Megatron-Core's ``MoEAlltoAllTokenDispatcher`` with SP): each TP rank routes
+      and dispatches its own sequence shard (no gather before the router); after the EP
+      dispatch the experts' tokens are all-gathered over TP (``{l}.moe.ag``, the ``routed``
+      bytes: every TP rank's dispatched tokens, top-k copies of ``act``) and their partial
+      outputs reduce-scattered back (``{l}.moe.rs``) before the combine; in backward the
+      mirror pair (``{l}.moe.ag`` of the output gradient, ``{l}.moe.rs`` of the input
+      gradient; the gathered tokens are kept, no re-gather); the shared experts are a
+      column/row-parallel MLP with SP's gather and scatter (``{l}.shared.ag|rs``, ``.regather``).
     """
     attn_in = act if attn_in is None else attn_in
+    routed = act if routed is None else routed
     kind = segment_kind(None, seg.name)  # type: ignore[arg-type]
     AR, AG, RS = "ALLREDUCE", "ALL_GATHER", "REDUCE_SCATTER"
     if kind == "embed":
@@ -75,21 +84,21 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
         return [("head.regather", AG, act), ("head.rs", RS, act)] if sp else [("head.ar", AR, act)]
     l = layer_label(seg)
     blocks = {"dense": ["attn", "mlp"], "moe_pre": ["attn", "moe"], "moe_experts": []}[kind]
+    if kind == "moe_experts":  # around the experts: their tokens gathered over TP, outputs scattered (SP)
+        if sp:  # forward: gather the tokens, scatter the outputs; backward: gather the output gradient, scatter
+            return [(f"{l}.moe.ag", AG, routed), (f"{l}.moe.rs", RS, routed)]
+        return [(f"{l}.moe.ar", AR, act)] if pas == "F" else []  # backward: in the pre segment's f
+    if sp and kind == "moe_pre":  # the router and dispatch read the shard: only attention and shared experts
+        blocks = ["attn", "shared"] if shared else ["attn"]
     if pas == "F":
-        if kind == "moe_pre":  # the MoE block's output is reduced after the experts (see moe_experts)
-            return [(f"{l}.attn.ag", AG, act), (f"{l}.attn.rs", RS, act), (f"{l}.moe.ag", AG, act)] if sp else \
-                [(f"{l}.attn.ar", AR, act)] + ([(f"{l}.shared.ar", AR, act)] if shared else [])
-        if kind == "moe_experts":
-            return [(f"{l}.moe.rs", RS, act)] if sp else [(f"{l}.moe.ar", AR, act)]
+        if kind == "moe_pre" and not sp:  # the MoE block's output is reduced after the experts (see moe_experts)
+            return [(f"{l}.attn.ar", AR, act)] + ([(f"{l}.shared.ar", AR, act)] if shared else [])
         return [x for b in blocks for x in ([(f"{l}.{b}.ag", AG, act), (f"{l}.{b}.rs", RS, act)] if sp else
                                             [(f"{l}.{b}.ar", AR, act)])]
-    if kind == "moe_experts":  # the gradient of the MoE block's output, gathered before the experts' backward
-        return [(f"{l}.moe.ag", AG, act)] if sp else []
     out = []
     for b in reversed(blocks):
         if sp:
-            grad_in = [] if b == "moe" else [(f"{l}.{b}.ag", AG, act)]
-            out += grad_in + [(f"{l}.{b}.regather", AG, act), (f"{l}.{b}.rs", RS, act)]
+            out += [(f"{l}.{b}.ag", AG, act), (f"{l}.{b}.regather", AG, act), (f"{l}.{b}.rs", RS, act)]
         else:
             out.append((f"{l}.{b}.ar", AR, attn_in if b == "attn" else act))
     return out
@@ -116,6 +125,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     act = float(ctx.micro_batch * ctx.seq_len * ctx.hidden * ctx.dtype_bytes)
     attn_in = float(ctx.micro_batch * ctx.seq_len * (ctx.tp_attn_width or ctx.hidden) * ctx.dtype_bytes)
     shared = ctx.tp_shared_experts
+    routed = act * ctx.tp_top_k if ctx.tp_top_k else None  # MoE under SP: the experts' gathered token copies
     loss = float(ctx.micro_batch * ctx.seq_len * 4)
     by_stage: dict[tuple[int, int], list[Node]] = {}
     for n in list(dag.g.nodes):
@@ -143,9 +153,9 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                 if not ctx.setup.tp_sharded(seg.unit):
                     continue  # replicated (shard_tensor's selection): run whole, no TP collective
                 if ins.kind != "F" and full and ctx.memory[seg.name].recomputed:
-                    chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss, attn_in, shared)]
+                    chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss, attn_in, shared, routed)]
                 for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss, attn_in,
-                                        shared):
+                                        shared, routed):
                     if ins.kind == "BI" and x[0].endswith(".regather"):
                         regathers.setdefault(ins.mb, []).append(add("B", *x))
                     else:
