@@ -176,9 +176,6 @@ def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
         (cfg.tie_embeddings and not (_tp_shards(header, "embed") == _tp_shards(header, "head")),
          "tied embeddings with only one of the embedding and the head sharded (shard_tensor)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),
-        (header.zero == 3 and sp, "ZeRO-3 and sequence parallelism"),
-        # the per-unit reduce-scatters hand the gradients off before the stage's TP.norms sums them
-        (header.zero == 3 and cfg.qk_norm, "ZeRO-3 and qk_norm (partial query/key norm gradients)"),
     ]
     return next((why for bad, why in checks if bad), "")
 

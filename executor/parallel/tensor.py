@@ -562,8 +562,9 @@ class TensorParallel(ModuleCollectives):
     """Each stage's units that ``shard_tensor`` selected (all by default) become this rank's
     tensor-parallel shard of them, their collectives on the plan's ``tp`` group; the others run
     whole. Under sequence parallelism the stage's gradient syncs also wait for its
-    ``TP.s{S}.norms`` all-reduce, which adds into the same gradient buffer (Megatron reduces
-    them before the data-parallel sync)."""
+    ``TP.s{S}.norms`` all-reduce, which adds into the same gradient buffer; under ZeRO-3 the
+    plan orders it after the syncs instead and it sums the reduced shard's part of those
+    gradients (`piper_sim.parallel.tensor.norms_after_zero3_pass`)."""
 
     stream = TP_STREAM
 
@@ -583,12 +584,14 @@ class TensorParallel(ModuleCollectives):
         sharded = sharded_units(rt.header.tp)
         for s, stage in rt.stages.items():
             self.shards[s] = shard_stage(stage, self.comm, sharded)
-        norms = {i.stage: i.id for i in tp_ops if not i.direction}
+        norms = {i.stage: i for i in tp_ops if not i.direction}
         if not norms:
             return
+        # ZeRO-3: the plan orders TP.norms after the syncs (it sums the reduced shard)
         for name, lst in rt.prog.streams.items():
-            rt.prog.streams[name] = [dataclasses.replace(i, deps=[*i.deps, norms[i.stage]])
-                                     if is_grad_sync(i) and i.stage in norms else i for i in lst]
+            rt.prog.streams[name] = [dataclasses.replace(i, deps=[*i.deps, norms[i.stage].id])
+                                     if is_grad_sync(i) and i.stage in norms and i.id not in norms[i.stage].deps
+                                     else i for i in lst]
 
     def stream_handlers(self) -> dict[str, Handler]:
         return {self.stream: self.op} if self.comm is not None else {}
@@ -600,7 +603,11 @@ class TensorParallel(ModuleCollectives):
             return self.take(ins)
         stage = self.rt.stages[ins.stage]
         params = self.shards[ins.stage].partial(stage.named_parameters()[0], self.comm.sp, self.rt.cfg.qk_norm)
-        grads = [p.grad for p in params]
+        fp = self.rt.flats.get((ins.stage, ""))
+        # ZeRO-3: the units' gradients went to their reduce-scatters; sum the reduced shard's part
+        grads = fp.shard_grad_views(params) if fp is not None and fp.per_bucket else [p.grad for p in params]
+        if not grads:  # the shard holds none of them (on every TP rank alike): a one-element sum
+            grads = [torch.zeros(1, dtype=params[0].dtype, device=params[0].device)]
         flat = torch.cat([g.reshape(-1) for g in grads])
         work = dist.all_reduce(flat, group=self.rt.comms.group(ins.stream, ins.group), async_op=True)
 

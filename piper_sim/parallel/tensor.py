@@ -178,6 +178,30 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             dag.edge(ar, (where, f"OPT.s{s}"))
 
 
+def norms_after_zero3_pass(ctx: Context, dag: TrainingDAG) -> None:
+    """ZeRO-3: the per-unit reduce-scatters hand each unit's gradients off during the backward,
+    so ``TP.s{S}.norms`` sums the partial replicated gradients in the reduced shard instead,
+    after the stage's dense gradient syncs (reduce-scatters, and HSDP's replica all-reduces):
+    the sum over TP of the sum over DP is the same, and the shard lies at the same elements
+    on every TP rank. Megatron-Core does it in this order too: ``finalize_model_grads`` runs
+    ``finish_grad_sync`` (DP) before ``_allreduce_layernorm_grads`` (TP). Its bytes are the
+    shard's: ``1 / shard_size`` of the partial weights."""
+    if ctx.layout.tp == 1 or ctx.setup.zero != 3:
+        return
+    norms = {(n[0], dag.ins(n).stage): n for n in dag.g.nodes if is_tp(dag.ins(n)) and dag.ins(n).name == "norms"}
+    syncs: dict[tuple[int, int], list[Node]] = {}
+    for n in dag.g.nodes:
+        ins = dag.ins(n)
+        if ins.kind in ("REDUCE_SCATTER", "ALLREDUCE") and ins.bucket >= 0 and not ins.experts:
+            syncs.setdefault((n[0], ins.stage), []).append(n)
+    for key, ar in norms.items():
+        if not syncs.get(key):
+            continue  # one data-parallel rank: the gradients stay whole until the optimizer step
+        for n in syncs[key]:
+            dag.edge(n, ar)
+        dag.ins(ar).bytes /= ctx.shard_size(key[1])
+
+
 def check(cfg, setup, strategy, cluster) -> None:
     """``tensor_parallel``: the degree divides the model's heads and widths (and, with sequence
     parallelism, the sequence); a warning when it spans nodes."""
