@@ -121,18 +121,11 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
         return
     why = ""
     h = plan.header
-    split = any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions())
     if h.user_model is not None:
         why = "a user nn.Module model"
     elif (h.stack or {}).get("tp_overlap"):
         # the executor's TP collectives are synchronous: it would not run what the plan says
         why = "the stack's tp_overlap (collectives overlapped with the GEMMs; compile with tp_overlap false)"
-    elif split and h.tensor_parallel.sequence_parallel:
-        # the column-parallel backward computes input and weight gradients in one node (BW would re-run it)
-        why = f"sequence parallelism and a split backward (BI/BW, schedule {h.schedule})"
-    elif split and "full" in (h.recompute or {}).values():
-        # BI re-runs whole pieces: the embedding's all-reduce too, which the plan does not list
-        why = f"full recomputation and a split backward (BI/BW, schedule {h.schedule})"
     else:
         from piper_sim.configs import config_of
 

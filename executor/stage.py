@@ -535,6 +535,12 @@ class Stage:
             if name.startswith("layers."):
                 self.units[name].set_recompute_modules(policy.module_set if modes[name][0] == "selective" else ())
 
+    def recomputes(self, i: int) -> bool:
+        """Whether piece ``i`` has a step its backward re-runs (the embedding never is: its
+        output is kept, as the plan's memory model says)."""
+        return any(step[0] != "embed" and self.step_modes.get(step, ("none", -1))[0] in ("full", "op")
+                   for step in self.pieces[i].steps)
+
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
                       targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = True) -> Record:
         """Run piece ``i`` on ``vals`` (named tensors; outputs are added to it), each step

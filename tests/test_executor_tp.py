@@ -275,10 +275,6 @@ def test_plan_tp_ops_must_match_the_collectives_performed():
     (tp_strategy(model="moe-tiny"), "with a MoE model without expert parallelism are simulate-only"),
     (tp_strategy(model="moe-tiny", sp=True, dp=2, extra=[{"op": "expert_parallel", "degree": 2}]),
      "with a MoE model and sequence parallelism are simulate-only"),
-    (tp_strategy(sp=True, pp=2, m=4, sched="zb1p"),
-     "with sequence parallelism and a split backward (BI/BW, schedule zb1p) are simulate-only"),
-    (tp_strategy(pp=2, m=4, sched="zbv", extra=[{"op": "recompute"}]),
-     "with full recomputation and a split backward (BI/BW, schedule zbv) are simulate-only"),
 ])
 def test_refused_tp_plans_name_why(tmp_path, s, why):
     from executor.options import refuse_tensor_parallel

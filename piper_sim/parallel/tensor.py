@@ -105,7 +105,9 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     compute plus its collectives either way; only where inside the layer they run moves
     (after its attention half, in truth). A full-recompute backward re-runs the forward's
     collectives first (``TP.R.`` ops). With a BI/BW split the weight pass waits for the
-    ``.regather`` all-gathers, issued after the stage's input-gradient pass. The replicated
+    ``.regather`` all-gathers, issued after the stage's input-gradient pass, and the
+    embedding's backward collective (SP: the all-gather of its output gradient) follows BW: the
+    embedding has no input gradient, its whole backward is the weight gradient. The replicated
     weights whose gradients are partial per rank (the norms under sequence parallelism, the
     query/key norms of a ``qk_norm`` model) are all-reduced over the TP group before the
     optimizer step (``TP.s{S}.norms``). Segments ``shard_tensor``
@@ -127,6 +129,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
         full = ctx.setup.recompute.get(s) == "full"
         parts = ctx.parts(s)
         regathers: dict[int, list[Node]] = {}  # mb -> BI-split re-gathers its BW waits for
+        after_bw: dict[int, list[Node]] = {}  # mb -> the embedding's backward collectives in a split: BW's
         last_bi: dict[int, Node] = {}
         for n in nodes:
             ins = dag.ins(n)
@@ -148,6 +151,8 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                                         shared):
                     if ins.kind == "BI" and x[0].endswith(".regather"):
                         regathers.setdefault(ins.mb, []).append(add("B", *x))
+                    elif ins.kind == "BI" and segment_kind(None, seg.name) == "embed":  # type: ignore[arg-type]
+                        after_bw.setdefault(ins.mb, []).append(add("B", *x))
                     else:
                         chain.append(add("F" if ins.kind == "F" else "B", *x))
             if ins.kind == "BI" and ins.part == 0:
@@ -168,6 +173,10 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             for a, b in zip([src] + ops, ops):
                 dag.edge(a, b)
             dag.edge(ops[-1], bw)
+        for mb, ops in after_bw.items():  # its BI computes no input gradient: all of it is weight gradient
+            for a, b in zip([(where, f"BW.s{s}.mb{mb}")] + ops, ops):
+                dag.edge(a, b)
+            dag.edge(ops[-1], (where, f"OPT.s{s}"))
         norms = sum(x.tp_partial_params for x in ctx.stages[s].segments) * ctx.dtype_bytes
         if norms:
             ar = dag.add(where, make_op("ALLREDUCE", TP_STREAM, stage=s, bytes=float(norms), group=group,
