@@ -76,3 +76,16 @@ def test_split_backward_under_sp_with_zbv_dualpipev_and_full_recompute(tmp_path)
                "tp2-sp-pp2-zb1p-full": tp_strategy(sp=True, pp=2, m=4, sched="zb1p", extra=[{"op": "recompute"}])}
     res, _ = run_checks(tmp_path, 4, configs)
     assert_matches_reference(res, reference_losses(tmp_path, configs["tp2-sp-pp2-zbv"]))
+
+
+@pytest.mark.slow
+def test_zero3_sp_qk_norm_and_split_backward_together_on_eight_ranks(tmp_path):
+    model = str(tmp_path / "qwen3-tiny.json")
+    with open(model, "w") as f:
+        json.dump(QWEN3_TINY, f)
+    configs = {"tp2-sp-pp2-dp2-zero3-zb1p": tp_strategy(sp=True, pp=2, dp=2, zero=3, m=4, sched="zb1p"),
+               "qwen3-tp2-sp-pp2-dp2-zero3-zbv-full": {**tp_strategy(sp=True, pp=2, dp=2, zero=3, m=4, sched="zbv",
+                                                                      extra=[{"op": "recompute"}]), "model": model}}
+    res, _ = run_checks(tmp_path, 8, configs)
+    for name, s in configs.items():
+        assert_matches_reference({name: res[name]}, reference_losses(tmp_path, s))
