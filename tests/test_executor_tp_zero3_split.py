@@ -36,6 +36,13 @@ def test_zero3_norms_all_reduce_follows_the_reduce_scatters():
     assert scatters and scatters <= set(norms.deps)
     assert norms.bytes == _norms(z1).bytes / 2
     assert not scatters & set(_norms(z1).deps)  # ZeRO-1: unchanged, the syncs wait for it (executor)
+    hsdp = tp_strategy(sp=True, dp=4, zero=3)
+    next(d for d in hsdp["directives"] if d["op"] == "data_parallel")["shard_degree"] = 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = compile(hsdp)
+    replicas = {i.id for i in plan.class_of(0).instructions() if i.kind == "ALLREDUCE" and i.bucket >= 0}
+    assert replicas and replicas <= set(_norms(plan).deps)
 
 
 def test_zero3_under_tp_with_sequence_parallel_and_qk_norm_match_the_reference(tmp_path):
@@ -86,6 +93,9 @@ def test_zero3_sp_qk_norm_and_split_backward_together_on_eight_ranks(tmp_path):
     configs = {"tp2-sp-pp2-dp2-zero3-zb1p": tp_strategy(sp=True, pp=2, dp=2, zero=3, m=4, sched="zb1p"),
                "qwen3-tp2-sp-pp2-dp2-zero3-zbv-full": {**tp_strategy(sp=True, pp=2, dp=2, zero=3, m=4, sched="zbv",
                                                                       extra=[{"op": "recompute"}]), "model": model}}
+    hsdp = tp_strategy(sp=True, dp=4, zero=3)  # TP.norms after the replica all-reduces too
+    next(d for d in hsdp["directives"] if d["op"] == "data_parallel")["shard_degree"] = 2
+    configs["tp2-sp-hsdp2x2-zero3"] = hsdp
     res, _ = run_checks(tmp_path, 8, configs)
     for name, s in configs.items():
         assert_matches_reference({name: res[name]}, reference_losses(tmp_path, s))
