@@ -121,18 +121,11 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
         return
     why = ""
     h = plan.header
-    split = any(i.kind in ("BI", "BW") for c in plan.classes for i in c.instructions())
     if h.user_model is not None:
         why = "a user nn.Module model"
     elif (h.stack or {}).get("tp_overlap"):
         # the executor's TP collectives are synchronous: it would not run what the plan says
         why = "the stack's tp_overlap (collectives overlapped with the GEMMs; compile with tp_overlap false)"
-    elif split and h.tensor_parallel.sequence_parallel:
-        # the column-parallel backward computes input and weight gradients in one node (BW would re-run it)
-        why = f"sequence parallelism and a split backward (BI/BW, schedule {h.schedule})"
-    elif split and "full" in (h.recompute or {}).values():
-        # BI re-runs whole pieces: the embedding's all-reduce too, which the plan does not list
-        why = f"full recomputation and a split backward (BI/BW, schedule {h.schedule})"
     else:
         from piper_sim.configs import config_of
 
@@ -167,16 +160,13 @@ def refuse_context_parallel(plan: Plan, path: str) -> None:
 
 def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
     """What in this model and plan the executor cannot run tensor-parallel ('' when it can)."""
-    tp, sp = header.tp.degree, header.tp.sequence_parallel
+    tp = header.tp.degree
     checks = [
         (cfg.is_moe and cfg.mlp != "swiglu", "GELU experts"),
         (cfg.is_moe and ep == 1, "a MoE model without expert parallelism"),
         (cfg.tie_embeddings and not (_tp_shards(header, "embed") == _tp_shards(header, "head")),
          "tied embeddings with only one of the embedding and the head sharded (shard_tensor)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),
-        (header.zero == 3 and sp, "ZeRO-3 and sequence parallelism"),
-        # the per-unit reduce-scatters hand the gradients off before the stage's TP.norms sums them
-        (header.zero == 3 and cfg.qk_norm, "ZeRO-3 and qk_norm (partial query/key norm gradients)"),
     ]
     return next((why for bad, why in checks if bad), "")
 

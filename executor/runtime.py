@@ -482,7 +482,8 @@ class Runtime:
         for axis in self.axes:
             axis.enter_pass(("B", s, m))
         rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
-        if split and self.recompute.get(s) == "full":  # run the forward again; BW uses this graph
+        # run the forward again (not a piece that recomputes nothing: the embedding); BW uses this graph
+        if split and self.recompute.get(s) == "full" and self.stages[s].recomputes(part):
             rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.routing, env.targets, self.loss_scale,
                                                checkpoint=False)
             env.records[f"p{part}"] = rec

@@ -288,6 +288,22 @@ class FlatParams:
         else:
             piece.add_(reduced)
 
+    def shard_grad_views(self, params) -> list[torch.Tensor]:
+        """ZeRO-3: the pieces of this rank's shard gradient that hold ``params``' elements
+        (flat views, in buffer order; none where the shard holds none of them)."""
+        ids = {id(p) for p in params}
+        out = []
+        for i, (p, off) in enumerate(zip(self.params, self.param_offsets)):
+            if id(p) not in ids:
+                continue
+            b = max(k for k, o in enumerate(self.offsets) if o <= off)
+            lo_shard = self.offsets[b] + self.index * self.piece_lens[b]
+            lo, hi = max(off, lo_shard), min(off + p.numel(), lo_shard + self.piece_lens[b])
+            if lo < hi:
+                start = self.piece_offsets[b] + lo - lo_shard
+                out.append(self.shard.grad[start:start + hi - lo])
+        return out
+
     # gradient clipping by global norm: what this rank adds to the sum of squares
     def counts_in_norm(self) -> bool:
         """Shards are disjoint; an all-reduced (replicated) gradient is counted by its
@@ -521,6 +537,12 @@ class Stage:
         for name in self.units.unit_names():
             if name.startswith("layers."):
                 self.units[name].set_recompute_modules(policy.module_set if modes[name][0] == "selective" else ())
+
+    def recomputes(self, i: int) -> bool:
+        """Whether piece ``i`` has a step its backward re-runs (the embedding never is: its
+        output is kept, as the plan's memory model says)."""
+        return any(step[0] != "embed" and self.step_modes.get(step, ("none", -1))[0] in ("full", "op")
+                   for step in self.pieces[i].steps)
 
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
                       targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = True) -> Record:

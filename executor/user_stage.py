@@ -91,6 +91,10 @@ class UserStage:
             raise PlanError(f"recompute mode {policy.mode!r} does not apply to a user model; use mode full")
         self.full_recompute = policy.mode == "full"
 
+    def recomputes(self, i: int) -> bool:
+        """Every unit of a piece runs again under full recompute."""
+        return self.full_recompute
+
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
                       targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = True) -> Record:
         """Run piece ``i``'s units on ``vals`` (``tokens`` or ``x``); the last unit's output

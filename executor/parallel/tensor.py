@@ -36,7 +36,10 @@ logged collective of that pass, requires the same name and kind (else the op fai
 records the logged start and end as the op's event. A collective the plan does not list is
 left over at the end of the step, which fails the step. ``TP.s{S}.norms`` (the norms'
 weight-gradient all-reduce under sequence parallelism) is performed at its plan position
-(`TensorParallel.op`).
+(`TensorParallel.op`), and so is a split backward's ``.regather`` (BI keeps the input shard of
+each column-parallel block, the op gathers it, BW computes the weight gradients from it:
+`_GatherColumns`, `TPComm.regather`). Under ZeRO-3 ``TP.s{S}.norms`` sums the reduced shard's part
+of the partial gradients, after the stage's reduce-scatters.
 """
 
 from __future__ import annotations
@@ -79,11 +82,15 @@ class TPComm:
     sp: bool
     phase: tuple[str, int, int] | None = None     # (F|B, stage, micro-batch) being run
     log: dict[tuple[str, int, int], deque] = field(default_factory=dict)
+    split: str = ""  # "BI" / "BW" while a split backward's half runs (`_GatherColumns`)
+    # BI's saved sequence shards awaiting the plan's ``.regather`` op: (pass, label) -> {"x"} / {"total"}
+    pending: dict[tuple[tuple[str, int, int], str], dict] = field(default_factory=dict)
 
-    def _run(self, name: str, kind: str, fn) -> None:
+    def _run(self, name: str, kind: str, fn, log: bool = True) -> None:
         t0 = time.perf_counter()
         fn()
-        self.record(name, kind, t0, time.perf_counter())
+        if log:
+            self.record(name, kind, t0, time.perf_counter())
 
     def record(self, name: str, kind: str, start: float, end: float) -> None:
         """Log one collective (or a ring of p2p steps standing for one) of the running pass."""
@@ -112,12 +119,20 @@ class TPComm:
         self._run(name, "ALLREDUCE", lambda: dist.all_reduce(t, op=op, group=self.group))
         return t
 
-    def gather_seq(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def gather_seq(self, x: torch.Tensor, name: str, log: bool = True) -> torch.Tensor:
         """``[B, s/T, ...]`` shards -> ``[B, s, ...]`` (rank order along the sequence)."""
         shard = x.transpose(0, 1).contiguous()
         out = shard.new_empty(shard.shape[0] * self.size, *shard.shape[1:])
-        self._run(name, "ALL_GATHER", lambda: all_gather_flat(out, shard, self.index, self.size, group=self.group))
+        self._run(name, "ALL_GATHER", lambda: all_gather_flat(out, shard, self.index, self.size, group=self.group), log)
         return out.transpose(0, 1).contiguous()
+
+    def regather(self, key: tuple[str, int, int], name: str) -> Logged:
+        """A split backward's ``{label}.regather`` at its plan position, between BI and BW: the
+        shard BI kept, gathered for BW's weight gradients."""
+        box = self.pending.pop((key, name.removesuffix(".regather")))
+        t0 = time.perf_counter()
+        box["total"] = self.gather_seq(box.pop("x"), name, log=False)
+        return Logged(name, "ALL_GATHER", t0, time.perf_counter())
 
     def scatter_seq(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Sum over the group of ``[B, s, ...]``, this rank's ``[B, s/T, ...]`` shard of it."""
@@ -305,21 +320,34 @@ class _GatherColumns(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        """Split backward (zero-bubble): BI computes ``grad_x`` and leaves the shard to the plan's
+        ``.regather`` op (`TPComm.regather`); BW (autograd calls this node again with the same
+        gradients, `executor.stage.backward_weight`) computes the weight gradients from it."""
         x, *saved = ctx.saved_tensors
         tp, it = ctx.tp, iter(saved)
         wb = []
         for has in ctx.has_bias:
             wb += [next(it), next(it) if has else None]
         weights = wb[0::2]
-        grad_total = None
-        for g, w in zip(grads, weights):
-            if g is not None:
-                gi = g @ w
-                grad_total = gi if grad_total is None else grad_total + gi
-        total = tp.gather_seq(x, f"{ctx.label}.regather")
-        if grad_total is None:
-            grad_total = torch.zeros_like(total)
-        grad_x = tp.scatter_seq(grad_total, f"{ctx.label}.rs")
+        if tp.split == "BW":
+            total = ctx.box.pop("total", None)
+            if total is None:
+                raise RuntimeError(f"tensor parallel: the weight gradients of {ctx.label} ran before the plan's "
+                                   f"{ctx.label}.regather")
+            grad_x = None
+        else:
+            grad_total = None
+            for g, w in zip(grads, weights):
+                if g is not None:
+                    gi = g @ w
+                    grad_total = gi if grad_total is None else grad_total + gi
+            total = None if tp.split == "BI" else tp.gather_seq(x, f"{ctx.label}.regather")
+            if grad_total is None:
+                grad_total = x.new_zeros(x.shape[0], x.shape[1] * tp.size, *x.shape[2:])
+            grad_x = tp.scatter_seq(grad_total, f"{ctx.label}.rs")
+            if tp.split == "BI":
+                ctx.box = tp.pending[(tp.phase, ctx.label)] = {"x": x}
+                return (grad_x, None, None, *[None] * len(wb))
         out: list[torch.Tensor | None] = []
         flat_total = total.reshape(-1, total.shape[-1])
         for g, (w, b) in zip(grads, zip(wb[0::2], wb[1::2])):
@@ -670,8 +698,9 @@ class TensorParallel(ModuleCollectives):
     """Each stage's units that ``shard_tensor`` selected (all by default) become this rank's
     tensor-parallel shard of them, their collectives on the plan's ``tp`` group; the others run
     whole. Under sequence parallelism the stage's gradient syncs also wait for its
-    ``TP.s{S}.norms`` all-reduce, which adds into the same gradient buffer (Megatron reduces
-    them before the data-parallel sync)."""
+    ``TP.s{S}.norms`` all-reduce, which adds into the same gradient buffer; under ZeRO-3 the
+    plan orders it after the syncs instead and it sums the reduced shard's part of those
+    gradients (`piper_sim.parallel.tensor.norms_after_zero3_pass`)."""
 
     stream = TP_STREAM
 
@@ -691,24 +720,50 @@ class TensorParallel(ModuleCollectives):
         sharded = sharded_units(rt.header.tp)
         for s, stage in rt.stages.items():
             self.shards[s] = shard_stage(stage, self.comm, sharded)
-        norms = {i.stage: i.id for i in tp_ops if not i.direction}
+        norms = {i.stage: i for i in tp_ops if not i.direction}
         if not norms:
             return
+        # ZeRO-3: the plan orders TP.norms after the syncs (it sums the reduced shard)
         for name, lst in rt.prog.streams.items():
-            rt.prog.streams[name] = [dataclasses.replace(i, deps=[*i.deps, norms[i.stage]])
-                                     if is_grad_sync(i) and i.stage in norms else i for i in lst]
+            rt.prog.streams[name] = [dataclasses.replace(i, deps=[*i.deps, norms[i.stage].id])
+                                     if is_grad_sync(i) and i.stage in norms and i.id not in norms[i.stage].deps
+                                     else i for i in lst]
 
     def stream_handlers(self) -> dict[str, Handler]:
         return {self.stream: self.op} if self.comm is not None else {}
 
+    def before_issue(self, ins) -> None:
+        """Tell `_GatherColumns` which half of a split backward runs; BW's collectives (the
+        embedding's output-gradient all-gather under SP) are its micro-batch's B pass."""
+        if self.comm is not None and ins.kind in ("F", "B", "BI", "BW"):
+            self.comm.split = ins.kind if ins.kind in ("BI", "BW") else ""
+            if ins.kind == "BW":
+                self.comm.phase = ("B", ins.stage, ins.mb)
+
+    def leftovers(self) -> list[str]:
+        left = [f"tensor parallel: BI kept shards no .regather op gathered: {sorted(self.comm.pending)[:3]}"] \
+            if self.comm is not None and self.comm.pending else []
+        if left:
+            self.comm.pending.clear()
+        return left + super().leftovers()
+
     def op(self, ins):
-        """A plan TP op: ``TP.s{S}.norms`` all-reduces the stage's partial replicated gradients here;
-        any other is the next collective the stage's modules performed in that pass."""
+        """A plan TP op: ``TP.s{S}.norms`` all-reduces the stage's partial replicated gradients here,
+        a split backward's ``.regather`` gathers what BI kept (`TPComm.regather`); any other is the
+        next collective the stage's modules performed in that pass."""
+        key = ("B", ins.stage, ins.mb)
+        if ins.direction == "B" and ins.name.endswith(".regather") and \
+                (key, ins.name.removesuffix(".regather")) in self.comm.pending:
+            return self.comm.regather(key, ins.name)
         if ins.direction:  # a full-recompute backward re-runs the forward's collectives (``TP.R.`` ops)
             return self.take(ins)
         stage = self.rt.stages[ins.stage]
         params = self.shards[ins.stage].partial(stage.named_parameters()[0], self.comm.sp, self.rt.cfg.qk_norm)
-        grads = [p.grad for p in params]
+        fp = self.rt.flats.get((ins.stage, ""))
+        # ZeRO-3: the units' gradients went to their reduce-scatters; sum the reduced shard's part
+        grads = fp.shard_grad_views(params) if fp is not None and fp.per_bucket else [p.grad for p in params]
+        if not grads:  # the shard holds none of them (on every TP rank alike): a one-element sum
+            grads = [torch.zeros(1, dtype=params[0].dtype, device=params[0].device)]
         flat = torch.cat([g.reshape(-1) for g in grads])
         work = dist.all_reduce(flat, group=self.rt.comms.group(ins.stream, ins.group), async_op=True)
 

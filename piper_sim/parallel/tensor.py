@@ -114,7 +114,9 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     compute plus its collectives either way; only where inside the layer they run moves
     (after its attention half, in truth). A full-recompute backward re-runs the forward's
     collectives first (``TP.R.`` ops). With a BI/BW split the weight pass waits for the
-    ``.regather`` all-gathers, issued after the stage's input-gradient pass. The replicated
+    ``.regather`` all-gathers, issued after the stage's input-gradient pass, and the
+    embedding's backward collective (SP: the all-gather of its output gradient) follows BW: the
+    embedding has no input gradient, its whole backward is the weight gradient. The replicated
     weights whose gradients are partial per rank (the norms under sequence parallelism, the
     query/key norms of a ``qk_norm`` model) are all-reduced over the TP group before the
     optimizer step (``TP.s{S}.norms``). Segments ``shard_tensor``
@@ -137,6 +139,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
         full = ctx.setup.recompute.get(s) == "full"
         parts = ctx.parts(s)
         regathers: dict[int, list[Node]] = {}  # mb -> BI-split re-gathers its BW waits for
+        after_bw: dict[int, list[Node]] = {}  # mb -> the embedding's backward collectives in a split: BW's
         last_bi: dict[int, Node] = {}
         for n in nodes:
             ins = dag.ins(n)
@@ -158,6 +161,8 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                                         shared, routed):
                     if ins.kind == "BI" and x[0].endswith(".regather"):
                         regathers.setdefault(ins.mb, []).append(add("B", *x))
+                    elif ins.kind == "BI" and segment_kind(None, seg.name) == "embed":  # type: ignore[arg-type]
+                        after_bw.setdefault(ins.mb, []).append(add("B", *x))
                     else:
                         chain.append(add("F" if ins.kind == "F" else "B", *x))
             if ins.kind == "BI" and ins.part == 0:
@@ -178,6 +183,10 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             for a, b in zip([src] + ops, ops):
                 dag.edge(a, b)
             dag.edge(ops[-1], bw)
+        for mb, ops in after_bw.items():  # its BI computes no input gradient: all of it is weight gradient
+            for a, b in zip([(where, f"BW.s{s}.mb{mb}")] + ops, ops):
+                dag.edge(a, b)
+            dag.edge(ops[-1], (where, f"OPT.s{s}"))
         norms = sum(x.tp_partial_params for x in ctx.stages[s].segments) * ctx.dtype_bytes
         if norms:
             ar = dag.add(where, make_op("ALLREDUCE", TP_STREAM, stage=s, bytes=float(norms), group=group,
@@ -186,6 +195,30 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                 if dag.ins(n).kind in WEIGHT_GRAD_KINDS:
                     dag.edge(n, ar)
             dag.edge(ar, (where, f"OPT.s{s}"))
+
+
+def norms_after_zero3_pass(ctx: Context, dag: TrainingDAG) -> None:
+    """ZeRO-3: the per-unit reduce-scatters hand each unit's gradients off during the backward,
+    so ``TP.s{S}.norms`` sums the partial replicated gradients in the reduced shard instead,
+    after the stage's dense gradient syncs (reduce-scatters, and HSDP's replica all-reduces):
+    the sum over TP of the sum over DP is the same, and the shard lies at the same elements
+    on every TP rank. Megatron-Core does it in this order too: ``finalize_model_grads`` runs
+    ``finish_grad_sync`` (DP) before ``_allreduce_layernorm_grads`` (TP). Its bytes are the
+    shard's: ``1 / shard_size`` of the partial weights."""
+    if ctx.layout.tp == 1 or ctx.setup.zero != 3:
+        return
+    norms = {(n[0], dag.ins(n).stage): n for n in dag.g.nodes if is_tp(dag.ins(n)) and dag.ins(n).name == "norms"}
+    syncs: dict[tuple[int, int], list[Node]] = {}
+    for n in dag.g.nodes:
+        ins = dag.ins(n)
+        if ins.kind in ("REDUCE_SCATTER", "ALLREDUCE") and ins.bucket >= 0 and not ins.experts:
+            syncs.setdefault((n[0], ins.stage), []).append(n)
+    for key, ar in norms.items():
+        if not syncs.get(key):
+            continue  # one data-parallel rank: the gradients stay whole until the optimizer step
+        for n in syncs[key]:
+            dag.edge(n, ar)
+        dag.ins(ar).bytes /= ctx.shard_size(key[1])
 
 
 def check(cfg, setup, strategy, cluster) -> None:
