@@ -75,8 +75,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("Megatron selective modules beyond the attention core (layernorm, mlp, moe, moe_act, shared_experts, "
             "mla_up_proj)", _s(PP2, {"op": "recompute", "mode": "selective", "modules": ["layernorm", "mlp"]}, m=4)),
     Feature("Megatron selective modules under tensor parallel",
-            _s(TP2, {"op": "recompute", "mode": "selective", "modules": ["layernorm"]}), runs=False,
-            why="tensor or context parallelism"),
+            _s(TP2, {"op": "recompute", "mode": "selective", "modules": ["layernorm", "mlp"]})),
     Feature("finer recompute (op-SAC, every-N, method, modules) with a split backward",
             _s(*_sched("zb1p"), {"op": "recompute", "mode": "op"}, m=4), runs=False, why="a split backward"),
     Feature("expert parallel (MoE)", _s(DP2, EP2, model="moe-tiny", dp=2)),

@@ -1,0 +1,79 @@
+"""The finer recompute policies (`piper_sim.recompute`: torchtitan's op-SAC and every N-th
+block, Megatron's selective ``modules``) under tensor (+ sequence) and context parallelism:
+the checkpoints that hold a TP / CP collective re-run it inside the backward, and the plan
+lists each re-run as an ``R`` op (`piper_sim.recompute.reruns_forward_collective`); under
+torchrun (gloo) the runs equal the single-process reference (fp32, gradients within 1e-5)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_executor_cp import cp_strategy  # noqa: E402
+from test_executor_tp import assert_matches_reference, reference_losses, run_checks, tp_strategy  # noqa: E402
+
+from piper_sim.api import compile  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _rc(**kw) -> list[dict]:
+    return [{"op": "recompute", **kw}]
+
+
+def _reruns(s: dict, stream: str) -> list[str]:
+    """The ``R`` ops of a plan's ``stream`` (rank 0, micro-batch 0), by name."""
+    plan = compile(s)
+    ops = [i for c in plan.classes for i in c.instructions() if i.stream == stream and i.direction == "R"]
+    return sorted({i.name for i in ops if i.mb == 0})
+
+
+def test_plans_list_what_each_policy_re_runs():
+    """Megatron's ``mlp`` re-runs the MLP's row-parallel collective (SP: its all-gather and
+    reduce-scatter), ``layernorm`` none; op-SAC every collective of every layer (not the head's:
+    torchtitan wraps blocks only); every-2 those of the odd layers; CP ring: the K/V ring of the
+    recomputed layers."""
+    tp = tp_strategy(m=2)
+    L = 8  # gpt-tiny
+    assert _reruns({**tp, "directives": tp["directives"] + _rc(mode="selective", modules=["layernorm"])}, "tp") == []
+    assert _reruns({**tp, "directives": tp["directives"] + _rc(mode="selective", modules=["layernorm", "mlp"])},
+                   "tp") == sorted(f"l{i}.mlp.ar" for i in range(L))
+    sp = tp_strategy(sp=True, m=2)
+    assert _reruns({**sp, "directives": sp["directives"] + _rc(mode="selective", modules=["mlp"])}, "tp") == \
+        sorted(f"l{i}.mlp.{x}" for i in range(L) for x in ("ag", "rs"))
+    assert _reruns({**tp, "directives": tp["directives"] + _rc(mode="op")}, "tp") == \
+        sorted(f"l{i}.{b}.ar" for i in range(L) for b in ("attn", "mlp"))
+    full = _reruns({**tp, "directives": tp["directives"] + _rc()}, "tp")
+    assert "head.loss.max" in full and len(full) == 2 * L + 3
+    ring = cp_strategy(style="ring")
+    assert _reruns({**ring, "directives": ring["directives"] + _rc(mode="every", every=2)}, "cp") == \
+        sorted(f"l{i}.kv.ag" for i in range(1, L, 2))
+    assert _reruns({**ring, "directives": ring["directives"] + _rc(mode="op")}, "cp") == \
+        sorted(f"l{i}.kv.ag" for i in range(L))
+
+
+def test_tp2_and_cp2_finer_policies_match_the_reference(tmp_path):
+    """TP2 and TP2 + SP with Megatron's [layernorm, mlp] and with op-SAC; CP2 (allgather and
+    ring) with op-SAC and every 2nd block: `run --check` equals the reference (one launch)."""
+    configs = {
+        "tp2-modules": tp_strategy(extra=_rc(mode="selective", modules=["layernorm", "mlp"])),
+        "tp2-sp-modules": tp_strategy(sp=True, extra=_rc(mode="selective", modules=["layernorm", "mlp"])),
+        "tp2-op": tp_strategy(extra=_rc(mode="op")),
+        "tp2-sp-op": tp_strategy(sp=True, extra=_rc(mode="op")),
+    }
+    res, _ = run_checks(tmp_path, 2, configs)
+    assert_matches_reference(res, reference_losses(tmp_path, tp_strategy()))
+
+
+def test_cp2_finer_policies_match_the_reference(tmp_path):
+    configs = {
+        "cp2-op": cp_strategy(extra=_rc(mode="op")),
+        "cp2-every2": cp_strategy(extra=_rc(mode="every", every=2)),
+        "cp2-ring-op": cp_strategy(style="ring", extra=_rc(mode="op")),
+        "cp2-ring-every2": cp_strategy(style="ring", extra=_rc(mode="every", every=2)),
+    }
+    res, _ = run_checks(tmp_path, 2, configs)
+    assert_matches_reference(res, reference_losses(tmp_path, cp_strategy()))
