@@ -13,7 +13,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_executor_cp import cp_strategy  # noqa: E402
-from test_executor_tp import assert_matches_reference, reference_losses, run_checks, tp_strategy  # noqa: E402
+from test_executor_tp import DSV3_TINY, _model, assert_matches_reference, reference_losses, run_checks, \
+    tp_strategy  # noqa: E402
 
 from piper_sim.api import compile  # noqa: E402
 
@@ -55,9 +56,9 @@ def test_plans_list_what_each_policy_re_runs():
         sorted(f"l{i}.kv.ag" for i in range(L))
 
 
-def test_tp2_and_cp2_finer_policies_match_the_reference(tmp_path):
+def test_tp2_finer_policies_match_the_reference(tmp_path):
     """TP2 and TP2 + SP with Megatron's [layernorm, mlp] and with op-SAC; CP2 (allgather and
-    ring) with op-SAC and every 2nd block: `run --check` equals the reference (one launch)."""
+    ring) with op-SAC and every 2nd block: `run --check` equals the reference (one launch each)."""
     configs = {
         "tp2-modules": tp_strategy(extra=_rc(mode="selective", modules=["layernorm", "mlp"])),
         "tp2-sp-modules": tp_strategy(sp=True, extra=_rc(mode="selective", modules=["layernorm", "mlp"])),
@@ -66,9 +67,16 @@ def test_tp2_and_cp2_finer_policies_match_the_reference(tmp_path):
     }
     res, _ = run_checks(tmp_path, 2, configs)
     assert_matches_reference(res, reference_losses(tmp_path, tp_strategy()))
+    # the TP2 test's ordering: the TP2 modules' plan re-runs each MLP's all-reduce before its backward's
+    names = [(i.direction, i.name) for c in compile(configs["tp2-modules"]).classes for i in c.instructions()
+             if i.stream == "tp" and i.mb == 0 and i.name.startswith("l7.")]
+    assert names == [("F", "l7.attn.ar"), ("F", "l7.mlp.ar"), ("R", "l7.mlp.ar"), ("B", "l7.mlp.ar"),
+                     ("B", "l7.attn.ar")]
 
 
 def test_cp2_finer_policies_match_the_reference(tmp_path):
+    """CP2, all-gather (the recomputed layers keep their re-run gather for the backward) and
+    ring (the recomputed layers' ``CP.R`` ring first), under op-SAC and every 2nd block."""
     configs = {
         "cp2-op": cp_strategy(extra=_rc(mode="op")),
         "cp2-every2": cp_strategy(extra=_rc(mode="every", every=2)),
@@ -77,3 +85,19 @@ def test_cp2_finer_policies_match_the_reference(tmp_path):
     }
     res, _ = run_checks(tmp_path, 2, configs)
     assert_matches_reference(res, reference_losses(tmp_path, cp_strategy()))
+
+
+@pytest.mark.slow
+def test_moe_and_mla_under_tp_and_ep_with_finer_policies(tmp_path):
+    """TP2 x EP2 x DP2: a DeepSeek-V3-shaped model with every Megatron module that applies
+    (the shared expert's checkpoint re-runs ``l1.shared.ar``), moe-tiny under op-SAC (the
+    experts' own checkpoint re-runs their ``moe.ar``)."""
+    ep = {"op": "expert_parallel", "degree": 2}
+    mods = ["core_attn", "layernorm", "mlp", "moe_act", "shared_experts", "mla_up_proj"]
+    dsv3 = {**tp_strategy(dp=2, extra=[ep, *_rc(mode="selective", modules=mods)]),
+            "model": _model(tmp_path, DSV3_TINY)}
+    moe = tp_strategy(model="moe-tiny", dp=2, extra=[ep, *_rc(mode="op")])
+    assert "l1.shared.ar" in _reruns(dsv3, "tp") and "l0.mlp.ar" in _reruns(dsv3, "tp")
+    res, _ = run_checks(tmp_path, 4, {"dsv3": dsv3, "moe-op": moe})
+    assert_matches_reference({"moe-op": res.pop("moe-op")}, reference_losses(tmp_path, moe))
+    assert_matches_reference(res, reference_losses(tmp_path, dsv3))
