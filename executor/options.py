@@ -100,7 +100,8 @@ def refuse_recompute_policy(plan: Plan, path: str) -> None:
         policy = Recompute.from_header(mode, opts)
         if policy.plain:
             continue
-        if split:
+        if split and policy.modules and set(policy.modules) != {"core_attn"}:
+            # their DropOutput / inner checkpoints differentiate inside BI (weights included)
             why = f"a split backward (BI/BW, schedule {h.schedule})"
             what = f"mode {mode!r}" + "".join(f", {k} {v!r}" for k, v in (opts or {}).items())
             raise PlanError(f"{path}: recompute ({what}, stage {s}) with {why} is simulate-only in this version; "

@@ -182,8 +182,12 @@ class Runtime:
         self.recompute = dict(h.recompute) if h.recompute is not None else \
             {i.stage: "full" for i in self.instructions if i.recompute}
         policies = h.recompute_policy or {}
+        split = {i.stage for i in self.instructions if i.kind == "BI"}
         for s, stage in self.stages.items():
-            stage.set_recompute(Recompute.from_header(self.recompute.get(s, "none"), policies.get(s)))
+            policy = Recompute.from_header(self.recompute.get(s, "none"), policies.get(s))
+            stage.set_recompute(policy)
+            # plain full: BI re-runs the whole forward (_backward); the others' checkpoints re-run once in BI
+            stage.keep_recompute = s in split and not policy.plain
         self._handlers: dict[str, Handler] = {
             "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
             "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv}
@@ -482,7 +486,8 @@ class Runtime:
         for axis in self.axes:
             axis.enter_pass(("B", s, m))
         rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
-        if split and self.recompute.get(s) == "full":  # run the forward again; BW uses this graph
+        if split and self.recompute.get(s) == "full" and not self.stages[s].keep_recompute:
+            # plain full: run the forward again; BW uses this graph
             rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.routing, env.targets, self.loss_scale,
                                                checkpoint=False)
             env.records[f"p{part}"] = rec

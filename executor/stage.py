@@ -28,6 +28,7 @@ a plan cuts it into.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass, field
@@ -427,6 +428,52 @@ def op_sac_context():
     return create_selective_checkpoint_contexts(policy)
 
 
+class _KeptRecompute:
+    """The saved tensors of one checkpointed call under a split backward: the forward keeps
+    only a count of them (and the call's inputs); the first unpack, in BI, re-runs the call once
+    (under op-SAC its recompute context) and keeps every tensor it saves until the graph is
+    freed, so BW finds them without a second re-run (the plan prices one: BI keeps the re-run
+    graph for BW). ``torch.utils.checkpoint`` re-runs the call in every backward pass (graph
+    task) instead, and refuses a second backward of an op-SAC region."""
+
+    def __init__(self, fn: Callable, args: tuple, recompute_ctx):
+        self.fn, self.args, self.recompute_ctx = fn, args, recompute_ctx
+        self.count = 0
+        self.saved: list[torch.Tensor] | None = None
+
+    def pack(self, t: torch.Tensor) -> tuple["_KeptRecompute", int]:
+        self.count += 1
+        return self, self.count - 1
+
+    @staticmethod
+    def unpack(handle: tuple["_KeptRecompute", int]) -> torch.Tensor:
+        frame, i = handle
+        if frame.saved is None:
+            frame._recompute()
+        return frame.saved[i]
+
+    def _recompute(self) -> None:
+        saved: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor) -> None:
+            saved.append(t.detach() if t.requires_grad else t)
+
+        args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in self.args]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None), self.recompute_ctx:
+            self.fn(*args)
+        if len(saved) != self.count:
+            raise RuntimeError(f"recompute saved {len(saved)} tensors, the forward {self.count}: not deterministic")
+        self.saved, self.args = saved, ()
+
+
+def kept_checkpoint(fn: Callable, *args, context_fn=None):
+    """``fn(*args)`` as a checkpoint that a split backward re-runs once (`_KeptRecompute`)."""
+    fwd_ctx, rec_ctx = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    frame = _KeptRecompute(fn, args, rec_ctx)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _KeptRecompute.unpack), fwd_ctx:
+        return fn(*args)
+
+
 class Stage:
     """The units of one pipeline stage on this rank, cut into pieces."""
 
@@ -441,6 +488,8 @@ class Stage:
         # full recomputation stops once backward has what it needs; tensor parallelism re-runs
         # the whole forward, so its collectives recur in the plan's order (TP.R ops)
         self.recompute_early_stop = True
+        # a split backward (BI/BW) under a policy beyond plain full: checkpoints re-run once (kept_checkpoint)
+        self.keep_recompute = False
         # called with a step's parameters before it runs (the runtime waits there for overlapped gathers)
         self.before_step: Callable[[list[nn.Parameter]], None] | None = None
         # tensor parallel MoE (executor.parallel.tensor): f before the experts (routed and shared), g after them
@@ -534,6 +583,8 @@ class Stage:
             if mode not in ("full", "op"):
                 return fn(*args)
             kw = {"context_fn": op_sac_context} if mode == "op" else {}
+            if self.keep_recompute:
+                return kept_checkpoint(fn, *args, **kw)
             with set_checkpoint_early_stop(self.recompute_early_stop):
                 return _checkpoint(fn, *args, use_reentrant=False, **kw)
 

@@ -101,3 +101,84 @@ def test_moe_and_mla_under_tp_and_ep_with_finer_policies(tmp_path):
     res, _ = run_checks(tmp_path, 4, {"dsv3": dsv3, "moe-op": moe})
     assert_matches_reference({"moe-op": res.pop("moe-op")}, reference_losses(tmp_path, moe))
     assert_matches_reference(res, reference_losses(tmp_path, dsv3))
+
+
+def test_split_backward_runs_the_finer_policies_equal_to_the_reference(tmp_path):
+    """ZB1P and ZBV (BI/BW split) with op-SAC, every 2nd block and Megatron's uniform chunks
+    of 2 layers: each checkpoint re-runs once, in BI, and BW reads what it kept (torch's checkpoint
+    would re-run it again, and refuses a second backward of an op-SAC region)."""
+    from test_executor import GRAD_TOL, TOL, check_all, strategy
+
+    configs = {}
+    for name, rc in {"op": {"mode": "op"}, "every2": {"mode": "every", "every": 2},
+                     "uniform2": {"method": "uniform", "num_layers": 2}}.items():  # block: in process below
+        configs[f"zb1p-{name}"] = {**(s := strategy(pp=2, sched="zb1p", m=4)), "directives": s["directives"] + _rc(**rc)}
+    s = strategy(pp=2, sched="zbv", m=4)
+    configs["zbv-op"] = {**s, "directives": s["directives"] + _rc(mode="op")}
+    out = check_all(tmp_path, 2, configs)
+    assert set(out) == set(configs)
+    for name, row in out.items():
+        assert row["within_tolerance"] is True and row["max_rel_param_diff"] <= TOL, (name, row)
+        assert row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
+
+
+def _split_reruns(policy, keep: bool):
+    """(matmuls a gpt-tiny stage's BI + BW run, the parameter gradients) under ``policy``."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from executor.stage import Stage, backward_input, backward_weight
+    from piper_sim.models import get_config
+
+    class CountMM(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    cfg = get_config("gpt-tiny")
+    units = [f"layers.{i}" for i in range(cfg.n_layers)] + ["head"]  # the last of two stages: input x
+    stage = Stage(cfg, 1, 2, units, [units], 1, 0, torch.device("cpu"), torch.float32, seed=0)
+    stage.set_recompute(policy)
+    stage.keep_recompute = keep
+    g = torch.Generator().manual_seed(0)
+    x, targets = torch.randn(2, 32, cfg.hidden, generator=g), torch.randint(0, cfg.vocab, (2, 32), generator=g)
+    for p in stage.units.parameters():
+        p.grad = torch.zeros_like(p)
+    rec = stage.forward_piece(0, {"x": x}, {}, targets, 1.0)
+    with CountMM() as count:
+        backward_input(rec, {"loss": None})
+        backward_weight(rec)
+    return count.n, [p.grad.clone() for p in rec.params]
+
+
+def test_a_split_backward_re_runs_each_checkpoint_once():
+    """Counted at the dispatcher: BI + BW under op-SAC and every-2 re-run exactly the matmuls one
+    plain backward re-runs (each checkpoint once), with plain autograd's gradients; torch's own
+    checkpoint cannot give an op-SAC region its second pass."""
+    from piper_sim.recompute import Recompute
+
+    base, grads = _split_reruns(Recompute("none"), keep=True)
+    L = 8  # gpt-tiny
+    full, _ = _split_reruns(Recompute("full"), keep=True)
+    per_block = (full - base - 1) // L  # the head's one matmul
+    assert per_block >= 4 and full - base == L * per_block + 1
+    for policy, reruns in {Recompute("op"): L * (per_block // 2), Recompute("every", every=2): L // 2 * per_block,
+                           Recompute("full", method="block", num_layers=3): 3 * per_block}.items():
+        n, g = _split_reruns(policy, keep=True)
+        assert n - base == reruns, policy
+        assert all(a.equal(b) for a, b in zip(g, grads)), policy
+    with pytest.raises(RuntimeError, match="backward an extra time|only allowed to backward once"):
+        _split_reruns(Recompute("op"), keep=False)
+
+
+@pytest.mark.slow
+def test_split_backward_with_tp_or_cp_and_op_sac(tmp_path):
+    """PP2 ZB1P x TP2 and x CP2 (ring) under op-SAC: BI re-runs each block's collectives once
+    (the plan's R ops), BW re-runs none."""
+    tp = tp_strategy(pp=2, sched="zb1p", m=4, extra=_rc(mode="op"))
+    cp = cp_strategy(style="ring", pp=2, sched="zb1p", m=4, extra=_rc(mode="op"))
+    res, _ = run_checks(tmp_path, 4, {"tp": tp, "cp": cp})
+    assert_matches_reference({"cp": res.pop("cp")}, reference_losses(tmp_path, cp))
+    assert_matches_reference(res, reference_losses(tmp_path, tp))
