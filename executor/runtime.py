@@ -31,11 +31,13 @@ does is in its typed fields ``stage``, ``mb``, ``part``, ``direction``, ``bucket
 Recomputation (the header's ``recompute``: stage -> mode): ``full`` checkpoints every layer /
 expert block / head of the forward (``torch.utils.checkpoint``; a B recomputes them one at
 a time; a BI runs its piece's forward again and keeps that graph for BW); ``selective``
-checkpoints the attention cores only.
+checkpoints the attention cores only. The finer policies (``recompute_policy``:
+`Stage.set_recompute`) checkpoint what they say; under a BI/BW split each of their
+checkpoints re-runs once, in BI, keeping what BW reads (`executor.stage.kept_checkpoint`).
   A2A.F|B.s{s}.mb{m}.e{e}.dispatch|combine  expert-parallel token exchange
   TP.F|B|R.s{s}.mb{m}.{name}  a tensor-parallel collective: performed inside the stage's modules
                           (``executor.parallel.tensor``) during the piece before it; the op takes
-                          the next one logged in that pass (R: a full recompute's, in the B pass),
+                          the next one logged in that pass (R: a recompute's, in the B pass),
                           checks its name and kind and records its measured times
   TP.s{s}.norms           sequence parallel: all-reduce of the stage's replicated gradients (norms)
                           over the TP group; the stage's gradient syncs wait for it

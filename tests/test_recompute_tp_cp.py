@@ -104,17 +104,16 @@ def test_moe_and_mla_under_tp_and_ep_with_finer_policies(tmp_path):
 
 
 def test_split_backward_runs_the_finer_policies_equal_to_the_reference(tmp_path):
-    """ZB1P and ZBV (BI/BW split) with op-SAC, every 2nd block and Megatron's uniform chunks
-    of 2 layers: each checkpoint re-runs once, in BI, and BW reads what it kept (torch's checkpoint
+    """ZB1P, ZBV and DualPipeV (BI/BW split) with op-SAC, every 2nd block and Megatron's uniform
+    chunks of 2 layers: each checkpoint re-runs once, in BI, and BW reads what it kept (torch's checkpoint
     would re-run it again, and refuses a second backward of an op-SAC region)."""
     from test_executor import GRAD_TOL, TOL, check_all, strategy
 
     configs = {}
-    for name, rc in {"op": {"mode": "op"}, "every2": {"mode": "every", "every": 2},
-                     "uniform2": {"method": "uniform", "num_layers": 2}}.items():  # block: in process below
-        configs[f"zb1p-{name}"] = {**(s := strategy(pp=2, sched="zb1p", m=4)), "directives": s["directives"] + _rc(**rc)}
-    s = strategy(pp=2, sched="zbv", m=4)
-    configs["zbv-op"] = {**s, "directives": s["directives"] + _rc(mode="op")}
+    for name, rc in {"zb1p-op": {"mode": "op"}, "zb1p-uniform2": {"method": "uniform", "num_layers": 2},
+                     "zbv-op": {"mode": "op"}, "dualpipev-every2": {"mode": "every", "every": 2}}.items():
+        s = strategy(pp=2, sched=name.split("-")[0], m=4)  # every-N, block: in process below too
+        configs[name] = {**s, "directives": s["directives"] + _rc(**rc)}
     out = check_all(tmp_path, 2, configs)
     assert set(out) == set(configs)
     for name, row in out.items():

@@ -18,7 +18,7 @@ causal by true position:
 
 The plan's ``CP.*`` ops are honoured like tensor parallelism's (`executor.parallel.tensor`):
 every collective is logged under its pass; a plan op takes the next logged one of its pass
-(``R``: a full recompute's, inside the B pass) and must have its name and kind. The compiler
+(``R``: a recompute's, inside the B pass) and must have its name and kind. The compiler
 puts a piece's gathers *before* it (and a ring beside it); the collectives run inside the
 piece, so each CP op moves after its piece (`reorder_after_pieces`).
 
