@@ -187,9 +187,9 @@ class Runtime:
         split = {i.stage for i in self.instructions if i.kind == "BI"}
         for s, stage in self.stages.items():
             policy = Recompute.from_header(self.recompute.get(s, "none"), policies.get(s))
-            stage.set_recompute(policy)
             # plain full: BI re-runs the whole forward (_backward); the others' checkpoints re-run once in BI
             stage.keep_recompute = s in split and not policy.plain
+            stage.set_recompute(policy)
         self._handlers: dict[str, Handler] = {
             "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
             "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv}

@@ -28,7 +28,6 @@ a plan cuts it into.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as _checkpoint,
                                      set_checkpoint_early_stop)
 
 from executor.lr import ADAMW
-from piper_sim.models import Block, ModelConfig, build_units, lm_loss
+from piper_sim.models import Block, ModelConfig, build_units, kept_checkpoint, lm_loss
 from piper_sim.recompute import Recompute
 
 
@@ -428,52 +427,6 @@ def op_sac_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-class _KeptRecompute:
-    """The saved tensors of one checkpointed call under a split backward: the forward keeps
-    only a count of them (and the call's inputs); the first unpack, in BI, re-runs the call once
-    (under op-SAC its recompute context) and keeps every tensor it saves until the graph is
-    freed, so BW finds them without a second re-run (the plan prices one: BI keeps the re-run
-    graph for BW). ``torch.utils.checkpoint`` re-runs the call in every backward pass (graph
-    task) instead, and refuses a second backward of an op-SAC region."""
-
-    def __init__(self, fn: Callable, args: tuple, recompute_ctx):
-        self.fn, self.args, self.recompute_ctx = fn, args, recompute_ctx
-        self.count = 0
-        self.saved: list[torch.Tensor] | None = None
-
-    def pack(self, t: torch.Tensor) -> tuple["_KeptRecompute", int]:
-        self.count += 1
-        return self, self.count - 1
-
-    @staticmethod
-    def unpack(handle: tuple["_KeptRecompute", int]) -> torch.Tensor:
-        frame, i = handle
-        if frame.saved is None:
-            frame._recompute()
-        return frame.saved[i]
-
-    def _recompute(self) -> None:
-        saved: list[torch.Tensor] = []
-
-        def keep(t: torch.Tensor) -> None:
-            saved.append(t.detach() if t.requires_grad else t)
-
-        args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in self.args]
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None), self.recompute_ctx:
-            self.fn(*args)
-        if len(saved) != self.count:
-            raise RuntimeError(f"recompute saved {len(saved)} tensors, the forward {self.count}: not deterministic")
-        self.saved, self.args = saved, ()
-
-
-def kept_checkpoint(fn: Callable, *args, context_fn=None):
-    """``fn(*args)`` as a checkpoint that a split backward re-runs once (`_KeptRecompute`)."""
-    fwd_ctx, rec_ctx = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
-    frame = _KeptRecompute(fn, args, rec_ctx)
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _KeptRecompute.unpack), fwd_ctx:
-        return fn(*args)
-
-
 class Stage:
     """The units of one pipeline stage on this rank, cut into pieces."""
 
@@ -567,6 +520,7 @@ class Stage:
         for name in self.units.unit_names():
             if name.startswith("layers."):
                 self.units[name].set_recompute_modules(policy.module_set if modes[name][0] == "selective" else ())
+                self.units[name].keep_recompute = self.keep_recompute
 
     def forward_piece(self, i: int, vals: dict[str, torch.Tensor], routing: dict[str, Any],
                       targets: torch.Tensor | None, loss_scale: float, checkpoint: bool = True) -> Record:

@@ -204,9 +204,9 @@ def test_unpriced_combinations_are_refused():
 
 def test_executor_refuses_what_it_cannot_run_in_one_line():
     """The executor runs full, selective, op-SAC, every-N, Megatron's method/num_layers and
-    selective modules, under tensor parallelism too, and all but Megatron's modules with a split
-    backward; the modules with a split backward are simulate-only (refused before any process
-    group starts)."""
+    selective modules, under tensor parallelism too, and with a split backward all but the
+    modules that drop outputs (layernorm, moe_act, mla_up_proj), which are simulate-only there
+    (refused before any process group starts)."""
     from executor.options import refuse_tensor_parallel
     from piper_sim.plan import PlanError
 
@@ -222,10 +222,10 @@ def test_executor_refuses_what_it_cannot_run_in_one_line():
     for rc in ({"mode": "selective", "modules": ["layernorm", "mlp"]}, {"mode": "op"}):
         refuse_tensor_parallel(compile({**base, "directives": tp2 + [{"op": "recompute", **rc}]}), "p.json")
     for rc in ({"mode": "op"}, {"mode": "every", "every": 2}, {"method": "block", "num_layers": 2},
-               {"mode": "selective", "modules": ["core_attn"]}):
+               {"mode": "selective", "modules": ["core_attn", "mlp"]}):
         refuse_tensor_parallel(compile({**base, "directives": pp2 + [{"op": "recompute", **rc}]}), "p.json")
-    for directives, rc, what in [(pp2, {"mode": "selective", "modules": ["mlp"]}, "split backward"),
-                                 (pp2, {"mode": "selective", "modules": ["layernorm"]}, "split backward")]:
+    for directives, rc, what in [(pp2, {"mode": "selective", "modules": ["mlp", "layernorm"]}, "split backward"),
+                                 (pp2, {"mode": "selective", "modules": ["moe_act"]}, "split backward")]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = compile({**base, "directives": directives + [{"op": "recompute", **rc}]})

@@ -104,16 +104,19 @@ def test_moe_and_mla_under_tp_and_ep_with_finer_policies(tmp_path):
 
 
 def test_split_backward_runs_the_finer_policies_equal_to_the_reference(tmp_path):
-    """ZB1P, ZBV and DualPipeV (BI/BW split) with op-SAC, every 2nd block and Megatron's uniform
-    chunks of 2 layers: each checkpoint re-runs once, in BI, and BW reads what it kept (torch's checkpoint
+    """ZB1P, ZBV and DualPipeV (BI/BW split) with op-SAC, every 2nd block, Megatron's uniform
+    chunks of 2 layers and its mlp / moe modules (moe-tiny): each checkpoint re-runs once, in BI, and BW reads what it kept (torch's checkpoint
     would re-run it again, and refuses a second backward of an op-SAC region)."""
     from test_executor import GRAD_TOL, TOL, check_all, strategy
 
     configs = {}
     for name, rc in {"zb1p-op": {"mode": "op"}, "zb1p-uniform2": {"method": "uniform", "num_layers": 2},
-                     "zbv-op": {"mode": "op"}, "dualpipev-every2": {"mode": "every", "every": 2}}.items():
+                     "zbv-op": {"mode": "op"}, "dualpipev-every2": {"mode": "every", "every": 2},
+                     "zb1p-mlp": {"mode": "selective", "modules": ["core_attn", "mlp"]}}.items():
         s = strategy(pp=2, sched=name.split("-")[0], m=4)  # every-N, block: in process below too
         configs[name] = {**s, "directives": s["directives"] + _rc(**rc)}
+    s = strategy("moe-tiny", pp=2, sched="zb1p", m=4)
+    configs["zb1p-moe"] = {**s, "directives": s["directives"] + _rc(mode="selective", modules=["moe"])}
     out = check_all(tmp_path, 2, configs)
     assert set(out) == set(configs)
     for name, row in out.items():
@@ -139,8 +142,8 @@ def _split_reruns(policy, keep: bool):
     cfg = get_config("gpt-tiny")
     units = [f"layers.{i}" for i in range(cfg.n_layers)] + ["head"]  # the last of two stages: input x
     stage = Stage(cfg, 1, 2, units, [units], 1, 0, torch.device("cpu"), torch.float32, seed=0)
-    stage.set_recompute(policy)
     stage.keep_recompute = keep
+    stage.set_recompute(policy)
     g = torch.Generator().manual_seed(0)
     x, targets = torch.randn(2, 32, cfg.hidden, generator=g), torch.randint(0, cfg.vocab, (2, 32), generator=g)
     for p in stage.units.parameters():
@@ -164,12 +167,15 @@ def test_a_split_backward_re_runs_each_checkpoint_once():
     per_block = (full - base - 1) // L  # the head's one matmul
     assert per_block >= 4 and full - base == L * per_block + 1
     for policy, reruns in {Recompute("op"): L * (per_block // 2), Recompute("every", every=2): L // 2 * per_block,
-                           Recompute("full", method="block", num_layers=3): 3 * per_block}.items():
+                           Recompute("full", method="block", num_layers=3): 3 * per_block,
+                           Recompute("selective", modules=("mlp",)): L * 3}.items():  # w1, w3, w2
         n, g = _split_reruns(policy, keep=True)
         assert n - base == reruns, policy
         assert all(a.equal(b) for a, b in zip(g, grads)), policy
     with pytest.raises(RuntimeError, match="backward an extra time|only allowed to backward once"):
         _split_reruns(Recompute("op"), keep=False)
+    n, _ = _split_reruns(Recompute("selective", modules=("mlp",)), keep=False)
+    assert n - base > L * 3  # torch's checkpoint: BW re-runs the MLPs again
 
 
 @pytest.mark.slow
