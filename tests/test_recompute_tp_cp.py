@@ -105,8 +105,9 @@ def test_moe_and_mla_under_tp_and_ep_with_finer_policies(tmp_path):
 
 def test_split_backward_runs_the_finer_policies_equal_to_the_reference(tmp_path):
     """ZB1P, ZBV and DualPipeV (BI/BW split) with op-SAC, every 2nd block, Megatron's uniform
-    chunks of 2 layers and its mlp / moe modules (moe-tiny): each checkpoint re-runs once, in BI, and BW reads what it kept (torch's checkpoint
-    would re-run it again, and refuses a second backward of an op-SAC region)."""
+    chunks of 2 layers and its mlp / moe modules (moe-tiny): each checkpoint re-runs once, in
+    BI, and BW reads what it kept (torch's checkpoint would re-run it again, and refuses a
+    second backward of an op-SAC region)."""
     from test_executor import GRAD_TOL, TOL, check_all, strategy
 
     configs = {}

@@ -316,7 +316,8 @@ def context_stage(stage, cp: CPComm, keep: bool | set[str]) -> None:
 def recomputed_layers(header, stage: int, units: list[str]) -> set[str]:
     """The layers of a stage whose checkpoint re-runs their whole forward, attention included
     (`piper_sim.recompute.reruns_forward_collective`)."""
-    policy = Recompute.from_header((header.recompute or {}).get(stage, "none"), (header.recompute_policy or {}).get(stage))
+    policy = Recompute.from_header((header.recompute or {}).get(stage, "none"),
+                                   (header.recompute_policy or {}).get(stage))
     return {u for u, (mode, _) in policy.unit_modes(units).items()
             if u.startswith("layers.") and reruns_forward_collective(mode, (), "kv")}
 

@@ -129,7 +129,8 @@ def cp_memory(memory: dict[str, SegmentMemory], cp: int) -> dict[str, SegmentMem
 def context_pass(ctx: Context, dag: TrainingDAG) -> None:
     """The K/V collectives of every layer with attention, on the ``cp`` stream over the ``cp``
     group (see the module docstring): ``CP.F..{l}.kv.ag`` in forward; in backward (B/BI)
-    ``{l}.kv.ag`` and ``{l}.dkv.rs`` (ring under full recompute of the layer, op-SAC included: ``CP.R..{l}.kv.ag`` first).
+    ``{l}.kv.ag`` and ``{l}.dkv.rs`` (ring: ``CP.R..{l}.kv.ag`` first when the layer's
+    checkpoint re-runs its attention: full, every-N, op-SAC).
     ``allgather``: the forward gather and backward gather run before the piece, the
     reduce-scatter after it; ``ring``: all of a piece's run beside it. Runs after the
     activation memory pass: a gathered K/V buffer lives until its piece ends; a ring holds
