@@ -90,8 +90,10 @@ def refuse_recompute_policy(plan: Plan, path: str) -> None:
     """The executor runs full and selective (attention core) recompute, and the finer policies
     of `piper_sim.recompute` (torchtitan's op-SAC and every N-th block, Megatron's full
     recompute with method uniform/block and num_layers, Megatron's selective ``modules``:
-    `piper_sim.models.Block.set_recompute_modules`) with a plain backward and no tensor or
-    context parallelism. One line naming the stage and policy."""
+    `piper_sim.models.Block.set_recompute_modules`), under tensor and context parallelism too
+    (their re-run collectives are the plan's ``R`` ops), and with a split backward (BI/BW) all
+    but the modules that drop outputs (``layernorm``, ``moe_act``, ``mla_up_proj``). One line
+    naming the stage and policy."""
     h = plan.header
     split = any(i.kind == "BI" for c in plan.classes for i in c.instructions())
     for s, mode in sorted((h.recompute or {}).items()):
@@ -99,12 +101,10 @@ def refuse_recompute_policy(plan: Plan, path: str) -> None:
         policy = Recompute.from_header(mode, opts)
         if policy.plain:
             continue
-        why = ""
-        if plan.layout.tp > 1 or plan.layout.cp > 1:
-            why = "tensor or context parallelism"
-        elif split:
+        dropped = sorted(set(policy.modules) & {"layernorm", "moe_act", "mla_up_proj"})
+        if split and dropped:
+            # a DropOutput differentiates its recomputed graph inside BI (weights included)
             why = f"a split backward (BI/BW, schedule {h.schedule})"
-        if why:
             what = f"mode {mode!r}" + "".join(f", {k} {v!r}" for k, v in (opts or {}).items())
             raise PlanError(f"{path}: recompute ({what}, stage {s}) with {why} is simulate-only in this version; "
                             "use `piper-sim simulate`, or recompute mode full or selective")

@@ -31,11 +31,13 @@ does is in its typed fields ``stage``, ``mb``, ``part``, ``direction``, ``bucket
 Recomputation (the header's ``recompute``: stage -> mode): ``full`` checkpoints every layer /
 expert block / head of the forward (``torch.utils.checkpoint``; a B recomputes them one at
 a time; a BI runs its piece's forward again and keeps that graph for BW); ``selective``
-checkpoints the attention cores only.
+checkpoints the attention cores only. The finer policies (``recompute_policy``:
+`Stage.set_recompute`) checkpoint what they say; under a BI/BW split each of their
+checkpoints re-runs once, in BI, keeping what BW reads (`executor.stage.kept_checkpoint`).
   A2A.F|B.s{s}.mb{m}.e{e}.dispatch|combine  expert-parallel token exchange
   TP.F|B|R.s{s}.mb{m}.{name}  a tensor-parallel collective: performed inside the stage's modules
                           (``executor.parallel.tensor``) during the piece before it; the op takes
-                          the next one logged in that pass (R: a full recompute's, in the B pass),
+                          the next one logged in that pass (R: a recompute's, in the B pass),
                           checks its name and kind and records its measured times
   TP.s{s}.norms           sequence parallel: all-reduce of the stage's replicated gradients (norms)
                           over the TP group; the stage's gradient syncs wait for it
@@ -182,8 +184,12 @@ class Runtime:
         self.recompute = dict(h.recompute) if h.recompute is not None else \
             {i.stage: "full" for i in self.instructions if i.recompute}
         policies = h.recompute_policy or {}
+        split = {i.stage for i in self.instructions if i.kind == "BI"}
         for s, stage in self.stages.items():
-            stage.set_recompute(Recompute.from_header(self.recompute.get(s, "none"), policies.get(s)))
+            policy = Recompute.from_header(self.recompute.get(s, "none"), policies.get(s))
+            # plain full: BI re-runs the whole forward (_backward); the others' checkpoints re-run once in BI
+            stage.keep_recompute = s in split and not policy.plain
+            stage.set_recompute(policy)
         self._handlers: dict[str, Handler] = {
             "F": self._forward, "B": self._backward, "BI": self._backward, "BW": self._backward_weight,
             "OPT": self._optimizer, "SEND": self._send, "RECV": self._recv}
@@ -482,8 +488,10 @@ class Runtime:
         for axis in self.axes:
             axis.enter_pass(("B", s, m))
         rec = env.records[f"p{part}"] if split else env.records.pop(f"p{part}")
-        # run the forward again (not a piece that recomputes nothing: the embedding); BW uses this graph
-        if split and self.recompute.get(s) == "full" and self.stages[s].recomputes(part):
+        if split and self.recompute.get(s) == "full" and not self.stages[s].keep_recompute \
+                and self.stages[s].recomputes(part):
+            # plain full: run the forward again (not a piece that recomputes nothing: the
+            # embedding); BW uses this graph
             rec = self.stages[s].forward_piece(part, dict(rec.inputs), env.routing, env.targets, self.loss_scale,
                                                checkpoint=False)
             env.records[f"p{part}"] = rec

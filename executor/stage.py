@@ -40,7 +40,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as _checkpoint,
                                      set_checkpoint_early_stop)
 
 from executor.lr import ADAMW
-from piper_sim.models import Block, ModelConfig, build_units, lm_loss
+from piper_sim.models import Block, ModelConfig, build_units, kept_checkpoint, lm_loss
 from piper_sim.recompute import Recompute
 
 
@@ -457,6 +457,8 @@ class Stage:
         # full recomputation stops once backward has what it needs; tensor parallelism re-runs
         # the whole forward, so its collectives recur in the plan's order (TP.R ops)
         self.recompute_early_stop = True
+        # a split backward (BI/BW) under a policy beyond plain full: checkpoints re-run once (kept_checkpoint)
+        self.keep_recompute = False
         # called with a step's parameters before it runs (the runtime waits there for overlapped gathers)
         self.before_step: Callable[[list[nn.Parameter]], None] | None = None
         # tensor parallel MoE (executor.parallel.tensor): f before the experts (routed and shared), g after them;
@@ -537,6 +539,7 @@ class Stage:
         for name in self.units.unit_names():
             if name.startswith("layers."):
                 self.units[name].set_recompute_modules(policy.module_set if modes[name][0] == "selective" else ())
+                self.units[name].keep_recompute = self.keep_recompute
 
     def recomputes(self, i: int) -> bool:
         """Whether piece ``i`` has a step its backward re-runs (the embedding never is: its
@@ -559,6 +562,8 @@ class Stage:
             if mode not in ("full", "op"):
                 return fn(*args)
             kw = {"context_fn": op_sac_context} if mode == "op" else {}
+            if self.keep_recompute:
+                return kept_checkpoint(fn, *args, **kw)
             with set_checkpoint_early_stop(self.recompute_early_stop):
                 return _checkpoint(fn, *args, use_reentrant=False, **kw)
 

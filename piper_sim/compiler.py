@@ -536,11 +536,11 @@ def compile_strategy(strategy: Strategy | dict, folded: bool = True, model: obje
 
 
 def _check_recompute_policy(cfg, setup: Setup) -> None:
-    """Refuse the recompute policies (`piper_sim.recompute`) the IR does not price yet: what
-    re-runs tensor- or context-parallel collectives, the whole MoE block under expert
-    parallelism, and any of them on a user's model (no layer table)."""
-    from piper_sim.recompute import TP_COLLECTIVE_MODULES
-
+    """Refuse the recompute policies (`piper_sim.recompute`) the IR does not price yet: the
+    whole MoE block under tensor or expert parallelism, Megatron uniform chunks of several
+    layers under tensor or context parallelism, and any of them on a user's model (no layer
+    table). The others' re-run collectives are the plan's ``R`` ops (`piper_sim.parallel.tensor`,
+    `piper_sim.parallel.context`)."""
     for s, pol in sorted(setup.recompute_policy.items()):
         if pol.plain:
             continue
@@ -550,16 +550,18 @@ def _check_recompute_policy(cfg, setup: Setup) -> None:
             raise StrategyError(f"{what} needs a zoo or model-file transformer (its per-layer saved tensors); "
                                 f"user model {cfg.name} takes mode full or none")
         if pol.mode == "selective":
-            bad = [m for m in pol.modules if m in TP_COLLECTIVE_MODULES and (setup.tp > 1 or setup.cp > 1)]
-            if bad:
-                raise StrategyError(f"directive recompute (stage {s}): field 'modules' {bad} re-run tensor- or "
-                                    "context-parallel collectives, not priced yet; drop them or the TP/CP degree")
+            # mlp / shared_experts re-run their row-parallel collective (TP.R ops, tensor_pass); moe
+            # re-runs the routed experts' too, which the IR does not split out of the expert block yet
+            if "moe" in pol.modules and setup.tp > 1:
+                raise StrategyError(f"directive recompute (stage {s}): field 'modules' ['moe'] re-runs "
+                                    "tensor-parallel collectives, not priced yet; drop it or the TP degree")
             if "moe" in pol.modules and setup.ep > 1:
                 raise StrategyError(f"directive recompute (stage {s}): field 'modules' 'moe' re-runs the expert "
                                     "all-to-alls under expert parallelism, not priced yet; use moe_act")
-        elif setup.tp > 1 or setup.cp > 1:
-            raise StrategyError(f"{what} with tensor or context parallelism is not priced yet (its re-run "
-                                "collectives); use mode full, selective or none there")
+        elif pol.method == "uniform" and pol.num_layers > 1 and (setup.tp > 1 or setup.cp > 1):
+            # one checkpoint of several layers re-runs all their collectives before the last one's backward
+            raise StrategyError(f"{what} num_layers {pol.num_layers} with tensor or context parallelism is not "
+                                "priced yet (its re-run collectives); use method block, num_layers 1, or mode op")
 
 
 def compile_unfolded(strategy: Strategy | dict, model: object = None) -> list[RankProgram]:

@@ -487,14 +487,63 @@ class _DropOutputFn(torch.autograd.Function):
         return (None, *got)
 
 
-def _checkpoint(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+def _checkpoint(fn: Callable, *args: torch.Tensor, kept: bool = False) -> torch.Tensor:
     """``fn(*args)`` as a checkpoint (keeps its inputs, its backward re-runs it whole, as
     Megatron's ``tensor_parallel.checkpoint`` of the ``mlp``, ``moe`` and ``shared_experts``
-    modules does and the plan prices it: no early stop before the last matmul)."""
+    modules does and the plan prices it: no early stop before the last matmul). ``kept``: a
+    split backward's (`kept_checkpoint`)."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+    if kept:
+        return kept_checkpoint(fn, *args)
     with set_checkpoint_early_stop(False):
         return checkpoint(fn, *args, use_reentrant=False)
+
+
+class _KeptRecompute:
+    """The saved tensors of one checkpointed call under a split backward: the forward keeps
+    only a count of them (and the call's inputs); the first unpack, in BI, re-runs the call once
+    (under op-SAC its recompute context) and keeps every tensor it saves until the graph is
+    freed, so BW finds them without a second re-run (the plan prices one: BI keeps the re-run
+    graph for BW). ``torch.utils.checkpoint`` re-runs the call in every backward pass (graph
+    task) instead, and refuses a second backward of an op-SAC region."""
+
+    def __init__(self, fn: Callable, args: tuple, recompute_ctx):
+        self.fn, self.args, self.recompute_ctx = fn, args, recompute_ctx
+        self.count = 0
+        self.saved: list[torch.Tensor] | None = None
+
+    def pack(self, t: torch.Tensor) -> tuple["_KeptRecompute", int]:
+        self.count += 1
+        return self, self.count - 1
+
+    @staticmethod
+    def unpack(handle: tuple["_KeptRecompute", int]) -> torch.Tensor:
+        frame, i = handle
+        if frame.saved is None:
+            frame._recompute()
+        return frame.saved[i]
+
+    def _recompute(self) -> None:
+        saved: list[torch.Tensor] = []
+
+        def keep(t: torch.Tensor) -> None:
+            saved.append(t.detach() if t.requires_grad else t)
+
+        args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in self.args]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda _: None), self.recompute_ctx:
+            self.fn(*args)
+        if len(saved) != self.count:
+            raise RuntimeError(f"recompute saved {len(saved)} tensors, the forward {self.count}: not deterministic")
+        self.saved, self.args = saved, ()
+
+
+def kept_checkpoint(fn: Callable, *args, context_fn=None):
+    """``fn(*args)`` as a checkpoint that a split backward re-runs once (`_KeptRecompute`)."""
+    fwd_ctx, rec_ctx = context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    frame = _KeptRecompute(fn, args, rec_ctx)
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, _KeptRecompute.unpack), fwd_ctx:
+        return fn(*args)
 
 
 def attention_core_inputs(cfg: "ModelConfig", batch: int, seq: int, device="meta",
@@ -718,6 +767,7 @@ class Block(nn.Module):
     ``recompute_modules``: the Megatron selective modules it recomputes (`set_recompute_modules`)."""
 
     recompute_modules: frozenset[str] = frozenset()
+    keep_recompute = False  # a split backward (BI/BW): its module checkpoints re-run once (`kept_checkpoint`)
     _mlp_norm_keep: "DropOutput | None" = None
 
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -802,7 +852,8 @@ class Block(nn.Module):
             h = dispatch(h)
         shared = None
         if self.moe.shared is not None:
-            shared = _checkpoint(self._shared, h, n) if self._recomputes("shared_experts") else self._shared(h, n)
+            shared = _checkpoint(self._shared, h, n, kept=self.keep_recompute) \
+                if self._recomputes("shared_experts") else self._shared(h, n)
         return x, h, weights, ids, shared
 
     def _shared(self, h: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -824,14 +875,15 @@ class Block(nn.Module):
         if not self.is_moe:
             x = self._attention(x)
             n, keep = self._norm(self.mlp_norm, x)
-            m = _checkpoint(self.mlp, self._in(n)) if self._recomputes("mlp") else self.mlp(self._in(n))
+            m = _checkpoint(self.mlp, self._in(n), kept=self.keep_recompute) if self._recomputes("mlp") \
+                else self.mlp(self._in(n))
             if keep is not None:
                 keep.discard(m)
             return x + self._out(m, 1)
         if self._recomputes("moe"):  # Megatron's MoELayer forward under one checkpoint
             x = self._attention(x)
             n, keep = self._norm(self.mlp_norm, x)
-            y = _checkpoint(self._moe_block, n)
+            y = _checkpoint(self._moe_block, n, kept=self.keep_recompute)
             if keep is not None:
                 keep.discard(y)
             return x + y

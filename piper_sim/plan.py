@@ -147,7 +147,8 @@ class Instruction:
 
     direction: "F" (forward) or "B" (backward) for SEND/RECV (the activation or its
              gradient), ALL_TO_ALL, ZeRO-3 gathers (before a forward / a backward) and
-             tensor-parallel collectives ("R": re-run before a full-recompute backward);
+             tensor-parallel collectives ("R": re-run inside a recomputing backward: full,
+             op-SAC, every-N, Megatron's mlp);
              "" otherwise.
     bucket:  gradient / parameter collectives of data parallel (AR, RS, AG): the bucket
              index within the stage's flat parameters; -1 otherwise.

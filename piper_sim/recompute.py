@@ -55,8 +55,20 @@ from typing import Any
 MODES = ("full", "selective", "op", "every")
 METHODS = ("uniform", "block")
 MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_experts", "mla_up_proj")
-# modules whose recompute re-runs a tensor-parallel collective (not priced yet)
-TP_COLLECTIVE_MODULES = ("mlp", "moe", "shared_experts")
+# modules whose recompute re-runs a tensor-parallel collective (Megatron's checkpoint holds the
+# row-parallel output's all-reduce / reduce-scatter): module -> the block label of its collectives
+TP_COLLECTIVE_MODULES = {"mlp": "mlp", "moe": "moe", "shared_experts": "shared"}
+
+
+def reruns_forward_collective(unit_mode: str, modules: tuple[str, ...], block: str) -> bool:
+    """Whether a unit recomputed as ``unit_mode`` (`Recompute.unit_modes`) re-runs, inside its
+    backward, the forward collective of its ``block`` (``attn``, ``mlp``, ``moe``, ``shared``,
+    ``kv``, or '' for the embedding's / head's): a ``full`` or op-SAC checkpoint re-runs its
+    whole forward (no early stop: every collective recurs), a ``selective`` one only the
+    collectives inside its modules' checkpoints (`TP_COLLECTIVE_MODULES`)."""
+    if unit_mode in ("full", "op"):
+        return True
+    return unit_mode == "selective" and any(TP_COLLECTIVE_MODULES.get(m) == block for m in modules)
 
 
 @dataclass(frozen=True)

@@ -185,22 +185,28 @@ def test_directive_fields_one_line_errors(bad, msg):
 
 
 def test_unpriced_combinations_are_refused():
+    """Under TP: op-SAC, every-N, method block and the mlp module are priced (their re-run
+    collectives are R ops: tests/test_recompute_tp_cp.py); Megatron uniform chunks of several
+    layers and the whole MoE block are not."""
     s = {"model": "gpt-tiny", "cluster": "cpu:2", "global_batch": 2, "seq_len": 16, "microbatches": 1,
-         "directives": [{"op": "tensor_parallel", "degree": 2}, {"op": "recompute", "mode": "op"}]}
-    with pytest.raises(StrategyError, match="not priced yet"):
+         "directives": [{"op": "tensor_parallel", "degree": 2}, {"op": "recompute", "method": "uniform",
+                                                                 "num_layers": 2}]}
+    with pytest.raises(StrategyError, match="num_layers 2 with tensor or context parallelism is not priced yet"):
         compile(s)
-    s["directives"][1] = {"op": "recompute", "mode": "selective", "modules": ["mlp"]}
-    with pytest.raises(StrategyError, match=r"field 'modules' \['mlp'\]"):
-        compile(s)
-    s["directives"][1] = {"op": "recompute", "mode": "selective", "modules": ["core_attn", "layernorm"]}
-    compile(s)  # no collective re-run: priced
+    s["directives"][1] = {"op": "recompute", "mode": "selective", "modules": ["moe"]}
+    with pytest.raises(StrategyError, match=r"field 'modules' \['moe'\]"):
+        compile({**s, "model": "moe-tiny"})
+    for rc in ({"mode": "op"}, {"mode": "every", "every": 2}, {"method": "block", "num_layers": 2},
+               {"mode": "selective", "modules": ["core_attn", "layernorm", "mlp"]}):
+        s["directives"][1] = {"op": "recompute", **rc}
+        compile(s)  # priced
 
 
 def test_executor_refuses_what_it_cannot_run_in_one_line():
     """The executor runs full, selective, op-SAC, every-N, Megatron's method/num_layers and
-    selective modules; the finer policies with a split backward, and Megatron's modules under
-    tensor parallelism, are simulate-only (refused before any process group starts; the compiler
-    itself refuses op-SAC and every-N, and the modules that re-run TP collectives, under TP/CP)."""
+    selective modules, under tensor parallelism too, and with a split backward all but the
+    modules that drop outputs (layernorm, moe_act, mla_up_proj), which are simulate-only there
+    (refused before any process group starts)."""
     from executor.options import refuse_tensor_parallel
     from piper_sim.plan import PlanError
 
@@ -213,10 +219,13 @@ def test_executor_refuses_what_it_cannot_run_in_one_line():
         refuse_tensor_parallel(compile({**base, "directives": base["directives"] + [{"op": "recompute", **rc}]}),
                                "p.json")
     tp2 = [{"op": "tensor_parallel", "degree": 2}]
-    for directives, rc, what in [(tp2, {"mode": "selective", "modules": ["layernorm"]}, "tensor or context parallelism"),
-                                 (pp2, {"mode": "selective", "modules": ["mlp"]}, "split backward"),
-                                 (pp2, {"mode": "every", "every": 2}, "split backward"),
-                                 (pp2, {"mode": "op"}, "split backward")]:
+    for rc in ({"mode": "selective", "modules": ["layernorm", "mlp"]}, {"mode": "op"}):
+        refuse_tensor_parallel(compile({**base, "directives": tp2 + [{"op": "recompute", **rc}]}), "p.json")
+    for rc in ({"mode": "op"}, {"mode": "every", "every": 2}, {"method": "block", "num_layers": 2},
+               {"mode": "selective", "modules": ["core_attn", "mlp"]}):
+        refuse_tensor_parallel(compile({**base, "directives": pp2 + [{"op": "recompute", **rc}]}), "p.json")
+    for directives, rc, what in [(pp2, {"mode": "selective", "modules": ["mlp", "layernorm"]}, "split backward"),
+                                 (pp2, {"mode": "selective", "modules": ["moe_act"]}, "split backward")]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             plan = compile({**base, "directives": directives + [{"op": "recompute", **rc}]})

@@ -18,7 +18,7 @@ causal by true position:
 
 The plan's ``CP.*`` ops are honoured like tensor parallelism's (`executor.parallel.tensor`):
 every collective is logged under its pass; a plan op takes the next logged one of its pass
-(``R``: a full recompute's, inside the B pass) and must have its name and kind. The compiler
+(``R``: a recompute's, inside the B pass) and must have its name and kind. The compiler
 puts a piece's gathers *before* it (and a ring beside it); the collectives run inside the
 piece, so each CP op moves after its piece (`reorder_after_pieces`).
 
@@ -41,6 +41,7 @@ import torch.nn as nn
 from executor.collectives import all_gather_flat, group_ranks, reduce_scatter_flat
 from executor.parallel.tensor import ModuleCollectives, TPAttention, TPComm, column, row
 from piper_sim.models import GQAttention, apply_rope, rope_cos_sin
+from piper_sim.recompute import Recompute, reruns_forward_collective
 
 # the compiler's stream of context-parallel collectives (piper_sim.ir.CP_STREAM)
 CP_STREAM = "cp"
@@ -299,14 +300,26 @@ class CPAttention(nn.Module):
         return row(self.tp, o, self.wo, self.tp_label) if self.tp is not None else self.wo(o)
 
 
-def context_stage(stage, cp: CPComm, keep: bool) -> None:
+def context_stage(stage, cp: CPComm, keep: bool | set[str]) -> None:
     """Every layer of ``stage`` attends over the cp group (`CPAttention`); full recomputation
-    re-runs whole layers, so the recomputed collectives recur in the plan's order."""
+    re-runs whole layers, so the recomputed collectives recur in the plan's order. ``keep``:
+    every layer, or the names of the layers whose checkpoint re-runs the attention (full,
+    every-N, op-SAC: `recomputed_layers`)."""
     stage.recompute_early_stop = False
     for name in stage.units.unit_names():
         if name.startswith("layers."):
             block = stage.units[name]
-            block.attn = CPAttention(block.attn, cp, "l" + name.split(".")[1], keep)
+            block.attn = CPAttention(block.attn, cp, "l" + name.split(".")[1],
+                                     keep if isinstance(keep, bool) else name in keep)
+
+
+def recomputed_layers(header, stage: int, units: list[str]) -> set[str]:
+    """The layers of a stage whose checkpoint re-runs their whole forward, attention included
+    (`piper_sim.recompute.reruns_forward_collective`)."""
+    policy = Recompute.from_header((header.recompute or {}).get(stage, "none"),
+                                   (header.recompute_policy or {}).get(stage))
+    return {u for u, (mode, _) in policy.unit_modes(units).items()
+            if u.startswith("layers.") and reruns_forward_collective(mode, (), "kv")}
 
 
 def reorder_after_pieces(streams: dict[str, list], stage_parts: list[list[list[str]]]) -> None:
@@ -354,9 +367,8 @@ class ContextParallel(ModuleCollectives):
         style = rt.header.cp.style
         self.comm = CPComm(rt.comms.group(CP_STREAM, group), rt.layout.cp, ranks.index(rt.rank), False,
                            style=style, ranks=ranks, seq_len=rt.seq)
-        full = {s for s, mode in (rt.header.recompute or {}).items() if mode == "full"}
         for s, stage in rt.stages.items():
-            context_stage(stage, self.comm, keep=s in full)
+            context_stage(stage, self.comm, keep=recomputed_layers(rt.header, s, stage.unit_names))
         reorder_after_pieces(rt.prog.streams, rt.header.stage_parts)
 
     def local_seq(self, seq: int) -> int:

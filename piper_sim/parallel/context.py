@@ -39,9 +39,11 @@ from dataclasses import replace
 from piper_sim.configs import ModelConfig
 from piper_sim.ir import Context, Node, TrainingDAG, make_op
 from piper_sim.memory import SegmentMemory
+from piper_sim.parallel.memory import stage_unit_modes
 from piper_sim.parallel.tensor import layer_label
 from piper_sim.plan import SPLIT_KINDS
 from piper_sim.profiling import SegmentCost, segment_kind
+from piper_sim.recompute import reruns_forward_collective
 from piper_sim.strategy import StrategyError
 
 CP_STREAM = "cp"  # its collectives' stream (inside a layer)
@@ -127,7 +129,8 @@ def cp_memory(memory: dict[str, SegmentMemory], cp: int) -> dict[str, SegmentMem
 def context_pass(ctx: Context, dag: TrainingDAG) -> None:
     """The K/V collectives of every layer with attention, on the ``cp`` stream over the ``cp``
     group (see the module docstring): ``CP.F..{l}.kv.ag`` in forward; in backward (B/BI)
-    ``{l}.kv.ag`` and ``{l}.dkv.rs`` (ring under full recompute: ``CP.R..{l}.kv.ag`` first).
+    ``{l}.kv.ag`` and ``{l}.dkv.rs`` (ring: ``CP.R..{l}.kv.ag`` first when the layer's
+    checkpoint re-runs its attention: full, every-N, op-SAC).
     ``allgather``: the forward gather and backward gather run before the piece, the
     reduce-scatter after it; ``ring``: all of a piece's run beside it. Runs after the
     activation memory pass: a gathered K/V buffer lives until its piece ends; a ring holds
@@ -146,7 +149,7 @@ def context_pass(ctx: Context, dag: TrainingDAG) -> None:
         if not segs:
             continue
         where, forward = n[0], ins.kind == "F"
-        full = not forward and ctx.setup.recompute.get(ins.stage) == "full"
+        modes = stage_unit_modes(ctx, ins.stage)
         group = ctx.group("cp", where)
         before: list[Node] = []
         after: list[Node] = []
@@ -162,7 +165,8 @@ def context_pass(ctx: Context, dag: TrainingDAG) -> None:
             if forward:
                 before.append(add("F", f"{label}.kv.ag", "ALL_GATHER"))
                 continue
-            if ring and full:
+            # a checkpoint holding the attention (full, every-N, op-SAC) re-runs its ring
+            if ring and reruns_forward_collective(modes.get(x.unit, ("none", 0))[0], (), "kv"):
                 before.append(add("R", f"{label}.kv.ag", "ALL_GATHER"))
             before.append(add("B", f"{label}.kv.ag", "ALL_GATHER"))
             (before if ring else after).append(add("B", f"{label}.dkv.rs", "REDUCE_SCATTER"))

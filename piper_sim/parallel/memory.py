@@ -63,7 +63,8 @@ def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
                 ctx.kernels[ins.kernels] = rows
 
 
-def _stage_unit_modes(ctx: Context, stage: int) -> dict[str, tuple[str, int]]:
+def stage_unit_modes(ctx: Context, stage: int) -> dict[str, tuple[str, int]]:
+    """unit -> (mode, chunk) of the stage's recompute policy (`Recompute.unit_modes`)."""
     units = list(dict.fromkeys(x.unit for x in ctx.stages[stage].segments))
     return ctx.setup.policy(stage).unit_modes(units)
 
@@ -115,7 +116,7 @@ def _policy_rerun(ctx: Context, stage: int, part: int) -> tuple[float, tuple]:
     forward (core_attn: the measured core; their matmuls and memory-bound kernels:
     `_module_mem_rows`)."""
     policy = ctx.setup.policy(stage)
-    modes = _stage_unit_modes(ctx, stage)
+    modes = stage_unit_modes(ctx, stage)
     flops, rows = 0.0, []
     for seg in ctx.parts(stage)[part]:
         m = ctx.memory[seg.name]
@@ -173,7 +174,7 @@ def activation_memory_pass(ctx: Context, dag: TrainingDAG) -> None:
             segs = ctx.parts(stage)[part]
             policy = ctx.setup.policy(stage)
             cache[key] = piece_memory([(x.unit, ctx.memory[x.name]) for x in segs], mode, ep > 1, policy,
-                                      None if policy.plain else _stage_unit_modes(ctx, stage))
+                                      None if policy.plain else stage_unit_modes(ctx, stage))
         return cache[key]
 
     keep = BW_KEEP_FRACTION

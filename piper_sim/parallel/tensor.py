@@ -6,8 +6,10 @@ import warnings
 
 from piper_sim.configs import ModelConfig, tp_divisibility_error
 from piper_sim.ir import Context, Node, TrainingDAG, make_op
+from piper_sim.parallel.memory import stage_unit_modes
 from piper_sim.plan import COMPUTE_KINDS, SPLIT_KINDS, WEIGHT_GRAD_KINDS, Instruction
 from piper_sim.profiling import SegmentCost, segment_kind
+from piper_sim.recompute import reruns_forward_collective
 from piper_sim.strategy import StrategyError
 
 TP_STREAM = "tp"
@@ -104,6 +106,12 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
     return out
 
 
+def _block_of(name: str) -> str:
+    """The block of a TP collective's name (``l3.mlp.ar`` -> ``mlp``; the embedding's / head's: '')."""
+    parts = name.split(".")
+    return parts[1] if parts[0].startswith("l") and parts[0][1:].isdigit() else ""
+
+
 def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     """Tensor (and sequence) parallelism: the collectives inside each layer (`tp_collectives`)
     on the ``tp`` stream, over the ``tp`` group.
@@ -113,7 +121,9 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     async tensor parallelism the next GEMM waits for each of them, so a layer takes its
     compute plus its collectives either way; only where inside the layer they run moves
     (after its attention half, in truth). A full-recompute backward re-runs the forward's
-    collectives first (``TP.R.`` ops). With a BI/BW split the weight pass waits for the
+    collectives first (``TP.R.`` ops), and so do the finer policies' checkpoints that hold
+    collectives (op-SAC, every N-th block, Megatron's ``mlp`` / ``shared_experts`` modules:
+    `piper_sim.recompute.reruns_forward_collective`). With a BI/BW split the weight pass waits for the
     ``.regather`` all-gathers, issued after the stage's input-gradient pass, and the
     embedding's backward collective (SP: the all-gather of its output gradient) follows BW: the
     embedding has no input gradient, its whole backward is the weight gradient. The replicated
@@ -136,7 +146,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             by_stage.setdefault((n[0], ins.stage), []).append(n)
     for (where, s), nodes in by_stage.items():
         group = ctx.group("tp", where)
-        full = ctx.setup.recompute.get(s) == "full"
+        modes, modules = stage_unit_modes(ctx, s), ctx.setup.policy(s).module_set
         parts = ctx.parts(s)
         regathers: dict[int, list[Node]] = {}  # mb -> BI-split re-gathers its BW waits for
         after_bw: dict[int, list[Node]] = {}  # mb -> the embedding's backward collectives in a split: BW's
@@ -155,8 +165,10 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             for seg in segs:
                 if not ctx.setup.tp_sharded(seg.unit):
                     continue  # replicated (shard_tensor's selection): run whole, no TP collective
-                if ins.kind != "F" and full and ctx.memory[seg.name].recomputed:
-                    chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss, attn_in, shared, routed)]
+                if ins.kind != "F" and ctx.memory[seg.name].recomputed:
+                    mode = modes.get(seg.unit, ("none", 0))[0]
+                    chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss, attn_in, shared, routed)
+                              if reruns_forward_collective(mode, modules, _block_of(x[0]))]
                 for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss, attn_in,
                                         shared, routed):
                     if ins.kind == "BI" and x[0].endswith(".regather"):
