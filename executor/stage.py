@@ -498,6 +498,15 @@ class Stage:
             if main and first != "experts":
                 piece.inputs.append("xmain")
             main = main or any(k in ("mtp", "mtp_pre") and layer == cfg.n_layers for k, layer in piece.steps)
+        # MTP depths whose loss sits in a piece before the head's (MoE under EP, D > 1): their
+        # final-normed output (``ymtp.d``) goes on to the head's piece, which projects it with
+        # the shared output layer, so only the head's piece writes that layer's gradient, as
+        # the plan's syncs of its bucket assume
+        self.deferred = [layer - cfg.n_layers for piece in self.pieces for k, layer in piece.steps
+                         if k == "mtp_loss" and not any(kk == "head" for kk, _ in piece.steps)]
+        for piece in self.pieces:
+            if any(k == "head" for k, _ in piece.steps):
+                piece.inputs += [f"ymtp.{d}" for d in self.deferred]
         # the losses of the last stage's backward (the MTP modules' beside the main one)
         self.loss_names = ["loss", *(f"loss.mtp.{d}" for d in range(cfg.mtp_layers))] if self.is_last else []
         self.collect_piece_params()
@@ -535,9 +544,11 @@ class Stage:
     def _step_params(self, kind: str, layer: int) -> list[nn.Parameter]:
         if kind in ("embed", "head"):
             return list(self.units[kind].parameters())
-        if kind == "mtp_loss":  # the final norm and the shared output layer
+        if kind == "mtp_loss":  # the final norm, and the shared output layer unless deferred to the head's piece
             head = self.units["head"]
-            return [*self._mtp(layer).final_norm.parameters(), *(head.out.parameters() if hasattr(head, "out") else ())]
+            shared = head.out.parameters() if hasattr(head, "out") and layer - self.cfg.n_layers not in self.deferred \
+                else ()
+            return [*self._mtp(layer).final_norm.parameters(), *shared]
         if kind in ("mtp", "mtp_pre"):
             mtp = self._mtp(layer)
             own = [p for m in (mtp.enorm, mtp.hnorm, mtp.eh_proj) for p in m.parameters()]
@@ -635,10 +646,16 @@ class Stage:
                 elif kind == "head":
                     outputs["loss"] = run((kind, layer), self._head_loss, x if xmain is None else xmain,
                                           targets) * loss_scale
+                    for d in self.deferred:
+                        outputs[f"loss.mtp.{d}"] = run((kind, layer), self._mtp_loss, inputs[f"ymtp.{d}"],
+                                                       targets, d) * loss_scale
                 elif kind == "mtp_loss":
                     y = run((kind, layer), self._mtp(layer).final_norm, x)
                     d = layer - self.cfg.n_layers
-                    outputs[f"loss.mtp.{d}"] = run((kind, layer), self._mtp_loss, y, targets, d) * loss_scale
+                    if d in self.deferred:
+                        outputs[f"ymtp.{d}"] = y
+                    else:
+                        outputs[f"loss.mtp.{d}"] = run((kind, layer), self._mtp_loss, y, targets, d) * loss_scale
                     x = y  # the next depth's hidden states
                 elif kind in ("mtp", "mtp_pre"):
                     if layer == self.cfg.n_layers:

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 MTP = {**TINY, "name": "tiny-mtp", "mtp_layers": 1, "mtp_loss_scale": 0.3}
 MOE_MTP = {**MOE, "name": "moe-mtp", "mtp_layers": 1}
+MOE_MTP2 = {**MOE, "name": "moe-mtp2", "mtp_layers": 2}
 PIPE = [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"}]
 DP2 = {"op": "data_parallel", "degree": 2, "zero": 1}
 EP2 = {"op": "expert_parallel", "degree": 2}
@@ -33,7 +34,7 @@ def strategy(model: str, *directives: dict, world: int = 2, m: int = 4, batch: i
 @pytest.fixture()
 def files(tmp_path) -> dict[str, str]:
     out = {}
-    for spec in (MTP, MOE_MTP):
+    for spec in (MTP, MOE_MTP, MOE_MTP2):
         path = tmp_path / f"{spec['name']}.json"
         path.write_text(json.dumps(spec))
         out[spec["name"]] = str(path)
@@ -87,14 +88,28 @@ def test_pp1_dp2_and_pp2_1f1b_equal_the_reference(files, tmp_path):
 
 
 def test_moe_ep2_equals_the_reference(files, tmp_path):
-    """The MTP module's layer is MoE: its experts behind their own all-to-alls (one stage, DP2 x
-    EP2; on the last of two stages: the slow test below)."""
-    check(tmp_path, 2, {"ep2": strategy(files["moe-mtp"], DP2, EP2, m=2, batch=8)})
+    """Two MTP modules whose layers are MoE, their experts behind their own all-to-alls (one
+    stage, DP2 x EP2): the main hidden states and module 0's output travel past them to the
+    head's piece, which alone writes the shared output layer's gradient (the plan syncs its
+    bucket after that piece). On the last of two stages: the slow test below."""
+    check(tmp_path, 2, {"ep2": strategy(files["moe-mtp2"], DP2, EP2, m=2, batch=8)})
 
 
 @pytest.mark.slow
 def test_pp2_dp2_ep2_zero1_equal_the_reference(files, tmp_path):
     """Four ranks: the embedding's copy summed over the embedding group, then over DP; the MoE
     MTP layer's pieces carry the main hidden states past its all-to-alls to the head."""
+    zero3 = {"op": "data_parallel", "degree": 2, "zero": 3, "reduce": "per_step"}
     check(tmp_path, 4, {"pp2-dp2": strategy(files["tiny-mtp"], *PIPE, DP2, world=4, batch=16),
+                        "pp2-zero3": strategy(files["tiny-mtp"], *PIPE, zero3, world=4, batch=16),
                         "pp2-ep2": strategy(files["moe-mtp"], *PIPE, DP2, EP2, world=4, batch=16)})
+
+
+@pytest.mark.slow
+def test_pp2_schedules_equal_the_reference(files, tmp_path):
+    """A split backward (zb1p), one rank holding both stages (zbv: the copies summed in place),
+    full recompute."""
+    v2 = {"op": "pipeline", "degree": 2, "stages_per_rank": 2}
+    check(tmp_path, 2, {"zb1p": strategy(files["tiny-mtp"], PIPE[0], {"op": "schedule", "name": "zb1p"}),
+                        "zbv": strategy(files["tiny-mtp"], v2, {"op": "schedule", "name": "zbv"}),
+                        "recompute": strategy(files["tiny-mtp"], *PIPE, {"op": "recompute"})})

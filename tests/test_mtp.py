@@ -62,6 +62,8 @@ def test_mtp_segments_cost_a_layer_plus_projection_and_a_second_head():
     assert segs["mtp.0.experts"].fwd_flops == segs[f"{last}.experts"].fwd_flops
     assert segs["mtp.0.loss"].fwd_flops == segs["head"].fwd_flops  # final norm, the shared head, the loss
     assert segs["mtp.0.loss"].param_count == h  # its own final norm only: the head's weight is shared
+    # ... which the module's other segments do not count again: together they are the unit
+    assert sum(segs[f"mtp.0.{p}"].param_count for p in ("pre", "experts", "loss")) == unit_param_count(cfg, "mtp.0")
     assert segs["mtp.0.loss"].out_bytes == 2 * 32 * h * 4  # the main hidden states go on to the head
 
 
