@@ -35,13 +35,12 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as _checkpoint, create_selective_checkpoint_contexts,
                                      set_checkpoint_early_stop)
 
 from executor.lr import ADAMW
-import torch.nn.functional as F
-
 from piper_sim.models import Block, ModelConfig, build_units, lm_loss, mtp_loss, mtp_shift
 from piper_sim.recompute import Recompute
 
