@@ -113,3 +113,12 @@ def test_pp2_schedules_equal_the_reference(files, tmp_path):
     check(tmp_path, 2, {"zb1p": strategy(files["tiny-mtp"], PIPE[0], {"op": "schedule", "name": "zb1p"}),
                         "zbv": strategy(files["tiny-mtp"], v2, {"op": "schedule", "name": "zbv"}),
                         "recompute": strategy(files["tiny-mtp"], *PIPE, {"op": "recompute"})})
+
+
+@pytest.mark.slow
+def test_save_and_resume_keep_the_embedding_copy(files, tmp_path):
+    """--save / --resume of PP2 x DP2 ZeRO-1: the last stage saves its copy (mtp_embed); the
+    resumed run's losses equal an uninterrupted run's bit for bit."""
+    from tests.test_checkpoint import assert_resumes_bit_exact
+
+    assert_resumes_bit_exact(tmp_path, strategy(files["tiny-mtp"], *PIPE, DP2, world=4, batch=16), 4)
