@@ -67,7 +67,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 def refuse_unrunnable(plan: Plan, path: str) -> None:
     """Every refusal that depends on the plan alone, in the order ``piper-sim run`` makes them:
-    tensor / context parallelism and recompute policies, a user model's factory, tied embeddings."""
+    tensor / context parallelism and recompute policies, a user model's factory, tied embeddings (and
+    the embedding MTP modules share), MTP under TP/CP."""
     refuse_tensor_parallel(plan, path)
     refuse_unbuildable_user_model(plan, path)
     refuse_tied_embeddings(plan, path)
