@@ -67,7 +67,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 def refuse_unrunnable(plan: Plan, path: str) -> None:
     """Every refusal that depends on the plan alone, in the order ``piper-sim run`` makes them:
-    tensor / context parallelism and recompute policies, a user model's factory, tied embeddings."""
+    tensor / context parallelism and recompute policies, a user model's factory, tied embeddings (and
+    the embedding MTP modules share), MTP under TP/CP."""
     refuse_tensor_parallel(plan, path)
     refuse_unbuildable_user_model(plan, path)
     refuse_tied_embeddings(plan, path)
@@ -75,15 +76,17 @@ def refuse_unrunnable(plan: Plan, path: str) -> None:
 
 
 def refuse_multi_token_prediction(plan: Plan, path: str) -> None:
-    """DeepSeek-V3's multi-token-prediction modules (`ModelConfig.mtp_layers`) are simulate-only:
-    the executor's stages run the main path (embedding, layers, head) and its one loss."""
+    """DeepSeek-V3's multi-token-prediction modules (`ModelConfig.mtp_layers`) run with PP, DP /
+    ZeRO and EP (`executor.stage`, the shared embedding across stages: `refuse_tied_embeddings`);
+    under tensor or context parallelism they are simulate-only (their shifted tokens and
+    vocabulary-parallel losses are not built)."""
     from piper_sim.configs import config_of
 
     h = plan.header
-    if h.user_model is None and config_of(h).mtp_layers:
+    if h.user_model is None and config_of(h).mtp_layers and (plan.layout.tp > 1 or plan.layout.cp > 1):
         raise PlanError(f"{path}: model {h.model} has {config_of(h).mtp_layers} multi-token-prediction module(s) "
-                        "(mtp_layers), which are simulate-only in this version; use `piper-sim simulate`, or a "
-                        "model without them (e.g. deepseek-v3 instead of deepseek-v3-mtp) to run it")
+                        f"(mtp_layers), which are simulate-only under tensor or context parallelism (tp "
+                        f"{plan.layout.tp}, cp {plan.layout.cp}) in this version; use `piper-sim simulate`")
 
 
 def refuse_recompute_policy(plan: Plan, path: str) -> None:
@@ -201,8 +204,11 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
     from piper_sim.configs import config_of
 
     h = plan.header
-    if h.user_model is not None or not config_of(h).tie_embeddings:
+    if h.user_model is not None or not (config_of(h).tie_embeddings or config_of(h).mtp_layers):
         return
+    # an untied model's MTP modules read the embedding as a tied head does (the last stage's copy)
+    what = "ties its embeddings (tie_embeddings)" if config_of(h).tie_embeddings else \
+        "shares its embedding with its multi-token-prediction modules (mtp_layers)"
     units = h.stage_units
     stages = {u: s for s, names in enumerate(units) for u in names if u in ("embed", "head")}
     first, last = stages.get("embed"), stages.get("head")
@@ -221,8 +227,9 @@ def refuse_tied_embeddings(plan: Plan, path: str) -> None:
     elif any(i.kind == "BW" for c in plan.classes for i in c.instructions()):
         why = f"schedule {h.schedule} splits the backward (BI/BW) of the head's piece"
     if why:
-        raise PlanError(f"{path}: model {h.model} ties its embeddings (tie_embeddings) and {why}; "
-                        "the executor cannot share that weight: simulate it, or untie the model")
+        raise PlanError(f"{path}: model {h.model} {what} and {why}; "
+                        "the executor cannot share that weight: simulate it" +
+                        (", or untie the model" if config_of(h).tie_embeddings else ""))
 
 
 # output folders -> the files of an earlier run they may hold, which this run would replace

@@ -13,7 +13,7 @@ from executor.lr import LRSchedule
 from executor.stage import FlatParams, keep_first_grads, make_optimizer, set_lr
 from costmodel.dtypes import torch_dtype
 from piper_sim.configs import config_of
-from piper_sim.models import DropoutStream, build_model, lm_loss, set_dropout_stream
+from piper_sim.models import DropoutStream, build_model, set_dropout_stream
 from piper_sim.plan import Plan
 
 
@@ -43,7 +43,7 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
         # dropout masks from the per-(step, sample, layer, site) stream the executor's ranks draw from
         set_dropout_stream(DropoutStream(h.seed, step, range(h.global_batch), h.seq_len) if cfg.dropout else None)
         try:
-            loss = lm_loss(model(tokens.to(device)), targets.to(device))
+            loss = model.training_loss(tokens.to(device), targets.to(device))  # with the MTP losses, if any
         finally:
             set_dropout_stream(None)
         loss.backward()
@@ -60,6 +60,10 @@ def reference_training(plan: Plan, steps: int, device: torch.device | str = "cpu
         out["head.out.weight"] = out["embed.weight"]
         if first_grads is not None and "embed.weight" in first_grads:
             first_grads["head.out.weight"] = first_grads["embed.weight"]
+    elif cfg.mtp_layers:  # a last stage's copy of the embedding its MTP modules read (executor.parallel.tied)
+        out["mtp_embed.weight"] = out["embed.weight"]
+        if first_grads is not None and "embed.weight" in first_grads:
+            first_grads["mtp_embed.weight"] = first_grads["embed.weight"]
     return out, losses
 
 

@@ -459,8 +459,9 @@ class Runtime:
             axis.enter_pass(("F", s, m))
         rec = stage.forward_piece(part, env.vals, env.routing, env.targets, self.loss_scale)
         env.records[f"p{part}"] = rec
-        if "loss" in rec.outputs:
-            self.loss_sum += rec.outputs["loss"].detach().float()
+        for name in getattr(stage, "loss_names", ["loss"]):  # the main loss, and the MTP modules' (Stage.loss_names)
+            if name in rec.outputs:
+                self.loss_sum += rec.outputs[name].detach().float()
         self.dp.release("F", s, m, part)
 
     def backward_env(self, s: int, m: int) -> MicroBatch:
@@ -470,7 +471,7 @@ class Runtime:
         if not env.backward_started:
             env.backward_started = True
             if self.stages[s].is_last:
-                env.grads["loss"] = None
+                env.grads.update(dict.fromkeys(getattr(self.stages[s], "loss_names", ["loss"])))
             else:
                 g = self.received.pop(("B", s + 1, m), None)
                 env.grads["x"] = g if g is not None else self.input_grads.pop((s + 1, m))

@@ -35,12 +35,13 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as _checkpoint, create_selective_checkpoint_contexts,
                                      set_checkpoint_early_stop)
 
 from executor.lr import ADAMW
-from piper_sim.models import Block, ModelConfig, build_units, kept_checkpoint, lm_loss
+from piper_sim.models import Block, ModelConfig, build_units, kept_checkpoint, lm_loss, mtp_loss, mtp_shift
 from piper_sim.recompute import Recompute
 
 
@@ -386,7 +387,9 @@ class Record:
 
 @dataclass
 class Piece:
-    steps: list[tuple[str, int]]   # ("embed"|"layer"|"pre"|"experts"|"head", layer index)
+    # ("embed"|"layer"|"pre"|"experts"|"head"|"mtp"|"mtp_pre"|"mtp_loss", layer index; an MTP
+    # module d's layer is n_layers + d, as models.MTPLayer numbers its block)
+    steps: list[tuple[str, int]]
     inputs: list[str]
     params: list[nn.Parameter] = field(default_factory=list)
     step_params: list[list[nn.Parameter]] = field(default_factory=list)  # per step, in order
@@ -396,23 +399,29 @@ def _layer(segment: str) -> int:
     return int(segment.split(".")[1])
 
 
-def piece_steps(segments: list[str]) -> list[tuple[str, int]]:
+def piece_steps(segments: list[str], n_layers: int = 0) -> list[tuple[str, int]]:
     """Segment names -> steps; a MoE layer whose ``pre`` and ``experts`` segments are in the
-    same piece runs whole (no expert parallelism)."""
+    same piece runs whole (no expert parallelism). MTP module ``mtp.d`` (layer ``n_layers + d``):
+    ``mtp`` / ``mtp_pre`` (its projection and layer, or the layer's ``pre``), ``experts``, and
+    ``mtp_loss`` (segment ``mtp.d.loss``: its final norm, the shared output layer, its loss)."""
     steps: list[tuple[str, int]] = []
     i = 0
     while i < len(segments):
         seg = segments[i]
+        mtp = seg.startswith("mtp.")
+        layer = _layer(seg) + (n_layers if mtp else 0) if seg not in ("embed", "head") else -1
         if seg in ("embed", "head"):
             steps.append((seg, -1))
+        elif mtp and seg.endswith(".loss"):
+            steps.append(("mtp_loss", layer))
         elif seg.endswith(".pre"):
             whole = i + 1 < len(segments) and segments[i + 1] == seg[:-4] + ".experts"
-            steps.append(("layer" if whole else "pre", _layer(seg)))
+            steps.append((("mtp" if whole else "mtp_pre") if mtp else ("layer" if whole else "pre"), layer))
             i += whole
         elif seg.endswith(".experts"):
-            steps.append(("experts", _layer(seg)))
+            steps.append(("experts", layer))
         else:
-            steps.append(("layer", _layer(seg)))
+            steps.append(("mtp" if mtp else "layer", layer))
         i += 1
     return steps
 
@@ -466,7 +475,7 @@ class Stage:
         # (their tokens gathered over TP, their outputs reduce-scattered back)
         self.expert_input = self.expert_output = lambda t, layer: t
         self.expert_tp: Callable[..., torch.Tensor] | None = None
-        self.pieces = [Piece(piece_steps(p), []) for p in parts]
+        self.pieces = [Piece(piece_steps(p, cfg.n_layers), []) for p in parts]
         self.unit_names = list(units)
         # (step kind, layer) -> (how it is recomputed: none | full | op | selective, checkpoint chunk)
         self.step_modes: dict[tuple[str, int], tuple[str, int]] = {}
@@ -478,28 +487,75 @@ class Stage:
             lo = ep_index * self.local_experts
             for name in self.units.unit_names():
                 block = self.units[name]
+                block = getattr(block, "block", block)  # an MTP module's layer
                 if isinstance(block, Block) and block.is_moe:
                     block.moe.experts = nn.ModuleList(list(block.moe.experts)[lo:lo + self.local_experts])
         # layer of the e-th expert block of this stage (``A2A.*.e{e}.*`` op ids)
         self.expert_layers = [layer for piece in self.pieces for kind, layer in piece.steps if kind == "experts"]
+        main = False  # a piece before this one kept the main hidden states for the head (``xmain``)
         for piece in self.pieces:
             first = piece.steps[0][0]
             piece.inputs = {"embed": ["tokens"], "experts": [f"recv.{piece.steps[0][1]}"]}.get(first, ["x"])
+            if main and first != "experts":
+                piece.inputs.append("xmain")
+            main = main or any(k in ("mtp", "mtp_pre") and layer == cfg.n_layers for k, layer in piece.steps)
+        # MTP depths whose loss sits in a piece before the head's (MoE under EP, D > 1): their
+        # final-normed output (``ymtp.d``) goes on to the head's piece, which projects it with
+        # the shared output layer, so only the head's piece writes that layer's gradient, as
+        # the plan's syncs of its bucket assume
+        self.deferred = [layer - cfg.n_layers for piece in self.pieces for k, layer in piece.steps
+                         if k == "mtp_loss" and not any(kk == "head" for kk, _ in piece.steps)]
+        for piece in self.pieces:
+            if any(k == "head" for k, _ in piece.steps):
+                piece.inputs += [f"ymtp.{d}" for d in self.deferred]
+        # the losses of the last stage's backward (the MTP modules' beside the main one)
+        self.loss_names = ["loss", *(f"loss.mtp.{d}" for d in range(cfg.mtp_layers))] if self.is_last else []
         self.collect_piece_params()
 
     def collect_piece_params(self) -> None:
         """Each piece's parameters (again after its modules are replaced, e.g. tensor-parallel shards)."""
         for piece in self.pieces:
             piece.step_params = [self._step_params(kind, layer) for kind, layer in piece.steps]
-            piece.params = [p for params in piece.step_params for p in params]
+            piece.params = list({id(p): p for params in piece.step_params for p in params}.values())
 
     # parameters
     def _block(self, layer: int) -> Block:
+        if layer >= self.cfg.n_layers:
+            return self._mtp(layer).block
         return self.units[f"layers.{layer}"]
+
+    def _mtp(self, layer: int):
+        return self.units[f"mtp.{layer - self.cfg.n_layers}"]
+
+    def unit_of(self, kind: str, layer: int) -> str:
+        """The unit a step belongs to."""
+        if kind in ("embed", "head"):
+            return kind
+        return f"mtp.{layer - self.cfg.n_layers}" if layer >= self.cfg.n_layers else f"layers.{layer}"
+
+    def mtp_embedding(self) -> torch.Tensor:
+        """The word-embedding matrix the MTP modules read: the stage's embedding, else its copy
+        (``mtp_embed``; a tied model's: the head's own copy)."""
+        if "embed" in self.units:
+            return self.units["embed"].weight
+        if "mtp_embed" in self.units:
+            return self.units["mtp_embed"].weight
+        return self.units["head"].out_weight
 
     def _step_params(self, kind: str, layer: int) -> list[nn.Parameter]:
         if kind in ("embed", "head"):
             return list(self.units[kind].parameters())
+        if kind == "mtp_loss":  # the final norm, and the shared output layer unless deferred to the head's piece
+            head = self.units["head"]
+            shared = head.out.parameters() if hasattr(head, "out") and layer - self.cfg.n_layers not in self.deferred \
+                else ()
+            return [*self._mtp(layer).final_norm.parameters(), *shared]
+        if kind in ("mtp", "mtp_pre"):
+            mtp = self._mtp(layer)
+            own = [p for m in (mtp.enorm, mtp.hnorm, mtp.eh_proj) for p in m.parameters()]
+            emb = self.mtp_embedding()
+            extra = [emb] if isinstance(emb, nn.Parameter) else []
+            return extra + own + self._step_params("layer" if kind == "mtp" else "pre", layer)
         block = self._block(layer)
         experts = {id(p) for p in block.moe.experts.parameters()} if block.is_moe else set()
         if kind == "experts":
@@ -515,8 +571,9 @@ class Stage:
         lo = self.ep_index * self.local_experts
         for name, p in self.units.named_parameters():
             parts = name.split(".")
-            if self.expert_split and len(parts) > 4 and parts[2:4] == ["moe", "experts"]:
-                parts[4] = str(lo + int(parts[4]))
+            at = 3 if parts[0] == "mtp" else 2  # mtp.d.block.moe.experts.e...
+            if self.expert_split and len(parts) > at + 2 and parts[at:at + 2] == ["moe", "experts"]:
+                parts[at + 2] = str(lo + int(parts[at + 2]))
                 experts.append((".".join(parts), p))
             else:
                 dense.append((name, p))
@@ -534,7 +591,7 @@ class Stage:
         self.step_modes = {}
         for piece in self.pieces:
             for kind, layer in piece.steps:
-                self.step_modes[kind, layer] = modes[kind if kind in ("embed", "head") else f"layers.{layer}"]
+                self.step_modes[kind, layer] = modes[self.unit_of(kind, layer)]
         self.uniform_chunks = {k: c for k, (m, c) in self.step_modes.items() if m == "full" and c >= 0}
         for name in self.units.unit_names():
             if name.startswith("layers."):
@@ -570,6 +627,7 @@ class Stage:
         steps = list(zip(piece.steps, piece.step_params))
         with torch.enable_grad():
             x = inputs.get("x")
+            xmain = inputs.get("xmain")  # the main hidden states, kept for the head past the MTP modules
             j = 0
             while j < len(steps):
                 (kind, layer), params = steps[j]
@@ -590,8 +648,27 @@ class Stage:
                 elif kind == "layer":
                     x = run((kind, layer), self._block(layer), x)
                 elif kind == "head":
-                    outputs["loss"] = run((kind, layer), self._head_loss, x, targets) * loss_scale
-                elif kind == "pre":
+                    outputs["loss"] = run((kind, layer), self._head_loss, x if xmain is None else xmain,
+                                          targets) * loss_scale
+                    for d in self.deferred:
+                        outputs[f"loss.mtp.{d}"] = run((kind, layer), self._mtp_loss, inputs[f"ymtp.{d}"],
+                                                       targets, d) * loss_scale
+                elif kind == "mtp_loss":
+                    y = run((kind, layer), self._mtp(layer).final_norm, x)
+                    d = layer - self.cfg.n_layers
+                    if d in self.deferred:
+                        outputs[f"ymtp.{d}"] = y
+                    else:
+                        outputs[f"loss.mtp.{d}"] = run((kind, layer), self._mtp_loss, y, targets, d) * loss_scale
+                    x = y  # the next depth's hidden states
+                elif kind in ("mtp", "mtp_pre"):
+                    if layer == self.cfg.n_layers:
+                        xmain = x
+                    emb = F.embedding(mtp_shift(targets, layer - self.cfg.n_layers)[0], self.mtp_embedding())
+                    x = run((kind, layer), self._mtp(layer).project, x, emb)
+                    if kind == "mtp":
+                        x = run((kind, layer), self._block(layer), x)
+                if kind in ("pre", "mtp_pre"):
                     block = self._block(layer)
                     # tensor parallel: the routed and shared experts' column-parallel linears read f(h)
                     x, h, weights, ids, shared = run((kind, layer), block.forward_pre, x,
@@ -610,13 +687,18 @@ class Stage:
                             routing[f"recv_counts.{layer}"])
                     outputs[f"y.{layer}"] = y
             last = piece.steps[-1][0]
-            if last == "layer" or last == "embed":
+            if last in ("layer", "embed", "mtp", "mtp_loss"):
                 outputs["x"] = x
+            if xmain is not None and last != "head":
+                outputs["xmain"] = xmain
         vals.update(outputs)
         return Record(inputs, outputs, piece.params)
 
     def _head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(self.units["head"](x), targets)
+
+    def _mtp_loss(self, y: torch.Tensor, targets: torch.Tensor, depth: int) -> torch.Tensor:
+        return mtp_loss(self.units["head"].project(y), targets, depth, self.cfg)
 
     def _reduced_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         if self.expert_tp is not None:

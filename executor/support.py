@@ -116,8 +116,10 @@ FEATURES: tuple[Feature, ...] = (
             why="per-micro-batch reduce-scatters (reduce per_step runs)", match="reduce-scatters every micro-batch"),
     Feature("multi-head latent attention, shared experts (no TP/CP)", _s(DP2, EP2, dp=2),
             model_file={**MOE, "shared_experts": 1, **{k: v for k, v in MLA.items() if k not in TINY}}),
-    Feature("multi-token prediction (DeepSeek-V3 MTP modules)", _s(PP2, m=4), model_file={**TINY, "mtp_layers": 1},
-            runs=False, why="multi-token-prediction modules", match="multi-token-prediction module(s)"),
+    Feature("multi-token prediction (DeepSeek-V3 MTP modules)", _s(PP2, m=4), model_file={**TINY, "mtp_layers": 1}),
+    Feature("multi-token prediction under context parallel", _s(CP2), model_file={**TINY, "mtp_layers": 1},
+            runs=False, why="MTP modules under tensor or context parallel",
+            match="simulate-only under tensor or context parallelism"),
 )
 
 

@@ -138,20 +138,24 @@ def stage_costs(cfg: ModelConfig, segments: list[SegmentCost], n_stages: int,
         stages.append(StageCost(stage=s, segments=[x for x in segments if x.unit in units]))
     if cfg.tie_embeddings and n_stages > 1:
         _own_output_copy(stages)
+    elif mtp and n_stages > 1:
+        _own_output_copy(stages, mtp[0])
     return stages
 
 
-def _own_output_copy(stages: list[StageCost]) -> None:
+def _own_output_copy(stages: list[StageCost], unit: str = "head") -> None:
     """A tied model's embedding and head on two stages: the last stage holds its own copy of
     the word-embedding matrix for the output layer (Megatron-Core ``LanguageModule``'s
     ``output_layer.weight`` off the first stage), with its gradients and optimizer state,
-    kept equal by `piper_sim.parallel.tied`; the head segment owns those parameters."""
+    kept equal by `piper_sim.parallel.tied`; the head segment owns those parameters. An
+    untied model's MTP modules (``unit`` ``mtp.0``: its first segment owns them) read the
+    embedding there the same way (Megatron-Core's last stage builds ``embedding`` for MTP and
+    ``finalize_model_grads._allreduce_word_embedding_grads`` sums it with the first stage's)."""
     embed = next(x for x in stages[0].segments if x.unit == "embed")
     last = stages[-1].segments
-    for i, x in enumerate(last):
-        if x.unit == "head":
-            last[i] = dataclasses.replace(x, param_count=x.param_count + embed.param_count,
-                                          param_bytes=x.param_bytes + embed.param_bytes)
+    i = next(i for i, x in enumerate(last) if x.unit == unit)
+    last[i] = dataclasses.replace(last[i], param_count=last[i].param_count + embed.param_count,
+                                  param_bytes=last[i].param_bytes + embed.param_bytes)
 
 
 def _user_stage_costs(model: UserModel, segments: list[SegmentCost], n_stages: int,
@@ -344,7 +348,9 @@ def build_dag(strategy: Strategy, folded: bool = True,
                   layout=layout, dtype_bytes=DTYPE_BYTES[strategy.dtype], folded=folded,
                   memory=memory,
                   micro_batch=mbs, seq_len=seq, hidden=cfg.hidden, kv_bytes=kv_bytes, stack=strategy.stack,
-                  gpu_family=gpu.family, tied_embeddings=isinstance(cfg, ModelConfig) and cfg.tie_embeddings,
+                  gpu_family=gpu.family, tied_embeddings=isinstance(cfg, ModelConfig) and (cfg.tie_embeddings or cfg.mtp_layers > 0),
+                  embed_copy_unit="mtp.0" if isinstance(cfg, ModelConfig) and cfg.mtp_layers and not cfg.tie_embeddings
+                  else "head",
                   **tp_model)
     dag = TrainingDAG()
     run_passes(ctx, dag, passes())
@@ -409,7 +415,9 @@ def _issue_keys(dag: TrainingDAG, sequences: dict[int, list[Node]]) -> dict[Node
                         return key[n]
                     preds = [key_of(p) for p in dag.g.predecessors(n) if p[0] == where]
                     if dag.ins(n).kind == "OPT":
-                        key[n] = end + (max(preds) if preds else 0.0) / (end + 1)
+                        # after what it waits on, even a sync keyed past this rank's end by another
+                        # rank's (a collective's latest key: e.g. AR.embed of the last stage)
+                        key[n] = max(end + (max(preds) if preds else 0.0) / (end + 1), max(preds, default=0.0) + 0.1)
                     else:
                         # gradient buckets go out as the backward reaches them (last first)
                         # a layer's TP collectives (tens per compute piece) stay between it and the next

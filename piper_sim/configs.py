@@ -56,7 +56,8 @@ class ModelConfig:
     RMSNorm of the hidden state and of the next token's embedding, a ``2h -> h`` projection
     (``eh_proj``), one transformer layer (MoE when the model's later layers are), a final norm
     and the shared output head with its own cross-entropy loss. Embedding and head are shared
-    (counted once).
+    (counted once). ``mtp_loss_scale``: lambda, the weight of the MTP losses' mean in the
+    training loss (Megatron-Core ``mtp_loss_scaling_factor``, default 0.1).
     ``tp``/``sequence_parallel``: this config is one tensor-parallel rank's shard (see
     :func:`tp_shard`); every count here (``param_count``...) is of the whole model.
     """
@@ -100,6 +101,7 @@ class ModelConfig:
     rope: bool = True
     tie_embeddings: bool = False
     mtp_layers: int = 0
+    mtp_loss_scale: float = 0.1  # lambda: Megatron-Core's mtp_loss_scaling_factor default (DeepSeek-V3 §4.2: 0.3, then 0.1)
     # one tensor-parallel rank's shard (profiling on meta; see tp_shard)
     tp: int = 1
     sequence_parallel: bool = False
@@ -333,6 +335,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
 # float fields -> (lower bound, whether it is excluded, upper bound excluded)
 FLOAT_RANGES: dict[str, tuple[float, bool, float]] = {
     "rope_theta": (0.0, True, math.inf), "norm_eps": (0.0, True, math.inf), "dropout": (0.0, False, 1.0),
+    "mtp_loss_scale": (0.0, False, math.inf),
 }
 _CHOICES = {"attention": ("gqa", "mla"), "mlp": ("swiglu", "gelu"), "norm": ("rms", "layer")}
 

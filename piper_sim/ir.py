@@ -91,7 +91,8 @@ class Context:
     tp_attn_width: int = 0
     tp_shared_experts: bool = False
     tp_top_k: int = 0
-    tied_embeddings: bool = False  # the head projects with the embedding's matrix (piper_sim.parallel.tied)
+    tied_embeddings: bool = False  # the head projects with the embedding's matrix or MTP modules read it (piper_sim.parallel.tied)
+    embed_copy_unit: str = "head"  # the last stage's unit holding its copy of that matrix (``mtp.0``: untied MTP)
     stack: Stack = DEFAULT_STACK  # the kernels the run executes (costmodel.stack)
     gpu_family: str = "hopper"  # the cluster GPU's family (costmodel.hardware): what FP8 casts move
 

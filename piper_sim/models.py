@@ -937,7 +937,16 @@ class Head(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
         x = _SPGather.apply(x, self.sp) if self.sp > 1 else x
+        return self.project(x)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The output layer alone (no norm): what the MTP modules share."""
         return self.out(x) if self.tied_weight is None else F.linear(x, self.tied_weight)
+
+    @property
+    def out_weight(self) -> torch.Tensor:
+        """The matrix the output layer projects with (its own, or the tied embedding's)."""
+        return self.out.weight if self.tied_weight is None else self.tied_weight
 
 
 class MTPLayer(nn.Module):
@@ -973,6 +982,31 @@ class MTPLayer(nn.Module):
         return self.final_norm(self.block(self.project(x, emb)))
 
 
+def mtp_shift(targets: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What MTP module ``depth`` (0-based) sees of a micro-batch whose ``targets`` are the
+    inputs shifted by one: (the tokens it embeds, ``depth + 1`` further ahead of the inputs;
+    the tokens it predicts, ``depth + 2`` ahead; the mask of positions that have one). As
+    Megatron-Core's ``roll_tensor`` (``models/gpt/gpt_model.py``): shifted left, zero-filled,
+    the tail masked out of the loss."""
+    s = targets.shape[-1]
+    emb, tgt = torch.zeros_like(targets), torch.zeros_like(targets)
+    emb[..., :s - depth] = targets[..., depth:]
+    tgt[..., :max(s - depth - 1, 0)] = targets[..., depth + 1:]
+    mask = torch.zeros(targets.shape, dtype=torch.bool, device=targets.device)
+    mask[..., :max(s - depth - 1, 0)] = True
+    return emb, tgt, mask
+
+
+def mtp_loss(logits: torch.Tensor, targets: torch.Tensor, depth: int, cfg: ModelConfig) -> torch.Tensor:
+    """Module ``depth``'s share of the training loss: its mean token cross entropy over the
+    positions with a target (fp32), times ``mtp_loss_scale / mtp_layers`` (DeepSeek-V3 §2.2's
+    lambda / D; Megatron-Core ``mtp_loss_scaling_factor / mtp_num_layers``)."""
+    _, tgt, mask = mtp_shift(targets, depth)
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none")
+    m = mask.flatten()
+    return (ce * m).sum() / m.sum().clamp(min=1) * (cfg.mtp_loss_scale / cfg.mtp_layers)
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross entropy (computed in fp32)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -984,7 +1018,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = Embedding(cfg.local_vocab, cfg.hidden, cfg.tp if cfg.sequence_parallel else 1)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        if cfg.mtp_layers:  # simulate-only: forward() runs the main path (executor.options refuses MTP)
+        if cfg.mtp_layers:  # forward() runs the main path; training_loss adds the MTP modules' losses
             self.mtp = nn.ModuleList(MTPLayer(cfg, d) for d in range(cfg.mtp_layers))
         self.head = Head(cfg)
 
@@ -1008,6 +1042,20 @@ class Transformer(nn.Module):
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits, targets)
+
+    def training_loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The main loss plus the MTP modules' (`mtp_loss`): module d takes the previous
+        depth's hidden states (the main model's before its final norm, then module d-1's
+        after its own) and the shared embedding of the tokens d+1 ahead (`mtp_shift`); the
+        shared output layer projects its final-normed output."""
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        loss = lm_loss(self.head(x), targets)
+        for d, module in enumerate(getattr(self, "mtp", [])):
+            x = module(x, self.embed(mtp_shift(targets, d)[0]))
+            loss = loss + mtp_loss(self.head.project(x), targets, d, self.cfg)
+        return loss
 
 
 def _make_unit(cfg: ModelConfig, name: str) -> nn.Module:
@@ -1123,6 +1171,10 @@ def build_units(
         units["embed"] = built["embed"]
     for group in ("layers", "mtp"):
         members = {n.split(".")[1]: m for n, m in built.items() if n.startswith(group + ".")}
+        if group == "mtp" and members and real and "embed" not in built and not cfg.tie_embeddings:
+            # the MTP modules' embedding on a stage without it: a copy (``mtp_embed``, Megatron-Core's
+            # last stage holds ``embedding`` when it runs MTP), ahead of the modules as the plan counts it
+            units["mtp_embed"] = _construct(lambda: _make_unit(cfg, "embed"), device, dtype, seed, ["embed"])
         if members:
             units[group] = nn.ModuleDict(dict(sorted(members.items(), key=lambda kv: int(kv[0]))))
     if "head" in built:

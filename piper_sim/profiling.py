@@ -244,6 +244,7 @@ def _profile_kind(cfg: ModelConfig, kind: str, micro_batch: int, seq_len: int, d
         mod = build("mtp.0")
         embed = build("embed")  # the shared embedding of the tokens one further ahead: its gradient here
         expert_ids = {id(p) for p in mod.block.moe.experts.parameters()} if mod.is_moe else set()
+        expert_ids |= {id(p) for p in mod.final_norm.parameters()}  # counted in segment mtp.d.loss
         params = [p for p in mod.parameters() if id(p) not in expert_ids]
         fn = mod.forward_pre if kind == "mtp_pre" else mod
         m = measure(lambda x: fn(x, embed(tokens)), [hidden_in], params + list(embed.parameters()))

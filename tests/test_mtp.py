@@ -1,7 +1,7 @@
 """DeepSeek-V3's multi-token-prediction (MTP) modules (issue 26 part 4; arXiv 2412.19437 §2.2,
 Megatron-Core ``MultiTokenPredictionLayer``): parameters and profiled costs equal their closed
 forms, the module joins the head's stage (in a Megatron layout string as ``m``), it lengthens the
-last stage's step, and the executor refuses it in one line."""
+last stage's step, and the executor refuses it under CP in one line."""
 
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def test_mtp_segments_cost_a_layer_plus_projection_and_a_second_head():
     assert segs["mtp.0.experts"].fwd_flops == segs[f"{last}.experts"].fwd_flops
     assert segs["mtp.0.loss"].fwd_flops == segs["head"].fwd_flops  # final norm, the shared head, the loss
     assert segs["mtp.0.loss"].param_count == h  # its own final norm only: the head's weight is shared
+    # ... which the module's other segments do not count again: together they are the unit
+    assert sum(segs[f"mtp.0.{p}"].param_count for p in ("pre", "experts", "loss")) == unit_param_count(cfg, "mtp.0")
     assert segs["mtp.0.loss"].out_bytes == 2 * 32 * h * 4  # the main hidden states go on to the head
 
 
@@ -78,10 +80,13 @@ def test_a_layout_must_place_every_mtp_module():
         compile(_strategy(MOE_MTP, layout="Et*2|t*2L"))
 
 
-def test_the_executor_refuses_mtp_in_one_line():
+def test_the_executor_runs_mtp_and_refuses_it_under_cp_in_one_line():
     from executor.support import unrunnable
 
-    why = unrunnable(compile(_strategy(MOE_MTP)), "p.json")
+    assert unrunnable(compile(_strategy(MOE_MTP)), "p.json") == ""  # PP2 (tests/test_executor_mtp.py runs it)
+    cp = _strategy(MOE_MTP, pp=2)  # cpu:2
+    cp["directives"] = [{"op": "context_parallel", "degree": 2}]
+    why = unrunnable(compile(cp), "p.json")
     assert "multi-token-prediction module(s)" in why and "simulate-only" in why and "\n" not in why
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -371,11 +371,12 @@ def _by_bucket(named: list[tuple[str, Any]], buckets: list[list[str]]) -> tuple[
     unit_bucket = {}
     for b, segs in enumerate(buckets):
         for seg in segs:
-            unit_bucket[".".join(seg.split(".")[:2]) if seg.startswith("layers.") else seg] = b
+            unit_bucket[".".join(seg.split(".")[:2]) if seg.startswith(("layers.", "mtp.")) else seg] = b
 
     def bucket_of(name: str) -> int:
         parts = name.split(".")
-        key = ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+        key = ".".join(parts[:2]) if parts[0] in ("layers", "mtp") else parts[0]
+        key = "mtp.0" if key == "mtp_embed" else key  # the embedding's copy counts in mtp.0 (compiler.stage_costs)
         if key not in unit_bucket:  # a user model's unit: the unit path the name starts with
             key = max((u for u in unit_bucket if name.startswith(u + ".")), key=len)
         return unit_bucket[key]

@@ -21,6 +21,7 @@ from piper_sim.parallel.tied import STREAM
 from piper_sim.plan import Instruction
 
 COPY = "head.out.weight"  # the last stage's copy
+MTP_COPY = "mtp_embed.weight"  # an untied model's: the embedding its MTP modules read (models.build_units)
 
 
 class TiedEmbeddings(Axis):
@@ -32,7 +33,7 @@ class TiedEmbeddings(Axis):
 
     def __init__(self, rt):
         self.rt = rt
-        self.copy_here = any(COPY in dict(stage.units.named_parameters()) for stage in rt.stages.values())
+        self.copies = {COPY, MTP_COPY} & {n for stage in rt.stages.values() for n, _ in stage.units.named_parameters()}
         self.ends = {0, rt.header.num_stages - 1}  # the stages holding a copy
 
     def stream_handlers(self) -> dict[str, Handler]:
@@ -40,7 +41,9 @@ class TiedEmbeddings(Axis):
 
     def weight(self, stage: int):
         units = self.rt.stages[stage].units
-        return units["embed"].weight if "embed" in units else units["head"].out.weight
+        if "embed" in units:
+            return units["embed"].weight
+        return units["mtp_embed"].weight if "mtp_embed" in units else units["head"].out.weight
 
     def allreduce(self, ins: Instruction) -> Posted | None:
         if len(group_ranks(ins.group)) == 1:  # both copies here (placement v, DualPipe): summed in place
@@ -62,4 +65,4 @@ class TiedEmbeddings(Axis):
         return lambda: streams["compute"].wait_stream(streams[ins.stream])
 
     def norm_share(self, name: str) -> float:
-        return 0.0 if self.copy_here and name == COPY else 1.0
+        return 0.0 if name in self.copies else 1.0

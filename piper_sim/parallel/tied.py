@@ -7,7 +7,8 @@ counts it), initialised equal to the first stage's (Megatron ``setup_embeddings_
 After the backward the two copies' gradients are summed by one all-reduce over the ``embed``
 group, the first and last pipeline ranks of each model replica (Megatron
 ``_allreduce_word_embedding_grads``, megatron-core ``distributed/finalize_model_grads.py``),
-so both copies step identically. It runs before the data-parallel sync of the buckets holding
+so both copies step identically. An untied model's MTP modules read the embedding on the last
+stage the same way (Megatron-Core: ``mtp_num_layers`` > 0): the copy is counted in ``mtp.0``. It runs before the data-parallel sync of the buckets holding
 the copy (the sum over the embedding group then over the replicas is the full gradient; after
 a ZeRO reduce-scatter the two stages' shards would cover different elements; Megatron runs it
 after its DP sync instead, keeping the shared embedding in a bucket of its own,
@@ -46,7 +47,7 @@ def tied_embedding_pass(ctx: Context, dag: TrainingDAG) -> None:
         return
     embed = next(x for x in ctx.stages[0].segments if x.unit == "embed")
     nbytes = embed.param_bytes * ctx.grad_reduce_scale
-    ranges = {s: _unit_range(ctx, s, "embed" if s == 0 else "head") for s in stages}
+    ranges = {s: _unit_range(ctx, s, "embed" if s == 0 else ctx.embed_copy_unit) for s in stages}
     nodes: dict[int, list[Node]] = {}
     for n in dag.g.nodes:
         s = dag.ins(n).stage

@@ -1,0 +1,124 @@
+"""DeepSeek-V3's multi-token-prediction modules in the executor (arXiv 2412.19437 §2.2,
+Megatron-Core ``MultiTokenPredictionLayer``): the MTP losses are part of the training loss of
+both the single-process reference and the staged executor; under PP the last stage holds a
+copy of the embedding whose gradient the plan's ``AR.embed`` sums with the first stage's.
+Real gloo runs against the reference (``--check``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from executor.support import MOE, TINY, unrunnable
+from piper_sim.configs import config_from_dict
+from piper_sim.models import build_model, lm_loss
+from tests.test_tied_embeddings import check, ops, plan_of
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+MTP = {**TINY, "name": "tiny-mtp", "mtp_layers": 1, "mtp_loss_scale": 0.3}
+MOE_MTP = {**MOE, "name": "moe-mtp", "mtp_layers": 1}
+MOE_MTP2 = {**MOE, "name": "moe-mtp2", "mtp_layers": 2}
+PIPE = [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"}]
+DP2 = {"op": "data_parallel", "degree": 2, "zero": 1}
+EP2 = {"op": "expert_parallel", "degree": 2}
+
+
+def strategy(model: str, *directives: dict, world: int = 2, m: int = 4, batch: int = 8) -> dict:
+    return {"model": model, "cluster": f"cpu:{world}", "global_batch": batch, "seq_len": 16, "microbatches": m,
+            "dtype": "fp32", "directives": list(directives)}
+
+
+@pytest.fixture()
+def files(tmp_path) -> dict[str, str]:
+    out = {}
+    for spec in (MTP, MOE_MTP, MOE_MTP2):
+        path = tmp_path / f"{spec['name']}.json"
+        path.write_text(json.dumps(spec))
+        out[spec["name"]] = str(path)
+    return out
+
+
+def test_reference_loss_adds_the_scaled_mtp_loss():
+    """Module 0 predicts the token two ahead from the main hidden states and the embedding of
+    the next token; its masked mean cross entropy, times lambda / D, joins the main loss."""
+    cfg = config_from_dict(MTP)
+    model = build_model(cfg, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(cfg.vocab, (2, 17), generator=g)
+    tokens, targets = seq[:, :-1], seq[:, 1:]
+    x = model.embed(tokens)
+    for layer in model.layers:
+        x = layer(x)
+    main = lm_loss(model.head(x), targets)
+    y = model.mtp[0](x[:, :-1], model.embed(tokens[:, 1:]))  # position i: the token at i + 1 embedded
+    logits = torch.nn.functional.linear(y, model.head.out.weight)
+    want = main + 0.3 * lm_loss(logits, seq[:, 2:])  # ... predicting the one at i + 2
+    got = model.training_loss(tokens, targets)
+    assert torch.allclose(got, want, rtol=1e-6), (got, want)
+    assert got > main  # the MTP loss is there
+
+
+def test_pp2_plan_shares_the_embedding_with_the_last_stage(files):
+    plan = plan_of(strategy(files["tiny-mtp"], *PIPE))
+    embed_bytes = TINY["vocab"] * TINY["hidden"] * 4
+    for pp, stage in ((0, 0), (1, 1)):
+        ar = ops(plan, pp)["AR.embed"]
+        assert ar.tied and ar.stage == stage and ar.bytes == embed_bytes
+        assert "AR.embed" in ops(plan, pp)[f"OPT.s{stage}"].deps
+    one = plan_of(strategy(files["tiny-mtp"], world=1, m=2))
+    assert not any(i.tied for c in one.classes for i in c.instructions())  # one stage: nothing to sum
+
+
+def test_refusals_left(files):
+    tp = strategy(files["tiny-mtp"], {"op": "context_parallel", "degree": 2})  # (TP does not compile MTP yet)
+    msg = unrunnable(plan_of(tp))
+    assert "multi-token-prediction" in msg and "tensor or context parallelism" in msg and "\n" not in msg, msg
+    zero3 = strategy(files["tiny-mtp"], {"op": "data_parallel", "degree": 2, "zero": 3}, m=2, batch=4)
+    assert "shares its embedding with its multi-token-prediction modules" in unrunnable(plan_of(zero3))
+    for s in (strategy(files["tiny-mtp"], *PIPE), strategy(files["tiny-mtp"], DP2, m=2, batch=4)):
+        assert unrunnable(plan_of(s)) == ""
+
+
+def test_pp1_dp2_and_pp2_1f1b_equal_the_reference(files, tmp_path):
+    check(tmp_path, 2, {"dp2": strategy(files["tiny-mtp"], DP2, m=2, batch=8),
+                        "pp2-1f1b": strategy(files["tiny-mtp"], *PIPE)})
+
+
+def test_moe_ep2_equals_the_reference(files, tmp_path):
+    """Two MTP modules whose layers are MoE, their experts behind their own all-to-alls (one
+    stage, DP2 x EP2): the main hidden states and module 0's output travel past them to the
+    head's piece, which alone writes the shared output layer's gradient (the plan syncs its
+    bucket after that piece). On the last of two stages: the slow test below."""
+    check(tmp_path, 2, {"ep2": strategy(files["moe-mtp2"], DP2, EP2, m=2, batch=8)})
+
+
+@pytest.mark.slow
+def test_pp2_dp2_ep2_zero1_equal_the_reference(files, tmp_path):
+    """Four ranks: the embedding's copy summed over the embedding group, then over DP; the MoE
+    MTP layer's pieces carry the main hidden states past its all-to-alls to the head."""
+    zero3 = {"op": "data_parallel", "degree": 2, "zero": 3, "reduce": "per_step"}
+    check(tmp_path, 4, {"pp2-dp2": strategy(files["tiny-mtp"], *PIPE, DP2, world=4, batch=16),
+                        "pp2-zero3": strategy(files["tiny-mtp"], *PIPE, zero3, world=4, batch=16),
+                        "pp2-ep2": strategy(files["moe-mtp"], *PIPE, DP2, EP2, world=4, batch=16)})
+
+
+@pytest.mark.slow
+def test_pp2_schedules_equal_the_reference(files, tmp_path):
+    """A split backward (zb1p), one rank holding both stages (zbv: the copies summed in place),
+    full recompute."""
+    v2 = {"op": "pipeline", "degree": 2, "stages_per_rank": 2}
+    check(tmp_path, 2, {"zb1p": strategy(files["tiny-mtp"], PIPE[0], {"op": "schedule", "name": "zb1p"}),
+                        "zbv": strategy(files["tiny-mtp"], v2, {"op": "schedule", "name": "zbv"}),
+                        "recompute": strategy(files["tiny-mtp"], *PIPE, {"op": "recompute"})})
+
+
+@pytest.mark.slow
+def test_save_and_resume_keep_the_embedding_copy(files, tmp_path):
+    """--save / --resume of PP2 x DP2 ZeRO-1: the last stage saves its copy (mtp_embed); the
+    resumed run's losses equal an uninterrupted run's bit for bit."""
+    from tests.test_checkpoint import assert_resumes_bit_exact
+
+    assert_resumes_bit_exact(tmp_path, strategy(files["tiny-mtp"], *PIPE, DP2, world=4, batch=16), 4)
