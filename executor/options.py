@@ -137,8 +137,8 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
 
 def refuse_context_parallel(plan: Plan, path: str) -> None:
     """The executor runs context parallelism (`executor.parallel.context`) for transformers
-    of the zoo and model files with grouped-query attention (sliding windows, qk_norm, MoE and
-    dropout included); one line naming what it cannot run."""
+    of the zoo and model files with grouped-query or multi-head latent attention (sliding
+    windows, qk_norm, MoE and dropout included); one line naming what it cannot run."""
     cp = plan.layout.cp
     if cp == 1:
         return
@@ -146,16 +146,6 @@ def refuse_context_parallel(plan: Plan, path: str) -> None:
     if h.user_model is not None:
         raise PlanError(f"{path}: context_parallel (cp {cp}) with a user nn.Module model is simulate-only in this "
                         "version; use `piper-sim simulate`")
-    from piper_sim.configs import config_of
-
-    cfg = config_of(h)
-    checks = [
-        (cfg.attention == "mla", "multi-head latent attention"),
-    ]
-    why = next((w for bad, w in checks if bad), "")
-    if why:
-        raise PlanError(f"{path}: context_parallel (cp {cp}) with {why} is simulate-only in this version; "
-                        "use `piper-sim simulate`")
 
 
 def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
