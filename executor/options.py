@@ -152,8 +152,6 @@ def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
     """What in this model and plan the executor cannot run tensor-parallel ('' when it can)."""
     tp = header.tp.degree
     checks = [
-        (cfg.is_moe and cfg.mlp != "swiglu", "GELU experts"),
-        (cfg.is_moe and ep == 1, "a MoE model without expert parallelism"),
         (cfg.tie_embeddings and not (_tp_shards(header, "embed") == _tp_shards(header, "head")),
          "tied embeddings with only one of the embedding and the head sharded (shard_tensor)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),

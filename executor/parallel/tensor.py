@@ -45,6 +45,7 @@ of the partial gradients, after the stage's reduce-scatters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -494,6 +495,8 @@ class TPSharedMLP(TPMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.sp:  # x [T/tp, h]: one sequence of the shard's tokens for SP's gather
             return TPMLP.forward(self, x[None])[0]
+        if self.gelu:
+            return row(self.tp, F.gelu(self.fc1(x)), self.fc2, self.label)
         return row(self.tp, F.silu(self.w1(x)) * self.w3(x), self.w2, self.label)
 
 
@@ -630,6 +633,9 @@ def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None)
                 if block.moe.shared is not None:
                     _shard_mlp(shard, tp, f"{name}.moe.shared", block.moe.shared)
                     block.moe.shared = TPSharedMLP(block.moe.shared, tp, f"{label}.shared")
+                if not stage.expert_split:  # no expert parallelism: the layer runs whole, its experts here
+                    block.forward = functools.partial(tp_moe_layer, block, tp, int(name.split(".")[1]),
+                                                      stage._local_experts)
                 continue
             _shard_mlp(shard, tp, f"{name}.mlp", block.mlp)
             block.mlp = TPMLP(block.mlp, tp, f"{label}.mlp")
@@ -656,14 +662,34 @@ def _shard_mlp(shard: TPShard, tp: TPComm, prefix: str, mlp: nn.Module) -> None:
 
 
 def _shard_experts(stage, shard: TPShard, tp: TPComm, name: str, block: Block) -> None:
-    """Each local expert's ``expert_ffn / T`` columns (router replicated): the routed tokens
-    pass ``f`` before the experts (`Stage.expert_input`), their outputs ``g`` after them."""
+    """Each local expert's ``expert_ffn / T`` columns (router replicated; SwiGLU or GELU, as
+    `_shard_mlp`): the routed tokens pass ``f`` before the experts (`Stage.expert_input`; without
+    expert parallelism `tp_moe_layer`), their outputs ``g`` after them."""
     first = stage.ep_index * stage.local_experts if stage.expert_split else 0
     for j, expert in enumerate(block.moe.experts):
-        prefix = f"{name}.moe.experts.{first + j}"  # the global expert (Stage.named_parameters)
-        for lin in ("w1", "w3"):
-            _columns(shard, tp, f"{prefix}.{lin}", getattr(expert, lin))
-        _take(shard, tp, f"{prefix}.w2", expert.w2, "weight", 1)
+        _shard_mlp(shard, tp, f"{name}.moe.experts.{first + j}", expert)  # the global expert (Stage.named_parameters)
+
+
+def tp_moe_layer(block: Block, tp: TPComm, layer: int, run, x: torch.Tensor) -> torch.Tensor:
+    """A MoE layer without expert parallelism on this rank's ``expert_ffn / T`` columns of every
+    expert (Megatron-Core's expert TP = TP at EP 1; the router replicated), as
+    `piper_sim.parallel.tensor.tp_collectives` lowers it. Without SP the experts (routed and
+    shared) read ``f(h)`` (one backward all-reduce of both input gradients, ``l{L}.moe.ar``) and the
+    experts' outputs, one row per routed token copy, are all-reduced (``l{L}.moe.ar``, ``top_k·b·s·h``)
+    before the routing weights multiply them (so the router's gradient sees whole outputs, as with
+    expert parallelism: `Stage.expert_output`); under SP the router reads the shard, its routed token
+    copies are all-gathered over TP and the experts' partial outputs reduce-scattered back
+    (`sp_experts`). ``run``: `Stage._local_experts`."""
+    if tp.sp:
+        x, h, weights, ids, shared = block.forward_pre(x)
+    else:
+        x, h, weights, ids, shared = block.forward_pre(x, lambda t: _CopyToTP.apply(t, tp, f"l{layer}.moe.ar"))
+    tokens, order, counts = block.moe.permute(h, ids)
+    y = sp_experts(tp, layer, tokens, [counts], run) if tp.sp else \
+        _ReduceFromTP.apply(run(layer, tokens, [counts]), tp, f"l{layer}.moe.ar")
+    routed = block.moe.unpermute(y, weights, order, h.shape[0])
+    block.release_mlp_norm(weights, shared)
+    return block.forward_post(x, routed, shared)
 
 
 # --------------------------------------------------------------------------- the runtime's axis
