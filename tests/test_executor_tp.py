@@ -255,9 +255,10 @@ def test_mla_under_tp_and_sequence_parallel(tmp_path):
     assert_matches_reference(noq, reference_losses(tmp_path, configs["mla-noq-tp2-sp"]))
 
 
-# a GELU-expert MoE (GPT-style experts fc1/fc2) with a shared expert
+# a GELU-expert MoE (GPT-style experts fc1/fc2, biased: a row-parallel expert adds its bias once per
+# TP group, `executor.parallel.tensor.TPExpert`) with a shared expert
 GELU_MOE = {"name": "gelu-moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256,
-            "mlp": "gelu", "experts": 4, "top_k": 2, "shared_experts": 1, "expert_ffn": 64}
+            "mlp": "gelu", "mlp_bias": True, "experts": 4, "top_k": 2, "shared_experts": 1, "expert_ffn": 64}
 
 
 def test_moe_under_tp_without_expert_parallelism(tmp_path):
@@ -266,7 +267,7 @@ def test_moe_under_tp_without_expert_parallelism(tmp_path):
     all-reduced once before the routing weights multiply it (``l{L}.moe.ar``: one row per routed
     copy, top_k·b·s·h; the router's gradient needs whole outputs) and the experts' input gradient
     once (b·s·h), with SP each rank routes its shard, the routed copies gathered over TP and
-    scattered back; moe-tiny (SwiGLU) and GELU experts with a shared expert."""
+    scattered back; moe-tiny (SwiGLU) and biased GELU experts with a shared expert."""
     from piper_sim.plan import Plan
 
     gelu = _model(tmp_path, GELU_MOE)

@@ -668,6 +668,42 @@ def _shard_experts(stage, shard: TPShard, tp: TPComm, name: str, block: Block) -
     first = stage.ep_index * stage.local_experts if stage.expert_split else 0
     for j, expert in enumerate(block.moe.experts):
         _shard_mlp(shard, tp, f"{name}.moe.experts.{first + j}", expert)  # the global expert (Stage.named_parameters)
+        if (expert.fc2 if isinstance(expert, GeluMLP) else expert.w2).bias is not None:
+            # TP.s{S}.norms sums the bias's gradient under SP unless it is an expert-parallel parameter
+            block.moe.experts[j] = TPExpert(expert, tp, summed=tp.sp and not stage.expert_split)
+
+
+class _SharedBias(torch.autograd.Function):
+    """A row-parallel expert's bias, added to every TP rank's partial output before their sum:
+    ``b / T`` forward (the sum adds it once); backward the whole gradient (each rank has every
+    row's output gradient, even under SP, where the rows are gathered over TP), or ``1 / T`` of it
+    when ``summed`` (``TP.s{S}.norms`` sums the T copies: SP without expert parallelism)."""
+
+    @staticmethod
+    def forward(ctx, b, size: int, summed: bool):
+        ctx.scale = 1.0 / size if summed else 1.0
+        return b / size
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None, None
+
+
+class TPExpert(nn.Module):
+    """A routed expert with biases (``mlp_bias``) on this rank's columns (same parameter names):
+    the last linear's bias enters the partial output once per group (`_SharedBias`), as a
+    row-parallel linear adds it once after the reduction."""
+
+    def __init__(self, base: nn.Module, tp: TPComm, summed: bool):
+        super().__init__()
+        self.gelu = isinstance(base, GeluMLP)
+        for name, mod in base.named_children():
+            setattr(self, name, mod)
+        self.tp, self.summed = tp, summed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, last = (F.gelu(self.fc1(x)), self.fc2) if self.gelu else (F.silu(self.w1(x)) * self.w3(x), self.w2)
+        return F.linear(h, last.weight) + _SharedBias.apply(last.bias, self.tp.size, self.summed)
 
 
 def tp_moe_layer(block: Block, tp: TPComm, layer: int, run, x: torch.Tensor) -> torch.Tensor:
