@@ -112,8 +112,8 @@ def refuse_recompute_policy(plan: Plan, path: str) -> None:
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     """The executor runs tensor parallelism (with or without sequence parallelism) for the zoo's
-    transformers (GQA or, without SP, MLA; MoE with expert parallelism and without SP, shared
-    experts included: `executor.parallel.tensor`), and context parallelism
+    transformers (GQA or MLA; MoE with or without expert parallelism, SwiGLU or GELU experts,
+    shared experts included: `executor.parallel.tensor`), and context parallelism
     (`refuse_context_parallel`): refuse what it cannot run before any process group starts."""
     refuse_recompute_policy(plan, path)
     refuse_context_parallel(plan, path)
@@ -129,7 +129,7 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     else:
         from piper_sim.configs import config_of
 
-        why = tp_unsupported(config_of(h), h, plan.layout.ep)
+        why = tp_unsupported(config_of(h), h)
     if why:
         raise PlanError(f"{path}: tensor parallel plans (tp {plan.layout.tp}) with {why} are simulate-only in this "
                         "version; use `piper-sim simulate`")
@@ -148,7 +148,7 @@ def refuse_context_parallel(plan: Plan, path: str) -> None:
                         "version; use `piper-sim simulate`")
 
 
-def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
+def tp_unsupported(cfg, header: PlanHeader) -> str:
     """What in this model and plan the executor cannot run tensor-parallel ('' when it can)."""
     tp = header.tp.degree
     checks = [

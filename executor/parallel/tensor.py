@@ -10,8 +10,9 @@ are replicated; MoE experts keep ``expert_ffn / T`` columns each (router replica
 tokens pass ``f`` before the experts and their outputs ``g`` after them, `Stage.expert_input` /
 `expert_output`; under sequence parallelism each rank routes its shard and the experts'
 tokens are all-gathered over TP after the dispatch, their outputs reduce-scattered before the
-combine, `sp_experts`), shared experts are a column/row-parallel MLP on the same ``f``-passed tokens
-(`TPSharedMLP`); multi-head latent attention shards its heads (`TPMLAttention`). So ``--check`` compares each rank's shard with the same slice of the
+combine, `sp_experts`; without expert parallelism the layer runs whole, `tp_moe_layer`; biased
+experts add their last bias once per group, `TPExpert`), shared experts are a column/row-parallel
+MLP on the same ``f``-passed tokens (`TPSharedMLP`); multi-head latent attention shards its heads (`TPMLAttention`). So ``--check`` compares each rank's shard with the same slice of the
 reference parameters (`TPShard.reference_view`).
 
 The collectives run inside the modules, as autograd functions over the plan's ``tp``
