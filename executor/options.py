@@ -115,8 +115,8 @@ def refuse_recompute_policy(plan: Plan, path: str) -> None:
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     """The executor runs tensor parallelism (with or without sequence parallelism) for the zoo's
-    transformers (GQA or, without SP, MLA; MoE with expert parallelism and without SP, shared
-    experts included: `executor.parallel.tensor`), and context parallelism
+    transformers (GQA or MLA; MoE with or without expert parallelism, SwiGLU or GELU experts,
+    shared experts included: `executor.parallel.tensor`), and context parallelism
     (`refuse_context_parallel`): refuse what it cannot run before any process group starts."""
     refuse_recompute_policy(plan, path)
     refuse_context_parallel(plan, path)
@@ -132,7 +132,7 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     else:
         from piper_sim.configs import config_of
 
-        why = tp_unsupported(config_of(h), h, plan.layout.ep)
+        why = tp_unsupported(config_of(h), h)
     if why:
         raise PlanError(f"{path}: tensor parallel plans (tp {plan.layout.tp}) with {why} are simulate-only in this "
                         "version; use `piper-sim simulate`")
@@ -140,8 +140,8 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
 
 def refuse_context_parallel(plan: Plan, path: str) -> None:
     """The executor runs context parallelism (`executor.parallel.context`) for transformers
-    of the zoo and model files with grouped-query attention (sliding windows, qk_norm, MoE and
-    dropout included); one line naming what it cannot run."""
+    of the zoo and model files with grouped-query or multi-head latent attention (sliding
+    windows, qk_norm, MoE and dropout included); one line naming what it cannot run."""
     cp = plan.layout.cp
     if cp == 1:
         return
@@ -149,24 +149,12 @@ def refuse_context_parallel(plan: Plan, path: str) -> None:
     if h.user_model is not None:
         raise PlanError(f"{path}: context_parallel (cp {cp}) with a user nn.Module model is simulate-only in this "
                         "version; use `piper-sim simulate`")
-    from piper_sim.configs import config_of
-
-    cfg = config_of(h)
-    checks = [
-        (cfg.attention == "mla", "multi-head latent attention"),
-    ]
-    why = next((w for bad, w in checks if bad), "")
-    if why:
-        raise PlanError(f"{path}: context_parallel (cp {cp}) with {why} is simulate-only in this version; "
-                        "use `piper-sim simulate`")
 
 
-def tp_unsupported(cfg, header: PlanHeader, ep: int) -> str:
+def tp_unsupported(cfg, header: PlanHeader) -> str:
     """What in this model and plan the executor cannot run tensor-parallel ('' when it can)."""
     tp = header.tp.degree
     checks = [
-        (cfg.is_moe and cfg.mlp != "swiglu", "GELU experts"),
-        (cfg.is_moe and ep == 1, "a MoE model without expert parallelism"),
         (cfg.tie_embeddings and not (_tp_shards(header, "embed") == _tp_shards(header, "head")),
          "tied embeddings with only one of the embedding and the head sharded (shard_tensor)"),
         (cfg.vocab % tp != 0, f"vocab {cfg.vocab} not divisible by tp {tp}"),

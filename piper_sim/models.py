@@ -647,16 +647,19 @@ class MLAttention(nn.Module):
             keep.discard(o)
         return o.transpose(1, 2).reshape(B, s, -1)
 
-    def up_proj(self, q_in: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, H: int, q_projected: bool = False):
+    def up_proj(self, q_in: torch.Tensor, kv: torch.Tensor, k_pe: torch.Tensor, H: int, q_projected: bool = False,
+                rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The up-projections and rotary embedding (Megatron-Core ``qkv_up_proj_and_rope_apply``):
-        the attention core's ``q, k, v [B, H, s, d]`` from the normalised latents and rotary key."""
+        the attention core's ``q, k, v [B, H, s, d]`` from the normalised latents and rotary key
+        (``rope_tables``: the rotary ``cos, sin [s, qk_rope_dim]`` of the tokens' true positions,
+        default those of ``0..s-1``; context parallelism)."""
         c, (B, s, _) = self.cfg, kv.shape
         nope, rope = c.qk_nope_dim, c.qk_rope_dim
         q = q_in if q_projected else self.wq_b(q_in) if c.q_lora_rank else self.wq(q_in)
         q_nope, q_pe = q.view(B, s, H, nope + rope).transpose(1, 2).split([nope, rope], dim=-1)
         kv = self.wkv_b(kv).view(B, s, H, nope + c.v_head_dim).transpose(1, 2)
         k_nope, v = kv.split([nope, c.v_head_dim], dim=-1)
-        cos, sin = rope_cos_sin(s, rope, c.rope_theta, kv.device, kv.dtype)
+        cos, sin = rope_tables or rope_cos_sin(s, rope, c.rope_theta, kv.device, kv.dtype)
         q_pe = apply_rope(q_pe, cos, sin)
         k_pe = apply_rope(k_pe.view(B, 1, s, rope), cos, sin).expand(B, H, s, rope)
         return torch.cat([q_nope, q_pe], -1), torch.cat([k_nope, k_pe], -1), v

@@ -315,12 +315,14 @@ def test_explorer_adds_cp_candidates_for_long_sequences():
 
 
 def test_executor_refuses_unsupported_cp_plans_before_any_process_group(tmp_path):
-    path, model = str(tmp_path / "cp.json"), tmp_path / "mla.json"
-    model.write_text('{"name": "mla", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 256, '
-                     '"attention": "mla", "kv_lora_rank": 8, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 8}')
-    compile(strategy(model=str(model), cp=2, pp=1, m=1, seq=64, cluster="cpu:2", world=2)).save(path)
+    """MLA under CP runs now (tests/test_executor_cp.py); a CP plan the executor cannot run is
+    still refused in one line: tied embeddings under ZeRO-3 (sharded over dp x cp)."""
+    path, model = str(tmp_path / "cp.json"), tmp_path / "tied.json"
+    model.write_text('{"name": "tied", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 256, '
+                     '"tie_embeddings": true}')
+    compile(strategy(model=str(model), cp=2, pp=1, zero=3, m=1, seq=64, cluster="cpu:2", world=2)).save(path)
     r = subprocess.run([sys.executable, "-m", "piper_sim.cli", "run", path], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
-    assert r.returncode == 2 and "context_parallel (cp 2) with multi-head latent attention is simulate-only" \
+    assert r.returncode == 2 and "ties its embeddings (tie_embeddings) and ZeRO-3 gathers the head's unit" \
         in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "torch.distributed" not in r.stderr

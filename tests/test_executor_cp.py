@@ -92,6 +92,47 @@ def test_cp2_with_data_pipeline_tensor_and_expert_parallel_and_cp4_match_the_ref
         assert_matches_reference(row, reference_losses(tmp_path, configs[k]))
 
 
+def test_mla_under_cp2_allgather_and_ring_matches_the_reference(tmp_path):
+    """Multi-head latent attention under CP2: the collectives move the up-projected per-head K
+    (``qk_nope + qk_rope``, the rotary key expanded per head) and V (``v_head_dim``, narrower)
+    side by side, the bytes the plan prices; rotary at the true positions; allgather and ring."""
+    from piper_sim.api import compile
+    from test_executor_tp import MLA_TINY, _model
+
+    mla = _model(tmp_path, MLA_TINY)
+    configs = {"mla-cp2": cp_strategy(model=mla), "mla-cp2-ring": cp_strategy(model=mla, style="ring")}
+    seq = configs["mla-cp2"]["seq_len"]
+    ops = {i.id: i for i in compile(configs["mla-cp2"]).program(0).streams["cp"]}
+    # micro-batch 1, 4 heads x (8 + 4 + 8) per token, fp32: the executor's packed K|V buffer, gathered
+    assert ops["CP.F.s0.mb0.l0.kv.ag"].bytes == ops["CP.B.s0.mb0.l0.dkv.rs"].bytes == seq * 4 * (8 + 4 + 8) * 4
+    res, _ = run_checks(tmp_path, 2, configs)
+    assert_matches_reference(res, reference_losses(tmp_path, configs["mla-cp2"]))
+
+
+@pytest.mark.slow
+def test_mla_under_cp2_with_full_recompute_and_tensor_parallel_matches_the_reference(tmp_path):
+    """MLA under CP: ring and allgather with full recomputation (CP.R ops; allgather keeps the
+    recomputed gather), without a query latent, and TP2 x CP2 with and without SP (the TP
+    rank's heads' K/V: half the bytes)."""
+    from piper_sim.api import compile
+    from test_executor_tp import MLA_TINY, _model
+
+    mla, no_q = _model(tmp_path, MLA_TINY), _model(tmp_path, {**MLA_TINY, "name": "mla-noq", "q_lora": 0})
+    two = {"mla-cp2-ring-full": cp_strategy(model=mla, style="ring", extra=full()),
+           "mla-noq-cp2-full": cp_strategy(model=no_q, extra=full())}
+    four = {"mla-tp2-cp2": cp_strategy(model=mla, tp=2), "mla-tp2-sp-cp2-ring": cp_strategy(model=mla, tp=2, sp=True,
+                                                                                             style="ring")}
+    seq = four["mla-tp2-cp2"]["seq_len"]
+    ops = {i.id: i for i in compile(four["mla-tp2-cp2"]).program(0).streams["cp"]}
+    assert ops["CP.F.s0.mb0.l0.kv.ag"].bytes == seq * 2 * (8 + 4 + 8) * 4
+    res, _ = run_checks(tmp_path, 2, two)
+    noq = {"mla-noq-cp2-full": res.pop("mla-noq-cp2-full")}
+    assert_matches_reference(res, reference_losses(tmp_path, two["mla-cp2-ring-full"]))
+    assert_matches_reference(noq, reference_losses(tmp_path, two["mla-noq-cp2-full"]))
+    res, _ = run_checks(tmp_path, 4, four)
+    assert_matches_reference(res, reference_losses(tmp_path, four["mla-tp2-cp2"]))
+
+
 # ------------------------------------------------------------------ in process: chunks, attention, ops, refusals
 
 
@@ -170,21 +211,21 @@ def test_a_collective_the_plan_does_not_list_is_named():
         cp.take(("B", 0, 1), "l3.dkv.rs", "REDUCE_SCATTER")
 
 
-@pytest.mark.parametrize("spec, why", [
-    ({"attention": "mla", "kv_lora_rank": 8, "qk_nope_dim": 8, "qk_rope_dim": 4, "v_head_dim": 8},
-     "with multi-head latent attention is simulate-only"),
-])
-def test_refused_cp_plans_name_the_field(tmp_path, spec, why):
+def test_refused_cp_plans_name_the_field(tmp_path):
+    """MLA passes the refusals now; a user nn.Module model under CP (the compiler refuses it
+    too) is refused in one line."""
     from executor.options import refuse_tensor_parallel
     from piper_sim.api import compile
     from piper_sim.plan import PlanError
+    from test_executor_tp import MLA_TINY, _model
 
-    model = tmp_path / "m.json"
-    model.write_text(json.dumps({"name": "m", "layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 256, **spec}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = compile(cp_strategy(model=str(model)))
-    with pytest.raises(PlanError, match=f"p.json: context_parallel \\(cp 2\\) {why}"):
+        refuse_tensor_parallel(compile(cp_strategy(model=_model(tmp_path, MLA_TINY))), "p.json")
+        plan = compile(cp_strategy())
+    plan.meta["user_model"] = {"name": "m", "source": "py:m:build"}
+    with pytest.raises(PlanError, match=r"^p.json: context_parallel \(cp 2\) with a user nn.Module model is "
+                       r"simulate-only in this version; use `piper-sim simulate`$"):
         refuse_tensor_parallel(plan, "p.json")
 
 

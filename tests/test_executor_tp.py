@@ -255,6 +255,57 @@ def test_mla_under_tp_and_sequence_parallel(tmp_path):
     assert_matches_reference(noq, reference_losses(tmp_path, configs["mla-noq-tp2-sp"]))
 
 
+# a GELU-expert MoE (GPT-style experts fc1/fc2, biased: a row-parallel expert adds its bias once per
+# TP group, `executor.parallel.tensor.TPExpert`) with a shared expert
+GELU_MOE = {"name": "gelu-moe", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256,
+            "mlp": "gelu", "mlp_bias": True, "experts": 4, "top_k": 2, "shared_experts": 1, "expert_ffn": 64}
+
+
+def test_moe_under_tp_without_expert_parallelism(tmp_path):
+    """MoE under TP2 without EP (Megatron-Core expert TP = TP at EP 1): every expert keeps its
+    ``expert_ffn / T`` columns and runs on the rank's tokens; without SP the routed output is
+    all-reduced once before the routing weights multiply it (``l{L}.moe.ar``: one row per routed
+    copy, top_k·b·s·h; the router's gradient needs whole outputs) and the experts' input gradient
+    once (b·s·h), with SP each rank routes its shard, the routed copies gathered over TP and
+    scattered back; moe-tiny (SwiGLU) and biased GELU experts with a shared expert."""
+    from piper_sim.plan import Plan
+
+    gelu = _model(tmp_path, GELU_MOE)
+    configs = {"moe-tp2": tp_strategy(model="moe-tiny"), "moe-tp2-sp": tp_strategy(model="moe-tiny", sp=True),
+               "gelu-moe-tp2": tp_strategy(model=gelu)}
+    plan = Plan.load(save_plan(tmp_path, "moe-tp2", configs["moe-tp2"]))
+    ops = [(i.direction, i.name, i.bytes) for i in plan.program(0).streams["tp"] if i.mb == 0
+           and i.name.startswith("l1.")]
+    act = configs["moe-tp2"]["seq_len"] * 64 * 4
+    assert ops == [("F", "l1.attn.ar", act), ("F", "l1.moe.ar", 2 * act), ("B", "l1.moe.ar", act),
+                   ("B", "l1.attn.ar", act)]
+    res, _ = run_checks(tmp_path, 2, configs)
+    ref = reference_losses(tmp_path, configs["moe-tp2"])
+    assert_matches_reference({k: res.pop(k) for k in ("moe-tp2", "moe-tp2-sp")}, ref)
+    assert_matches_reference(res, reference_losses(tmp_path, configs["gelu-moe-tp2"]))
+
+
+@pytest.mark.slow
+def test_moe_under_tp_without_ep_with_recompute_pipeline_and_gelu_experts_under_ep(tmp_path):
+    """MoE under TP2 without EP: full recompute (the layer's TP.R ops), x PP2, GELU experts
+    with SP, and (4 ranks) GELU experts with a shared expert under TP2 x EP2 (x DP2), with SP."""
+    gelu = _model(tmp_path, GELU_MOE)
+    ep = {"op": "expert_parallel", "degree": 2}
+    two = {"moe-tp2-full": tp_strategy(model="moe-tiny", extra=[{"op": "recompute"}]),
+           "moe-tp2-sp-full": tp_strategy(model="moe-tiny", sp=True, extra=[{"op": "recompute"}]),
+           "gelu-moe-tp2-sp": tp_strategy(model=gelu, sp=True)}
+    four = {"moe-tp2-pp2": tp_strategy(model="moe-tiny", pp=2, m=4),
+            "gelu-moe-tp2-ep2": tp_strategy(model=gelu, dp=2, extra=[ep]),
+            "gelu-moe-tp2-sp-ep2": tp_strategy(model=gelu, sp=True, dp=2, extra=[ep])}
+    res, _ = run_checks(tmp_path, 2, two)
+    assert_matches_reference({"gelu-moe-tp2-sp": res.pop("gelu-moe-tp2-sp")},
+                             reference_losses(tmp_path, two["gelu-moe-tp2-sp"]))
+    assert_matches_reference(res, reference_losses(tmp_path, two["moe-tp2-full"]))
+    res, _ = run_checks(tmp_path, 4, four)
+    assert_matches_reference({"moe-tp2-pp2": res.pop("moe-tp2-pp2")}, reference_losses(tmp_path, four["moe-tp2-pp2"]))
+    assert_matches_reference(res, reference_losses(tmp_path, four["gelu-moe-tp2-ep2"]))
+
+
 @pytest.mark.slow
 def test_shared_experts_under_tp_with_full_recompute_and_zero1(tmp_path):
     """Full recomputation re-runs the MoE block's forward collectives (``l{L}.attn.ar``,
@@ -319,8 +370,7 @@ def test_plan_tp_ops_must_match_the_collectives_performed():
 
 
 @pytest.mark.parametrize("s, why", [
-    (tp_strategy(model="moe-tiny"), "with a MoE model without expert parallelism are simulate-only"),
-    (tp_strategy(model="moe-tiny", sp=True), "with a MoE model without expert parallelism are simulate-only"),
+    ({**tp_strategy(), "stack": {"tp_overlap": True}}, "with the stack's tp_overlap (collectives overlapped"),
 ])
 def test_refused_tp_plans_name_why(tmp_path, s, why):
     from executor.options import refuse_tensor_parallel
@@ -334,18 +384,21 @@ def test_refused_tp_plans_name_why(tmp_path, s, why):
         refuse_tensor_parallel(plan, "p.json")
 
 
-def test_moe_with_sequence_parallel_but_no_expert_parallel_is_refused_in_one_line(tmp_path):
-    """MoE and MLA with SP run; MoE without expert parallelism is still refused, in one line."""
+def test_moe_without_expert_parallel_and_gelu_experts_pass_the_refusals_a_bad_vocab_does_not(tmp_path):
+    """MoE without expert parallelism (with or without SP), GELU experts and MLA run under TP;
+    a vocabulary TP does not divide is refused in one line."""
     from executor.options import refuse_tensor_parallel
     from piper_sim.api import compile
     from piper_sim.plan import PlanError
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = compile({**tp_strategy(sp=True), "model": _model(tmp_path, DSV3_TINY)})
-        refuse_tensor_parallel(compile({**tp_strategy(sp=True), "model": _model(tmp_path, MLA_TINY)}), "p.json")
-    with pytest.raises(PlanError, match=r"^p.json: tensor parallel plans \(tp 2\) with a MoE model without expert "
-                       r"parallelism are simulate-only in this version; use `piper-sim simulate`$"):
+        for sp in (False, True):
+            for model in ("moe-tiny", _model(tmp_path, DSV3_TINY), _model(tmp_path, GELU_MOE)):
+                refuse_tensor_parallel(compile({**tp_strategy(sp=sp), "model": model}), "p.json")
+        plan = compile({**tp_strategy(), "model": _model(tmp_path, {**MLA_TINY, "name": "odd", "vocab": 255})})
+    with pytest.raises(PlanError, match=r"^p.json: tensor parallel plans \(tp 2\) with vocab 255 not divisible by "
+                       r"tp 2 are simulate-only in this version; use `piper-sim simulate`$"):
         refuse_tensor_parallel(plan, "p.json")
 
 

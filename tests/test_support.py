@@ -38,17 +38,20 @@ def test_the_readme_shows_the_table():
         assert feature_table() in f.read(), "README.md: paste executor.support.feature_table() under 'What runs where'"
 
 
-def test_explore_runnable_keeps_to_plans_the_executor_runs():
-    """``explore --runnable``: a MoE model on 4 CPU ranks with TP 1 or 2 — TP2 without expert
-    parallelism is simulate-only (listed with why, never ranked); the best plan runs."""
+def test_explore_runnable_keeps_to_plans_the_executor_runs(tmp_path):
+    """``explore --runnable``: a model whose vocabulary (255) TP 2 does not divide, on 4 CPU ranks
+    with TP 1 or 2 — TP2 is simulate-only (listed with why, never ranked); the best plan runs."""
     from piper_sim.explore import explore
 
+    model = tmp_path / "odd.json"
+    model.write_text(json.dumps({"name": "odd", "layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128,
+                                 "vocab": 255}))
     kw = dict(tp_degrees=(1, 2), zero_levels=(0, 1), recompute=(False,), workers=1, prune=False)
-    free = explore("moe-tiny", "cpu:4", 8, 32, **kw)
-    kept = explore("moe-tiny", "cpu:4", 8, 32, refusal=unrunnable, **kw)
+    free = explore(str(model), "cpu:4", 8, 32, **kw)
+    kept = explore(str(model), "cpu:4", 8, 32, refusal=unrunnable, **kw)
     refused = [r for r in kept.rows if r.status == "simulate-only"]
-    assert refused and all("simulate-only" in r.reason for r in refused)
+    assert refused and all("vocab 255 not divisible by tp 2 are simulate-only" in r.reason for r in refused)
     assert len(kept.rows) == len(free.rows)
-    assert all(r.candidate.tp > 1 or r.candidate.ep == 1 for r in refused)
+    assert all(r.candidate.tp > 1 for r in refused) and any(r.candidate.tp == 1 for r in kept.rows)
     assert kept.best is not None and kept.best.status == "ok"
-    assert unrunnable(compile(kept.best.candidate.strategy("moe-tiny", "cpu:4", 8, 32))) == ""
+    assert unrunnable(compile(kept.best.candidate.strategy(str(model), "cpu:4", 8, 32))) == ""

@@ -346,9 +346,10 @@ def test_fold_falls_back_when_tp_groups_straddle_nodes(gpt_small):
 
 def test_executor_refuses_tp_plans_before_any_process_group(tmp_path):
     path = str(tmp_path / "tp.json")
-    # dense zoo models run tensor-parallel (tests/test_executor_tp.py); MoE ones are refused
-    compile(strategy("moe-tiny", tp=2, pp=1, m=1, seq=64, cluster="cpu:2")).save(path)
-    line = "tensor parallel plans (tp 2) with a MoE model without expert parallelism are simulate-only in this version"
+    # zoo models run tensor-parallel (tests/test_executor_tp.py); the stack's tp_overlap is refused
+    compile({**strategy("moe-tiny", tp=2, pp=1, m=1, seq=64, cluster="cpu:2"), "stack": {"tp_overlap": True}}).save(path)
+    line = "tensor parallel plans (tp 2) with the stack's tp_overlap (collectives overlapped with the GEMMs; compile " \
+        "with tp_overlap false) are simulate-only in this version"
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "1"}  # nobody listens there: a rendezvous attempt would fail differently
     r = subprocess.run([sys.executable, "-m", "executor", path], cwd=ROOT, capture_output=True, text=True,

@@ -4,8 +4,9 @@ Each rank of a ``cp`` group holds the load-balanced share of every sequence: cut
 chunks, rank ``i`` holds chunks ``i`` and ``2C - 1 - i`` (`cp_positions`); its tokens, targets
 and rotary positions are those tokens' true ones, so everything but attention runs unchanged
 on ``s / C`` tokens. Attention (`CPAttention`, replacing a layer's `GQAttention` or
-`TPAttention`: same parameters) is the local queries against every key of the sequence,
-causal by true position:
+`TPAttention`; `CPMLAttention`, its `MLAttention` or `TPMLAttention`: same parameters) is the
+local queries against every key of the sequence, causal by true position; the collectives
+move K and V side by side (MLA: the up-projected per-head K and V, of unequal head dims):
 
 ``allgather`` (Llama 3): one autograd function all-gathers K and V over the group (``kv.ag``),
     keeps only the local chunk, gathers again in backward (``kv.ag``; under full
@@ -39,8 +40,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from executor.collectives import all_gather_flat, group_ranks, reduce_scatter_flat
-from executor.parallel.tensor import ModuleCollectives, TPAttention, TPComm, column, row
-from piper_sim.models import GQAttention, apply_rope, rope_cos_sin
+from executor.parallel.tensor import ModuleCollectives, TPAttention, TPComm, TPMLAttention, _CopyManyToTP, column, row
+from piper_sim.models import GQAttention, MLAttention, apply_rope, rope_cos_sin
 from piper_sim.recompute import Recompute, reruns_forward_collective
 
 # the compiler's stream of context-parallel collectives (piper_sim.ir.CP_STREAM)
@@ -90,24 +91,23 @@ class CPComm(TPComm):
         return torch.cat(self._positions)
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's K and V ``[B, h, s/C, d]`` -> ``[B, h, s, d]`` in group order (one all-gather)."""
-        kv = torch.stack([k, v]).movedim(3, 0).contiguous()  # [s/C, 2, B, h, d]
+        """Every rank's K ``[B, h, s/C, dk]`` and V ``[B, h, s/C, dv]`` -> ``[B, h, s, d]`` in group
+        order (one all-gather of both: `pack`)."""
+        kv = pack(k, v).movedim(2, 0).contiguous()  # [s/C, B, h, dk + dv]
         out = kv.new_empty(kv.shape[0] * self.size, *kv.shape[1:])
         self._run(name, "ALL_GATHER", lambda: all_gather_flat(out, kv, self.index, self.size, group=self.group))
-        full = out.movedim(0, 3)
-        return full[0], full[1]
+        return unpack(out.movedim(0, 2), k.shape[-1])
 
     def scatter_kv(self, dk: torch.Tensor, dv: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum over the group of full-sequence dK, dV (group order), this rank's part (one reduce-scatter,
         on gloo an all-to-all and a sum: `executor.collectives.reduce_scatter_flat`)."""
-        full = torch.stack([dk, dv]).movedim(3, 0).contiguous()
+        full = pack(dk, dv).movedim(2, 0).contiguous()
         got = {}
 
         def scatter():
             got["piece"] = reduce_scatter_flat(full.view(-1), self.index, self.size, group=self.group)[1]
         self._run(name, "REDUCE_SCATTER", scatter)
-        mine = got["piece"].view(full.shape[0] // self.size, *full.shape[1:]).movedim(0, 3)
-        return mine[0], mine[1]
+        return unpack(got["piece"].view(full.shape[0] // self.size, *full.shape[1:]).movedim(0, 2), dk.shape[-1])
 
     def hop(self, t: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
         """Post sending ``t`` to the next rank of the ring and receiving the previous one's."""
@@ -115,6 +115,16 @@ class CPComm(TPComm):
         buf = torch.empty_like(t)
         return buf, [dist.isend(t.contiguous(), nxt, group=self.group, tag=tag),
                      dist.irecv(buf, prev, group=self.group, tag=tag)]
+
+
+def pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V ``[B, h, s, dk|dv]`` side by side, ``[B, h, s, dk + dv]``: what a CP collective
+    moves (MLA: ``dk = qk_nope + qk_rope`` and ``dv = v_head_dim`` per head; GQA ``dk = dv``)."""
+    return torch.cat([k, v], -1)
+
+
+def unpack(kv: torch.Tensor, dk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return kv[..., :dk], kv[..., dk:]
 
 
 def _wait(works: list) -> None:
@@ -210,12 +220,12 @@ class _RingAttention(torch.autograd.Function):
         C, r = cp.size, cp.index
         qpos = cp.positions().to(q.device)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        kv = torch.stack([k, v])
+        kv, dk = pack(k, v), k.shape[-1]
         out = lse = None
         t0 = time.perf_counter()
         for t in range(C):
             nxt, works = cp.hop(kv, KV_TAG) if t < C - 1 else (None, [])
-            o, l = partial_attention(q, kv[0], kv[1], qpos, cp.positions((r - t) % C).to(q.device), scale, window)
+            o, l = partial_attention(q, *unpack(kv, dk), qpos, cp.positions((r - t) % C).to(q.device), scale, window)
             out, lse = (o, l) if out is None else merge(out, lse, o, l)
             _wait(works)
             kv = nxt
@@ -231,16 +241,16 @@ class _RingAttention(torch.autograd.Function):
         C, r = cp.size, cp.index
         qpos = cp.positions().to(q.device)
         delta = (dout * out).sum(-1, keepdim=True)
-        kv, dkv = torch.stack([k, v]), None
+        kv, dkv, d = pack(k, v), None, k.shape[-1]
         dq = torch.zeros_like(q)
         kv_t = [time.perf_counter(), 0.0]
         dkv_t = [0.0, 0.0]
         for t in range(C):
             nxt, works = cp.hop(kv, KV_TAG) if t < C - 1 else (None, [])
-            dq_t, dk, dv = partial_attention_backward(q, kv[0], kv[1], qpos, cp.positions((r - t) % C).to(q.device),
+            dq_t, dk, dv = partial_attention_backward(q, *unpack(kv, d), qpos, cp.positions((r - t) % C).to(q.device),
                                                       scale, lse, dout, delta, ctx.window)
             dq += dq_t
-            mine = torch.stack([dk, dv])
+            mine = pack(dk, dv)
             dkv = mine if dkv is None else dkv + mine
             if t == 0:
                 dkv_t[0] = time.perf_counter()
@@ -253,7 +263,7 @@ class _RingAttention(torch.autograd.Function):
         dkv_t[1] = time.perf_counter()
         cp.record(f"{ctx.label}.kv.ag", "ALL_GATHER", *kv_t)
         cp.record(f"{ctx.label}.dkv.rs", "REDUCE_SCATTER", *dkv_t)
-        return dq, dkv[0], dkv[1], None, None, None, None
+        return dq, *unpack(dkv, d), None, None, None, None
 
 
 # --------------------------------------------------------------------------- the attention module
@@ -300,17 +310,57 @@ class CPAttention(nn.Module):
         return row(self.tp, o, self.wo, self.tp_label) if self.tp is not None else self.wo(o)
 
 
+class CPMLAttention(MLAttention):
+    """Multi-head latent attention (`MLAttention`, or `TPMLAttention` on this rank's heads; same
+    parameter names) on this rank's tokens: the latents and up-projections as the base runs
+    them (under TP their ``f`` / SP gather), the rotary embedding at the tokens' true positions,
+    then the per-head ``q [B, H, s/C, nope + rope]``, ``k`` (the shared rotary key expanded per
+    head) and ``v [B, H, s/C, v_head_dim]`` attend over the cp group as `CPAttention`'s: the
+    collectives move K and V side by side, ``H * (nope + rope + v_head_dim)`` per token, what
+    `piper_sim.parallel.context.kv_width` prices (Megatron-Core gathers the up-projected K/V)."""
+
+    def __init__(self, base: MLAttention, cp: CPComm, label: str, keep: bool):
+        nn.Module.__init__(self)
+        for name, mod in base.named_children():
+            setattr(self, name, mod)
+        self.cfg, self.cp, self.label, self.keep = base.cfg, cp, label, keep
+        self.tp: TPComm | None = base.tp if isinstance(base, TPMLAttention) else None
+        self.tp_label = base.label if isinstance(base, TPMLAttention) else ""
+        self.local = base.local if isinstance(base, TPMLAttention) else base.cfg.local_heads
+        self.recompute_core = False  # as CPAttention's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, tp, projected = self.cfg, self.tp, False
+        if tp is None:
+            q_in, kv, k_pe = self.latents(x)
+        elif not tp.sp:
+            q_in, kv, k_pe = _CopyManyToTP.apply(tp, f"{self.tp_label}.ar", *self.latents(x))
+        else:  # as TPMLAttention: the down-projections read the gathered sequence
+            lora = bool(c.q_lora_rank)
+            q_in, kv, k_pe = self.normed_latents(*column(tp, x, [self.wq_a if lora else self.wq, self.wkv_a],
+                                                         self.tp_label))
+            projected = not lora
+        pos = self.cp.positions().to(x.device)
+        cos, sin = rope_cos_sin(self.cp.seq_len, c.qk_rope_dim, c.rope_theta, x.device, x.dtype)
+        q, k, v = self.up_proj(q_in, kv, k_pe, self.local, projected, rope_tables=(cos[pos], sin[pos]))
+        fn = _RingAttention if self.cp.style == "ring" else _GatheredAttention
+        o = fn.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.cp, self.label, self.keep, 0)
+        o = o.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+        return row(tp, o, self.wo, self.tp_label) if tp is not None else self.wo(o)
+
+
 def context_stage(stage, cp: CPComm, keep: bool | set[str]) -> None:
-    """Every layer of ``stage`` attends over the cp group (`CPAttention`); full recomputation
-    re-runs whole layers, so the recomputed collectives recur in the plan's order. ``keep``:
-    every layer, or the names of the layers whose checkpoint re-runs the attention (full,
-    every-N, op-SAC: `recomputed_layers`)."""
+    """Every layer of ``stage`` attends over the cp group (`CPAttention`, `CPMLAttention`); full
+    recomputation re-runs whole layers, so the recomputed collectives recur in the plan's order.
+    ``keep``: every layer, or the names of the layers whose checkpoint re-runs the attention
+    (full, every-N, op-SAC: `recomputed_layers`)."""
     stage.recompute_early_stop = False
     for name in stage.units.unit_names():
         if name.startswith("layers."):
             block = stage.units[name]
-            block.attn = CPAttention(block.attn, cp, "l" + name.split(".")[1],
-                                     keep if isinstance(keep, bool) else name in keep)
+            cls = CPMLAttention if isinstance(block.attn, MLAttention) else CPAttention
+            block.attn = cls(block.attn, cp, "l" + name.split(".")[1],
+                             keep if isinstance(keep, bool) else name in keep)
 
 
 def recomputed_layers(header, stage: int, units: list[str]) -> set[str]:

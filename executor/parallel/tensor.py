@@ -10,8 +10,9 @@ are replicated; MoE experts keep ``expert_ffn / T`` columns each (router replica
 tokens pass ``f`` before the experts and their outputs ``g`` after them, `Stage.expert_input` /
 `expert_output`; under sequence parallelism each rank routes its shard and the experts'
 tokens are all-gathered over TP after the dispatch, their outputs reduce-scattered before the
-combine, `sp_experts`), shared experts are a column/row-parallel MLP on the same ``f``-passed tokens
-(`TPSharedMLP`); multi-head latent attention shards its heads (`TPMLAttention`). So ``--check`` compares each rank's shard with the same slice of the
+combine, `sp_experts`; without expert parallelism the layer runs whole, `tp_moe_layer`; biased
+experts add their last bias once per group, `TPExpert`), shared experts are a column/row-parallel
+MLP on the same ``f``-passed tokens (`TPSharedMLP`); multi-head latent attention shards its heads (`TPMLAttention`). So ``--check`` compares each rank's shard with the same slice of the
 reference parameters (`TPShard.reference_view`).
 
 The collectives run inside the modules, as autograd functions over the plan's ``tp``
@@ -45,6 +46,7 @@ of the partial gradients, after the stage's reduce-scatters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -494,6 +496,8 @@ class TPSharedMLP(TPMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.sp:  # x [T/tp, h]: one sequence of the shard's tokens for SP's gather
             return TPMLP.forward(self, x[None])[0]
+        if self.gelu:
+            return row(self.tp, F.gelu(self.fc1(x)), self.fc2, self.label)
         return row(self.tp, F.silu(self.w1(x)) * self.w3(x), self.w2, self.label)
 
 
@@ -630,6 +634,9 @@ def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None)
                 if block.moe.shared is not None:
                     _shard_mlp(shard, tp, f"{name}.moe.shared", block.moe.shared)
                     block.moe.shared = TPSharedMLP(block.moe.shared, tp, f"{label}.shared")
+                if not stage.expert_split:  # no expert parallelism: the layer runs whole, its experts here
+                    block.forward = functools.partial(tp_moe_layer, block, tp, int(name.split(".")[1]),
+                                                      stage._local_experts)
                 continue
             _shard_mlp(shard, tp, f"{name}.mlp", block.mlp)
             block.mlp = TPMLP(block.mlp, tp, f"{label}.mlp")
@@ -656,14 +663,70 @@ def _shard_mlp(shard: TPShard, tp: TPComm, prefix: str, mlp: nn.Module) -> None:
 
 
 def _shard_experts(stage, shard: TPShard, tp: TPComm, name: str, block: Block) -> None:
-    """Each local expert's ``expert_ffn / T`` columns (router replicated): the routed tokens
-    pass ``f`` before the experts (`Stage.expert_input`), their outputs ``g`` after them."""
+    """Each local expert's ``expert_ffn / T`` columns (router replicated; SwiGLU or GELU, as
+    `_shard_mlp`): the routed tokens pass ``f`` before the experts (`Stage.expert_input`; without
+    expert parallelism `tp_moe_layer`), their outputs ``g`` after them."""
     first = stage.ep_index * stage.local_experts if stage.expert_split else 0
     for j, expert in enumerate(block.moe.experts):
-        prefix = f"{name}.moe.experts.{first + j}"  # the global expert (Stage.named_parameters)
-        for lin in ("w1", "w3"):
-            _columns(shard, tp, f"{prefix}.{lin}", getattr(expert, lin))
-        _take(shard, tp, f"{prefix}.w2", expert.w2, "weight", 1)
+        _shard_mlp(shard, tp, f"{name}.moe.experts.{first + j}", expert)  # the global expert (Stage.named_parameters)
+        if (expert.fc2 if isinstance(expert, GeluMLP) else expert.w2).bias is not None:
+            # TP.s{S}.norms sums the bias's gradient under SP unless it is an expert-parallel parameter
+            block.moe.experts[j] = TPExpert(expert, tp, summed=tp.sp and not stage.expert_split)
+
+
+class _SharedBias(torch.autograd.Function):
+    """A row-parallel expert's bias, added to every TP rank's partial output before their sum:
+    ``b / T`` forward (the sum adds it once); backward the whole gradient (each rank has every
+    row's output gradient, even under SP, where the rows are gathered over TP), or ``1 / T`` of it
+    when ``summed`` (``TP.s{S}.norms`` sums the T copies: SP without expert parallelism)."""
+
+    @staticmethod
+    def forward(ctx, b, size: int, summed: bool):
+        ctx.scale = 1.0 / size if summed else 1.0
+        return b / size
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None, None
+
+
+class TPExpert(nn.Module):
+    """A routed expert with biases (``mlp_bias``) on this rank's columns (same parameter names):
+    the last linear's bias enters the partial output once per group (`_SharedBias`), as a
+    row-parallel linear adds it once after the reduction."""
+
+    def __init__(self, base: nn.Module, tp: TPComm, summed: bool):
+        super().__init__()
+        self.gelu = isinstance(base, GeluMLP)
+        for name, mod in base.named_children():
+            setattr(self, name, mod)
+        self.tp, self.summed = tp, summed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, last = (F.gelu(self.fc1(x)), self.fc2) if self.gelu else (F.silu(self.w1(x)) * self.w3(x), self.w2)
+        return F.linear(h, last.weight) + _SharedBias.apply(last.bias, self.tp.size, self.summed)
+
+
+def tp_moe_layer(block: Block, tp: TPComm, layer: int, run, x: torch.Tensor) -> torch.Tensor:
+    """A MoE layer without expert parallelism on this rank's ``expert_ffn / T`` columns of every
+    expert (Megatron-Core's expert TP = TP at EP 1; the router replicated), as
+    `piper_sim.parallel.tensor.tp_collectives` lowers it. Without SP the experts (routed and
+    shared) read ``f(h)`` (one backward all-reduce of both input gradients, ``l{L}.moe.ar``) and the
+    experts' outputs, one row per routed token copy, are all-reduced (``l{L}.moe.ar``, ``top_k·b·s·h``)
+    before the routing weights multiply them (so the router's gradient sees whole outputs, as with
+    expert parallelism: `Stage.expert_output`); under SP the router reads the shard, its routed token
+    copies are all-gathered over TP and the experts' partial outputs reduce-scattered back
+    (`sp_experts`). ``run``: `Stage._local_experts`."""
+    if tp.sp:
+        x, h, weights, ids, shared = block.forward_pre(x)
+    else:
+        x, h, weights, ids, shared = block.forward_pre(x, lambda t: _CopyToTP.apply(t, tp, f"l{layer}.moe.ar"))
+    tokens, order, counts = block.moe.permute(h, ids)
+    y = sp_experts(tp, layer, tokens, [counts], run) if tp.sp else \
+        _ReduceFromTP.apply(run(layer, tokens, [counts]), tp, f"l{layer}.moe.ar")
+    routed = block.moe.unpermute(y, weights, order, h.shape[0])
+    block.release_mlp_norm(weights, shared)
+    return block.forward_post(x, routed, shared)
 
 
 # --------------------------------------------------------------------------- the runtime's axis

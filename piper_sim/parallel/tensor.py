@@ -63,6 +63,12 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
       block's input) all-reduce their row-parallel output in forward (``{l}.shared.ar``, in the
       ``pre`` segment that runs them); in backward the gradient of their input is summed with the
       routed experts' in the MoE block's one ``{l}.moe.ar`` (both read the same tokens);
+    - MoE without SP: the experts' partial outputs are all-reduced in forward (``{l}.moe.ar``,
+      after the experts) one row per routed token copy, the ``routed`` bytes, before the
+      routing weights multiply them (as Megatron-Core's dispatchers reduce the copies before
+      the unpermute: the router's gradient needs whole outputs; with or without expert
+      parallelism, a rank's received copies averaging its own ``top_k`` per token); in
+      backward the gradient of the experts' input, ``act``, in the pre segment's ``f``;
     - MoE with SP (Megatron-Core's ``MoEAlltoAllTokenDispatcher`` with SP): each TP rank routes
       and dispatches its own sequence shard (no gather before the router); after the EP
       dispatch the experts' tokens are all-gathered over TP (``{l}.moe.ag``, the ``routed``
@@ -89,7 +95,7 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
     if kind == "moe_experts":  # around the experts: their tokens gathered over TP, outputs scattered (SP)
         if sp:  # forward: gather the tokens, scatter the outputs; backward: gather the output gradient, scatter
             return [(f"{l}.moe.ag", AG, routed), (f"{l}.moe.rs", RS, routed)]
-        return [(f"{l}.moe.ar", AR, act)] if pas == "F" else []  # backward: in the pre segment's f
+        return [(f"{l}.moe.ar", AR, routed)] if pas == "F" else []  # backward: in the pre segment's f
     if sp and kind == "moe_pre":  # the router and dispatch read the shard: only attention and shared experts
         blocks = ["attn", "shared"] if shared else ["attn"]
     if pas == "F":
@@ -121,8 +127,9 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
     async tensor parallelism the next GEMM waits for each of them, so a layer takes its
     compute plus its collectives either way; only where inside the layer they run moves
     (after its attention half, in truth). A full-recompute backward re-runs the forward's
-    collectives first (``TP.R.`` ops), and so do the finer policies' checkpoints that hold
-    collectives (op-SAC, every N-th block, Megatron's ``mlp`` / ``shared_experts`` modules:
+    collectives first (``TP.R.`` ops: a unit's, all its segments' in forward order, before its
+    backward's), and so do the finer policies' checkpoints that hold collectives (op-SAC, every
+    N-th block, Megatron's ``mlp`` / ``shared_experts`` modules:
     `piper_sim.recompute.reruns_forward_collective`). With a BI/BW split the weight pass waits for the
     ``.regather`` all-gathers, issued after the stage's input-gradient pass, and the
     embedding's backward collective (SP: the all-gather of its output gradient) follows BW: the
@@ -162,12 +169,19 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                 return dag.add(where, make_op(kind, TP_STREAM, stage=s, mb=ins.mb, bytes=nbytes, group=group,
                                               direction=pas, name=name))
 
+            recomputed: set[str] = set()
             for seg in segs:
                 if not ctx.setup.tp_sharded(seg.unit):
                     continue  # replicated (shard_tensor's selection): run whole, no TP collective
-                if ins.kind != "F" and ctx.memory[seg.name].recomputed:
+                if ins.kind != "F" and seg.unit not in recomputed:
+                    # a unit's checkpoint re-runs before its backward: the forward collectives it
+                    # re-issues (`reruns_forward_collective`), all its segments' in forward order
+                    # (a MoE layer without EP: pre, then experts)
+                    recomputed.add(seg.unit)
                     mode = modes.get(seg.unit, ("none", 0))[0]
-                    chain += [add("R", *x) for x in tp_collectives(seg, "F", sp, act, loss, attn_in, shared, routed)
+                    chain += [add("R", *x) for u in parts[ins.part] if u.unit == seg.unit and
+                              ctx.memory[u.name].recomputed
+                              for x in tp_collectives(u, "F", sp, act, loss, attn_in, shared, routed)
                               if reruns_forward_collective(mode, modules, _block_of(x[0]))]
                 for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss, attn_in,
                                         shared, routed):
