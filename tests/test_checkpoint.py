@@ -98,6 +98,7 @@ def test_kill_at_every_point_of_a_save_resumes_to_the_uninterrupted_losses(tmp_p
         assert [r["loss"] for r in rows] == [losses[expect], losses[expect + 1]], point  # bit for bit
 
 
+@pytest.mark.slow  # ~30 s (CI budget); the fast set keeps the save/resume bit-exact runs
 def test_max_restarts_resumes_after_a_killed_rank_to_the_uninterrupted_losses(tmp_path):
     """PIPER_FAULT kills rank 1 in step 2; torchrun restarts both workers, which resume from
     the step-2 checkpoint and finish steps 2 and 3 with the losses of a run without the fault."""

@@ -177,6 +177,7 @@ def test_executor_runs_hsdp_equal_to_the_reference(tmp_path):
         assert row["max_rel_param_diff"] <= TOL and row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
 
 
+@pytest.mark.slow  # 30-55 s: the fast set keeps the HSDP --check run (CI budget)
 def test_hsdp_save_and_resume_match_the_uninterrupted_run(tmp_path):
     """--save/--resume under HSDP 2x2 ZeRO-3: a shard's key names its place in the shard group
     (``shard{i}of{S}``), so the replicas' equal shards are written once and each replica loads

@@ -147,6 +147,7 @@ def test_the_summary_names_the_rank_that_raised_not_the_lowest(tmp_path):
     assert last.startswith("piper-sim run: rank 1 failed first (exit code 1; its message is above)"), last
 
 
+@pytest.mark.slow  # ~35 s: the fast set keeps the raised and hung rank reports (CI budget)
 def test_a_killed_rank_is_named_and_verbose_shows_torchruns_report(tmp_path):
     plan = save_plan(tmp_path, "pp2", strategy(pp=2, sched="1f1b", m=4))
     r, _ = _run(plan, "0:1:F.s0.mb3:kill", "--timeout", "30")
