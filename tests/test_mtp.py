@@ -91,3 +91,17 @@ def test_the_executor_runs_mtp_and_refuses_it_under_cp_in_one_line():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert unrunnable(compile(_strategy({**MOE_MTP, "mtp_layers": 0}))) == ""
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_mtp_under_tensor_parallelism_compiles_with_its_own_head_collectives(sp):
+    """The MTP module's loss segment (``mtp.0.loss``) is a head too: its vocabulary-parallel loss
+    all-reduces are its own ops (``mtp.0.head.loss.*``), not a second ``head.loss.*`` (which made
+    every MTP model under TP fail to compile); the plan simulates."""
+    s = _strategy({**MOE_MTP, "name": "dense-mtp", "experts": 0, "top_k": 0})
+    s["cluster"] = "cpu:4"
+    s["directives"].append({"op": "tensor_parallel", "degree": 2, "sequence_parallel": sp})
+    plan = compile(s)
+    names = [i.name for i in plan.classes[-1].instructions() if i.name and "loss." in i.name and i.mb == 0]
+    assert sorted(names) == sorted(f"{h}.loss.{x}" for h in ("head", "mtp.0.head") for x in ("max", "target", "sumexp"))
+    assert simulate(plan).step_time_s > 0

@@ -85,11 +85,12 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
     if kind == "embed":
         return ([("embed.rs", RS, act)] if sp else [("embed.ar", AR, act)]) if pas == "F" else \
             ([("embed.ag", AG, act)] if sp else [])
-    if kind == "head":
+    if kind == "head":  # the model's head, or an MTP module's (segment mtp.d.loss: its ops named mtp.d.head.*)
+        h = "head" if seg.name == "head" else seg.name.removesuffix(".loss") + ".head"
         if pas == "F":
-            head = [("head.ag", AG, act)] if sp else []
-            return head + [(f"head.loss.{x}", AR, loss) for x in ("max", "target", "sumexp")]
-        return [("head.regather", AG, act), ("head.rs", RS, act)] if sp else [("head.ar", AR, act)]
+            head = [(f"{h}.ag", AG, act)] if sp else []
+            return head + [(f"{h}.loss.{x}", AR, loss) for x in ("max", "target", "sumexp")]
+        return [(f"{h}.regather", AG, act), (f"{h}.rs", RS, act)] if sp else [(f"{h}.ar", AR, act)]
     l = layer_label(seg)
     blocks = {"dense": ["attn", "mlp"], "moe_pre": ["attn", "moe"], "moe_experts": []}[kind]
     if kind == "moe_experts":  # around the experts: their tokens gathered over TP, outputs scattered (SP)
