@@ -958,7 +958,7 @@ class MTPLayer(nn.Module):
     ``final_norm``, where ``x`` is the previous depth's hidden states and ``emb`` the shared
     embedding of the tokens one further ahead; the shared output head and the loss follow
     (segment ``mtp.d.loss``). Under tensor parallelism ``eh_proj`` is the rank's column shard
-    (Megatron: column-parallel, output gathered; that gather is not in the IR)."""
+    (Megatron: column-parallel, output gathered: `piper_sim.parallel.tensor._eh_proj_collectives`)."""
 
     def __init__(self, cfg: ModelConfig, depth: int):
         super().__init__()

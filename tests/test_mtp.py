@@ -104,4 +104,12 @@ def test_mtp_under_tensor_parallelism_compiles_with_its_own_head_collectives(sp)
     plan = compile(s)
     names = [i.name for i in plan.classes[-1].instructions() if i.name and "loss." in i.name and i.mb == 0]
     assert sorted(names) == sorted(f"{h}.loss.{x}" for h in ("head", "mtp.0.head") for x in ("max", "target", "sumexp"))
+    # eh_proj as Megatron-Core runs it: column-parallel, its output gathered over the hidden dim
+    act = 1 * 32 * 64 * 4  # micro-batch 1, seq 32, hidden 64, fp32
+    eh = {(i.name, i.direction): i.bytes for i in plan.classes[-1].instructions()
+          if i.name and i.name.startswith("mtp.0.eh.") and i.mb == 0}
+    want = {("mtp.0.eh.gather", "F"): act}
+    want.update({("mtp.0.eh.ag", "F"): 2 * act, ("mtp.0.eh.scatter.ag", "B"): act, ("mtp.0.eh.regather", "B"): 2 * act,
+                 ("mtp.0.eh.rs", "B"): 2 * act} if sp else {("mtp.0.eh.ar", "B"): 2 * act})
+    assert eh == want
     assert simulate(plan).step_time_s > 0

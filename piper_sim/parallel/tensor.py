@@ -78,6 +78,34 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
       gradient; the gathered tokens are kept, no re-gather); the shared experts are a
       column/row-parallel MLP with SP's gather and scatter (``{l}.shared.ag|rs``, ``.regather``).
     """
+    ops = _block_collectives(seg, pas, sp, act, loss, attn_in, shared, routed)
+    kind = segment_kind(None, seg.name)  # type: ignore[arg-type]
+    if seg.unit.startswith("mtp.") and kind in ("dense", "moe_pre"):
+        return _eh_proj_collectives(seg.unit, pas, sp, act, ops)
+    return ops
+
+
+def _eh_proj_collectives(unit: str, pas: str, sp: bool, act: float, layer: list) -> list[tuple[str, str, float]]:
+    """An MTP module's ``eh_proj`` (2h -> h) around its layer's collectives ``layer``, as
+    Megatron-Core runs it (megatron-core 0.16.1 transformer/multi_token_prediction.py:651-661,
+    737-746): column-parallel with ``gather_output=False``, its output all-gathered over the last
+    dim (``gather_from_tensor_model_parallel_region``; backward: a local split), under SP
+    scattered back to the sequence shard (a local split; backward: all-gather). The column-parallel
+    linear's own input: without SP its gradient all-reduced (2h wide), with SP gathered over the
+    sequence in forward, the gradient reduce-scattered and the input re-gathered for the weight
+    gradient."""
+    AR, AG, RS = "ALLREDUCE", "ALL_GATHER", "REDUCE_SCATTER"
+    e = f"{unit}.eh"
+    if pas == "F":
+        return ([(f"{e}.ag", AG, 2 * act)] if sp else []) + [(f"{e}.gather", AG, act)] + layer
+    if sp:
+        return layer + [(f"{e}.scatter.ag", AG, act), (f"{e}.regather", AG, 2 * act), (f"{e}.rs", RS, 2 * act)]
+    return layer + [(f"{e}.ar", AR, 2 * act)]
+
+
+def _block_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float, attn_in: float | None,
+                       shared: bool, routed: float | None) -> list[tuple[str, str, float]]:
+    """`tp_collectives` of the embedding, the head and a layer's blocks."""
     attn_in = act if attn_in is None else attn_in
     routed = act if routed is None else routed
     kind = segment_kind(None, seg.name)  # type: ignore[arg-type]
