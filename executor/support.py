@@ -119,6 +119,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("multi-token prediction under context parallel", _s(CP2), model_file={**TINY, "mtp_layers": 1},
             runs=False, why="MTP modules under tensor or context parallel",
             match="simulate-only under tensor or context parallelism"),
+    Feature("multi-token prediction under tensor parallel", _s(TP2), model_file={**TINY, "mtp_layers": 1},
+            runs=False, why="MTP modules under tensor or context parallel",
+            match="simulate-only under tensor or context parallelism"),
 )
 
 
