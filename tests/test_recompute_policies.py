@@ -237,17 +237,10 @@ def test_executor_refuses_what_it_cannot_run_in_one_line():
 def _backward_reruns(policy) -> tuple[int, list]:
     """(matmuls a gpt-tiny stage's backward runs beyond plain autograd's, its gradients)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from mm_count import CountMM
 
     from executor.stage import Stage
     from piper_sim.models import get_config
-
-    class CountMM(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func is torch.ops.aten.mm.default
-            return func(*args, **(kwargs or {}))
 
     cfg = get_config("gpt-tiny")
     units = ["embed"] + [f"layers.{i}" for i in range(cfg.n_layers)] + ["head"]

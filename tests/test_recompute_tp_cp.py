@@ -128,17 +128,10 @@ def test_split_backward_runs_the_finer_policies_equal_to_the_reference(tmp_path)
 def _split_reruns(policy, keep: bool):
     """(matmuls a gpt-tiny stage's BI + BW run, the parameter gradients) under ``policy``."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from mm_count import CountMM
 
     from executor.stage import Stage, backward_input, backward_weight
     from piper_sim.models import get_config
-
-    class CountMM(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += func is torch.ops.aten.mm.default
-            return func(*args, **(kwargs or {}))
 
     cfg = get_config("gpt-tiny")
     units = [f"layers.{i}" for i in range(cfg.n_layers)] + ["head"]  # the last of two stages: input x
