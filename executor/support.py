@@ -66,6 +66,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("pipeline 1F1B / GPipe / interleaved", _s(*_sched("interleaved_1f1b", 2), m=4)),
     Feature("zero-bubble ZB1P / ZBV", _s(*_sched("zbv", 2), m=4)),
     Feature("DualPipe / DualPipeV", _s(*_sched("dualpipev", 2), m=4)),
+    Feature("combined 1F1B (Megatron-Core's expert all-to-all overlap)",
+            _s(*_sched("combined_1f1b", 2), DP2, EP2, model="moe-tiny", world=4, m=4, dp=2)),
     Feature("data parallel, ZeRO 0-3", _s({"op": "data_parallel", "degree": 2, "zero": 3}, dp=2)),
     Feature("hybrid sharding (HSDP)",
             _s({"op": "data_parallel", "degree": 4, "zero": 1, "shard_degree": 2}, world=4, dp=4)),

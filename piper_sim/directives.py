@@ -23,7 +23,7 @@ from typing import Any
 
 from piper_sim.layouts import layout_layers, stages_of
 from piper_sim.recompute import Recompute
-from piper_sim.schedules import (SCHEDULES, Action, ScheduleError, Slot, build_schedule, canonical_schedule,
+from piper_sim.schedules import (SCHEDULE_TABLE, SCHEDULES, Action, ScheduleError, Slot, build_schedule, canonical_schedule,
                                  default_schedule, format_slot, guess, known_names)
 from piper_sim.strategy import Strategy, StrategyError, tp_layers
 
@@ -132,6 +132,21 @@ def parse_slot(text: str, where: str) -> Slot:
     return tuple(actions)
 
 
+
+def _check_needs_ep(name: str, by_op: dict) -> None:
+    """combined_1f1b overlaps expert all-to-alls: Megatron-Core asserts expert parallelism and
+    no full recompute with it (transformer/transformer_config.py, overlap_moe_expert_parallel_comm)."""
+    if not SCHEDULE_TABLE[name].needs_ep:
+        return
+    if by_op.get("expert_parallel", {}).get("degree", 1) <= 1:
+        raise StrategyError(f"schedule {name}: overlaps the expert-parallel all-to-alls of two micro-batches, "
+                            "so it needs expert_parallel degree > 1; use interleaved_1f1b")
+    rc = [d for d in by_op.values() if d["op"] == "recompute"]
+    if any(d.get("mode", "full") in ("full", "every") or "method" in d or "num_layers" in d for d in rc):
+        raise StrategyError(f"schedule {name}: full recompute is refused with it, as Megatron-Core refuses "
+                            "full recomputation with overlap_moe_expert_parallel_comm; use recompute mode selective, "
+                            "or schedule interleaved_1f1b")
+
 def expand(strategy: Strategy) -> list[dict[str, Any]]:
     """High-level directives -> low-level list (split, place, replicate, shard, order, ...)."""
     by_op = {d["op"]: d for d in strategy.directives}
@@ -152,6 +167,7 @@ def expand(strategy: Strategy) -> list[dict[str, Any]]:
         if name not in SCHEDULES:
             raise StrategyError(f"schedule: unknown name {sched['name']!r}{guess(sched['name'])}; "
                                 f"choose one of {known_names()}")
+        _check_needs_ep(name, by_op)
         placement = pipe.get("placement")
         try:
             spec = build_schedule(name, pp, m, stages_per_rank=v, placement=placement)

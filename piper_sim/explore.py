@@ -283,8 +283,10 @@ def _enumerate(cfg, world: int, tp: int, global_batch: int, schedules: list[str]
                 eps = [e for e in _divisors(dp) if cfg.is_moe and cfg.n_experts % e == 0] or [1]
                 copies = entry.copies
                 for ep in eps:
+                    if entry.needs_ep and ep == 1:  # combined_1f1b overlaps expert all-to-alls
+                        continue
                     for zero in (zero_levels if dp * cp * copies > 1 else [0]):
-                        for rc in recompute:
+                        for rc in (r for r in recompute if not (entry.needs_ep and r)):
                             base = Candidate(pp, sched, m, dp, zero, ep, rc, tp, tp > 1, cp)
                             out += [base] + [replace(base, options=o) for o in explore_options(base, gpus_per_node)]
     return out

@@ -73,11 +73,31 @@ def actions_with_comms(plan: "Plan", pp_rank: int) -> list[str]:
     p2p = [lst for lst in cls.streams.values() if lst and all(i.kind in ("SEND", "RECV") for i in lst)]
     where = {i.id: (k, n) for k, lst in enumerate(p2p) for n, i in enumerate(lst)}
     ptr = [0] * len(p2p)
+    # ops that are neither compute nor transfers (an expert all-to-all between a piece and its
+    # send, or between a received gradient and the backward) pass dependencies through
+    between = {i.id: i for lst in cls.streams.values() for i in lst if i.id not in compute and i.id not in where}
+    memo: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
+
+    def waits_for(ins: Instruction) -> tuple[frozenset[str], frozenset[str]]:
+        """(compute ops, transfers) ``ins`` waits for, directly or through ops in ``between``."""
+        if ins.id not in memo:
+            ops, xfers = set(), set()
+            for d in ins.deps:
+                if d in compute:
+                    ops.add(d)
+                elif d in where:
+                    xfers.add(d)
+                elif d in between:
+                    o, x = waits_for(between[d])
+                    ops |= o
+                    xfers |= x
+            memo[ins.id] = (frozenset(ops), frozenset(xfers))
+        return memo[ins.id]
+
     consumer: dict[str, Instruction] = {}  # RECV id -> the first compute op that needs it
     for ins in cls.streams.get("compute", []):
-        for d in ins.deps:
-            if d in where:
-                consumer.setdefault(d, ins)
+        for d in sorted(waits_for(ins)[1], key=lambda d: where[d]):
+            consumer.setdefault(d, ins)
     # stages whose gradients the plan reduces across data-parallel ranks
     reduced = {i.stage for lst in cls.streams.values() for i in lst
                if i.kind in ("ALLREDUCE", "REDUCE_SCATTER") and i.stage >= 0}
@@ -97,8 +117,7 @@ def actions_with_comms(plan: "Plan", pp_rank: int) -> list[str]:
         return f"{c.stage}RECV_{'F' if c.kind == 'F' else 'B'}{ins.mb}"
 
     def send_name(ins: Instruction) -> str:
-        src = [compute[d] for d in ins.deps if d in compute and compute[d].stage == ins.stage
-               and compute[d].mb == ins.mb]
+        src = [compute[d] for d in waits_for(ins)[0] if compute[d].stage == ins.stage and compute[d].mb == ins.mb]
         forward = any(s.kind == "F" for s in src) if src else ins.direction == "F"
         return f"{ins.stage}SEND_{'F' if forward else 'B'}{ins.mb}"
 
@@ -109,12 +128,12 @@ def actions_with_comms(plan: "Plan", pp_rank: int) -> list[str]:
             ptr[k] += 1
 
     def ready(ins: Instruction) -> bool:
-        return all(d in done for d in ins.deps if d in compute)
+        return waits_for(ins)[0] <= done
 
     for acts, inss in slots:
         for ins in inss:  # the receives this slot computes on, with the earlier ones of their streams
-            for d in ins.deps:
-                if d in where and p2p[where[d][0]][where[d][1]].kind == "RECV":
+            for d in sorted(waits_for(ins)[1], key=lambda d: where[d]):
+                if p2p[where[d][0]][where[d][1]].kind == "RECV":
                     emit_until(*where[d])
         out.append(_slot_str(acts))
         done.update(i.id for i in inss)

@@ -9,7 +9,7 @@ W backward-weight.
 
 Placements (which pipeline rank holds which model stage):
 
-- ``loop``: stage s on rank s % pp (gpipe, 1f1b, zb1p, interleaved_1f1b).
+- ``loop``: stage s on rank s % pp (gpipe, 1f1b, zb1p, interleaved_1f1b, combined_1f1b).
 - ``v``: 2 stages per rank, rank r holds r and 2pp-1-r (zbv, dualpipev).
 - ``mirror``: dualpipe; pp stages, rank r holds copies of stages r and pp-1-r.
   Micro-batches 0..m/2-1 enter at rank 0 and use the copy of stage s on rank s;
@@ -136,21 +136,27 @@ def _one_f_one_b(pp: int, m: int) -> list[list[Slot]]:
     return orders
 
 
-def _interleaved(pp: int, m: int, v: int, zero_bubble: bool) -> list[list[Slot]]:
-    """Interleaved 1F1B (loop placement), or ZB1P when ``zero_bubble``.
+def _interleaved(pp: int, m: int, v: int, zero_bubble: bool, combined: bool = False) -> list[list[Slot]]:
+    """Interleaved 1F1B (loop placement), or ZB1P when ``zero_bubble``, or with ``combined``
+    Megatron-Core's combined 1F1B.
 
     Forwards go round-robin over local stages in groups of q micro-batches (q = m /
     rounds, rounds = max(1, m // pp)); backwards visit local stages in reverse.
     1F1B warms up with (v-1)q + 2(pp-1-r) forwards and runs full backwards. ZB1P warms up
     with (v-1)q + (pp-1-r), runs backward-input I, and once the backward index reaches r
     follows each I with the W of the oldest pending I; leftover Ws go last.
+    Combined 1F1B (Megatron-Core ``overlap_moe_expert_parallel_comm``) warms up with one
+    forward more (pipeline_parallel/schedules.py get_pp_rank_microbatches, "one extra
+    micro-batch forward step before the 1f1b stages") and runs each steady-state forward and
+    backward as one overlapped pair (pipeline_parallel/combined_1f1b.py), so one micro-batch's
+    all-to-alls run while the other computes.
     """
     rounds = max(1, m // pp)
     q = m // rounds
     total = v * m
     orders = []
     for r in range(pp):
-        warmup = min((v - 1) * q + (1 if zero_bubble else 2) * (pp - 1 - r), total)
+        warmup = min((v - 1) * q + (1 if zero_bubble else 2) * (pp - 1 - r) + int(combined), total)
         f_next = [0] * v  # next micro-batch per local stage, forward
         b_next = [0] * v
         pending_w: deque[Action] = deque()
@@ -176,6 +182,8 @@ def _interleaved(pp: int, m: int, v: int, zero_bubble: bool) -> list[list[Slot]]
         for j in range(total - warmup):
             forward(warmup + j)
             backward(j)
+            if combined:  # the two slots just appended run as one overlapped F&B pair
+                order[-2:] = [order[-2] + order[-1]]
         for j in range(total - warmup, total):
             backward(j)
         order += [(w,) for w in pending_w]
@@ -332,6 +340,15 @@ def _check_interleaved(name: str, pp: int, m: int, spr: int | None) -> int:
     return spr
 
 
+def _check_combined(name: str, pp: int, m: int, spr: int | None) -> int:
+    # Megatron-Core TransformerConfig: "If enabling EP A2A overlap,
+    # virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1"
+    if pp > 1 and spr == 1:
+        raise _fail(name, "needs virtual stages when pp > 1, as Megatron-Core's EP all-to-all overlap does: "
+                          "stages_per_rank must be >= 2 (got 1); use 2, or schedule interleaved_1f1b/1f1b")
+    return _check_interleaved(name, pp, m, spr) if pp > 1 else 1
+
+
 def _check_v(name: str, pp: int, m: int, spr: int | None) -> int:
     if spr not in (None, 2):
         raise _fail(name, f"uses V placement with exactly 2 stages per rank: stages_per_rank "
@@ -372,6 +389,8 @@ class ScheduleEntry:
     build:           (pp, m, stages a rank holds) -> compute slots per rank.
     explore_min_mb:  the explorer tries micro-batch counts >= this × pp only (1: any).
     demo_as:         the schedule a two-rank CPU demo of this one runs ("" itself).
+    needs_ep:        it overlaps expert-parallel all-to-alls (combined_1f1b): plans without
+                     expert parallelism, or with full recompute, are refused.
     """
 
     name: str
@@ -383,6 +402,7 @@ class ScheduleEntry:
     copies: int = 1
     explore_min_mb: int = 1
     demo_as: str = ""
+    needs_ep: bool = False
 
 
 SCHEDULE_TABLE: dict[str, ScheduleEntry] = {e.name: e for e in (
@@ -390,6 +410,8 @@ SCHEDULE_TABLE: dict[str, ScheduleEntry] = {e.name: e for e in (
     ScheduleEntry("1f1b", "1F1B", "loop", 1, _check_single, lambda pp, m, v: _one_f_one_b(pp, m)),
     ScheduleEntry("interleaved_1f1b", "Interleaved1F1B", "loop", 2, _check_interleaved,
                   lambda pp, m, v: _interleaved(pp, m, v, zero_bubble=False)),
+    ScheduleEntry("combined_1f1b", "", "loop", 2, _check_combined,
+                  lambda pp, m, v: _interleaved(pp, m, v, zero_bubble=False, combined=True), needs_ep=True),
     ScheduleEntry("zb1p", "InterleavedZeroBubble", "loop", 1, _check_interleaved,
                   lambda pp, m, v: _interleaved(pp, m, v, zero_bubble=True), explore_min_mb=2),
     ScheduleEntry("zbv", "ZBVZeroBubble", "v", 2, _check_v, lambda pp, m, v: _zbv(pp, m), explore_min_mb=2),

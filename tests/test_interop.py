@@ -80,6 +80,7 @@ CASES: dict[str, dict[str, Any]] = {
     "moe-ep2-dp2-z0": _s("moe-tiny", dp=2, ep=2, m=2),
     "moe-ep2-pp2-dp2-z1": _s("moe-tiny", pp=2, dp=2, zero=1, ep=2),
     "moe-ep2-pp2-dp2-z2-recompute": _s("moe-tiny", pp=2, dp=2, zero=2, ep=2, recompute="selective"),
+    "moe-ep2-combined-pp2-v2-dp2-z3": _s("moe-tiny", pp=2, sched="combined_1f1b", v=2, dp=2, zero=3, ep=2),
     "fp32-seed-name-stack": _s(pp=2, dp=2, zero=3, dtype="fp32", seed=7, name="mine",
                                stack={"preset": "torchtitan-compile"}),
     "fp16": _s(dp=2, zero=1, dtype="fp16"),
@@ -90,7 +91,8 @@ REFUSED = {
     "torchtitan": {"dualpipe-pp2": "schedule dualpipe", "dp2-z1": "zero 1", "interleaved-pp2-v4-dp2-z1": "zero 1",
                    "hsdp-dp4-shard2-z1": "zero 1", "moe-ep2-pp2-dp2-z1": "zero 1", "fp16": "dtype fp16",
                    "pp2-dp2-z0": "zero 0 (DDP)", "cp2-z0": "zero 0 with context_parallel",
-                   "tp2-nosp": "sequence_parallel", "moe-ep2-dp2-z0": "zero 0 (DDP)"},
+                   "tp2-nosp": "sequence_parallel", "moe-ep2-dp2-z0": "zero 0 (DDP)",
+                   "moe-ep2-combined-pp2-v2-dp2-z3": "schedule combined_1f1b"},
     "megatron": {"gpipe-pp2": "schedule gpipe", "zb1p-pp2": "schedule zb1p", "zbv-pp2": "schedule zbv",
                  "dualpipev-pp2": "schedule dualpipev", "dualpipe-pp2": "schedule dualpipe",
                  "recompute-full-zb1p": "schedule zb1p", "hsdp-dp4-shard2-z3": "shard_degree 2 with zero 3"},
@@ -388,6 +390,7 @@ def test_megatron_core_builds_its_configs_from_the_exported_args(name):
             tc.expert_model_parallel_size) == (job.tp, job.pp, job.cp, job.ep)
     assert tc.sequence_parallel == job.sp
     assert (tc.virtual_pipeline_model_parallel_size or 1) == job.stages_per_rank
+    assert tc.overlap_moe_expert_parallel_comm == (job.schedule == "combined_1f1b")  # and its asserts held
     assert tc.recompute_granularity == job.recompute
     cfg = __import__("piper_sim.sources", fromlist=["resolve_model"]).resolve_model(job.model)
     assert (tc.num_layers, tc.hidden_size, tc.num_attention_heads, tc.ffn_hidden_size) == \

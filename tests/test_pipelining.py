@@ -8,28 +8,38 @@ import csv
 import subprocess
 import sys
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from piper_sim.api import compile
+from piper_sim.configs import ZOO
+from piper_sim.sources import register_model
 from piper_sim.pipelining import compute_order
 from piper_sim.pipelining import actions_with_comms, compute_actions, write_schedule_csv
-from piper_sim.schedules import SCHEDULES, TORCH_NAMES, canonical_schedule
+from piper_sim.schedules import SCHEDULE_TABLE, SCHEDULES, TORCH_NAMES, canonical_schedule
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
 ROOT = Path(__file__).resolve().parents[1]
-V = {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
+V = {"interleaved_1f1b": 2, "combined_1f1b": 2, "zbv": 2, "dualpipev": 2}
+MOE_8 = register_model("moe-tiny-8", replace(ZOO["moe-tiny"], n_layers=8)).name  # 4 ranks x 2 stages
 TORCH_LOADABLE = [s for s in SCHEDULES if s != "dualpipe"]  # dualpipe: each stage on two ranks
 
 
 def _strategy(sched: str, pp: int = 4, m: int = 8, dp: int = 1) -> dict:
+    """A gpt-tiny pipeline; a MoE model with expert parallelism 2 (so DP >= 2) for a schedule
+    that overlaps expert all-to-alls (combined_1f1b)."""
+    moe = SCHEDULE_TABLE[sched].needs_ep if sched in SCHEDULE_TABLE else False
+    dp = max(dp, 2) if moe else dp
     d = [{"op": "pipeline", "degree": pp, **({"stages_per_rank": V[sched]} if sched in V else {})},
          {"op": "schedule", "name": sched}]
     if dp > 1:
         d.append({"op": "data_parallel", "degree": dp, "zero": 1})
-    return {"model": "gpt-tiny", "cluster": f"cpu:{pp * dp}", "global_batch": m * dp, "seq_len": 16,
+    if moe:
+        d.append({"op": "expert_parallel", "degree": 2})
+    return {"model": MOE_8 if moe else "gpt-tiny", "cluster": f"cpu:{pp * dp}", "global_batch": m * dp, "seq_len": 16,
             "microbatches": m, "directives": d}
 
 
@@ -76,6 +86,7 @@ def test_torch_schedule_names_are_aliases():
 @pytest.mark.parametrize("pp,m,dp", [(2, 4, 1), (4, 8, 2)])
 def test_csv_round_trip_through_torch(sched, pp, m, dp, tmp_path):
     plan = compile(_strategy(sched, pp=pp, m=m, dp=dp))
+    dp = plan.layout.dp  # 2 at least for a schedule that needs expert parallelism
     n_stages = plan.meta["num_stages"]
 
     # compute only: torch loads it, validates it, lowers it to comms, and dumps the same file

@@ -87,6 +87,8 @@ def _small(best: Candidate | None, kinds: list[str]) -> dict:
     pp, dp, m = 1, 1, 2
     if "pp" in kinds:
         sched = (SCHEDULE_TABLE[best.schedule].demo_as or best.schedule) if best else "1f1b"
+        if SCHEDULE_TABLE[sched].needs_ep and "ep" not in kinds:  # combined 1F1B without its all-to-alls
+            sched = "interleaved_1f1b"
         pp, m = 2, 8
         d += [{"op": "pipeline", "degree": 2, "stages_per_rank": SCHEDULE_TABLE[sched].stages_per_rank},
               {"op": "schedule", "name": sched}]

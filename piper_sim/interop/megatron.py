@@ -12,7 +12,7 @@ arguments.py validate_args), which no flag holds: the importer needs the cluster
 or the ``# piper-sim:`` comment line the exporter writes).
 
 What does not map is refused with a one-line `InteropError` naming the feature: schedules
-other than 1F1B and interleaved 1F1B, hybrid sharding with ZeRO-2/3, a user ``nn.Module``,
+other than 1F1B, interleaved and combined 1F1B, hybrid sharding with ZeRO-2/3, a user ``nn.Module``,
 sliding-window attention, and on import FP8 and recompute of some layers only.
 """
 
@@ -57,6 +57,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "fsdp_strategy": ("--data-parallel-sharding-strategy", f"{ARGS}; {DDP}.data_parallel_sharding_strategy"),
     "torch_fsdp2": ("--use-torch-fsdp2", f"{ARGS} (torch FSDP2: ZeRO-3; import only)"),
     "overlap_param_gather": ("--overlap-param-gather", f"{ARGS}; {DDP}.overlap_param_gather"),
+    "dispatcher": ("--moe-token-dispatcher-type", f"{ARGS}; {TC}.moe_token_dispatcher_type (the plan's expert "
+                   "all-to-all: alltoall; Megatron's default is allgather)"),
+    "ep_a2a_overlap": ("--overlap-moe-expert-parallel-comm",
+                       f"{ARGS}; {MPC}.overlap_moe_expert_parallel_comm (combined 1F1B)"),
     "recompute_granularity": ("--recompute-granularity", f"{ARGS}; {TC}.recompute_granularity"),
     "recompute_method": ("--recompute-method", f"{ARGS}; {TC}.recompute_method"),
     "recompute_num_layers": ("--recompute-num-layers", f"{ARGS}; {TC}.recompute_num_layers"),
@@ -80,7 +84,9 @@ FSDP_STRATEGIES: dict[str, int] = {"no_shard": 0, "optim": 1, "optim_grads": 2, 
 # our schedule -> what Megatron runs: 1F1B, and interleaved 1F1B with virtual stages
 # (megatron/core/pipeline_parallel/schedules.py get_forward_backward_func)
 SCHEDULES: dict[str, str] = {"1f1b": "1F1B (no virtual stages)",
-                             "interleaved_1f1b": "interleaved 1F1B (--num-layers-per-virtual-pipeline-stage)"}
+                             "interleaved_1f1b": "interleaved 1F1B (--num-layers-per-virtual-pipeline-stage)",
+                             "combined_1f1b": "combined 1F1B (interleaved, --overlap-moe-expert-parallel-comm; "
+                                              "pipeline_parallel/combined_1f1b.py)"}
 
 # our context-parallel style -> --cp-comm-type (TransformerConfig.cp_comm_type: p2p is ring
 # attention, all_gather gathers K/V as Llama 3)
@@ -177,8 +183,9 @@ def export(job: Job, source: str = "") -> str:
     from piper_sim.sources import resolve_model
 
     if job.pp > 1 and job.schedule not in SCHEDULES:
-        raise InteropError(f"schedule {job.schedule}: Megatron runs 1F1B and interleaved 1F1B only "
-                           "(megatron/core/pipeline_parallel/schedules.py); choose 1f1b or interleaved_1f1b")
+        raise InteropError(f"schedule {job.schedule}: Megatron runs 1F1B, interleaved and combined 1F1B only "
+                           "(megatron/core/pipeline_parallel/schedules.py); choose 1f1b, interleaved_1f1b or "
+                           "combined_1f1b")
     if job.dp_shard and job.zero >= 2:
         raise InteropError(f"data_parallel shard_degree {job.dp_shard} with zero {job.zero}: hybrid sharding maps "
                            "to Megatron only with the distributed optimizer (zero 1, "
@@ -197,7 +204,7 @@ def export(job: Job, source: str = "") -> str:
         rows.append([FLAGS["cp_style"][0], CP_STYLES[job.cp_style]])
     rows.append([FLAGS["ep"][0], str(job.ep)])
     if job.ep > 1:
-        rows.append([FLAGS["etp"][0], str(job.tp)])
+        rows += [[FLAGS["etp"][0], str(job.tp)], [FLAGS["dispatcher"][0], "alltoall"]]
     rows += [[FLAGS["micro_batch_size"][0], str(job.micro_batch_size)],
              [FLAGS["global_batch"][0], str(job.global_batch)], [FLAGS["seq_len"][0], str(job.seq_len)]]
     zero = ZERO[job.zero]
@@ -207,6 +214,8 @@ def export(job: Job, source: str = "") -> str:
         rows.append([FLAGS["dp_instances"][0], str(job.dp // job.dp_shard)])
     if job.overlap_param_gather:
         rows.append([FLAGS["overlap_param_gather"][0]])
+    if job.schedule == "combined_1f1b":
+        rows.append([FLAGS["ep_a2a_overlap"][0]])
     if job.recompute:
         flags = RECOMPUTE[job.recompute]
         rows += [flags[i:i + 2] for i in range(0, len(flags), 2)]
@@ -366,6 +375,8 @@ def parse(text: str, where: str, cluster: str | None = None, model: Any = None,
             spr = exact_div(exact_div(n_layers, pp, f"{where}: --num-layers over PP"), per,
                             f"{where}: layers per pipeline rank over --num-layers-per-virtual-pipeline-stage")
     schedule = ("interleaved_1f1b" if spr > 1 else "1f1b") if pp > 1 else None
+    if schedule == "interleaved_1f1b" and FLAGS["ep_a2a_overlap"][0] in args:
+        schedule = "combined_1f1b"
     # data parallel
     zero = 1 if FLAGS["zero1"][0] in args else 0
     if FLAGS["fsdp"][0] in args:
