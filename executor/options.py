@@ -16,7 +16,6 @@ from piper_sim.checks import arg_float, arg_int
 from piper_sim.files import check_output_dir, check_output_file
 from piper_sim.header import PlanHeader
 from piper_sim.plan import Plan, PlanError
-from piper_sim.recompute import Recompute
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -89,36 +88,11 @@ def refuse_multi_token_prediction(plan: Plan, path: str) -> None:
                         f"{plan.layout.tp}, cp {plan.layout.cp}) in this version; use `piper-sim simulate`")
 
 
-def refuse_recompute_policy(plan: Plan, path: str) -> None:
-    """The executor runs full and selective (attention core) recompute, and the finer policies
-    of `piper_sim.recompute` (torchtitan's op-SAC and every N-th block, Megatron's full
-    recompute with method uniform/block and num_layers, Megatron's selective ``modules``:
-    `piper_sim.models.Block.set_recompute_modules`), under tensor and context parallelism too
-    (their re-run collectives are the plan's ``R`` ops), and with a split backward (BI/BW) all
-    but the modules that drop outputs (``layernorm``, ``moe_act``, ``mla_up_proj``). One line
-    naming the stage and policy."""
-    h = plan.header
-    split = any(i.kind == "BI" for c in plan.classes for i in c.instructions())
-    for s, mode in sorted((h.recompute or {}).items()):
-        opts = (h.recompute_policy or {}).get(s)
-        policy = Recompute.from_header(mode, opts)
-        if policy.plain:
-            continue
-        dropped = sorted(set(policy.modules) & {"layernorm", "moe_act", "mla_up_proj"})
-        if split and dropped:
-            # a DropOutput differentiates its recomputed graph inside BI (weights included)
-            why = f"a split backward (BI/BW, schedule {h.schedule})"
-            what = f"mode {mode!r}" + "".join(f", {k} {v!r}" for k, v in (opts or {}).items())
-            raise PlanError(f"{path}: recompute ({what}, stage {s}) with {why} is simulate-only in this version; "
-                            "use `piper-sim simulate`, or recompute mode full or selective")
-
-
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:
     """The executor runs tensor parallelism (with or without sequence parallelism) for the zoo's
     transformers (GQA or MLA; MoE with or without expert parallelism, SwiGLU or GELU experts,
     shared experts included: `executor.parallel.tensor`), and context parallelism
     (`refuse_context_parallel`): refuse what it cannot run before any process group starts."""
-    refuse_recompute_policy(plan, path)
     refuse_context_parallel(plan, path)
     if plan.layout.tp == 1:
         return

@@ -41,7 +41,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint as _checkpoint,
                                      set_checkpoint_early_stop)
 
 from executor.lr import ADAMW
-from piper_sim.models import Block, ModelConfig, build_units, kept_checkpoint, lm_loss, mtp_loss, mtp_shift
+from piper_sim.models import (Block, ModelConfig, WeightGradJob, build_units, deferring_weight_grads, kept_checkpoint,
+                              lm_loss, mtp_loss, mtp_shift)
 from piper_sim.recompute import Recompute
 
 
@@ -809,6 +810,7 @@ class _WeightState:
     orphans: list[nn.Parameter]    # parameters not behind any input path (e.g. embeddings)
     outs: list[torch.Tensor]
     gouts: list[torch.Tensor | None]
+    jobs: list[WeightGradJob] = field(default_factory=list)  # DropOutputs' weights (Megatron layernorm, ...)
 
 
 def backward_input(rec: Record, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
@@ -848,11 +850,12 @@ def backward_input(rec: Record, grads: dict[str, torch.Tensor | None]) -> dict[s
                 g["grads"][k] = grad_outputs
             handles.append(node.register_prehook(keep))
     try:
-        got = torch.autograd.grad(outs, leaves, gouts, retain_graph=True, allow_unused=True)
+        with deferring_weight_grads() as jobs:
+            got = torch.autograd.grad(outs, leaves, gouts, retain_graph=True, allow_unused=True)
     finally:
         for h in handles:
             h.remove()
-    rec.weight_state = _WeightState(groups, orphans, outs if orphans else [], gouts if orphans else [])
+    rec.weight_state = _WeightState(groups, orphans, outs if orphans else [], gouts if orphans else [], list(jobs))
     return _input_grads(rec, list(got))
 
 
@@ -862,6 +865,8 @@ def backward_weight(rec: Record, on_grad=None) -> None:
     ws: _WeightState | None = rec.weight_state
     if ws is None:
         return
+    for job in ws.jobs:  # DropOutputs: their recomputed graphs, differentiated to the inputs in BI
+        _accumulate(job.params, torch.autograd.grad(job.outputs, job.params, job.grads, allow_unused=True), on_grad)
     if ws.orphans:
         dws = torch.autograd.grad(ws.outs, ws.orphans, ws.gouts, retain_graph=True, allow_unused=True)
         _accumulate(ws.orphans, dws, on_grad)

@@ -463,8 +463,55 @@ class DropOutput:
         ctx.inputs, ctx.outputs, self.outputs = inputs, out, ()
 
 
+@dataclass
+class WeightGradJob:
+    """A `DropOutput`'s weight gradients left for a split backward's BW: its recomputed
+    outputs, the gradients they got in BI, and the parameters inside its ``fn``."""
+
+    outputs: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    params: list[torch.Tensor]
+
+
+# set by `deferring_weight_grads` while a split backward's BI runs (a module global, not a
+# context variable: the autograd engine may run backward on its own threads)
+_DEFERRED: list[WeightGradJob] | None = None
+
+
+@contextlib.contextmanager
+def deferring_weight_grads():
+    """While a split backward's BI runs (`executor.stage.backward_input`): a `DropOutput`
+    differentiates its recomputed graph to its inputs only and leaves its weights' gradients
+    as `WeightGradJob` s in the yielded list, which BW computes."""
+    global _DEFERRED
+    prev, _DEFERRED = _DEFERRED, []
+    try:
+        yield _DEFERRED
+    finally:
+        _DEFERRED = prev
+
+
+def _inner_params(outputs: list[torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad behind ``outputs`` other than ``inputs`` (``fn``'s weights)."""
+    skip = {id(t) for t in inputs}
+    seen, out, stack = set(), [], [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)  # an AccumulateGrad node
+        if var is not None:
+            if id(var) not in skip:
+                out.append(var)
+            continue
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return out
+
+
 class _DropOutputFn(torch.autograd.Function):
-    """The autograd node of a `DropOutput`: its backward differentiates the recomputed graph."""
+    """The autograd node of a `DropOutput`: its backward differentiates the recomputed graph
+    (to its inputs only under `deferring_weight_grads`)."""
 
     @staticmethod
     def forward(ctx, holder: DropOutput, *args: torch.Tensor):
@@ -480,9 +527,19 @@ class _DropOutputFn(torch.autograd.Function):
         if ctx.outputs is None:
             raise RuntimeError("DropOutput: the backward reached a dropped output before its recompute hook ran")
         pairs = [(o, g) for o, g in zip(ctx.outputs, grads) if g is not None and o.requires_grad]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        got = tuple(t.grad if t.requires_grad else None for t in ctx.inputs)
+        outs, gs = [o for o, _ in pairs], [g for _, g in pairs]
+        if pairs and _DEFERRED is not None:  # a split backward's BI: input gradients now, weights in BW
+            ins = [t for t in ctx.inputs if t.requires_grad]
+            params = _inner_params(outs, ctx.inputs)
+            got_in = torch.autograd.grad(outs, ins, gs, retain_graph=bool(params), allow_unused=True) if ins else ()
+            if params:
+                _DEFERRED.append(WeightGradJob(outs, gs, params))
+            by_id = {id(t): g for t, g in zip(ins, got_in)}
+            got = tuple(by_id.get(id(t)) for t in ctx.inputs)
+        else:
+            if pairs:
+                torch.autograd.backward(outs, gs)
+            got = tuple(t.grad if t.requires_grad else None for t in ctx.inputs)
         ctx.inputs = ctx.outputs = None
         return (None, *got)
 

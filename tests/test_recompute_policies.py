@@ -204,9 +204,9 @@ def test_unpriced_combinations_are_refused():
 
 def test_executor_refuses_what_it_cannot_run_in_one_line():
     """The executor runs full, selective, op-SAC, every-N, Megatron's method/num_layers and
-    selective modules, under tensor parallelism too, and with a split backward all but the
-    modules that drop outputs (layernorm, moe_act, mla_up_proj), which are simulate-only there
-    (refused before any process group starts)."""
+    selective modules, under tensor parallelism too, and with a split backward (the modules
+    that drop outputs, layernorm, moe_act and mla_up_proj, included); what it refuses it
+    refuses in one line, before any process group starts."""
     from executor.options import refuse_tensor_parallel
     from piper_sim.plan import PlanError
 
@@ -224,14 +224,14 @@ def test_executor_refuses_what_it_cannot_run_in_one_line():
     for rc in ({"mode": "op"}, {"mode": "every", "every": 2}, {"method": "block", "num_layers": 2},
                {"mode": "selective", "modules": ["core_attn", "mlp"]}):
         refuse_tensor_parallel(compile({**base, "directives": pp2 + [{"op": "recompute", **rc}]}), "p.json")
-    for directives, rc, what in [(pp2, {"mode": "selective", "modules": ["mlp", "layernorm"]}, "split backward"),
-                                 (pp2, {"mode": "selective", "modules": ["moe_act"]}, "split backward")]:
-        with warnings.catch_warnings():
+    for rc in ({"mode": "selective", "modules": ["mlp", "layernorm"]}, {"mode": "selective", "modules": ["moe_act"]}):
+        with warnings.catch_warnings():  # the modules that drop outputs, with a split backward: run too
             warnings.simplefilter("ignore")
-            plan = compile({**base, "directives": directives + [{"op": "recompute", **rc}]})
-        with pytest.raises(PlanError) as e:
-            refuse_tensor_parallel(plan, "p.json")
-        assert what in str(e.value) and "simulate-only" in str(e.value) and "\n" not in str(e.value)
+            plan = compile({**base, "directives": pp2 + [{"op": "recompute", **rc}]})
+        refuse_tensor_parallel(plan, "p.json")
+    with pytest.raises(PlanError, match="simulate-only"):  # what the executor still refuses, in one line
+        refuse_tensor_parallel(compile({**base, "directives": [{"op": "tensor_parallel", "degree": 2}],
+                                        "stack": {"tp_overlap": True}}), "p.json")
 
 
 def _backward_reruns(policy) -> tuple[int, list]:

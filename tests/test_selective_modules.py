@@ -207,8 +207,16 @@ RUNS = {
             "dsv3-moe": ("dsv3", ["layernorm", "moe", "mla_up_proj"])},
 }
 
+# a split backward (BI/BW): the modules that drop outputs (layernorm, moe_act, mla_up_proj) differentiate
+# their recomputed graphs to their inputs in BI and leave their weights' gradients to BW
+# (`piper_sim.models.deferring_weight_grads`); DeepSeek-V3's own set under DualPipe
+RUNS["split"] = {"gpt-zb1p": ("gpt-tiny", ["layernorm", "mlp"]), "moe-zbv": ("moe-tiny", ["layernorm", "moe_act"]),
+                 "dsv3-dualpipe": ("dsv3", ["layernorm", "mla_up_proj", "moe_act"]),
+                 "dsv3-zb1p": ("dsv3", ALL_DSV3)}
+SPLIT_SCHEDULES = {"gpt-zb1p": "zb1p", "moe-zbv": "zbv", "dsv3-dualpipe": "dualpipe", "dsv3-zb1p": "zb1p"}
 
-@pytest.mark.parametrize("layout", ["pp2", "dp2"])
+
+@pytest.mark.parametrize("layout", ["pp2", "dp2", "split"])
 def test_runs_with_selective_modules_equal_the_reference(tmp_path, layout):
     """`run --check` (fp32, the single-process reference; gradients within 1e-5) for every
     module that applies, in PP2 1F1B plans and in DP2 (ZeRO-1) plans: gpt-tiny (dense),
@@ -220,6 +228,8 @@ def test_runs_with_selective_modules_equal_the_reference(tmp_path, layout):
     for name, (model, modules) in RUNS[layout].items():
         if layout == "pp2":
             s = strategy("gpt-tiny", pp=2, m=4, mbs=1)
+        elif layout == "split":
+            s = strategy("gpt-tiny", pp=2, sched=SPLIT_SCHEDULES[name], m=4, mbs=1)
         else:
             s = strategy("gpt-tiny", dp=2, zero=1, m=2, mbs=1, ep=2 if "ep2" in name else 0)
         configs[name] = _with({**s, "model": dsv3 if model == "dsv3" else model}, modules)
@@ -229,6 +239,6 @@ def test_runs_with_selective_modules_equal_the_reference(tmp_path, layout):
         assert row["within_tolerance"] is True and row["max_rel_param_diff"] <= TOL, (name, row)
         assert row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
     # one model, one batch: the plans of a model report the same losses
-    for model in ("moe-tiny", "dsv3"):
+    for model in (("moe-tiny", "dsv3") if layout != "split" else ("dsv3",)):
         names = [n for n, (m, _) in RUNS[layout].items() if m == model]
         assert len(names) == 2 and len({round(out[n]["loss2"], 5) for n in names}) == 1, names
