@@ -240,7 +240,8 @@ def preflight(args, plans: list[Plan]) -> int:
         raise PlanError(f"--lr-decay {args.lr_decay} needs --decay-steps after --warmup-steps ({args.warmup_steps}); "
                         f"got --decay-steps {args.decay_steps}")
     start = checkpoint.find(args.resume, plans[0].content_hash(), plans[0].world_size,
-                            checkpoint.schedule_dict(lr_schedule(args)), args.override_lr_schedule)[1] \
+                            checkpoint.schedule_dict(lr_schedule(args)), args.override_lr_schedule,
+                            plans[0].header.model)[1] \
         if args.resume else 0
     if args.end_step is not None and args.end_step <= start:
         raise PlanError(f"--end-step {args.end_step} is not after the resumed step {start}")

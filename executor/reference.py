@@ -112,12 +112,13 @@ def compare(flats: dict, comms, ref: dict[str, torch.Tensor], view=None) -> tupl
     return max_abs, max_rel
 
 
-def full_gradients(fp: FlatParams, grad: torch.Tensor, comms) -> torch.Tensor:
-    """The full flat gradient of a group from what this rank stepped (``grad``: the flat
-    gradient, or under ZeRO its shard, all-gathered bucket by bucket from the group)."""
+def full_flat(fp: FlatParams, t: torch.Tensor, comms) -> torch.Tensor:
+    """The full flat layout of ``t``, a tensor in the optimizer's layout (a gradient it
+    stepped, an AdamW moment): the flat buffer itself, or under ZeRO this rank's shard,
+    all-gathered bucket by bucket from the group."""
     if fp.shard is None:
-        return grad
-    return _gather_flat(fp, comms, lambda b: grad[fp.piece_offsets[b]:fp.piece_offsets[b] + fp.piece_lens[b]], grad)
+        return t
+    return _gather_flat(fp, comms, lambda b: t[fp.piece_offsets[b]:fp.piece_offsets[b] + fp.piece_lens[b]], t)
 
 
 def compare_grads(flats: dict, stepped: dict, comms, ref: dict[str, torch.Tensor], view=None) -> float:
@@ -127,7 +128,7 @@ def compare_grads(flats: dict, stepped: dict, comms, ref: dict[str, torch.Tensor
     round-off, so fp32 holds it to 1e-5 (`executor.worker.CHECK_GRAD_TOLERANCE`)."""
     max_rel = 0.0
     for key, fp in sorted(flats.items()):
-        full = full_gradients(fp, stepped[key], comms)
+        full = full_flat(fp, stepped[key], comms)
         for name, mine in fp.named_views(full).items():
             want = (view(name, ref[name]) if view else ref[name]).to(mine.device, mine.dtype)
             max_rel = max(max_rel, _rel(mine, want))

@@ -322,9 +322,11 @@ class FlatParams:
         w = torch.ones(sum(self.lens), dtype=torch.float64, device=self.grad.device)
         for p, off, x in zip(self.params, self.param_offsets, shares):
             w[off:off + p.numel()] = x
-        if self.sync != "shard":
-            return w
-        return torch.cat([w[o + self.index * n:o + (self.index + 1) * n] for o, n in zip(self.offsets, self.piece_lens)])
+        return w if self.sync != "shard" else self.own_pieces(w)
+
+    def own_pieces(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a buffer in the full flat layout: its piece of every bucket."""
+        return torch.cat([full[o + self.index * n:o + (self.index + 1) * n] for o, n in zip(self.offsets, self.piece_lens)])
 
     def stepped_grad(self) -> torch.Tensor:
         """The gradient the optimizer steps: the shard's under ZeRO, else the flat one."""

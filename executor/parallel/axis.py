@@ -81,6 +81,17 @@ class Axis:
         """The part of reference parameter ``name`` that this rank holds."""
         return full
 
+    def distributed(self, name: str, local: torch.Tensor) -> torch.Tensor | None:
+        """``local``, this rank's part of parameter ``name``, as a DTensor over the axis's
+        group when the axis splits that parameter (a checkpoint then stores it where it lies
+        in the whole, `executor.checkpoint`); None when this rank holds it whole."""
+        return None
+
+    def saved_name(self, name: str) -> str:
+        """The parameter a checkpoint stores ``name`` under: another name when ``name`` is a
+        copy of that parameter (a tied embedding's copy on the last stage)."""
+        return name
+
     def norm_share(self, name: str) -> float:
         """The share of parameter ``name``'s squared gradient this rank adds to the global norm
         (1: its gradient is this rank's alone among the peers of this axis)."""

@@ -774,6 +774,7 @@ class TensorParallel(ModuleCollectives):
     def __init__(self, rt):
         self.rt = rt
         self.shards: dict[int, TPShard] = {}
+        self.mesh = None  # the TP group as a DeviceMesh, made when a checkpoint first needs it
         tp_ops = [i for lst in rt.prog.streams.values() for i in lst if is_tp(i)]
         if not tp_ops:  # shard_tensor selected none of this rank's units: they all run whole
             return
@@ -843,6 +844,19 @@ class TensorParallel(ModuleCollectives):
             if name in shard.slices:
                 return shard.reference_view(name, full)
         return full
+
+    def distributed(self, name: str, local: torch.Tensor) -> torch.Tensor | None:
+        """A sharded parameter's slice as a DTensor sharded on its dimension over the TP group
+        (`_take` gives rank ``index`` the ``index``-th of ``size`` equal slices, as ``Shard``)."""
+        dim = next((shard.slices[name][0] for shard in self.shards.values() if name in shard.slices), None)
+        if dim is None:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self.mesh is None:
+            self.mesh = DeviceMesh.from_group(self.comm.group, self.rt.device.type)
+        return DTensor.from_local(local, self.mesh, [Shard(dim)], run_check=False)
 
     def norm_share(self, name: str) -> float:
         """A sharded parameter's slice is this rank's alone; a replicated one (norms, biases of

@@ -66,3 +66,9 @@ class TiedEmbeddings(Axis):
 
     def norm_share(self, name: str) -> float:
         return 0.0 if name in self.copies else 1.0
+
+    def saved_name(self, name: str) -> str:
+        """A copy is stored as the embedding it copies, so a checkpoint resumes onto a layout
+        with the embedding and the head on one stage (no copy) and back."""
+        copy = name == MTP_COPY or (name == COPY and getattr(self.rt.cfg, "tie_embeddings", False))
+        return "embed.weight" if copy else name
