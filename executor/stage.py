@@ -466,6 +466,12 @@ class Stage:
         self.ep, self.ep_index = ep, ep_index
         self.units = build_units(cfg, units, device=device, dtype=dtype, seed=seed)
         self.loss_fn = lm_loss  # the vocabulary-parallel loss under tensor parallelism (executor.parallel.tensor)
+        # an MTP module's embedding of its tokens and its loss from its final-normed states (depth d):
+        # vocabulary-parallel under tensor parallelism (executor.parallel.tensor.shard_stage)
+        self.mtp_embed: Callable[[torch.Tensor, int], torch.Tensor] = \
+            lambda tokens, depth: F.embedding(tokens, self.mtp_embedding())
+        self.mtp_loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = \
+            lambda y, targets, depth: mtp_loss(self.units["head"].project(y), targets, depth, self.cfg)
         # full recomputation stops once backward has what it needs; tensor parallelism re-runs
         # the whole forward, so its collectives recur in the plan's order (TP.R ops)
         self.recompute_early_stop = True
@@ -651,11 +657,10 @@ class Stage:
                 elif kind == "layer":
                     x = run((kind, layer), self._block(layer), x)
                 elif kind == "head":
-                    outputs["loss"] = run((kind, layer), self._head_loss, x if xmain is None else xmain,
-                                          targets) * loss_scale
-                    for d in self.deferred:
-                        outputs[f"loss.mtp.{d}"] = run((kind, layer), self._mtp_loss, inputs[f"ymtp.{d}"],
-                                                       targets, d) * loss_scale
+                    losses = run((kind, layer), self._head_losses, x if xmain is None else xmain, targets,
+                                 *(inputs[f"ymtp.{d}"] for d in self.deferred))
+                    for name, value in zip(["loss", *(f"loss.mtp.{d}" for d in self.deferred)], losses):
+                        outputs[name] = value * loss_scale
                 elif kind == "mtp_loss":
                     y = run((kind, layer), self._mtp(layer).final_norm, x)
                     d = layer - self.cfg.n_layers
@@ -667,14 +672,17 @@ class Stage:
                 elif kind in ("mtp", "mtp_pre"):
                     if layer == self.cfg.n_layers:
                         xmain = x
-                    emb = F.embedding(mtp_shift(targets, layer - self.cfg.n_layers)[0], self.mtp_embedding())
-                    x = run((kind, layer), self._mtp(layer).project, x, emb)
-                    if kind == "mtp":
-                        x = run((kind, layer), self._block(layer), x)
+                    d = layer - self.cfg.n_layers
+                    tokens = mtp_shift(targets, d)[0]
+                    if kind == "mtp":  # one checkpoint: a full recompute re-runs the module whole, as the plan
+                        x = run((kind, layer), lambda h, t, d=d, block=self._block(layer):
+                                block(self._mtp_input(h, t, d)), x, tokens)
                 if kind in ("pre", "mtp_pre"):
                     block = self._block(layer)
+                    pre = block.forward_pre if kind == "pre" else \
+                        lambda h, f, t=tokens, d=d, block=block: block.forward_pre(self._mtp_input(h, t, d), f)
                     # tensor parallel: the routed and shared experts' column-parallel linears read f(h)
-                    x, h, weights, ids, shared = run((kind, layer), block.forward_pre, x,
+                    x, h, weights, ids, shared = run((kind, layer), pre, x,
                                                      functools.partial(self.expert_input, layer=layer))
                     tokens, order, counts = block.moe.permute(h, ids)
                     block.release_mlp_norm(weights, shared)  # Megatron's layernorm module: h read
@@ -700,8 +708,19 @@ class Stage:
     def _head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(self.units["head"](x), targets)
 
+    def _head_losses(self, x: torch.Tensor, targets: torch.Tensor, *ys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The main loss and those of the MTP depths deferred to the head (``ys``: their
+        final-normed states), one checkpoint; the MTP losses first, as Megatron-Core's
+        ``GPTModel._postprocess`` computes them before the main logits."""
+        mtp = [self._mtp_loss(y, targets, d) for y, d in zip(ys, self.deferred)]
+        return (self._head_loss(x, targets), *mtp)
+
     def _mtp_loss(self, y: torch.Tensor, targets: torch.Tensor, depth: int) -> torch.Tensor:
-        return mtp_loss(self.units["head"].project(y), targets, depth, self.cfg)
+        return self.mtp_loss_fn(y, targets, depth)
+
+    def _mtp_input(self, x: torch.Tensor, tokens: torch.Tensor, depth: int) -> torch.Tensor:
+        """MTP module ``depth``'s projection of the hidden states ``x`` and of its tokens' embedding."""
+        return self._mtp(self.cfg.n_layers + depth).project(x, self.mtp_embed(tokens, depth))
 
     def _reduced_experts(self, layer: int, recv: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         if self.expert_tp is not None:

@@ -118,11 +118,12 @@ FEATURES: tuple[Feature, ...] = (
             model_file={**MOE, "shared_experts": 1, **{k: v for k, v in MLA.items() if k not in TINY}}),
     Feature("multi-token prediction (DeepSeek-V3 MTP modules)", _s(PP2, m=4), model_file={**TINY, "mtp_layers": 1}),
     Feature("multi-token prediction under context parallel", _s(CP2), model_file={**TINY, "mtp_layers": 1},
-            runs=False, why="MTP modules under tensor or context parallel",
-            match="simulate-only under tensor or context parallelism"),
-    Feature("multi-token prediction under tensor parallel", _s(TP2), model_file={**TINY, "mtp_layers": 1},
-            runs=False, why="MTP modules under tensor or context parallel",
-            match="simulate-only under tensor or context parallelism"),
+            runs=False, why="Megatron-Core rolls the MTP tokens across CP ranks (not built)",
+            match="simulate-only under context parallelism"),
+    Feature("multi-token prediction under tensor (+ sequence) parallel", _s(TP2_SP), model_file={**TINY, "mtp_layers": 1}),
+    Feature("multi-token prediction under tensor parallel with a split backward", _s(*_sched("zb1p"), TP2, world=4, m=4),
+            model_file={**TINY, "mtp_layers": 1}, runs=False,
+            why="the MTP embedding's gradient collectives in BI/BW are not placed", match="and a split backward"),
 )
 
 

@@ -1057,12 +1057,19 @@ def mtp_shift(targets: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Te
     return emb, tgt, mask
 
 
-def mtp_loss(logits: torch.Tensor, targets: torch.Tensor, depth: int, cfg: ModelConfig) -> torch.Tensor:
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of each token, ``logits`` ``[N, V]`` in fp32."""
+    return F.cross_entropy(logits, targets, reduction="none")
+
+
+def mtp_loss(logits: torch.Tensor, targets: torch.Tensor, depth: int, cfg: ModelConfig,
+             ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy) -> torch.Tensor:
     """Module ``depth``'s share of the training loss: its mean token cross entropy over the
     positions with a target (fp32), times ``mtp_loss_scale / mtp_layers`` (DeepSeek-V3 §2.2's
-    lambda / D; Megatron-Core ``mtp_loss_scaling_factor / mtp_num_layers``)."""
+    lambda / D; Megatron-Core ``mtp_loss_scaling_factor / mtp_num_layers``). ``ce``: each
+    token's cross entropy (a vocabulary-parallel one under tensor parallelism)."""
     _, tgt, mask = mtp_shift(targets, depth)
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none")
+    ce = ce(logits.flatten(0, 1).float(), tgt.flatten())
     m = mask.flatten()
     return (ce * m).sum() / m.sum().clamp(min=1) * (cfg.mtp_loss_scale / cfg.mtp_layers)
 

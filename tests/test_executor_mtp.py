@@ -72,10 +72,17 @@ def test_pp2_plan_shares_the_embedding_with_the_last_stage(files):
     assert not any(i.tied for c in one.classes for i in c.instructions())  # one stage: nothing to sum
 
 
+def TP2(sp: bool) -> dict:
+    return {"op": "tensor_parallel", "degree": 2, "sequence_parallel": sp}
+
+
 def test_refusals_left(files):
-    tp = strategy(files["tiny-mtp"], {"op": "context_parallel", "degree": 2})  # (TP does not compile MTP yet)
-    msg = unrunnable(plan_of(tp))
-    assert "multi-token-prediction" in msg and "tensor or context parallelism" in msg and "\n" not in msg, msg
+    cp = strategy(files["tiny-mtp"], {"op": "context_parallel", "degree": 2})
+    msg = unrunnable(plan_of(cp))
+    assert "multi-token-prediction" in msg and "context parallelism (cp 2)" in msg and "\n" not in msg, msg
+    split = strategy(files["tiny-mtp"], TP2(False), PIPE[0], {"op": "schedule", "name": "zb1p"}, world=4)
+    assert "tensor parallelism (tp 2) and a split backward (zb1p)" in unrunnable(plan_of(split))
+    assert unrunnable(plan_of(strategy(files["tiny-mtp"], TP2(True)))) == ""
     zero3 = strategy(files["tiny-mtp"], {"op": "data_parallel", "degree": 2, "zero": 3}, m=2, batch=4)
     assert "shares its embedding with its multi-token-prediction modules" in unrunnable(plan_of(zero3))
     for s in (strategy(files["tiny-mtp"], *PIPE), strategy(files["tiny-mtp"], DP2, m=2, batch=4)):
@@ -93,6 +100,26 @@ def test_moe_ep2_equals_the_reference(files, tmp_path):
     head's piece, which alone writes the shared output layer's gradient (the plan syncs its
     bucket after that piece). On the last of two stages: the slow test below."""
     check(tmp_path, 2, {"ep2": strategy(files["moe-mtp2"], DP2, EP2, m=2, batch=8)})
+
+
+def test_tensor_parallel_equals_the_reference(files, tmp_path):
+    """TP2 with and without SP, and with full recompute (the module re-run whole, its embedding,
+    eh_proj and layer collectives in the plan's order): the module embeds its tokens with the
+    vocabulary-parallel embedding (``mtp.0.embed.*``), ``eh_proj`` is column-parallel with its
+    output gathered over the hidden dim, its loss goes through the vocabulary-parallel head
+    in the head's piece, before the main loss (``mtp.0.head.*``)."""
+    check(tmp_path, 2, {"tp2": strategy(files["tiny-mtp"], TP2(False), m=2, batch=4),
+                        "tp2-sp": strategy(files["tiny-mtp"], TP2(True), m=2, batch=4),
+                        "tp2-sp-full": strategy(files["tiny-mtp"], TP2(True), {"op": "recompute"}, m=2, batch=4)})
+
+
+@pytest.mark.slow
+def test_tensor_parallel_with_pipeline_experts_and_data_parallel_equal_the_reference(files, tmp_path):
+    """Four ranks: PP2 x TP2 + SP (the last stage's embedding copy sharded by vocabulary rows
+    and summed with the first stage's shard), MoE MTP layers under TP2 x EP2 x DP2 and TP2 + SP."""
+    check(tmp_path, 4, {"pp2-tp2-sp": strategy(files["tiny-mtp"], TP2(True), *PIPE, world=4),
+                        "moe-tp2-ep2-dp2": strategy(files["moe-mtp"], TP2(False), DP2, EP2, world=4, m=2, batch=8),
+                        "moe-tp2-sp-pp2": strategy(files["moe-mtp"], TP2(True), *PIPE, world=4)})
 
 
 @pytest.mark.slow

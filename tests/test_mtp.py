@@ -112,4 +112,9 @@ def test_mtp_under_tensor_parallelism_compiles_with_its_own_head_collectives(sp)
     want.update({("mtp.0.eh.ag", "F"): 2 * act, ("mtp.0.eh.scatter.ag", "B"): act, ("mtp.0.eh.regather", "B"): 2 * act,
                  ("mtp.0.eh.rs", "B"): 2 * act} if sp else {("mtp.0.eh.ar", "B"): 2 * act})
     assert eh == want
+    # its shifted tokens through the model's vocabulary-parallel embedding: reduced like the embedding's
+    emb = {(i.name, i.direction, i.kind): i.bytes for i in plan.classes[-1].instructions()
+           if i.name and i.name.startswith("mtp.0.embed.") and i.mb == 0}
+    assert emb == ({("mtp.0.embed.rs", "F", "REDUCE_SCATTER"): act, ("mtp.0.embed.ag", "B", "ALL_GATHER"): act} if sp
+                   else {("mtp.0.embed.ar", "F", "ALLREDUCE"): act})
     assert simulate(plan).step_time_s > 0

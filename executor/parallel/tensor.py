@@ -61,8 +61,8 @@ from executor.collectives import all_gather_flat, group_ranks, reduce_scatter_fl
 from executor.parallel.axis import Axis, Handler, Logged, Posted
 from executor.parallel.data import is_grad_sync
 from piper_sim.header import TensorParallelHeader
-from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, MLAttention, SwiGLU, apply_rope, \
-    attention_core, rope_cos_sin
+from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, MLAttention, MTPLayer, SwiGLU, \
+    apply_rope, attention_core, mtp_loss, rope_cos_sin
 
 # the compiler's stream of tensor-parallel collectives (piper_sim.ir.TP_STREAM; the IR is not
 # imported here: it pulls in the compiler's dependencies)
@@ -293,18 +293,18 @@ class _ScatterRows(torch.autograd.Function):
         return ctx.tp.gather_rows(g.contiguous(), ctx.bwd, sizes=ctx.sizes)[0], None, None, None, None
 
 
-def sp_experts(tp: TPComm, layer: int, recv: torch.Tensor, counts: list[list[int]], run) -> torch.Tensor:
+def sp_experts(tp: TPComm, label: str, layer: int, recv: torch.Tensor, counts: list[list[int]], run) -> torch.Tensor:
     """A MoE layer's local experts under tensor and sequence parallelism (Megatron-Core's
     all-to-all dispatcher with SP): the tokens the EP dispatch brought this rank (``counts``:
     per source rank, per local expert) are all-gathered over TP (``l{L}.moe.ag``), each expert's
     ``expert_ffn / T`` columns run on all of them (``run``: `executor.stage.Stage._local_experts`)
     and the partial outputs are reduce-scattered back to their members (``l{L}.moe.rs``)."""
     n, per = len(counts[0]), []
-    rows = _GatherRows.apply(recv, tp, [c for row in counts for c in row], f"l{layer}.moe.ag", f"l{layer}.moe.rs",
+    rows = _GatherRows.apply(recv, tp, [c for row in counts for c in row], f"{label}.moe.ag", f"{label}.moe.rs",
                              per)
     groups = [p[i:i + n] for p in per for i in range(0, len(p), n)]  # member, then source rank
     y = run(layer, rows, groups)
-    return _ScatterRows.apply(y, tp, [sum(p) for p in per], f"l{layer}.moe.rs", f"l{layer}.moe.ag")
+    return _ScatterRows.apply(y, tp, [sum(p) for p in per], f"{label}.moe.rs", f"{label}.moe.ag")
 
 
 class _GatherColumns(torch.autograd.Function):
@@ -366,16 +366,16 @@ class _VocabParallelCE(torch.autograd.Function):
     all-reduces (max, target logit, sum of exponentials); the backward is local."""
 
     @staticmethod
-    def forward(ctx, logits, targets, tp: TPComm, lo: int):
+    def forward(ctx, logits, targets, tp: TPComm, lo: int, label: str):
         n = logits.shape[-1]
-        m = tp.all_reduce(logits.max(-1).values, "head.loss.max", op=dist.ReduceOp.MAX)
+        m = tp.all_reduce(logits.max(-1).values, f"{label}.loss.max", op=dist.ReduceOp.MAX)
         z = logits - m[:, None]
         local = targets - lo
         inside = (local >= 0) & (local < n)
         idx = local.clamp(0, n - 1)
-        pred = tp.all_reduce(z.gather(1, idx[:, None]).squeeze(1) * inside, "head.loss.target")
+        pred = tp.all_reduce(z.gather(1, idx[:, None]).squeeze(1) * inside, f"{label}.loss.target")
         e = z.exp()
-        sumexp = tp.all_reduce(e.sum(-1), "head.loss.sumexp")
+        sumexp = tp.all_reduce(e.sum(-1), f"{label}.loss.sumexp")
         ctx.save_for_backward(e / sumexp[:, None], idx, inside)
         return sumexp.log() - pred
 
@@ -385,7 +385,39 @@ class _VocabParallelCE(torch.autograd.Function):
         grad = softmax.clone()
         rows = torch.arange(grad.shape[0], device=grad.device)
         grad[rows, idx] -= inside.to(grad.dtype)
-        return grad * g[:, None], None, None, None
+        return grad * g[:, None], None, None, None, None
+
+
+class _GatherHidden(torch.autograd.Function):
+    """Column shards ``[..., h/T]`` all-gathered into ``[..., h]`` (Megatron's
+    ``gather_from_tensor_model_parallel_region``); backward: this rank's columns of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPComm, name: str):
+        ctx.tp, ctx.n = tp, x.shape[-1]
+        return tp.gather_seq(x.movedim(-1, 1), name).movedim(1, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        i, n = ctx.tp.index, ctx.n
+        return g[..., i * n:(i + 1) * n].contiguous(), None, None
+
+
+class _SplitSeq(torch.autograd.Function):
+    """Sequence parallel: this rank's ``[B, s/T, ...]`` chunk of a tensor every rank holds whole
+    (Megatron's ``scatter_to_sequence_parallel_region``: no collective); backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPComm, bwd: str):
+        ctx.tp, ctx.bwd = tp, bwd
+        ctx.save_for_backward(x.new_empty(0))  # as _ScatterSeq: a full recompute re-runs the forward first
+        n = x.shape[1] // tp.size
+        return x[:, tp.index * n:(tp.index + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors
+        return ctx.tp.gather_seq(g, ctx.bwd), None, None
 
 
 # --------------------------------------------------------------------------- parallel linears
@@ -510,12 +542,20 @@ class TPEmbedding(nn.Module):
         self.weight, self.tp, self.lo = base.weight, tp, lo
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        local = tokens - self.lo
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[..., None]
-        if self.tp.sp:
-            return _ScatterSeq.apply(out, self.tp, "embed.rs", "embed.ag")
-        return _ReduceFromTP.apply(out, self.tp, "embed.ar")
+        return vocab_parallel_embedding(self.tp, self.weight, self.lo, tokens, "embed")
+
+
+def vocab_parallel_embedding(tp: TPComm, weight: torch.Tensor, lo: int, tokens: torch.Tensor,
+                             label: str) -> torch.Tensor:
+    """The embedding of ``tokens`` from the vocabulary rows ``[lo, lo + V/T)`` this rank holds
+    (zeros for the others), summed over the group (``{label}.ar``; SP: reduce-scattered to
+    the sequence shard, ``{label}.rs``, its backward ``{label}.ag``)."""
+    local = tokens - lo
+    inside = (local >= 0) & (local < weight.shape[0])
+    out = F.embedding(local.clamp(0, weight.shape[0] - 1), weight) * inside[..., None]
+    if tp.sp:
+        return _ScatterSeq.apply(out, tp, f"{label}.rs", f"{label}.ag")
+    return _ReduceFromTP.apply(out, tp, f"{label}.ar")
 
 
 class TPHead(nn.Module):
@@ -536,10 +576,34 @@ class TPHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column(self.tp, self.norm(x), [self.out], "head")[0]
 
+    @property
+    def out_weight(self) -> torch.Tensor:
+        """This rank's vocabulary rows of the output layer (`models.Head.out_weight`)."""
+        return self.out.weight
+
 
 def vocab_parallel_loss(tp: TPComm, lo: int, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean token cross entropy of vocabulary-parallel logits (as ``models.lm_loss``)."""
-    return _VocabParallelCE.apply(logits.flatten(0, 1).float(), targets.flatten(), tp, lo).mean()
+    return _VocabParallelCE.apply(logits.flatten(0, 1).float(), targets.flatten(), tp, lo, "head").mean()
+
+
+def tp_mtp_input(mtp: MTPLayer, tp: TPComm, label: str, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    """An MTP module's ``eh_proj`` as Megatron-Core runs it (`piper_sim.parallel.tensor._eh_proj_collectives`):
+    column-parallel on ``[enorm(emb); hnorm(x)]`` (SP: the sequence shards, gathered), its column
+    shards all-gathered over the hidden dim (``{label}.eh.gather``), under SP split back to this
+    rank's sequence chunk (backward: ``{label}.eh.scatter.ag``)."""
+    z = column(tp, torch.cat((mtp.enorm(emb), mtp.hnorm(x)), -1), [mtp.eh_proj], f"{label}.eh")[0]
+    z = _GatherHidden.apply(z, tp, f"{label}.eh.gather")
+    return _SplitSeq.apply(z, tp, f"{label}.eh.scatter.ag") if tp.sp else z
+
+
+def tp_mtp_loss(tp: TPComm, lo: int, head: TPHead, cfg, y: torch.Tensor, targets: torch.Tensor,
+                depth: int) -> torch.Tensor:
+    """MTP module ``depth``'s loss through the shared vocabulary-parallel head (its own
+    collectives, ``mtp.d.head.*``: `piper_sim.parallel.tensor._block_collectives`)."""
+    label = f"mtp.{depth}.head"
+    logits = column(tp, y, [head.out], label)[0]
+    return mtp_loss(logits, targets, depth, cfg, ce=lambda z, t: _VocabParallelCE.apply(z, t, tp, lo, label))
 
 
 # --------------------------------------------------------------------------- sharding a stage
@@ -619,38 +683,63 @@ def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None)
                 lo = shard.slices["head.out.weight"][1]
                 units["head"] = TPHead(unit, tp)
             stage.loss_fn = lambda logits, targets, lo=lo: vocab_parallel_loss(tp, lo, logits, targets)
+        elif name.startswith("mtp."):
+            mtp: MTPLayer = unit
+            _columns(shard, tp, f"{name}.eh_proj", mtp.eh_proj)
+            mtp.project = functools.partial(tp_mtp_input, mtp, tp, name)
+            _shard_block(stage, shard, tp, f"{name}.block", mtp.block, stage.cfg.n_layers + int(name.split(".")[1]))
         else:
-            block: Block = unit
-            label = "l" + name.split(".")[1]
-            attn = block.attn
-            mla = isinstance(attn, MLAttention)
-            ups = (("wq_b" if attn.cfg.q_lora_rank else "wq"), "wkv_b") if mla else ("wq", "wk", "wv")
-            for lin in ups:
-                _columns(shard, tp, f"{name}.attn.{lin}", getattr(attn, lin))
-            _take(shard, tp, f"{name}.attn.wo", attn.wo, "weight", 1)
-            block.attn = (TPMLAttention if mla else TPAttention)(attn, tp, f"{label}.attn")
-            if block.is_moe:
-                _shard_experts(stage, shard, tp, name, block)
-                if block.moe.shared is not None:
-                    _shard_mlp(shard, tp, f"{name}.moe.shared", block.moe.shared)
-                    block.moe.shared = TPSharedMLP(block.moe.shared, tp, f"{label}.shared")
-                if not stage.expert_split:  # no expert parallelism: the layer runs whole, its experts here
-                    block.forward = functools.partial(tp_moe_layer, block, tp, int(name.split(".")[1]),
-                                                      stage._local_experts)
-                continue
-            _shard_mlp(shard, tp, f"{name}.mlp", block.mlp)
-            block.mlp = TPMLP(block.mlp, tp, f"{label}.mlp")
+            _shard_block(stage, shard, tp, name, unit, int(name.split(".")[1]))
+    if "mtp_embed" in units and sharded("embed"):  # an untied model's copy of the embedding for its MTP modules
+        _take(shard, tp, "mtp_embed", units["mtp_embed"], "weight", 0)
+    if any(u.startswith("mtp.") for u in units.unit_names()):
+        lo = tp.index * stage.mtp_embedding().shape[0]  # every vocabulary shard: rows [lo, lo + V/T)
+        stage.mtp_embed = lambda tokens, depth: vocab_parallel_embedding(tp, stage.mtp_embedding(), lo, tokens,
+                                                                         f"mtp.{depth}.embed")
+        stage.mtp_loss_fn = lambda y, targets, depth: tp_mtp_loss(tp, lo, units["head"], stage.cfg, y, targets, depth)
     stage.collect_piece_params()  # the pieces' parameters are the shards now
-    moe_tp = any(u.startswith("layers.") and units[u].is_moe and sharded(u) for u in units.unit_names())
+    moe_tp = any(u.startswith(("layers.", "mtp.")) and units[u].is_moe and sharded(u)
+                 for u in units.unit_names())
+    unit = functools.partial(stage.unit_of, "layer")
     if moe_tp and tp.sp:  # the router and dispatch read the shard; the experts gather over TP (sp_experts)
-        stage.expert_tp = lambda layer, recv, counts, run: sp_experts(tp, layer, recv, counts, run) \
-            if sharded(f"layers.{layer}") else run(layer, recv, counts)
+        stage.expert_tp = lambda layer, recv, counts, run: sp_experts(tp, layer_label(unit(layer)), layer, recv,
+                                                                      counts, run) \
+            if sharded(unit(layer)) else run(layer, recv, counts)
     elif moe_tp:
-        stage.expert_input = lambda h, layer: _CopyToTP.apply(h, tp, f"l{layer}.moe.ar") \
-            if sharded(f"layers.{layer}") else h
-        stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"l{layer}.moe.ar") \
-            if sharded(f"layers.{layer}") else y
+        stage.expert_input = lambda h, layer: _CopyToTP.apply(h, tp, f"{layer_label(unit(layer))}.moe.ar") \
+            if sharded(unit(layer)) else h
+        stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"{layer_label(unit(layer))}.moe.ar") \
+            if sharded(unit(layer)) else y
     return shard
+
+
+def layer_label(unit: str) -> str:
+    """The prefix of a layer unit's TP collectives in the plan: ``layers.3`` -> ``l3``, an MTP
+    module's ``mtp.0`` itself (`piper_sim.parallel.tensor.layer_label`)."""
+    return "l" + unit.split(".")[1] if unit.startswith("layers.") else unit
+
+
+def _shard_block(stage, shard: TPShard, tp: TPComm, prefix: str, block: Block, layer: int) -> None:
+    """A transformer layer's shard (``prefix``: its parameters' names; ``layer``: its index, an
+    MTP module's ``n_layers + d``): attention heads, the MLP's or the experts' columns."""
+    label = layer_label(stage.unit_of("layer", layer))
+    attn = block.attn
+    mla = isinstance(attn, MLAttention)
+    ups = (("wq_b" if attn.cfg.q_lora_rank else "wq"), "wkv_b") if mla else ("wq", "wk", "wv")
+    for lin in ups:
+        _columns(shard, tp, f"{prefix}.attn.{lin}", getattr(attn, lin))
+    _take(shard, tp, f"{prefix}.attn.wo", attn.wo, "weight", 1)
+    block.attn = (TPMLAttention if mla else TPAttention)(attn, tp, f"{label}.attn")
+    if block.is_moe:
+        _shard_experts(stage, shard, tp, prefix, block)
+        if block.moe.shared is not None:
+            _shard_mlp(shard, tp, f"{prefix}.moe.shared", block.moe.shared)
+            block.moe.shared = TPSharedMLP(block.moe.shared, tp, f"{label}.shared")
+        if not stage.expert_split:  # no expert parallelism: the layer runs whole, its experts here
+            block.forward = functools.partial(tp_moe_layer, block, tp, label, layer, stage._local_experts)
+        return
+    _shard_mlp(shard, tp, f"{prefix}.mlp", block.mlp)
+    block.mlp = TPMLP(block.mlp, tp, f"{label}.mlp")
 
 
 def _shard_mlp(shard: TPShard, tp: TPComm, prefix: str, mlp: nn.Module) -> None:
@@ -707,7 +796,7 @@ class TPExpert(nn.Module):
         return F.linear(h, last.weight) + _SharedBias.apply(last.bias, self.tp.size, self.summed)
 
 
-def tp_moe_layer(block: Block, tp: TPComm, layer: int, run, x: torch.Tensor) -> torch.Tensor:
+def tp_moe_layer(block: Block, tp: TPComm, label: str, layer: int, run, x: torch.Tensor) -> torch.Tensor:
     """A MoE layer without expert parallelism on this rank's ``expert_ffn / T`` columns of every
     expert (Megatron-Core's expert TP = TP at EP 1; the router replicated), as
     `piper_sim.parallel.tensor.tp_collectives` lowers it. Without SP the experts (routed and
@@ -720,10 +809,10 @@ def tp_moe_layer(block: Block, tp: TPComm, layer: int, run, x: torch.Tensor) -> 
     if tp.sp:
         x, h, weights, ids, shared = block.forward_pre(x)
     else:
-        x, h, weights, ids, shared = block.forward_pre(x, lambda t: _CopyToTP.apply(t, tp, f"l{layer}.moe.ar"))
+        x, h, weights, ids, shared = block.forward_pre(x, lambda t: _CopyToTP.apply(t, tp, f"{label}.moe.ar"))
     tokens, order, counts = block.moe.permute(h, ids)
-    y = sp_experts(tp, layer, tokens, [counts], run) if tp.sp else \
-        _ReduceFromTP.apply(run(layer, tokens, [counts]), tp, f"l{layer}.moe.ar")
+    y = sp_experts(tp, label, layer, tokens, [counts], run) if tp.sp else \
+        _ReduceFromTP.apply(run(layer, tokens, [counts]), tp, f"{label}.moe.ar")
     routed = block.moe.unpermute(y, weights, order, h.shape[0])
     block.release_mlp_norm(weights, shared)
     return block.forward_post(x, routed, shared)

@@ -86,20 +86,26 @@ def tp_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: float
 
 
 def _eh_proj_collectives(unit: str, pas: str, sp: bool, act: float, layer: list) -> list[tuple[str, str, float]]:
-    """An MTP module's ``eh_proj`` (2h -> h) around its layer's collectives ``layer``, as
-    Megatron-Core runs it (megatron-core 0.16.1 transformer/multi_token_prediction.py:651-661,
-    737-746): column-parallel with ``gather_output=False``, its output all-gathered over the last
-    dim (``gather_from_tensor_model_parallel_region``; backward: a local split), under SP
-    scattered back to the sequence shard (a local split; backward: all-gather). The column-parallel
-    linear's own input: without SP its gradient all-reduced (2h wide), with SP gathered over the
-    sequence in forward, the gradient reduce-scattered and the input re-gathered for the weight
-    gradient."""
+    """An MTP module's embedding and ``eh_proj`` (2h -> h) around its layer's collectives
+    ``layer``, as Megatron-Core runs them. The module embeds its shifted tokens with the GPT
+    model's own vocabulary-parallel embedding (megatron-core 0.16.1
+    transformer/multi_token_prediction.py:720, ``embedding(input_ids=..., position_ids=...)``):
+    its output all-reduced (SP: reduce-scattered), in backward nothing (SP: the output gradient
+    all-gathered), as the model's embedding (``{unit}.embed.*``). ``eh_proj``
+    (multi_token_prediction.py:651-661, 737-746): column-parallel with ``gather_output=False``,
+    its output all-gathered over the last dim (``gather_from_tensor_model_parallel_region``;
+    backward: a local split), under SP scattered back to the sequence shard (a local split;
+    backward: all-gather). The column-parallel linear's own input: without SP its gradient
+    all-reduced (2h wide), with SP gathered over the sequence in forward, the gradient
+    reduce-scattered and the input re-gathered for the weight gradient."""
     AR, AG, RS = "ALLREDUCE", "ALL_GATHER", "REDUCE_SCATTER"
-    e = f"{unit}.eh"
+    e, emb = f"{unit}.eh", f"{unit}.embed"
     if pas == "F":
-        return ([(f"{e}.ag", AG, 2 * act)] if sp else []) + [(f"{e}.gather", AG, act)] + layer
+        embed = [(f"{emb}.rs", RS, act)] if sp else [(f"{emb}.ar", AR, act)]
+        return embed + ([(f"{e}.ag", AG, 2 * act)] if sp else []) + [(f"{e}.gather", AG, act)] + layer
     if sp:
-        return layer + [(f"{e}.scatter.ag", AG, act), (f"{e}.regather", AG, 2 * act), (f"{e}.rs", RS, 2 * act)]
+        return layer + [(f"{e}.scatter.ag", AG, act), (f"{e}.regather", AG, 2 * act), (f"{e}.rs", RS, 2 * act),
+                        (f"{emb}.ag", AG, act)]
     return layer + [(f"{e}.ar", AR, 2 * act)]
 
 
@@ -184,6 +190,19 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
         group = ctx.group("tp", where)
         modes, modules = stage_unit_modes(ctx, s), ctx.setup.policy(s).module_set
         parts = ctx.parts(s)
+        deferred = _deferred_mtp_heads(parts)
+
+        def collectives(seg: SegmentCost, pas: str) -> list[tuple[str, str, float]]:
+            """`tp_collectives` of ``seg``; an MTP loss in a part before the head's runs its output
+            layer in the head's part (`_deferred_mtp_heads`), before the main head's."""
+            if seg.name in deferred:
+                return []
+            own = tp_collectives(seg, pas, sp, act, loss, attn_in, shared, routed)
+            if seg.name != "head" or not deferred:
+                return own
+            order = deferred.values() if pas == "F" else reversed(deferred.values())
+            mtp = [x for d in order for x in tp_collectives(d, pas, sp, act, loss, attn_in, shared, routed)]
+            return mtp + own if pas == "F" else own + mtp
         regathers: dict[int, list[Node]] = {}  # mb -> BI-split re-gathers its BW waits for
         after_bw: dict[int, list[Node]] = {}  # mb -> the embedding's backward collectives in a split: BW's
         last_bi: dict[int, Node] = {}
@@ -210,10 +229,9 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                     mode = modes.get(seg.unit, ("none", 0))[0]
                     chain += [add("R", *x) for u in parts[ins.part] if u.unit == seg.unit and
                               ctx.memory[u.name].recomputed
-                              for x in tp_collectives(u, "F", sp, act, loss, attn_in, shared, routed)
+                              for x in collectives(u, "F")
                               if reruns_forward_collective(mode, modules, _block_of(x[0]))]
-                for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss, attn_in,
-                                        shared, routed):
+                for x in collectives(seg, "F" if ins.kind == "F" else "B"):
                     if ins.kind == "BI" and x[0].endswith(".regather"):
                         regathers.setdefault(ins.mb, []).append(add("B", *x))
                     elif ins.kind == "BI" and segment_kind(None, seg.name) == "embed":  # type: ignore[arg-type]
@@ -250,6 +268,19 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                 if dag.ins(n).kind in WEIGHT_GRAD_KINDS:
                     dag.edge(n, ar)
             dag.edge(ar, (where, f"OPT.s{s}"))
+
+
+def _deferred_mtp_heads(parts: list[list[SegmentCost]]) -> dict[str, SegmentCost]:
+    """The MTP loss segments (``mtp.d.loss``) of a stage in a part before the head's (always
+    under TP, whose parts are units), by name in depth order: their shared output layer and
+    vocabulary-parallel loss run in the head's part, before the main head's, as Megatron-Core's
+    ``GPTModel._postprocess`` computes the MTP logits and losses before the main logits
+    (megatron-core 0.16.1 models/gpt/gpt_model.py:620-640, then 685) and as
+    the executor runs them (`executor.stage.Stage.deferred`)."""
+    if not any(seg.name == "head" for part in parts for seg in part):
+        return {}
+    return {seg.name: seg for part in parts if not any(x.name == "head" for x in part)
+            for seg in part if seg.unit.startswith("mtp.") and seg.name.endswith(".loss")}
 
 
 def norms_after_zero3_pass(ctx: Context, dag: TrainingDAG) -> None:
