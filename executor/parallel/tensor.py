@@ -63,6 +63,7 @@ from executor.parallel.data import is_grad_sync
 from piper_sim.header import TensorParallelHeader
 from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, MLAttention, SwiGLU, apply_rope, \
     attention_core, rope_cos_sin
+from piper_sim.user_tp import Region, shard_unit
 
 # the compiler's stream of tensor-parallel collectives (piper_sim.ir.TP_STREAM; the IR is not
 # imported here: it pulls in the compiler's dependencies)
@@ -258,6 +259,22 @@ class _ScatterSeq(torch.autograd.Function):
     def backward(ctx, g):
         ctx.saved_tensors
         return ctx.tp.gather_seq(g, ctx.bwd), None, None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Sequence parallel, torch's style: all-gather along the sequence forward (the gathered
+    tensor is what the column-parallel linears keep), reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPComm, fwd: str, bwd: str):
+        ctx.tp, ctx.bwd = tp, bwd
+        ctx.save_for_backward(x.new_empty(0))  # as _ScatterSeq: a full recompute re-runs the forward first
+        return tp.gather_seq(x, fwd)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors
+        return ctx.tp.scatter_seq(g, ctx.bwd), None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -559,11 +576,17 @@ class TPShard:
         """Parameters every member of the group holds whole (norms, row-parallel biases)."""
         return [p for n, p in named if n not in self.slices]
 
+    # a user model's units (`shard_user_stage`): the replicated parameters they found partial as they ran
+    regions: list[Region] | None = None
+
     def partial(self, named: list[tuple[str, nn.Parameter]], sp: bool, qk_norm: bool) -> list[nn.Parameter]:
         """The replicated parameters whose gradients are partial per rank, so summed over the
         group (``TP.s{S}.norms``): all of them under sequence parallelism (each rank saw its
         sequence shard), else a ``qk_norm`` model's query/key norms (each rank normalised only
-        its heads)."""
+        its heads); a user model's: those its units marked (`piper_sim.user_tp.shard_unit`)."""
+        if self.regions is not None:
+            marked = set().union(*(r.partial for r in self.regions))
+            return [p for n, p in named if n in marked]
         return [p for n, p in named if n not in self.slices
                 and (sp or (qk_norm and (".attn.q_norm." in n or ".attn.k_norm." in n)))]
 
@@ -650,6 +673,60 @@ def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None)
             if sharded(f"layers.{layer}") else h
         stage.expert_output = lambda y, layer: _ReduceFromTP.apply(y, tp, f"l{layer}.moe.ar") \
             if sharded(f"layers.{layer}") else y
+    return shard
+
+
+@dataclass
+class UserTPOps:
+    """The collectives of a user model's sharded modules (`piper_sim.user_tp.TPOps`) over
+    this rank's `TPComm`: a column group's ``f`` (SP: `_GatherSeq`), a row-parallel output's
+    ``g`` (SP: `_ScatterSeq`), the token ids a vocabulary-parallel embedding gathers under SP."""
+
+    tp: TPComm
+
+    @property
+    def size(self) -> int:
+        return self.tp.size
+
+    @property
+    def index(self) -> int:
+        return self.tp.index
+
+    @property
+    def sp(self) -> bool:
+        return self.tp.sp
+
+    def column_input(self, x: torch.Tensor, label: str) -> torch.Tensor:
+        if self.tp.sp:
+            return _GatherSeq.apply(x, self.tp, f"{label}.ag", f"{label}.rs")
+        return _CopyToTP.apply(x, self.tp, f"{label}.ar")
+
+    def row_output(self, y: torch.Tensor, label: str) -> torch.Tensor:
+        if self.tp.sp:
+            return _ScatterSeq.apply(y, self.tp, f"{label}.rs", f"{label}.ag")
+        return _ReduceFromTP.apply(y, self.tp, f"{label}.ar")
+
+    def gather_tokens(self, t: torch.Tensor, label: str) -> torch.Tensor:
+        return self.tp.gather_seq(t, f"{label}.ag")
+
+
+def shard_user_stage(stage, tp: TPComm, plan: dict[str, str]) -> TPShard:
+    """A user model's stage (`executor.user_stage.UserStage`, built whole with the reference's
+    weights) as this rank's shard of its sharding annotations (`piper_sim.user_tp.shard_unit`:
+    colwise linears keep rows ``[r·n/T, (r+1)·n/T)`` of weight and bias, rowwise ones those
+    columns of the weight, a rowwise embedding those vocabulary rows; `_take` records each
+    slice for ``--check``)."""
+    shard = TPShard(regions=[])
+    ops = UserTPOps(tp)
+    stage.recompute_early_stop = False  # a recomputed unit re-runs every forward collective (TP.R ops)
+    for name in list(stage.units):
+        region = Region()
+
+        def take(path: str, mod: nn.Module, attr: str, dim: int, name=name) -> None:
+            _take(shard, tp, f"{name}.{path}" if path else name, mod, attr, dim)
+        stage.units[name] = shard_unit(name, stage.units[name], plan, ops, region, take)
+        shard.regions.append(region)
+    stage.collect_piece_params()
     return shard
 
 
@@ -782,7 +859,8 @@ class TensorParallel(ModuleCollectives):
         self.comm = TPComm(rt.comms.group(TP_STREAM, group), rt.layout.tp, group_ranks(group).index(rt.rank), sp)
         sharded = sharded_units(rt.header.tp)
         for s, stage in rt.stages.items():
-            self.shards[s] = shard_stage(stage, self.comm, sharded)
+            self.shards[s] = shard_user_stage(stage, self.comm, rt.cfg.tp_plan) if rt.user_model else \
+                shard_stage(stage, self.comm, sharded)
         norms = {i.stage: i for i in tp_ops if not i.direction}
         if not norms:
             return
@@ -821,7 +899,8 @@ class TensorParallel(ModuleCollectives):
         if ins.direction:  # a full-recompute backward re-runs the forward's collectives (``TP.R.`` ops)
             return self.take(ins)
         stage = self.rt.stages[ins.stage]
-        params = self.shards[ins.stage].partial(stage.named_parameters()[0], self.comm.sp, self.rt.cfg.qk_norm)
+        params = self.shards[ins.stage].partial(stage.named_parameters()[0], self.comm.sp,
+                                                getattr(self.rt.cfg, "qk_norm", False))
         fp = self.rt.flats.get((ins.stage, ""))
         # ZeRO-3: the units' gradients went to their reduce-scatters; sum the reduced shard's part
         grads = fp.shard_grad_views(params) if fp is not None and fp.per_bucket else [p.grad for p in params]
@@ -836,6 +915,14 @@ class TensorParallel(ModuleCollectives):
 
     def local_seq(self, seq: int) -> int:
         return seq // self.rt.layout.tp if self.comm is not None and self.comm.sp else seq
+
+    def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A user model under sequence parallelism holds its shard of the sequence (dim 1) from the
+        batch on (`piper_sim.user_tp`); the zoo's embedding reads every token."""
+        if not (self.rt.user_model and self.comm is not None and self.comm.sp):
+            return tokens, targets
+        n = tokens.shape[1] // self.comm.size
+        return tuple(t.narrow(1, self.comm.index * n, n) for t in (tokens, targets))  # type: ignore[return-value]
 
     def reference_view(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """Its tensor-parallel slice."""

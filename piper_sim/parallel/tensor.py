@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+from piper_sim.annotate import UserModel
 from piper_sim.configs import ModelConfig, tp_divisibility_error
 from piper_sim.ir import Context, Node, TrainingDAG, make_op
 from piper_sim.parallel.memory import stage_unit_modes
@@ -199,6 +200,13 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                                               direction=pas, name=name))
 
             recomputed: set[str] = set()
+            user = bool(ctx.tp_unit_ops)  # a user nn.Module: its units' own collectives (piper_sim.user_tp)
+
+            def collectives(seg: SegmentCost, pas: str) -> list[tuple[str, str, float]]:
+                if user:
+                    return ctx.tp_unit_ops.get(seg.unit, {}).get(pas, [])
+                return tp_collectives(seg, pas, sp, act, loss, attn_in, shared, routed)
+
             for seg in segs:
                 if not ctx.setup.tp_sharded(seg.unit):
                     continue  # replicated (shard_tensor's selection): run whole, no TP collective
@@ -210,13 +218,12 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                     mode = modes.get(seg.unit, ("none", 0))[0]
                     chain += [add("R", *x) for u in parts[ins.part] if u.unit == seg.unit and
                               ctx.memory[u.name].recomputed
-                              for x in tp_collectives(u, "F", sp, act, loss, attn_in, shared, routed)
+                              for x in collectives(u, "F")
                               if reruns_forward_collective(mode, modules, _block_of(x[0]))]
-                for x in tp_collectives(seg, "F" if ins.kind == "F" else "B", sp, act, loss, attn_in,
-                                        shared, routed):
+                for x in collectives(seg, "F" if ins.kind == "F" else "B"):
                     if ins.kind == "BI" and x[0].endswith(".regather"):
                         regathers.setdefault(ins.mb, []).append(add("B", *x))
-                    elif ins.kind == "BI" and segment_kind(None, seg.name) == "embed":  # type: ignore[arg-type]
+                    elif ins.kind == "BI" and not user and segment_kind(None, seg.name) == "embed":  # type: ignore[arg-type]
                         after_bw.setdefault(ins.mb, []).append(add("B", *x))
                     else:
                         chain.append(add("F" if ins.kind == "F" else "B", *x))
@@ -281,7 +288,8 @@ def check(cfg, setup, strategy, cluster) -> None:
     parallelism, the sequence); a warning when it spans nodes."""
     if setup.tp == 1:
         return
-    err = tp_divisibility_error(cfg, setup.tp)
+    # a user nn.Module's annotations are checked against the degree by annotate.check_user_setup
+    err = "" if isinstance(cfg, UserModel) else tp_divisibility_error(cfg, setup.tp)
     if err:
         raise StrategyError(f"tensor_parallel: {err}")
     if setup.sp and strategy.seq_len % setup.tp:
