@@ -299,12 +299,9 @@ def annotate(module: nn.Module, units: list[str], loss: Callable[[torch.Tensor, 
     _check_params(module, names)
     tp_plan: dict[str, str] = {}
     if tensor_parallel is not None:
-        from piper_sim.user_tp import ShardingError, expand_tp_plan
+        from piper_sim.user_tp import expand_tp_plan
 
-        try:
-            tp_plan = expand_tp_plan(module, names, tensor_parallel)
-        except ShardingError as e:
-            raise AnnotationError(str(e)) from None
+        tp_plan = expand_tp_plan(module, names, tensor_parallel)
     if sequence_parallel and not tp_plan:
         raise AnnotationError("annotate: sequence_parallel=True needs tensor_parallel annotations")
     if init_unit is not None and not callable(init_unit):

@@ -85,7 +85,7 @@ def profile_user_model(model: UserModel, micro_batch: int, seq_len: int,
     hint = ("; reshape the sharded linears' outputs with -1 (heads per rank), as torchtitan's models do"
             + (", and read the sequence length from them (their input holds the rank's sequence shard)"
                if tp.sp else "")) if tp.degree > 1 else ""
-    with user_code(what, hint):
+    with user_code(what, hint, refused=f"model: {model.source or model.name}: "):
         x, targets = model.example_batch(micro_batch, seq_len, "meta", dtype, 0)
         if tp.sp:  # every rank holds its shard of the sequence (dim 1), from the batch on
             x, targets = (t.narrow(1, 0, t.shape[1] // tp.degree) for t in (x, targets))

@@ -38,6 +38,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from piper_sim.annotate import AnnotationError
+
 if TYPE_CHECKING:
     import torch
     import torch.nn as nn
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 STYLES = ("colwise", "rowwise")
 
 
-class ShardingError(ValueError):
+class ShardingError(AnnotationError):
     """A sharding annotation or a TP degree that does not fit the model; one line."""
 
 
@@ -358,6 +360,10 @@ def analyse_unit(unit: str, mod: nn.Module, x: torch.Tensor, loss: Callable | No
     shard, ops, region = meta_shard(unit, mod, plan, size, sp)
     x = x.detach().requires_grad_(x.is_floating_point() and not first)
     out = shard(x)
+    if region.inside:
+        raise ShardingError(f"tensor_parallel: unit {unit} hands on the output of column-parallel {region.label} "
+                            "(split over the TP group) with no row-parallel linear after it; annotate the linear "
+                            "that reads it \"rowwise\" or drop the \"colwise\"")
     if loss is not None:
         out = loss(out)
     params = [p for p in shard.parameters() if p.requires_grad]

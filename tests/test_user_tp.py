@@ -104,6 +104,23 @@ def test_a_forward_that_hard_codes_the_width_is_one_line_at_compile():
     assert "reshape the sharded linears' outputs with -1" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_column_parallel_output_no_row_parallel_linear_reduces_is_refused():
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out = nn.Linear(8, 6)
+
+        def forward(self, x):
+            return self.out(x)
+
+    def factory():
+        return annotate(nn.Sequential(nn.Linear(8, 8), Head()), ["0", "1"], lambda y, t: y.float().mean(), _batch,
+                        tensor_parallel={"1.out": "colwise"})
+    with pytest.raises(StrategyError) as e:
+        piper_sim.compile(tp_strategy(model="mine"), model=factory)
+    assert "unit 1 hands on the output of column-parallel 1.out" in str(e.value) and "\n" not in str(e.value)
+
+
 # --------------------------------------------------------------------------- the plan
 
 
