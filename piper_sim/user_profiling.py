@@ -46,7 +46,7 @@ def _profile_unit(model: UserModel, name: str, x: torch.Tensor, targets: torch.T
     unit_tp = None
     if tp.degree > 1:  # one rank's shard, its collectives logged on a second copy
         loss = None if targets is None else (lambda out: model.loss(out, targets))
-        unit_tp = analyse_unit(name, model.meta_unit(name, dtype), x, loss, model.tp_plan, tp.degree, tp.sp, first)
+        unit_tp = analyse_unit(name, model.meta_unit(name, dtype), x, loss, model.tp_plan, tp.degree, tp.sp, first)[0]
         mod = meta_shard(name, mod, model.tp_plan, tp.degree, tp.sp)[0]
     params = list(mod.parameters())
     # the model's inputs (first unit) need no gradient; a boundary tensor does

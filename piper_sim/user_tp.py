@@ -103,22 +103,6 @@ def unit_plan(plan: dict[str, str], unit: str) -> dict[str, str]:
     return {p[len(unit) + 1:]: s for p, s in plan.items() if p == unit or p.startswith(unit + ".")}
 
 
-def shard_slices(plan: dict[str, str], unit: str, mod: nn.Module, size: int,
-                 index: int) -> list[tuple[str, str, int, int, int]]:
-    """(module path in unit, parameter, dim, lo, hi) of each parameter ``unit``'s annotations split."""
-    import torch.nn as nn
-
-    out = []
-    for path, style in unit_plan(plan, unit).items():
-        m = mod.get_submodule(path)
-        dim = 1 if style == "rowwise" and not isinstance(m, nn.Embedding) else 0
-        n = m.weight.shape[dim] // size
-        out.append((path, "weight", dim, index * n, (index + 1) * n))
-        if style == "colwise" and m.bias is not None:
-            out.append((path, "bias", 0, index * n, (index + 1) * n))
-    return out
-
-
 class TPOps(Protocol):
     """The collectives a sharded unit performs (autograd-aware; ``label`` names the op)."""
 
@@ -134,14 +118,12 @@ class TPOps(Protocol):
 @dataclass
 class Region:
     """One unit's state while it runs: the last column group's input and output (linears that
-    read the same tensor share its ``f``), whether a column-to-row region is open, and the
-    replicated parameters found partial (`partial`, full names)."""
+    read the same tensor share its ``f``) and whether a column-to-row region is open."""
 
     last_in: Any = None
     last_out: Any = None
     label: str = ""
     inside: bool = False
-    partial: set[str] = field(default_factory=set)
 
     def reset(self) -> None:
         self.last_in = self.last_out = None
@@ -211,9 +193,7 @@ def shard_unit(unit: str, mod: nn.Module, plan: dict[str, str], ops: TPOps, regi
     returned, a wrapper where the unit is itself annotated):
     ``take(path, module, parameter, dim)`` replaces one parameter by this rank's slice, then
     each annotated module is wrapped to perform its collectives through ``ops``. A hook resets
-    ``region`` as the unit starts (a recomputed forward groups its own tensors); parameters
-    of other modules that run inside a column-to-row region, or any under sequence
-    parallelism, are added to ``region.partial`` as they run."""
+    ``region`` as the unit starts (a recomputed forward groups its own tensors)."""
     import torch.nn as nn
 
     colwise, rowwise, embedding = _wrappers()
@@ -236,21 +216,6 @@ def shard_unit(unit: str, mod: nn.Module, plan: dict[str, str], ops: TPOps, regi
             setattr(mod.get_submodule(parent) if parent else mod, leaf, new)
         else:  # the unit is the annotated module
             mod = new
-    wrapped = set(annotated)
-    for path, sub in mod.named_modules():
-        own = [n for n, _ in sub.named_parameters(recurse=False)]
-        if not own or path in wrapped or "" in wrapped:
-            continue
-        names = [f"{unit}.{path}.{n}" if path else f"{unit}.{n}" for n in own]
-
-        def mark(_m, _args, names=names) -> None:
-            if ops.sp or region.inside:
-                region.partial.update(names)
-        sub.register_forward_pre_hook(mark)
-    for path in wrapped:  # a row-parallel linear's bias runs on the shard under SP: partial there
-        m = mod.get_submodule(path)
-        if getattr(m, "bias", None) is not None and isinstance(m, rowwise) and ops.sp:
-            region.partial.add(f"{unit}.{path}.bias" if path else f"{unit}.bias")
     mod.register_forward_pre_hook(lambda _m, _a: region.reset())
     return mod
 
@@ -328,11 +293,12 @@ def _meta_fn():
 
 @dataclass
 class UnitTP:
-    """What the compiler needs of one unit under tensor parallelism: its collectives per pass
-    ``F`` / ``B`` as (name, kind, bytes), in the order they run, and the number of its replicated
-    parameters whose gradients are partial (`piper_sim.profiling.SegmentCost.tp_partial_params`)."""
+    """One unit under tensor parallelism: its collectives per pass ``F`` / ``B`` as (name, kind,
+    bytes), in the order they run, and its replicated parameters whose gradients are partial
+    (full names, and their elements: `piper_sim.profiling.SegmentCost.tp_partial_params`)."""
 
     ops: dict[str, list[tuple[str, str, float]]]
+    partial: frozenset[str]
     partial_params: int
 
 
@@ -350,22 +316,73 @@ def meta_shard(unit: str, mod: nn.Module, plan: dict[str, str], size: int, sp: b
     return shard_unit(unit, mod, plan, ops, region, take), ops, region
 
 
+def _partial_tracer(sharded: nn.Module, unit: str, plan: dict[str, str], sp: bool):
+    """A TorchFunctionMode that finds the replicated parameters whose gradients are partial
+    per rank: any that an op reads (directly or through ops of parameters alone) together with
+    a *split* tensor -- the output of a column-parallel linear and everything computed from it
+    up to a row-parallel linear (whose partial sums the group reduces) -- or, under sequence
+    parallelism, any at all (every rank sees its own tokens)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_leaves
+
+    colwise, rowwise, embedding = _wrappers()
+    starts, ends, names = set(), set(), {}
+    for path, m in sharded.named_modules():
+        if isinstance(m, colwise):
+            starts.update(id(p) for p in (m.weight, m.bias) if p is not None)
+        elif isinstance(m, (rowwise, embedding)):
+            ends.add(id(m.weight))
+    for n, p in sharded.named_parameters():
+        if id(p) not in starts | ends:
+            names[id(p)] = f"{unit}.{n}"
+
+    class Tracer(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.split: dict[int, torch.Tensor] = {}   # id -> tensor (kept alive: ids stay unique)
+            self.origin: dict[int, tuple[torch.Tensor, frozenset[str]]] = {}  # computed from parameters alone
+            self.partial: set[str] = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            ids = {id(t) for t in ins}
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            reads = set().union(*[{names[id(t)]} if id(t) in names else self.origin.get(id(t), (None, set()))[1]
+                                  for t in ins])
+            if ids & ends:
+                return out  # a row-parallel product: reduced over the group next
+            split = bool(ids & starts) or any(id(t) in self.split for t in ins)
+            if split or sp:
+                self.partial |= reads
+            if split:
+                self.split.update({id(t): t for t in outs})
+            elif reads and all(id(t) in names or id(t) in self.origin for t in ins):
+                self.origin.update({id(t): (t, frozenset(reads)) for t in outs})
+            return out
+
+    return Tracer()
+
+
 def analyse_unit(unit: str, mod: nn.Module, x: torch.Tensor, loss: Callable | None, plan: dict[str, str],
-                 size: int, sp: bool, first: bool) -> UnitTP:
-    """Shard ``mod`` (a ``meta`` copy, `meta_shard`), run it forward and backward on ``meta``
-    and log its collectives; ``loss(out)`` for the last unit; ``first``: the model's first unit
-    (its input, the batch's, needs no gradient)."""
+                 size: int, sp: bool, first: bool) -> tuple[UnitTP, torch.Tensor]:
+    """Shard ``mod`` (a ``meta`` copy, `meta_shard`), run it forward (traced: `_partial_tracer`)
+    and backward on ``meta`` and log its collectives; ``loss(out)`` for the last unit; ``first``:
+    the model's first unit (its input, the batch's, needs no gradient). Returns the unit's
+    output too."""
     import torch
 
     shard, ops, region = meta_shard(unit, mod, plan, size, sp)
     x = x.detach().requires_grad_(x.is_floating_point() and not first)
-    out = shard(x)
-    if region.inside:
-        raise ShardingError(f"tensor_parallel: unit {unit} hands on the output of column-parallel {region.label} "
-                            "(split over the TP group) with no row-parallel linear after it; annotate the linear "
-                            "that reads it \"rowwise\" or drop the \"colwise\"")
-    if loss is not None:
-        out = loss(out)
+    tracer = _partial_tracer(shard, unit, plan, sp)
+    with tracer:
+        y = shard(x)
+        if region.inside:
+            raise ShardingError(f"tensor_parallel: unit {unit} hands on the output of column-parallel {region.label} "
+                                "(split over the TP group) with no row-parallel linear after it; annotate the linear "
+                                "that reads it \"rowwise\" or drop the \"colwise\"")
+        out = y if loss is None else loss(y)
     params = [p for p in shard.parameters() if p.requires_grad]
     leaves = ([x] if x.requires_grad else []) + params
     n_f = len(ops.log)
@@ -373,6 +390,21 @@ def analyse_unit(unit: str, mod: nn.Module, x: torch.Tensor, loss: Callable | No
         torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
     fwd = [(n, k, b) for _, n, k, b in ops.log[:n_f]]
     bwd = [(n, k, b) for _, n, k, b in ops.log[n_f:]]
-    named = dict(shard.named_parameters())
-    partial = sum(named[n[len(unit) + 1:]].numel() for n in region.partial if n[len(unit) + 1:] in named)
-    return UnitTP({"F": fwd, "B": bwd}, partial)
+    named = {f"{unit}.{n}": p for n, p in shard.named_parameters()}
+    partial = frozenset(tracer.partial)
+    return UnitTP({"F": fwd, "B": bwd}, partial, sum(named[n].numel() for n in partial)), y.detach()
+
+
+def analyse_units(model, micro_batch: int, seq_len: int, dtype: torch.dtype, size: int,
+                  sp: bool) -> dict[str, UnitTP]:
+    """`analyse_unit` of every unit of a user model (`piper_sim.annotate.UserModel`), in order on
+    the tensors the chain hands on (under SP: the rank's shard of the batch's sequence)."""
+    x, targets = model.example_batch(micro_batch, seq_len, "meta", dtype, 0)
+    if sp:
+        x, targets = (t.narrow(1, 0, t.shape[1] // size) for t in (x, targets))
+    out = {}
+    for i, name in enumerate(model.units):
+        last = i == len(model.units) - 1
+        loss = (lambda y: model.loss(y, targets)) if last else None
+        out[name], x = analyse_unit(name, model.meta_unit(name, dtype), x, loss, model.tp_plan, size, sp, i == 0)
+    return out

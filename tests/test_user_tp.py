@@ -121,6 +121,38 @@ def test_a_column_parallel_output_no_row_parallel_linear_reduces_is_refused():
     assert "unit 1 hands on the output of column-parallel 1.out" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_partial_weights_are_traced_through_functional_use():
+    """A weight used inside the column-to-row region (a per-head gain, read by the parent module's
+    own forward, and a transposed copy of it) gets a partial gradient per rank; one used on the
+    reduced output (a layer scale) a whole one, unless sequence parallelism splits the tokens."""
+    import torch
+
+    from piper_sim.user_tp import analyse_units
+
+    class Mix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wq, self.wo = nn.Linear(8, 8, bias=False), nn.Linear(8, 8)
+            self.gain = nn.Parameter(torch.ones(4))
+            self.bend = nn.Parameter(torch.ones(4, 4))
+            self.scale = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            q = self.wq(x)
+            q = q.view(*q.shape[:2], -1, 4) * self.gain @ self.bend.t()
+            return x + self.scale * self.wo(q.flatten(2))
+
+    model = annotate(nn.Sequential(nn.Linear(8, 8), Mix()), ["0", "1"], F.mse_loss, _batch,
+                     tensor_parallel={"1.wq": "colwise", "1.wo": "rowwise"})
+    plain = analyse_units(model, 2, 4, torch.float32, 2, sp=False)["1"]
+    assert plain.partial == {"1.gain", "1.bend"} and plain.partial_params == 4 + 16
+    sp = analyse_units(model, 2, 4, torch.float32, 2, sp=True)
+    assert sp["1"].partial == {"1.gain", "1.bend", "1.scale", "1.wo.bias"}
+    assert sp["0"].partial == {"0.weight", "0.bias"}  # a replicated unit on the rank's tokens
+    assert [x[:2] for x in plain.ops["B"]] == [("1.wq.ar", "ALLREDUCE")]
+    assert [x[:2] for x in sp["1"].ops["F"]] == [("1.wq.ag", "ALL_GATHER"), ("1.wo.rs", "REDUCE_SCATTER")]
+
+
 # --------------------------------------------------------------------------- the plan
 
 

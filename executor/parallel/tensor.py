@@ -63,7 +63,7 @@ from executor.parallel.data import is_grad_sync
 from piper_sim.header import TensorParallelHeader
 from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, MLAttention, SwiGLU, apply_rope, \
     attention_core, rope_cos_sin
-from piper_sim.user_tp import Region, shard_unit
+from piper_sim.user_tp import Region, UnitTP, analyse_units, shard_unit
 
 # the compiler's stream of tensor-parallel collectives (piper_sim.ir.TP_STREAM; the IR is not
 # imported here: it pulls in the compiler's dependencies)
@@ -576,17 +576,16 @@ class TPShard:
         """Parameters every member of the group holds whole (norms, row-parallel biases)."""
         return [p for n, p in named if n not in self.slices]
 
-    # a user model's units (`shard_user_stage`): the replicated parameters they found partial as they ran
-    regions: list[Region] | None = None
+    # a user model's stage (`shard_user_stage`): its replicated parameters with partial gradients, by name
+    user_partial: frozenset[str] | None = None
 
     def partial(self, named: list[tuple[str, nn.Parameter]], sp: bool, qk_norm: bool) -> list[nn.Parameter]:
         """The replicated parameters whose gradients are partial per rank, so summed over the
         group (``TP.s{S}.norms``): all of them under sequence parallelism (each rank saw its
         sequence shard), else a ``qk_norm`` model's query/key norms (each rank normalised only
-        its heads); a user model's: those its units marked (`piper_sim.user_tp.shard_unit`)."""
-        if self.regions is not None:
-            marked = set().union(*(r.partial for r in self.regions))
-            return [p for n, p in named if n in marked]
+        its heads); a user model's: those the compiler's trace found (`piper_sim.user_tp.analyse_units`)."""
+        if self.user_partial is not None:
+            return [p for n, p in named if n in self.user_partial]
         return [p for n, p in named if n not in self.slices
                 and (sp or (qk_norm and (".attn.q_norm." in n or ".attn.k_norm." in n)))]
 
@@ -710,22 +709,19 @@ class UserTPOps:
         return self.tp.gather_seq(t, f"{label}.ag")
 
 
-def shard_user_stage(stage, tp: TPComm, plan: dict[str, str]) -> TPShard:
+def shard_user_stage(stage, tp: TPComm, plan: dict[str, str], units: dict[str, UnitTP]) -> TPShard:
     """A user model's stage (`executor.user_stage.UserStage`, built whole with the reference's
     weights) as this rank's shard of its sharding annotations (`piper_sim.user_tp.shard_unit`:
     colwise linears keep rows ``[r·n/T, (r+1)·n/T)`` of weight and bias, rowwise ones those
     columns of the weight, a rowwise embedding those vocabulary rows; `_take` records each
-    slice for ``--check``)."""
-    shard = TPShard(regions=[])
+    slice for ``--check``); ``units``: the compiler's analysis of each unit (its partial weights)."""
+    shard = TPShard(user_partial=frozenset().union(*(units[n].partial for n in stage.units)))
     ops = UserTPOps(tp)
     stage.recompute_early_stop = False  # a recomputed unit re-runs every forward collective (TP.R ops)
     for name in list(stage.units):
-        region = Region()
-
         def take(path: str, mod: nn.Module, attr: str, dim: int, name=name) -> None:
             _take(shard, tp, f"{name}.{path}" if path else name, mod, attr, dim)
-        stage.units[name] = shard_unit(name, stage.units[name], plan, ops, region, take)
-        shard.regions.append(region)
+        stage.units[name] = shard_unit(name, stage.units[name], plan, ops, Region(), take)
     stage.collect_piece_params()
     return shard
 
@@ -858,8 +854,12 @@ class TensorParallel(ModuleCollectives):
         group = tp_ops[0].group
         self.comm = TPComm(rt.comms.group(TP_STREAM, group), rt.layout.tp, group_ranks(group).index(rt.rank), sp)
         sharded = sharded_units(rt.header.tp)
+        h = rt.header
+        # a user model: what the compiler found running its shards on meta (piper_sim.user_tp)
+        units = analyse_units(rt.cfg, h.micro_batch_size, h.seq_len, rt.dtype, rt.layout.tp, sp) \
+            if rt.user_model else {}
         for s, stage in rt.stages.items():
-            self.shards[s] = shard_user_stage(stage, self.comm, rt.cfg.tp_plan) if rt.user_model else \
+            self.shards[s] = shard_user_stage(stage, self.comm, rt.cfg.tp_plan, units) if rt.user_model else \
                 shard_stage(stage, self.comm, sharded)
         norms = {i.stage: i for i in tp_ops if not i.direction}
         if not norms:
