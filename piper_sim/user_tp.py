@@ -316,7 +316,7 @@ def meta_shard(unit: str, mod: nn.Module, plan: dict[str, str], size: int, sp: b
     return shard_unit(unit, mod, plan, ops, region, take), ops, region
 
 
-def _partial_tracer(sharded: nn.Module, unit: str, plan: dict[str, str], sp: bool):
+def _partial_tracer(sharded: nn.Module, unit: str, sp: bool):
     """A TorchFunctionMode that finds the replicated parameters whose gradients are partial
     per rank: any that an op reads (directly or through ops of parameters alone) together with
     a *split* tensor -- the output of a column-parallel linear and everything computed from it
@@ -328,7 +328,7 @@ def _partial_tracer(sharded: nn.Module, unit: str, plan: dict[str, str], sp: boo
 
     colwise, rowwise, embedding = _wrappers()
     starts, ends, names = set(), set(), {}
-    for path, m in sharded.named_modules():
+    for m in sharded.modules():
         if isinstance(m, colwise):
             starts.update(id(p) for p in (m.weight, m.bias) if p is not None)
         elif isinstance(m, (rowwise, embedding)):
@@ -375,7 +375,7 @@ def analyse_unit(unit: str, mod: nn.Module, x: torch.Tensor, loss: Callable | No
 
     shard, ops, region = meta_shard(unit, mod, plan, size, sp)
     x = x.detach().requires_grad_(x.is_floating_point() and not first)
-    tracer = _partial_tracer(shard, unit, plan, sp)
+    tracer = _partial_tracer(shard, unit, sp)
     with tracer:
         y = shard(x)
         if region.inside:

@@ -223,8 +223,8 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                 for x in collectives(seg, "F" if ins.kind == "F" else "B"):
                     if ins.kind == "BI" and x[0].endswith(".regather"):
                         regathers.setdefault(ins.mb, []).append(add("B", *x))
-                    elif ins.kind == "BI" and (segment_kind(None, seg.name) == "embed" if not user  # type: ignore[arg-type]
-                                               else s == 0 and ins.part == 0):
+                    elif ins.kind == "BI" and (s == 0 and ins.part == 0 if user else
+                                               segment_kind(None, seg.name) == "embed"):  # type: ignore[arg-type]
                         # the embedding's (a user model's first piece, whose input is the batch: no
                         # input gradient) backward is all weight gradient, in BW
                         after_bw.setdefault(ins.mb, []).append(add("B", *x))
