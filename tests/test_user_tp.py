@@ -212,10 +212,18 @@ def run_checks(tmp_path, nproc: int, configs: dict[str, dict], launcher: list[st
     assert (r.returncode == 0) == ok, r.stderr[-3000:]
     out: dict[str, dict] = {}
     for row in json_lines(r.stdout):
-        if "max_rel_grad_diff" in row:
-            out[paths[row["plan"]]] = row
-    assert set(out) == set(configs), r.stderr[-3000:]
+        out.setdefault(paths[row["plan"]], {}).update({f"loss{row['step']}": row["loss"]} if "loss" in row else row)
+    assert {k for k, row in out.items() if "max_rel_grad_diff" in row} == set(configs), r.stderr[-3000:]
     return out
+
+
+def reference_losses(tmp_path, s: dict) -> list[float]:
+    from executor.reference import reference_training
+    from piper_sim.plan import Plan
+
+    path = str(tmp_path / "reference.json")
+    piper_sim.compile(s).save(path)
+    return reference_training(Plan.load(path), 2)[1]
 
 
 def assert_matches(rows: dict[str, dict]) -> None:
@@ -261,6 +269,9 @@ def test_tp2_x_dp2_and_pp2_x_tp2_sp_match_the_reference_and_skipping_the_row_red
     skipped = rows.pop("tp2-dp2-skip")
     assert skipped["within_tolerance"] is False and skipped["max_rel_grad_diff"] > 1e-2, skipped
     assert_matches(rows)
+    ref = reference_losses(tmp_path, tp_strategy(dp=2))  # one global batch of 8 sequences in both layouts
+    for name, row in rows.items():  # the loss counted once per TP group, the shards' means summed under SP
+        assert [row["loss0"], row["loss1"]] == pytest.approx(ref, rel=1e-5), (name, row, ref)
 
 
 @pytest.mark.slow
