@@ -104,12 +104,10 @@ def refuse_tensor_parallel(plan: Plan, path: str) -> None:
         return
     why = ""
     h = plan.header
-    if h.user_model is not None:
-        why = "a user nn.Module model"
-    elif (h.stack or {}).get("tp_overlap"):
+    if (h.stack or {}).get("tp_overlap"):
         # the executor's TP collectives are synchronous: it would not run what the plan says
         why = "the stack's tp_overlap (collectives overlapped with the GEMMs; compile with tp_overlap false)"
-    else:
+    elif h.user_model is None:  # a user model's annotations were checked when it compiled
         from piper_sim.configs import config_of
 
         why = tp_unsupported(config_of(h), h)

@@ -162,7 +162,10 @@ class Runtime:
         self.microbatches = h.microbatches
         self.mbs, self.seq = h.micro_batch_size, h.seq_len
         # a context-parallel rank's loss is the mean of its s / cp tokens: 1 / cp of the sequence's
-        self.loss_scale = 1.0 / (self.microbatches * self.layout.dp * self.layout.cp)
+        # a user model under sequence parallelism: each TP rank's loss is its sequence shard's mean too
+        # (piper_sim.user_tp); otherwise every member of a TP group computes the whole loss
+        self.loss_shards = self.layout.tp if self.user_model and h.tp.sequence_parallel else 1
+        self.loss_scale = 1.0 / (self.microbatches * self.layout.dp * self.layout.cp * self.loss_shards)
         self.ep_index = expert_index(self.dp_rank, self.layout.ep)
         if self.user_model:
             self.data = UserData(self.cfg, self.seq, h.global_batch, h.seed, self.dtype)
@@ -279,7 +282,7 @@ class Runtime:
                 axis.end_step()
             loss = self.loss_sum.clone()
             dist.all_reduce(loss)
-            loss /= self.layout.tp  # every member of a tensor-parallel group computes the loss
+            loss /= self.layout.tp // self.loss_shards  # the members of a TP group computing the whole loss
         except InstructionError:
             raise
         except BaseException as e:  # noqa: BLE001 - name the rank and the instruction

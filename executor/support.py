@@ -59,6 +59,7 @@ class Feature:
     runs: bool = True
     why: str = ""
     model_file: dict[str, Any] | None = field(default=None, repr=False)  # a model file in place of gpt-tiny
+    user_model: str = ""  # a user nn.Module in place of gpt-tiny: "file.py:factory", the file from the repository root
     match: str = ""  # the words of the refusal that say why (default: ``why``)
 
 
@@ -85,6 +86,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("expert parallel (MoE)", _s(DP2, EP2, model="moe-tiny", dp=2)),
     Feature("tensor parallel (+ sequence parallel)", _s(TP2_SP)),
     Feature("tensor parallel with qk_norm (Qwen3)", _s(TP2_SP), model_file={**TINY, "qk_norm": True}),
+    Feature("tensor parallel (+ sequence parallel) on a user nn.Module (sharding annotations)", _s(TP2_SP),
+            user_model="tests/data/user_models.py:tiny_transformer"),
     Feature("tensor parallel with tied embeddings", _s(TP2), model_file={**TINY, "tie_embeddings": True}),
     Feature("tensor parallel with ZeRO-3 and qk_norm", _s({"op": "data_parallel", "degree": 2, "zero": 3}, TP2,
                                                         world=4, dp=2),

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint as _checkpoint
+from torch.utils.checkpoint import checkpoint as _checkpoint, set_checkpoint_early_stop
 
 from executor.lr import LRSchedule
 from executor.stage import Piece, Record, _leaf, keep_first_grads, make_optimizer, set_lr
@@ -72,17 +72,21 @@ class UserStage:
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.units = model.build_units(units, device=device, dtype=dtype, seed=seed)
         self.last_unit = model.units[-1]
-        self.pieces = []
-        for i, names in enumerate(parts):
-            piece = Piece([(n, -1) for n in names], ["tokens" if self.is_first and i == 0 else "x"])
-            piece.params = [p for n in names for p in self.units[n].parameters()]
-            self.pieces.append(piece)
+        self.pieces = [Piece([(n, -1) for n in names], ["tokens" if self.is_first and i == 0 else "x"])
+                       for i, names in enumerate(parts)]
+        self.collect_piece_params()
+
+    def collect_piece_params(self) -> None:
+        """Each piece's parameters (again after its units are replaced by tensor-parallel shards)."""
+        for piece in self.pieces:
+            piece.params = [p for n, _ in piece.steps for p in self.units[n].parameters()]
 
     def named_parameters(self) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
         """(parameters named as in the whole model, no expert parameters)."""
         return [(f"{u}.{n}", p) for u, mod in self.units.items() for n, p in mod.named_parameters()], []
 
     full_recompute = False
+    recompute_early_stop = True  # False under tensor parallelism: a recomputed unit re-runs every collective
 
     def set_recompute(self, policy) -> None:
         """Plain full recompute (every unit keeps only its input) or none; the finer policies
@@ -106,7 +110,10 @@ class UserStage:
         outputs: dict[str, torch.Tensor] = {}
 
         def run(fn, *args):
-            return _checkpoint(fn, *args, use_reentrant=False) if checkpoint else fn(*args)
+            if not checkpoint:
+                return fn(*args)
+            with set_checkpoint_early_stop(self.recompute_early_stop):
+                return _checkpoint(fn, *args, use_reentrant=False)
 
         with torch.enable_grad():
             x = inputs[piece.inputs[0]]

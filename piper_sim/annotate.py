@@ -88,6 +88,10 @@ class UserModel:
     kwargs: dict[str, Any] = field(default_factory=dict)
     factory: Callable[[], "UserModel"] | None = field(default=None, repr=False)
     init_unit: Callable[[nn.Module, str], None] | None = field(default=None, repr=False)
+    # sharding annotations (piper_sim.user_tp): module path -> "colwise" | "rowwise", and whether
+    # the code outside the column-to-row regions is per-token (sequence parallelism may split it)
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    sequence_parallel: bool = False
     # what the compiler's transformer helpers read, so they need no special case
     is_moe: ClassVar[bool] = False
     hidden: ClassVar[int] = 0
@@ -272,11 +276,19 @@ def check_chain(model: UserModel, micro_batch: int = 2, seq_len: int = 16) -> No
 
 def annotate(module: nn.Module, units: list[str], loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
              example_batch: Callable[..., Batch], name: str | None = None,
-             init_unit: Callable[[nn.Module, str], None] | None = None) -> UserModel:
+             init_unit: Callable[[nn.Module, str], None] | None = None,
+             tensor_parallel: dict[str, str] | None = None, sequence_parallel: bool = False) -> UserModel:
     """Mark ``module``'s units (module paths, ``*`` one component) and check them on meta.
     ``init_unit(unit_module, unit_name)`` initialises one unit's freshly allocated weights
     in place (e.g. `reset_parameters`), so ranks build their units alone; without it every
-    rank builds the whole model with the factory and keeps its units."""
+    rank builds the whole model with the factory and keeps its units.
+
+    Sharding annotations (`piper_sim.user_tp`), as a torchtitan ``parallelize`` plan writes
+    torch's styles: ``tensor_parallel={"blocks.*.attn.wq": "colwise", "blocks.*.attn.wo":
+    "rowwise", ...}`` (``nn.Linear``: colwise splits the output features, rowwise the input
+    features and sums the outputs; ``nn.Embedding``: rowwise splits the vocabulary);
+    ``sequence_parallel=True`` says the code outside the column-to-row regions is per token
+    along dim 1 of the batch and of every unit's output, so sequence parallelism may split it."""
     import torch.nn as nn
 
     if not isinstance(module, nn.Module):
@@ -285,10 +297,18 @@ def annotate(module: nn.Module, units: list[str], loss: Callable[[torch.Tensor, 
         raise AnnotationError("annotate: loss and example_batch must be callables")
     names = expand_units(module, units)
     _check_params(module, names)
+    tp_plan: dict[str, str] = {}
+    if tensor_parallel is not None:
+        from piper_sim.user_tp import expand_tp_plan
+
+        tp_plan = expand_tp_plan(module, names, tensor_parallel)
+    if sequence_parallel and not tp_plan:
+        raise AnnotationError("annotate: sequence_parallel=True needs tensor_parallel annotations")
     if init_unit is not None and not callable(init_unit):
         raise AnnotationError("annotate: init_unit must be a callable (unit_module, unit_name) or None")
     model = UserModel(module=module, units=names, loss=loss, example_batch=example_batch,
-                      name=name or type(module).__name__, init_unit=init_unit)
+                      name=name or type(module).__name__, init_unit=init_unit, tp_plan=tp_plan,
+                      sequence_parallel=bool(sequence_parallel))
     check_chain(model)
     return model
 
@@ -382,12 +402,27 @@ def resolve_user_model(model: Any, obj: Any = None) -> UserModel | None:
     return load_user_model(model)
 
 
-def check_user_setup(model: UserModel, ep: int, tp: int, recompute: dict[int, str]) -> str | None:
+def check_user_setup(model: UserModel, ep: int, tp: int, recompute: dict[int, str], sp: bool = False,
+                     seq_len: int = 0) -> str | None:
     """Why a resolved setup cannot run a user model, or None."""
     if ep > 1:
         return f"expert_parallel: user model {model.name} has no expert blocks; remove the directive"
+    if tp > 1 and not model.tp_plan:
+        return (f"tensor_parallel: user model {model.name} has no sharding annotations (annotate(..., "
+                "tensor_parallel={path: \"colwise\" | \"rowwise\"})); add them or remove the directive")
     if tp > 1:
-        return f"tensor_parallel: user model {model.name} has no sharding annotations; remove the directive"
+        from piper_sim.user_tp import sharded_dim
+
+        for path, style in model.tp_plan.items():
+            what, n = sharded_dim(style, model.module.get_submodule(path))
+            if n % tp:
+                return f"tensor_parallel: degree {tp} does not divide {path}'s {what} {n} ({style}); change the degree"
+        if sp and not model.sequence_parallel:
+            return (f"tensor_parallel: user model {model.name} does not allow sequence_parallel (annotate(..., "
+                    "sequence_parallel=True) says its code outside the sharded linears is per token); set it false")
+        if sp and seq_len % tp:
+            return (f"tensor_parallel: sequence_parallel splits seq_len {seq_len} over degree {tp}; make seq_len a "
+                    f"multiple of {tp} or set sequence_parallel false")
     if "selective" in recompute.values():
         return (f"recompute: mode selective recomputes attention cores, which user model {model.name} does not "
                 "mark; use mode full")

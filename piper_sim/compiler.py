@@ -231,7 +231,7 @@ def _setup_and_layout(strategy: Strategy, model: object = None) -> tuple[ModelCo
     if setup.tp_layers is not None or not (setup.tp_embed and setup.tp_head):  # shard_tensor selects segments
         _check_tp_selection(cfg, setup)
     if isinstance(cfg, UserModel):
-        err = check_user_setup(cfg, setup.ep, setup.tp, setup.recompute)
+        err = check_user_setup(cfg, setup.ep, setup.tp, setup.recompute, setup.sp, strategy.seq_len)
         if err:
             raise StrategyError(err)
     _check_recompute_policy(cfg, setup)
@@ -329,9 +329,17 @@ def build_dag(strategy: Strategy, folded: bool = True,
             raise StrategyError(f"strategy field 'stack': fp8 {strategy.stack.fp8!r} applies to the transformer "
                                 "blocks of zoo and config models, not a user nn.Module; use fp8 none")
 
+        from piper_sim.user_profiling import UserTP
+
         dtype = torch_dtype(dtype)
-        segments = profile_user_model(cfg, mbs, strategy.seq_len, dtype)
-        memory = user_model_memory(cfg, segments, mbs, strategy.seq_len, dtype)
+        unit_ops: dict[str, dict[str, list]] = {}  # tensor parallel: each unit's collectives (piper_sim.user_tp)
+        try:
+            segments = profile_user_model(cfg, mbs, strategy.seq_len, dtype, UserTP(setup.tp, setup.sp), unit_ops)
+        except AnnotationError as e:
+            raise StrategyError(str(e)) from None
+        memory = user_model_memory(cfg, segments, mbs, strategy.seq_len // (setup.tp if setup.sp else 1), dtype)
+        if setup.tp > 1:
+            tp_model = dict(tp_unit_ops=unit_ops)
     else:
         shard = tp_shard(cfg, setup.tp, setup.sp)  # one tensor-parallel rank's share (cfg itself without TP)
         # one context-parallel rank's share: seq / cp tokens, attention against the whole sequence
@@ -611,7 +619,11 @@ def _unit_order(unit: str) -> tuple[int, int]:
 def _model_flops(ctx: Context, strategy: Strategy, cfg: ModelConfig) -> float:
     """Useful training flops of one step (forward + backward, no recompute), all replicas
     (under tensor or context parallelism those of the whole model and sequence, not of a rank's shard)."""
-    if ctx.layout.tp > 1 or ctx.layout.cp > 1:
+    if isinstance(cfg, UserModel) and ctx.layout.tp > 1:  # the whole units, unsharded
+        from piper_sim.user_profiling import profile_user_model
+
+        segments = profile_user_model(cfg, ctx.micro_batch, strategy.seq_len, torch_dtype(strategy.dtype))
+    elif ctx.layout.tp > 1 or ctx.layout.cp > 1:
         segments = profile_model(cfg, ctx.micro_batch, strategy.seq_len, strategy.dtype, strategy.stack,
                                  ctx.gpu_family)
     else:

@@ -91,6 +91,8 @@ class Context:
     tp_attn_width: int = 0
     tp_shared_experts: bool = False
     tp_top_k: int = 0
+    # a user nn.Module's units: their TP collectives per pass, (name, kind, bytes) (piper_sim.user_tp)
+    tp_unit_ops: dict[str, dict[str, list]] = field(default_factory=dict)
     tied_embeddings: bool = False  # the head projects with the embedding's matrix or MTP modules read it (piper_sim.parallel.tied)
     embed_copy_unit: str = "head"  # the last stage's unit holding its copy of that matrix (``mtp.0``: untied MTP)
     stack: Stack = DEFAULT_STACK  # the kernels the run executes (costmodel.stack)

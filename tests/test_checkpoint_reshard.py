@@ -129,3 +129,15 @@ def test_run_refuses_a_checkpoint_of_another_model_before_launching(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "holds model gpt-tiny, this plan trains moe-tiny" in r.stderr
+
+
+@pytest.mark.slow
+def test_user_module_tp2_sp_resumes_onto_pp2(tmp_path):
+    """A user nn.Module's sharding annotations (`piper_sim.user_tp`): its TP slices saved as
+    DTensors, read back whole by a two-stage pipeline."""
+    from test_user_tp import tp_strategy as user_tp_strategy
+
+    saved = user_tp_strategy(sp=True, m=2)
+    resumed = {**saved, "cluster": "cpu:2",
+               "directives": [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"}]}
+    assert_resumes_onto(tmp_path, saved, 2, resumed, 2)

@@ -23,6 +23,8 @@ def test_each_row_is_what_the_executor_does(feature, tmp_path):
         path = tmp_path / "model.json"
         path.write_text(json.dumps(feature.model_file))
         strategy["model"] = str(path)
+    if feature.user_model:
+        strategy["model"] = "py:" + os.path.join(ROOT, feature.user_model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = compile(strategy)

@@ -63,6 +63,7 @@ from executor.parallel.data import is_grad_sync
 from piper_sim.header import TensorParallelHeader
 from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, MLAttention, MTPLayer, SwiGLU, \
     apply_rope, attention_core, mtp_loss, rope_cos_sin
+from piper_sim.user_tp import Region, UnitTP, analyse_units, shard_unit
 
 # the compiler's stream of tensor-parallel collectives (piper_sim.ir.TP_STREAM; the IR is not
 # imported here: it pulls in the compiler's dependencies)
@@ -258,6 +259,22 @@ class _ScatterSeq(torch.autograd.Function):
     def backward(ctx, g):
         ctx.saved_tensors
         return ctx.tp.gather_seq(g, ctx.bwd), None, None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Sequence parallel, torch's style: all-gather along the sequence forward (the gathered
+    tensor is what the column-parallel linears keep), reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TPComm, fwd: str, bwd: str):
+        ctx.tp, ctx.bwd = tp, bwd
+        ctx.save_for_backward(x.new_empty(0))  # as _ScatterSeq: a full recompute re-runs the forward first
+        return tp.gather_seq(x, fwd)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors
+        return ctx.tp.scatter_seq(g, ctx.bwd), None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -623,11 +640,16 @@ class TPShard:
         """Parameters every member of the group holds whole (norms, row-parallel biases)."""
         return [p for n, p in named if n not in self.slices]
 
+    # a user model's stage (`shard_user_stage`): its replicated parameters with partial gradients, by name
+    user_partial: frozenset[str] | None = None
+
     def partial(self, named: list[tuple[str, nn.Parameter]], sp: bool, qk_norm: bool) -> list[nn.Parameter]:
         """The replicated parameters whose gradients are partial per rank, so summed over the
         group (``TP.s{S}.norms``): all of them under sequence parallelism (each rank saw its
         sequence shard), else a ``qk_norm`` model's query/key norms (each rank normalised only
-        its heads)."""
+        its heads); a user model's: those the compiler's trace found (`piper_sim.user_tp.analyse_units`)."""
+        if self.user_partial is not None:
+            return [p for n, p in named if n in self.user_partial]
         return [p for n, p in named if n not in self.slices
                 and (sp or (qk_norm and (".attn.q_norm." in n or ".attn.k_norm." in n)))]
 
@@ -740,6 +762,57 @@ def _shard_block(stage, shard: TPShard, tp: TPComm, prefix: str, block: Block, l
         return
     _shard_mlp(shard, tp, f"{prefix}.mlp", block.mlp)
     block.mlp = TPMLP(block.mlp, tp, f"{label}.mlp")
+
+
+@dataclass
+class UserTPOps:
+    """The collectives of a user model's sharded modules (`piper_sim.user_tp.TPOps`) over
+    this rank's `TPComm`: a column group's ``f`` (SP: `_GatherSeq`), a row-parallel output's
+    ``g`` (SP: `_ScatterSeq`), the token ids a vocabulary-parallel embedding gathers under SP."""
+
+    tp: TPComm
+
+    @property
+    def size(self) -> int:
+        return self.tp.size
+
+    @property
+    def index(self) -> int:
+        return self.tp.index
+
+    @property
+    def sp(self) -> bool:
+        return self.tp.sp
+
+    def column_input(self, x: torch.Tensor, label: str) -> torch.Tensor:
+        if self.tp.sp:
+            return _GatherSeq.apply(x, self.tp, f"{label}.ag", f"{label}.rs")
+        return _CopyToTP.apply(x, self.tp, f"{label}.ar")
+
+    def row_output(self, y: torch.Tensor, label: str) -> torch.Tensor:
+        if self.tp.sp:
+            return _ScatterSeq.apply(y, self.tp, f"{label}.rs", f"{label}.ag")
+        return _ReduceFromTP.apply(y, self.tp, f"{label}.ar")
+
+    def gather_tokens(self, t: torch.Tensor, label: str) -> torch.Tensor:
+        return self.tp.gather_seq(t, f"{label}.ag")
+
+
+def shard_user_stage(stage, tp: TPComm, plan: dict[str, str], units: dict[str, UnitTP]) -> TPShard:
+    """A user model's stage (`executor.user_stage.UserStage`, built whole with the reference's
+    weights) as this rank's shard of its sharding annotations (`piper_sim.user_tp.shard_unit`:
+    colwise linears keep rows ``[r·n/T, (r+1)·n/T)`` of weight and bias, rowwise ones those
+    columns of the weight, a rowwise embedding those vocabulary rows; `_take` records each
+    slice for ``--check``); ``units``: the compiler's analysis of each unit (its partial weights)."""
+    shard = TPShard(user_partial=frozenset().union(*(units[n].partial for n in stage.units)))
+    ops = UserTPOps(tp)
+    stage.recompute_early_stop = False  # a recomputed unit re-runs every forward collective (TP.R ops)
+    for name in list(stage.units):
+        def take(path: str, mod: nn.Module, attr: str, dim: int, name=name) -> None:
+            _take(shard, tp, f"{name}.{path}" if path else name, mod, attr, dim)
+        stage.units[name] = shard_unit(name, stage.units[name], plan, ops, Region(), take)
+    stage.collect_piece_params()
+    return shard
 
 
 def _shard_mlp(shard: TPShard, tp: TPComm, prefix: str, mlp: nn.Module) -> None:
@@ -871,8 +944,13 @@ class TensorParallel(ModuleCollectives):
         group = tp_ops[0].group
         self.comm = TPComm(rt.comms.group(TP_STREAM, group), rt.layout.tp, group_ranks(group).index(rt.rank), sp)
         sharded = sharded_units(rt.header.tp)
+        h = rt.header
+        # a user model: what the compiler found running its shards on meta (piper_sim.user_tp)
+        units = analyse_units(rt.cfg, h.micro_batch_size, h.seq_len, rt.dtype, rt.layout.tp, sp) \
+            if rt.user_model else {}
         for s, stage in rt.stages.items():
-            self.shards[s] = shard_stage(stage, self.comm, sharded)
+            self.shards[s] = shard_user_stage(stage, self.comm, rt.cfg.tp_plan, units) if rt.user_model else \
+                shard_stage(stage, self.comm, sharded)
         norms = {i.stage: i for i in tp_ops if not i.direction}
         if not norms:
             return
@@ -911,7 +989,8 @@ class TensorParallel(ModuleCollectives):
         if ins.direction:  # a full-recompute backward re-runs the forward's collectives (``TP.R.`` ops)
             return self.take(ins)
         stage = self.rt.stages[ins.stage]
-        params = self.shards[ins.stage].partial(stage.named_parameters()[0], self.comm.sp, self.rt.cfg.qk_norm)
+        params = self.shards[ins.stage].partial(stage.named_parameters()[0], self.comm.sp,
+                                                getattr(self.rt.cfg, "qk_norm", False))
         fp = self.rt.flats.get((ins.stage, ""))
         # ZeRO-3: the units' gradients went to their reduce-scatters; sum the reduced shard's part
         grads = fp.shard_grad_views(params) if fp is not None and fp.per_bucket else [p.grad for p in params]
@@ -926,6 +1005,14 @@ class TensorParallel(ModuleCollectives):
 
     def local_seq(self, seq: int) -> int:
         return seq // self.rt.layout.tp if self.comm is not None and self.comm.sp else seq
+
+    def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A user model under sequence parallelism holds its shard of the sequence (dim 1) from the
+        batch on (`piper_sim.user_tp`); the zoo's embedding reads every token."""
+        if not (self.rt.user_model and self.comm is not None and self.comm.sp):
+            return tokens, targets
+        n = tokens.shape[1] // self.comm.size
+        return tuple(t.narrow(1, self.comm.index * n, n) for t in (tokens, targets))  # type: ignore[return-value]
 
     def reference_view(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """Its tensor-parallel slice."""

@@ -64,9 +64,16 @@ def recompute_pass(ctx: Context, dag: TrainingDAG) -> None:
 
 
 def stage_unit_modes(ctx: Context, stage: int) -> dict[str, tuple[str, int]]:
-    """unit -> (mode, chunk) of the stage's recompute policy (`Recompute.unit_modes`)."""
-    units = list(dict.fromkeys(x.unit for x in ctx.stages[stage].segments))
-    return ctx.setup.policy(stage).unit_modes(units)
+    """unit -> (mode, chunk) of the stage's recompute policy (`Recompute.unit_modes`); a user
+    model's units are each one checkpoint under full recompute, whatever their names (the
+    executor's `UserStage` checkpoints every unit: a unit named ``embed`` too)."""
+    segs = ctx.stages[stage].segments
+    units = list(dict.fromkeys(x.unit for x in segs))
+    policy = ctx.setup.policy(stage)
+    if segs and all(ctx.memory[x.name].kind == "user" for x in segs):
+        mode = "full" if policy.mode == "full" else "none"  # the only policy a user model takes
+        return {u: (mode, -1 - i) for i, u in enumerate(units)}
+    return policy.unit_modes(units)
 
 
 def _gemm_rows(f_rows: tuple, shapes: list[tuple[int, int, int]]) -> tuple:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+from piper_sim.annotate import UserModel
 from piper_sim.configs import ModelConfig, tp_divisibility_error
 from piper_sim.ir import Context, Node, TrainingDAG, make_op
 from piper_sim.parallel.memory import stage_unit_modes
@@ -218,6 +219,13 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                                               direction=pas, name=name))
 
             recomputed: set[str] = set()
+            user = bool(ctx.tp_unit_ops)  # a user nn.Module: its units' own collectives (piper_sim.user_tp)
+
+            def collectives(seg: SegmentCost, pas: str) -> list[tuple[str, str, float]]:
+                if user:
+                    return ctx.tp_unit_ops.get(seg.unit, {}).get(pas, [])
+                return tp_collectives(seg, pas, sp, act, loss, attn_in, shared, routed)
+
             for seg in segs:
                 if not ctx.setup.tp_sharded(seg.unit):
                     continue  # replicated (shard_tensor's selection): run whole, no TP collective
@@ -234,7 +242,10 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                 for x in collectives(seg, "F" if ins.kind == "F" else "B"):
                     if ins.kind == "BI" and x[0].endswith(".regather"):
                         regathers.setdefault(ins.mb, []).append(add("B", *x))
-                    elif ins.kind == "BI" and segment_kind(None, seg.name) == "embed":  # type: ignore[arg-type]
+                    elif ins.kind == "BI" and (s == 0 and ins.part == 0 if user else
+                                               segment_kind(None, seg.name) == "embed"):  # type: ignore[arg-type]
+                        # the embedding's (a user model's first piece, whose input is the batch: no
+                        # input gradient) backward is all weight gradient, in BW
                         after_bw.setdefault(ins.mb, []).append(add("B", *x))
                     else:
                         chain.append(add("F" if ins.kind == "F" else "B", *x))
@@ -312,7 +323,8 @@ def check(cfg, setup, strategy, cluster) -> None:
     parallelism, the sequence); a warning when it spans nodes."""
     if setup.tp == 1:
         return
-    err = tp_divisibility_error(cfg, setup.tp)
+    # a user nn.Module's annotations are checked against the degree by annotate.check_user_setup
+    err = "" if isinstance(cfg, UserModel) else tp_divisibility_error(cfg, setup.tp)
     if err:
         raise StrategyError(f"tensor_parallel: {err}")
     if setup.sp and strategy.seq_len % setup.tp:

@@ -186,3 +186,104 @@ def bag_of_tokens(vocab: int = 32, width: int = 16, depth: int = 3) -> UserModel
 
     return annotate(BagOfTokens(vocab, width, depth), ["embed", "mix.*", "out"],
                     lambda out, t: F.cross_entropy(out.float().flatten(0, 1), t.flatten()), batch)
+
+
+# --------------------------------------------------------------------------- a small transformer, tensor parallel
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention; heads reshaped with -1 and the sequence length read from
+    q, so a column-parallel shard (and sequence parallelism) runs the code as is."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, qk_norm: bool):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(heads * self.head_dim, dim, bias=False)
+        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else None
+
+    def forward(self, x):
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        B, s = q.shape[:2]  # under sequence parallelism x is this rank's shard, q the gathered sequence
+        q, k, v = (t.view(B, s, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(B, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden)  # biases: a column-parallel one split, a row-parallel one added once
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int, qk_norm: bool):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, kv_heads, qk_norm)
+        self.ffn_norm = nn.LayerNorm(dim)
+        self.ffn = FeedForward(dim, hidden)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class LMHead(nn.Module):
+    def __init__(self, dim: int, vocab: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x):
+        return self.out(self.norm(x))
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab: int, dim: int, depth: int, heads: int, kv_heads: int, hidden: int, qk_norm: bool):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, heads, kv_heads, hidden, qk_norm) for _ in range(depth))
+        self.head = LMHead(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+# torchtitan's Llama plan in piper-sim's words: q/k/v and w1/w3 column-parallel, wo/w2 row-parallel,
+# the embedding vocabulary-parallel (the head and norms replicated)
+TP_PLAN = {"embed": "rowwise", "blocks.*.attn.wq": "colwise", "blocks.*.attn.wk": "colwise",
+           "blocks.*.attn.wv": "colwise", "blocks.*.attn.wo": "rowwise", "blocks.*.ffn.w1": "colwise",
+           "blocks.*.ffn.w3": "colwise", "blocks.*.ffn.w2": "rowwise"}
+
+
+def tiny_transformer(vocab: int = 64, dim: int = 32, depth: int = 2, heads: int = 4, kv_heads: int = 2,
+                     hidden: int = 64, qk_norm: bool = True, sequence_parallel: bool = True) -> UserModel:
+    """A Llama-shaped language model with torchtitan-style sharding annotations (`TP_PLAN`)."""
+    def batch(micro_batch, seq_len, device, dtype, seed):
+        if torch.device(device).type == "meta":
+            t = torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta")
+            return t, t
+        t = torch.randint(vocab, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+        return t[:, :-1].to(device), t[:, 1:].to(device)
+
+    return annotate(TinyTransformer(vocab, dim, depth, heads, kv_heads, hidden, qk_norm),
+                    ["embed", "blocks.*", "head"],
+                    lambda out, t: F.cross_entropy(out.float().flatten(0, 1), t.flatten()), batch,
+                    name=f"tiny-transformer-{depth}x{dim}", init_unit=reset_parameters,
+                    tensor_parallel=TP_PLAN, sequence_parallel=sequence_parallel)
