@@ -352,6 +352,7 @@ def assert_resume_matches_uninterrupted(tmp_path, plan: str, nproc: int) -> None
     assert len(losses) == 4 and losses[3] != losses[1]
 
 
+@pytest.mark.slow  # the fast set resumes bit for bit in tests/test_checkpoint_reshard.py
 def test_checkpoint_resume_matches_uninterrupted_run(tmp_path):
     assert_resume_matches_uninterrupted(tmp_path, save_plan(tmp_path, "dp2z1", strategy(dp=2, zero=1, m=2, mbs=2)), 2)
 
