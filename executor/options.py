@@ -77,18 +77,16 @@ def refuse_unrunnable(plan: Plan, path: str) -> None:
 def refuse_multi_token_prediction(plan: Plan, path: str) -> None:
     """DeepSeek-V3's multi-token-prediction modules (`ModelConfig.mtp_layers`) run with PP, DP /
     ZeRO, EP (`executor.stage`, the shared embedding across stages: `refuse_tied_embeddings`) and
-    tensor (+ sequence) parallelism (`executor.parallel.tensor.tp_mtp_input`); under context
-    parallelism (Megatron-Core rolls the shifted tokens across CP ranks), with a ``shard_tensor``
-    selection of layers or, under TP, with a split backward they are simulate-only."""
+    tensor (+ sequence) parallelism (`executor.parallel.tensor.tp_mtp_input`), with every
+    schedule; under context parallelism (Megatron-Core rolls the shifted tokens across CP ranks)
+    or a ``shard_tensor`` selection of layers they are simulate-only."""
     from piper_sim.configs import config_of
 
     h = plan.header
     if h.user_model is not None or not config_of(h).mtp_layers:
         return
     why = f"context parallelism (cp {plan.layout.cp})" if plan.layout.cp > 1 else \
-        "a shard_tensor selection of layers" if plan.layout.tp > 1 and h.tp.layers is not None else \
-        f"tensor parallelism (tp {plan.layout.tp}) and a split backward ({h.schedule})" \
-        if plan.layout.tp > 1 and any(i.kind == "BI" for c in plan.classes for i in c.instructions()) else ""
+        "a shard_tensor selection of layers" if plan.layout.tp > 1 and h.tp.layers is not None else ""
     if why:
         raise PlanError(f"{path}: model {h.model} has {config_of(h).mtp_layers} multi-token-prediction module(s) "
                         f"(mtp_layers), which are simulate-only under {why} in this version; use `piper-sim simulate`")

@@ -80,8 +80,6 @@ def test_refusals_left(files):
     cp = strategy(files["tiny-mtp"], {"op": "context_parallel", "degree": 2})
     msg = unrunnable(plan_of(cp))
     assert "multi-token-prediction" in msg and "context parallelism (cp 2)" in msg and "\n" not in msg, msg
-    split = strategy(files["tiny-mtp"], TP2(False), PIPE[0], {"op": "schedule", "name": "zb1p"}, world=4)
-    assert "tensor parallelism (tp 2) and a split backward (zb1p)" in unrunnable(plan_of(split))
     assert unrunnable(plan_of(strategy(files["tiny-mtp"], TP2(True)))) == ""
     zero3 = strategy(files["tiny-mtp"], {"op": "data_parallel", "degree": 2, "zero": 3}, m=2, batch=4)
     assert "shares its embedding with its multi-token-prediction modules" in unrunnable(plan_of(zero3))
@@ -116,8 +114,12 @@ def test_tensor_parallel_equals_the_reference(files, tmp_path):
 @pytest.mark.slow
 def test_tensor_parallel_with_pipeline_experts_and_data_parallel_equal_the_reference(files, tmp_path):
     """Four ranks: PP2 x TP2 + SP (the last stage's embedding copy sharded by vocabulary rows
-    and summed with the first stage's shard), MoE MTP layers under TP2 x EP2 x DP2 and TP2 + SP."""
+    and summed with the first stage's shard), with a split backward (zb1p: the MTP embedding's
+    output-gradient all-gather is BW's, after it) and full recompute, MoE MTP layers under
+    TP2 x EP2 x DP2 and TP2 + SP."""
+    zb1p = [PIPE[0], {"op": "schedule", "name": "zb1p"}]
     check(tmp_path, 4, {"pp2-tp2-sp": strategy(files["tiny-mtp"], TP2(True), *PIPE, world=4),
+                        "zb1p-tp2-sp-full": strategy(files["tiny-mtp"], TP2(True), *zb1p, {"op": "recompute"}, world=4),
                         "moe-tp2-ep2-dp2": strategy(files["moe-mtp"], TP2(False), DP2, EP2, world=4, m=2, batch=8),
                         "moe-tp2-sp-pp2": strategy(files["moe-mtp"], TP2(True), *PIPE, world=4)})
 

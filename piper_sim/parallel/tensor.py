@@ -193,7 +193,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
         parts = ctx.parts(s)
         deferred = _deferred_mtp_heads(parts)
 
-        def collectives(seg: SegmentCost, pas: str) -> list[tuple[str, str, float]]:
+        def zoo_collectives(seg: SegmentCost, pas: str) -> list[tuple[str, str, float]]:
             """`tp_collectives` of ``seg``; an MTP loss in a part before the head's runs its output
             layer in the head's part (`_deferred_mtp_heads`), before the main head's."""
             if seg.name in deferred:
@@ -224,7 +224,7 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             def collectives(seg: SegmentCost, pas: str) -> list[tuple[str, str, float]]:
                 if user:
                     return ctx.tp_unit_ops.get(seg.unit, {}).get(pas, [])
-                return tp_collectives(seg, pas, sp, act, loss, attn_in, shared, routed)
+                return zoo_collectives(seg, pas)
 
             for seg in segs:
                 if not ctx.setup.tp_sharded(seg.unit):
@@ -243,9 +243,11 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                     if ins.kind == "BI" and x[0].endswith(".regather"):
                         regathers.setdefault(ins.mb, []).append(add("B", *x))
                     elif ins.kind == "BI" and (s == 0 and ins.part == 0 if user else
-                                               segment_kind(None, seg.name) == "embed"):  # type: ignore[arg-type]
+                                               segment_kind(None, seg.name) == "embed"  # type: ignore[arg-type]
+                                               or x[0] == f"{seg.unit}.embed.ag"):
                         # the embedding's (a user model's first piece, whose input is the batch: no
-                        # input gradient) backward is all weight gradient, in BW
+                        # input gradient; an MTP module's embedding of its tokens) backward is all
+                        # weight gradient, in BW
                         after_bw.setdefault(ins.mb, []).append(add("B", *x))
                     else:
                         chain.append(add("F" if ins.kind == "F" else "B", *x))
