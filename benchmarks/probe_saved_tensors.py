@@ -59,7 +59,8 @@ def _policy(meta):
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.wq, self.wk, self.wv = nn.Linear(DIM, H * HD, False), nn.Linear(DIM, KV * HD, False), nn.Linear(DIM, KV * HD, False)
+        self.wq, self.wk = nn.Linear(DIM, H * HD, False), nn.Linear(DIM, KV * HD, False)
+        self.wv = nn.Linear(DIM, KV * HD, False)
         self.wo, self.w1, self.w2, self.w3 = nn.Linear(H * HD, DIM, False), nn.Linear(DIM, FFN, False), \
             nn.Linear(FFN, DIM, False), nn.Linear(DIM, FFN, False)
         self.n1, self.n2 = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
@@ -98,9 +99,10 @@ def block(fp8: bool, compiled: bool) -> str:
         return fwd, rec
 
     fc = torch.polar(torch.ones(S, HD // 2), torch.randn(S, HD // 2))
-    f = lambda x: checkpoint(m, x, fc, use_reentrant=False, context_fn=context_fn, preserve_rng_state=False)  # noqa: E731
-    if compiled:
-        f = torch.compile(f, fullgraph=True)
+    def f(x):
+        return checkpoint(m, x, fc, use_reentrant=False, context_fn=context_fn, preserve_rng_state=False)
+
+    run = torch.compile(f, fullgraph=True) if compiled else f
     x = torch.randn(B, S, DIM, dtype=torch.bfloat16, requires_grad=True)
     params = {p.data_ptr() for p in m.parameters()}
     saved = []
@@ -111,7 +113,7 @@ def block(fp8: bool, compiled: bool) -> str:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = f(x)
+        y = run(x)
     cached = [_name(getattr(o, "val", o)) for st in storages for outs in st.values() for v in outs.values()
               for o in torch.utils._pytree.tree_leaves(getattr(v, "val", v))
               if isinstance(getattr(o, "val", o), torch.Tensor) and getattr(o, "val", o).numel() > 1] \
