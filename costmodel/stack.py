@@ -241,6 +241,8 @@ PRESETS: dict[str, Stack] = {
     # the same with compile = true: Inductor fuses the norms and the pointwise chains of rope and
     # SwiGLU into generated kernels (torchtitan benchmarks/llama3_h100_202412_torchtitan.md: +15.7%
     # tokens/s from torch.compile; TorchInductor's pointwise fusion, PyTorch torch.compile docs)
+    # and compiles the loss (torchtitan components/loss.py:25-30 @e7c0cae; its memory:
+    # piper_sim.memory.compiled_loss; op-SAC under compile: piper_sim.recompute.LayerTable.op_sac_saved)
     "torchtitan-compile": Stack(attention="flash2", norms="fused", rope="fused", swiglu="fused", compile=True,
                                 optimizer="foreach",
                                 reduce_dtype="fp32", expandable_segments=True, preset="torchtitan-compile"),

@@ -71,7 +71,7 @@ class SegmentMemory:
     # policies beyond none/full/selective keep
     table: LayerTable | None = field(default=None, compare=False, hash=False)
     fwd_flops: float = 0.0  # the segment's forward flops (what a checkpoint re-runs)
-    fp8_linears: bool = False  # its block linears run in FP8 (op-SAC keeps none of them: op_sac_saved)
+    compiled: bool = False  # under torch.compile (op-SAC keeps only what the backward reads: op_sac_saved)
 
     @property
     def recomputed(self) -> bool:
@@ -103,7 +103,7 @@ class SegmentMemory:
         if self.table is None:
             return self.saved
         if mode == "op":
-            return min(self.saved, op_sac_kept(self.table, self.fp8_linears))
+            return min(self.saved, op_sac_kept(self.table, self.compiled))
         return self.saved - self.freed(modules)
 
     def freed(self, modules: tuple[str, ...]) -> float:
@@ -169,9 +169,13 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
         checkpoint = unit_input
     elif kind == "moe_experts":
         checkpoint = float(seg.a2a_bytes)
-    elif kind == "head":
+    saved = float(seg.saved_act_bytes)
+    if kind == "head":
         checkpoint = unit_input
         temp = float(logits_bytes(cfg, seg.tokens, nbytes))
+        if stack.compile:
+            saved, temp = compiled_loss(saved, cfg, seg.tokens, nbytes)
+            selective = saved
     if table is not None and stack.swiglu == "fused":
         table = with_fused_swiglu(table)
     if table is not None and stack.fp8_cached_inputs:  # the profile's saved bytes are cached already
@@ -179,10 +183,23 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
         if kind != "moe_experts":
             selective += cached.saved - table.saved
         table = cached
-    return SegmentMemory(kind=kind, saved=float(seg.saved_act_bytes), selective=selective,
+    return SegmentMemory(kind=kind, saved=saved, selective=selective,
                          checkpoint=checkpoint, temp=temp, core_flops=float(core_flops),
                          a2a_bytes=float(seg.a2a_bytes), core_kernels=core_kernels, table=table,
-                         fwd_flops=float(seg.fwd_flops), fp8_linears=stack.fp8 != "none" and kind in ("dense", "moe_pre"))
+                         fwd_flops=float(seg.fwd_flops), compiled=stack.compile)
+
+
+def compiled_loss(saved: float, cfg: ModelConfig, tokens: int, nbytes: int) -> tuple[float, float]:
+    """(saved, transient) bytes of the head when the loss is compiled, from its eager ``saved``
+    bytes (measured on meta: the loss's fp32 log-probabilities, ``tokens x vocab x 4``, among them).
+    torchtitan compiles the loss with the model (components/loss.py:18-30 @e7c0cae:
+    ``cross_entropy(pred.flatten(0, 1).float(), ...)``, ``torch.compile(loss_fn)`` when
+    ``training.compile``); Inductor's partitioner then saves the logits in the model dtype and two
+    fp32 numbers per token (max and log-sum-exp), not the fp32 log-probabilities, and no fp32 copy of
+    the logits is ever materialised: the transient is the logits' gradient in the model dtype
+    (measured on CPU, torch 2.13: benchmarks/probe_saved_tensors.py)."""
+    logits = float(tokens) * cfg.local_vocab
+    return saved - logits * 4 + logits * nbytes + tokens * 8.0, logits * nbytes
 
 
 def model_memory(cfg: ModelConfig, segments: list[SegmentCost], micro_batch: int, seq: int,

@@ -29,6 +29,9 @@ its backward runs again:
                     the router gate mm is forced to recompute and not counted
                     (``per_op_sac_force_recompute_mm_shapes_by_fqns = ["moe.router.gate"]``), the
                     routed experts run ``_grouped_mm``, not on the save list: recomputed.
+                    torchao float8 linears are counted and kept alike (their ``aten.mm``); under
+                    torch.compile the w2 (and wo) output is not saved: no backward reads it
+                    (`LayerTable.op_sac_saved`).
 ``selective``       Megatron ``--recompute-granularity selective`` with ``modules`` (its
                     ``--recompute-modules``, default ``[core_attn]`` = Korthikanti et al.'s attention
                     core, the measured mode of `piper_sim.memory`) [megatron/core/transformer/
@@ -58,6 +61,11 @@ MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_experts", 
 # modules whose recompute re-runs a tensor-parallel collective (Megatron's checkpoint holds the
 # row-parallel output's all-reduce / reduce-scatter): module -> the block label of its collectives
 TP_COLLECTIVE_MODULES = {"mlp": "mlp", "moe": "moe", "shared_experts": "shared"}
+# linears whose output only joins the residual stream (a Llama block's ``h = x + wo(...)`` and
+# ``out = h + w2(...)``, torchtitan models/llama3/model.py:263, 302, 365-366 @e7c0cae): no backward
+# reads it, so torch.compile's partitioner does not save it even when op-SAC marks it MUST_SAVE
+# (measured on CPU, torch 2.13: benchmarks/probe_saved_tensors.py)
+RESIDUAL_ONLY = ("wo", "mlp.w2", "mlp.fc2", "shared.w2", "shared.fc2")
 
 
 def reruns_forward_collective(unit_mode: str, modules: tuple[str, ...], block: str) -> bool:
@@ -174,20 +182,26 @@ class LayerTable:
     def module_bytes(self, *modules: str) -> float:
         return sum(r.nbytes for r in self.rows if r.module in modules)
 
-    def op_sac_saved(self, fp8: bool = False) -> tuple[list[tuple[str, tuple[int, int, int]]], float]:
+    def op_sac_saved(self, compiled: bool = False) -> tuple[list[tuple[str, tuple[int, int, int]]], float]:
         """torchtitan op-SAC on this segment: (the mm calls whose outputs are kept, bytes kept
-        besides the checkpoint input: those outputs and the attention op's). ``fp8``: the block
-        linears run as torchao float8 ``torch._scaled_mm``, which torchtitan's save list does not
-        hold (only ``aten.mm``, the SDPA ops, reduce-scatter and ``aten.max``: parallelize_llama.py
-        :219-262 @e7c0cae, models/llama3/infra/parallelize.py:36-51 in 0.2.2): none is kept."""
+        besides the checkpoint input: those outputs and the attention op's). torchao float8
+        linears count as bf16 ones: the policy runs in a TorchDispatchMode, which sees an op before
+        a tensor subclass lowers it, and torchao's Float8 tensor implements ``aten.mm`` (pytorch/ao
+        torchao/float8/float8_ops.py:351 @0afa4c1, ``float8_mm`` -> ``torch._scaled_mm``), so the
+        policy counts and saves its ``aten.mm`` output in bf16 (measured on CPU: benchmarks/probe_saved_tensors.py).
+        ``compiled`` (the block under ``torch.compile``, torchtitan's per-block compile): the
+        partitioner saves only what the backward reads, so a kept output the backward never
+        reads (`RESIDUAL_ONLY`: the attention and MLP output projections, added to the residual
+        stream) costs no bytes; its mm still does not run again."""
         kept_mms, count = [], 0
         for name, shape in self.mms:
-            if fp8 or name in ("router", "experts"):  # _scaled_mm / forced recompute / _grouped_mm
+            if name in ("router", "experts"):  # forced recompute / _grouped_mm: not counted, not saved
                 continue
             count += 1
             if count % 2 == 1:
                 kept_mms.append((name, shape))
-        outs = sum(shape[0] * shape[1] * self.nbytes for _, shape in kept_mms)
+        outs = sum(shape[0] * shape[1] * self.nbytes for name, shape in kept_mms
+                   if not (compiled and name in RESIDUAL_ONLY))
         return kept_mms, outs + sum(r.nbytes for r in self.rows if r.sdpa)
 
 
@@ -292,11 +306,11 @@ def with_fused_swiglu(table: LayerTable) -> LayerTable:
     return replace(table, rows=tuple(r for r in table.rows if not r.name.endswith("silu.out")))
 
 
-def op_sac_kept(table: LayerTable, fp8: bool = False) -> float:
+def op_sac_kept(table: LayerTable, compiled: bool = False) -> float:
     """Bytes a layer segment keeps under torchtitan op-SAC: its checkpoint input (the layer's
-    input; nothing for a routed-expert block inside it) and the save-list outputs (``fp8``:
+    input; nothing for a routed-expert block inside it) and the save-list outputs (``compiled``:
     `LayerTable.op_sac_saved`)."""
-    return (table.input_bytes if table.kind != "moe_experts" else 0.0) + table.op_sac_saved(fp8)[1]
+    return (table.input_bytes if table.kind != "moe_experts" else 0.0) + table.op_sac_saved(compiled)[1]
 
 
 def module_freed(table: LayerTable, modules: tuple[str, ...]) -> float:

@@ -226,91 +226,39 @@ def test_executor_says_fp8_is_simulate_only():
     assert "fp8 tensorwise (simulate-only: the linears run in the plan's dtype)" in notice
 
 
-def test_op_sac_keeps_no_fp8_linear_output():
-    """torchtitan's op-SAC save list holds aten.mm, not torchao float8's torch._scaled_mm
-    (parallelize_llama.py:219-262 @e7c0cae): with FP8 linears a layer keeps only its checkpoint
-    input and the attention op's outputs, and the backward re-runs every linear."""
+def test_op_sac_keeps_fp8_linear_outputs_like_bf16_ones():
+    """torchtitan's op-SAC policy sees a torchao float8 linear's ``aten.mm`` (the mode runs before
+    the Float8 tensor's __torch_dispatch__, torchao float8_ops.py:351): it keeps the 1st, 3rd, ...
+    mm output in bf16 as for bf16 linears (benchmarks/probe_saved_tensors.py). Under torch.compile
+    the w2 output, which no backward reads, is not saved."""
     from piper_sim.memory import segment_memory
 
     cfg = get_config("llama3-8b")
-    segs = {s.name: s for s in profile_model(cfg, 1, 2048, "bf16", Stack(fp8="tensorwise"), "hopper")}
-    bf16 = segment_memory(cfg, segs["layers.1"], 1, 2048, "bf16", Stack())
-    fp8 = segment_memory(cfg, segs["layers.1"], 1, 2048, "bf16", Stack(fp8="tensorwise"))
-    table = fp8.table
-    sdpa = sum(r.nbytes for r in table.rows if r.sdpa)
-    assert fp8.kept_under("op", (), True) == table.input_bytes + sdpa
-    every_other = sum(shape[0] * shape[1] * 2 for _, shape in table.mms[::2])  # the 1st, 3rd, ... mm (bf16)
-    assert bf16.kept_under("op", (), True) == pytest.approx(table.input_bytes + sdpa + every_other)
+    b, s = 1, 2048
+    segs = {x.name: x for x in profile_model(cfg, b, s, "bf16", Stack(fp8="tensorwise"), "hopper")}
+    bf16 = segment_memory(cfg, segs["layers.1"], b, s, "bf16", Stack())
+    fp8 = segment_memory(cfg, segs["layers.1"], b, s, "bf16", Stack(fp8="tensorwise"))
+    fp8_compiled = segment_memory(cfg, segs["layers.1"], b, s, "bf16", Stack(fp8="tensorwise", compile=True))
+    t, h, ffn, kv = b * s, cfg.hidden, cfg.ffn, cfg.n_kv_heads * cfg.head_dim
+    x = t * h * 2                      # the layer input (bf16)
+    sdpa = t * h * 2 + t * cfg.n_heads * 4 + 24  # attention output, fp32 log-sum-exp, rng seed/offset
+    wq, wv, w1, w2 = t * h * 2, t * kv * 2, t * ffn * 2, t * h * 2
+    assert fp8.kept_under("op", (), True) == bf16.kept_under("op", (), True) == x + sdpa + wq + wv + w1 + w2
+    assert fp8_compiled.kept_under("op", (), True) == x + sdpa + wq + wv + w1
 
 
-@pytest.mark.parametrize("recipe,element", [("tensorwise", 1.0), ("blockwise", 1 + 4 / 128)])
-def test_fp8_activation_caching_closed_form(recipe, element):
-    """Transformer Engine's linears save their FP8 columnwise input (linear.py:596-622 @d0067d0da):
-    with ``fp8_activations: fp8`` a Llama layer keeps its two norm outputs and the MLP activation
-    at ``element`` bytes instead of two, and adds an FP8 copy of the attention output (wo's input;
-    flash attention's backward still reads the bf16 one). torchao keeps them in bf16 (default hp)."""
+def test_compiled_loss_keeps_model_dtype_logits():
+    """torchtitan compiles the loss with --training.compile (components/loss.py:25-30 @e7c0cae):
+    the head keeps the bf16 logits and two fp32 numbers per token instead of the fp32
+    log-probabilities, and no fp32 copy of the logits exists (benchmarks/probe_saved_tensors.py)."""
     from piper_sim.memory import segment_memory
 
     cfg = get_config("llama3-8b")
-    s, h, ffn, heads = 2048, cfg.hidden, cfg.ffn, cfg.n_heads * cfg.head_dim
-    hp, te = Stack(fp8=recipe), Stack(fp8=recipe, fp8_activations="fp8")
-    seg_hp = {x.name: x for x in profile_model(cfg, 1, s, "bf16", hp, "hopper")}["layers.1"]
-    seg_te = {x.name: x for x in profile_model(cfg, 1, s, "bf16", te, "hopper")}["layers.1"]
-    freed = (2 * s * h + s * ffn) * (2 - element)   # attn_norm.out, mlp_norm.out, the SwiGLU product
-    added = s * heads * element                     # wo's FP8 input beside the bf16 attention output
-    assert seg_hp.saved_act_bytes - seg_te.saved_act_bytes == pytest.approx(freed - added, abs=2)
-    m_hp = segment_memory(cfg, seg_hp, 1, s, "bf16", hp)
-    m_te = segment_memory(cfg, seg_te, 1, s, "bf16", te)
-    assert m_hp.selective - m_te.selective == pytest.approx(freed - added, abs=2)
-    assert m_hp.kept("full") == m_te.kept("full")  # a checkpoint keeps the layer's bf16 input
-    assert parse_stack({"preset": "megatron-te", "fp8": recipe}).fp8_cached_inputs
-    assert not parse_stack({"preset": "torchtitan", "fp8": "tensorwise"}).fp8_cached_inputs
-
-
-def test_fp8_activation_caching_moe_experts():
-    """The routed experts keep the dispatched tokens and the SwiGLU product in FP8; the MoE layer's
-    MLP norm output stays bf16 (the router reads it) and gains an FP8 copy for the shared experts."""
-    from piper_sim.fp8 import cache_inputs
-    from piper_sim.recompute import layer_table
-
-    cfg = get_config("deepseek-v3")
-    t = 4096
-    dispatched = t * cfg.top_k * cfg.hidden * 2
-    experts = layer_table(cfg, "moe_experts", 1, t, 2, dispatched)
-    cached = cache_inputs(experts, "blockwise")
-    e = 1 + 4 / 128
-    assert experts.saved - cached.saved == pytest.approx(
-        (t * cfg.top_k * cfg.hidden + t * cfg.top_k * cfg.expert_ffn) * (2 - e))
-    pre = layer_table(cfg, "moe_pre", 1, t, 2)
-    rows = {r.name: r.nbytes for r in cache_inputs(pre, "blockwise").rows}
-    assert rows["mlp_norm.out"] == t * cfg.hidden * 2
-    assert rows["shared.input_fp8"] == pytest.approx(t * cfg.hidden * e)
-    assert rows["wo.input_fp8"] == pytest.approx(t * cfg.n_heads * cfg.v_head_dim * e)
-    with pytest.raises(StackError, match="fp8_activations must be one of hp, fp8, deepseek"):
-        parse_stack({"fp8": "tensorwise", "fp8_activations": "bf16"})
-
-
-def test_fp8_activation_caching_deepseek_recipe():
-    """``fp8_activations: deepseek`` (arXiv 2412.19437 §3.3.3): on top of ``fp8``, the MoE SwiGLU's
-    two inputs (routed and shared experts) in FP8, and the attention output kept once at 12 bits
-    (E5M6) with no FP8 copy for wo; a dense layer's SwiGLU inputs stay bf16."""
-    from piper_sim.fp8 import cache_inputs
-    from piper_sim.recompute import layer_table
-
-    cfg = get_config("deepseek-v3")
-    t, e = 4096, 1 + 4 / 128
-    dispatched = t * cfg.top_k * cfg.hidden * 2
-    experts = layer_table(cfg, "moe_experts", 1, t, 2, dispatched)
-    te, ds = cache_inputs(experts, "blockwise"), cache_inputs(experts, "blockwise", "deepseek")
-    assert te.saved - ds.saved == pytest.approx(2 * t * cfg.top_k * cfg.expert_ffn * (2 - e))
-    pre = layer_table(cfg, "moe_pre", 1, t, 2)
-    te, ds = ({r.name: r.nbytes for r in cache_inputs(pre, "blockwise", m).rows} for m in ("fp8", "deepseek"))
-    qk = cfg.qk_nope_dim + cfg.qk_rope_dim
-    assert ds["attn.out"] == pytest.approx(t * cfg.n_heads * qk * 1.5) and "wo.input_fp8" not in ds
-    assert te["attn.out"] == t * cfg.n_heads * qk * 2 and "wo.input_fp8" in te
-    shared_ffn = cfg.n_shared * cfg.expert_ffn
-    assert ds["shared.w1.out"] == ds["shared.w3.out"] == pytest.approx(t * shared_ffn * e)
-    assert te["shared.w1.out"] == t * shared_ffn * 2
-    dense = {r.name: r.nbytes for r in cache_inputs(layer_table(cfg, "dense", 1, t, 2), "blockwise", "deepseek").rows}
-    assert dense["mlp.w1.out"] == t * cfg.ffn * 2
-    assert parse_stack({"fp8": "blockwise", "fp8_activations": "deepseek"}).fp8_cached_inputs
+    b, s = 1, 2048
+    head = {x.name: x for x in profile_model(cfg, b, s, "bf16", Stack(), "hopper")}["head"]
+    eager = segment_memory(cfg, head, b, s, "bf16", Stack())
+    compiled = segment_memory(cfg, head, b, s, "bf16", Stack(compile=True))
+    t, v = b * s, cfg.vocab
+    assert eager.temp == t * v * (2 + 4)  # bf16 logits + their fp32 copy
+    assert compiled.saved == eager.saved - t * v * 4 + t * v * 2 + t * 8
+    assert compiled.temp == t * v * 2

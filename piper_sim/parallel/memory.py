@@ -135,7 +135,7 @@ def _policy_rerun(ctx: Context, stage: int, part: int) -> tuple[float, tuple]:
             flops += seg.fwd_flops
             rows.append(f_rows)
         elif mode == "op":
-            kept = [shape for _, shape in m.table.op_sac_saved(m.fp8_linears)[0]]
+            kept = [shape for _, shape in m.table.op_sac_saved(m.compiled)[0]]
             drop = kernels.merge(_gemm_rows(f_rows, kept), [r for r in f_rows if r[0] == "attn_fwd"])
             left = kernels.subtract(f_rows, drop)
             flops += kernels.totals(left)[0]
