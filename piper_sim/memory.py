@@ -173,7 +173,7 @@ def segment_memory(cfg: ModelConfig, seg: SegmentCost, micro_batch: int, seq: in
     if kind == "head":
         checkpoint = unit_input
         temp = float(logits_bytes(cfg, seg.tokens, nbytes))
-        if stack.compile:
+        if stack.compile and cfg.tp == 1:  # vocabulary-parallel (DTensor loss_parallel) under TP: not measured
             saved, temp = compiled_loss(saved, cfg, seg.tokens, nbytes)
             selective = saved
     if table is not None and stack.swiglu == "fused":
@@ -197,7 +197,9 @@ def compiled_loss(saved: float, cfg: ModelConfig, tokens: int, nbytes: int) -> t
     ``training.compile``); Inductor's partitioner then saves the logits in the model dtype and two
     fp32 numbers per token (max and log-sum-exp), not the fp32 log-probabilities, and no fp32 copy of
     the logits is ever materialised: the transient is the logits' gradient in the model dtype
-    (measured on CPU, torch 2.13: benchmarks/probe_saved_tensors.py)."""
+    (measured on CPU, torch 2.13: benchmarks/probe_saved_tensors.py). Not applied under tensor
+    parallelism, where torchtitan's loss runs on vocabulary-parallel DTensors (``loss_parallel``),
+    which that measurement does not cover: the eager bytes stay."""
     logits = float(tokens) * cfg.local_vocab
     return saved - logits * 4 + logits * nbytes + tokens * 8.0, logits * nbytes
 
