@@ -88,8 +88,10 @@ def test_refusals_left(files):
 
 
 def test_pp1_dp2_and_pp2_1f1b_equal_the_reference(files, tmp_path):
+    """With clipping by the global norm: the last stage's own (untied) output layer counts in
+    it, its embedding copy (mtp_embed) does not (it counted neither before: 1.7e-3 param diff)."""
     check(tmp_path, 2, {"dp2": strategy(files["tiny-mtp"], DP2, m=2, batch=8),
-                        "pp2-1f1b": strategy(files["tiny-mtp"], *PIPE)})
+                        "pp2-1f1b": strategy(files["tiny-mtp"], *PIPE)}, "--clip-grad-norm", "0.05")
 
 
 def test_moe_ep2_equals_the_reference(files, tmp_path):

@@ -33,7 +33,9 @@ class TiedEmbeddings(Axis):
 
     def __init__(self, rt):
         self.rt = rt
-        self.copies = {COPY, MTP_COPY} & {n for stage in rt.stages.values() for n, _ in stage.units.named_parameters()}
+        # an untied model's head.out.weight is its own output layer, not a copy (its MTP modules' is mtp_embed)
+        copies = {COPY, MTP_COPY} if getattr(rt.cfg, "tie_embeddings", False) else {MTP_COPY}
+        self.copies = copies & {n for stage in rt.stages.values() for n, _ in stage.units.named_parameters()}
         self.ends = {0, rt.header.num_stages - 1}  # the stages holding a copy
 
     def stream_handlers(self) -> dict[str, Handler]:
@@ -70,5 +72,4 @@ class TiedEmbeddings(Axis):
     def saved_name(self, name: str) -> str:
         """A copy is stored as the embedding it copies, so a checkpoint resumes onto a layout
         with the embedding and the head on one stage (no copy) and back."""
-        copy = name == MTP_COPY or (name == COPY and getattr(self.rt.cfg, "tie_embeddings", False))
-        return "embed.weight" if copy else name
+        return "embed.weight" if name in self.copies else name
