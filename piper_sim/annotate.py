@@ -39,16 +39,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 from costmodel.dtypes import torch_dtype
+from piper_sim.module_paths import AnnotationError, path_pattern  # noqa: F401 (AnnotationError: its home for users)
 
 if TYPE_CHECKING:  # torch loads where a model is built or run, not for a built-in model's compile
     import torch
     import torch.nn as nn
 
     Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class AnnotationError(ValueError):
-    """A model whose annotation does not hold; one line naming the unit and the fix."""
 
 
 def _stopped(e: BaseException) -> str:
@@ -193,10 +190,6 @@ def reset_parameters(unit: nn.Module, name: str) -> None:
 # --------------------------------------------------------------------------- annotate
 
 
-def _pattern(path: str) -> re.Pattern:
-    return re.compile("".join("[^.]+" if c == "*" else re.escape(c) for c in path) + r"\Z")
-
-
 def expand_units(module: nn.Module, patterns: list[str]) -> list[str]:
     """Module paths matched by ``patterns`` (``*`` is one path component), pattern by
     pattern, each in module order."""
@@ -205,7 +198,7 @@ def expand_units(module: nn.Module, patterns: list[str]) -> list[str]:
     names = [n for n, _ in module.named_modules() if n]
     out: list[str] = []
     for p in patterns:
-        rx = _pattern(p)
+        rx = path_pattern(p)
         hits = [n for n in names if rx.match(n)]
         if not hits:
             raise AnnotationError(f"units: pattern {p!r} matches no submodule of {type(module).__name__}; "

@@ -38,7 +38,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from piper_sim.annotate import AnnotationError
+from piper_sim.module_paths import AnnotationError, path_pattern
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +57,6 @@ def expand_tp_plan(module: nn.Module, units: list[str], plan: dict[str, str]) ->
     a unit."""
     import torch.nn as nn
 
-    from piper_sim.annotate import _pattern
 
     if not isinstance(plan, dict) or not plan:
         raise ShardingError("tensor_parallel must be a non-empty dict of module paths -> \"colwise\" | \"rowwise\"")
@@ -66,7 +65,7 @@ def expand_tp_plan(module: nn.Module, units: list[str], plan: dict[str, str]) ->
     for pat, style in plan.items():
         if style not in STYLES:
             raise ShardingError(f"tensor_parallel: {pat!r} has style {style!r}; use \"colwise\" or \"rowwise\"")
-        hits = [n for n in names if _pattern(pat).match(n)]
+        hits = [n for n in names if path_pattern(pat).match(n)]
         if not hits:
             raise ShardingError(f"tensor_parallel: pattern {pat!r} matches no submodule of {type(module).__name__}")
         for n in hits:
