@@ -45,7 +45,8 @@ class Axis:
 AXES: tuple[Axis, ...] = (
     Axis("pp", passes=(("build", pipeline.build_pass), ("order", pipeline.sequence_pass))),
     Axis("ep", passes=(("pieces", expert.piece_pass),), check=expert.check),
-    Axis("tp", passes=(("layer", tensor.tensor_pass), ("edges", tensor.norms_after_zero3_pass)),
+    Axis("tp", passes=(("layer", tensor.tensor_pass), ("edges", tensor.norms_after_zero3_pass),
+                       ("edges", tensor.compute_waits_edges)),
          check=tensor.check),
     Axis("recompute", passes=(("layer", memory.recompute_pass), ("layer", memory.activation_memory_pass))),
     Axis("cp", passes=(("layer", context.context_pass), ("edges", context.context_edges)), check=context.check),

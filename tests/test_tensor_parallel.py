@@ -299,6 +299,26 @@ def test_tp_collectives_are_on_the_critical_path():
     assert slow - fast == pytest.approx(tp_time, rel=0.05)
 
 
+@pytest.mark.parametrize("tp_overlap", [False, True])
+def test_tp_collectives_block_the_next_chunk_too(gpt_small, tp_overlap):
+    """Pipeline chunks of one layer (interleaved, 2 chunks per rank): without async TP a
+    chunk's collectives hold the compute stream until they end, whichever op runs next
+    (torch waits on a collective by making the current stream wait: ProcessGroupNCCL
+    ``WorkNCCL::synchronizeStream``), so no compute op of a rank overlaps one of its TP
+    collectives; with ``tp_overlap`` they run beside the GEMMs."""
+    s = strategy(gpt_small, tp=4, sp=True, pp=2, m=4, seq=1024, cluster="h100:1x8", sched="interleaved_1f1b")
+    s["directives"][0]["stages_per_rank"] = 2
+    if tp_overlap:
+        s["stack"] = {"tp_overlap": True}
+    ev = simulate(compile(s)).events
+    overlap = 0.0
+    for _, e in ev.groupby("rank"):
+        tp, comp = e[e["stream"] == "tp"], e[e["stream"] == "compute"]
+        overlap += sum(max(0.0, min(a1, b1) - max(a0, b0))
+                       for a0, a1 in zip(tp["start"], tp["end"]) for b0, b1 in zip(comp["start"], comp["end"]))
+    assert (overlap > 0) == tp_overlap
+
+
 # ----------------------------------------------------------------------------- folding
 
 

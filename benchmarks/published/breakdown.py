@@ -16,6 +16,9 @@ runs the same ops; ``pp`` names it), in milliseconds per step:
 ``slow``     compute time added by the overlap slowdown (compute_s - the standalone sum - straggle)
 ``comm:K``   busy time of each comm kind on that rank (overlapped or not)
 ``exposed``  comm not hidden behind compute; ``bubble`` idle compute stream less exposed comm
+``exp:G``    exposed time of one comm group's streams alone (pp: the send/recv streams; dp, tp,
+             ep, cp): their busy time with no compute op running (groups in flight together each
+             count it, so they can sum to more than ``exposed``)
 
 It is a diagnostic: numbers per run explain an error, they are never fitted to it.
 """
@@ -50,11 +53,18 @@ def _kernel_split(cm, rows) -> dict[str, float]:
     return out
 
 
+def _stream_group(stream: str) -> str:
+    """A comm stream's group: pp (its send.* / recv.* streams), else the stream's name (dp, tp, ep, cp)."""
+    head = stream.split(".", 1)[0]
+    return "pp" if head in ("send", "recv", "p2p") else head
+
+
 def breakdown(entry: dict) -> dict[str, float]:
     """Milliseconds per step of rank 0 by component (see the module docstring)."""
     from costmodel.stragglers import slowest_factor
     from piper_sim.api import compile
     from piper_sim.simulator import simulate
+    from piper_sim.trace import uncovered_time, union_intervals
 
     strategy = suite_run.strategy_of(entry)
     plan = compile(strategy)
@@ -84,6 +94,10 @@ def breakdown(entry: dict) -> dict[str, float]:
             out["opt"] += dur
         elif kind not in COMPUTE:
             out[f"comm:{kind}"] += dur
+    compute = union_intervals(zip(r0[r0["kind"].isin(COMPUTE)]["start"], r0[r0["kind"].isin(COMPUTE)]["end"]))
+    comm = r0[~r0["kind"].isin(COMPUTE)]
+    for group, grp in comm.groupby(comm["stream"].map(_stream_group)):
+        out[f"exp:{group}"] = uncovered_time(union_intervals(zip(grp["start"], grp["end"])), compute)
     standalone = sum(out[k] for k in ("gemm", "attn", "mem", "launch", "other", "opt"))
     out["straggle"] = standalone * (slowest_factor(plan.layout.world_size, cm.gpu.speed_spread) - 1.0)
     out["slow"] = st.compute_s - standalone - out["straggle"]
@@ -112,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a report: one failing entry must not stop the others
             print(f"{e['id']}: ERROR {type(exc).__name__}: {exc}", file=sys.stderr)
     w = max([len(i) for i, _ in rows] + [2])
-    print(f"{'id':<{w}} " + " ".join(f"{c:>8}" for c in cols) + "  comm busy by kind (ms)")
+    print(f"{'id':<{w}} " + " ".join(f"{c:>8}" for c in cols) + "  comm busy by kind; exposed by stream group (ms)")
     for i, ms in rows:
         comm = " ".join(f"{k[5:]}={v:.0f}" for k, v in sorted(ms.items()) if k.startswith("comm:"))
+        comm += "; exposed " + " ".join(f"{k[4:]}={v:.0f}" for k, v in sorted(ms.items()) if k.startswith("exp:"))
         cells = [f"{ms[c]:>8.0f}" if c == "pp" else f"{ms.get(c, 0.0):>+8.1f}" if c == "err"
                  else f"{ms.get(c, 0.0):>8.1f}" for c in cols]
         print(f"{i:<{w}} " + " ".join(cells) + "  " + comm)

@@ -89,7 +89,8 @@ PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
 ENTRY_REQUIRED = {"id", "source", "metric", "published", "precision", "strategy", "stack_source"}
 ENTRY_OPTIONAL = {"setup", "approximations", "notes", "published_memory_gib", "published_memory_gb", "run_options",
-                  "set", "recompute_source", "layout_source", "schedule_source", "published_memory_kind", "memory_source"}
+                  "set", "recompute_source", "layout_source", "schedule_source", "dp_source", "published_memory_kind",
+                  "memory_source"}
 PUBLISHED_MEMORY_KEYS = ("published_memory_gib", "published_memory_gb")
 # what a published peak memory counts (the suite's `published_memory_kind`): the torch counter it
 # was read from, or nvidia-smi (the process's whole footprint)

@@ -296,6 +296,46 @@ def _deferred_mtp_heads(parts: list[list[SegmentCost]]) -> dict[str, SegmentCost
             for seg in part if seg.unit.startswith("mtp.") and seg.name.endswith(".loss")}
 
 
+def compute_waits_edges(ctx: Context, dag: TrainingDAG) -> None:
+    """Without ``tp_overlap`` the compute stream waits for every tensor-parallel collective of
+    an op before it runs the rank's next compute op, whichever op that is: torch.distributed
+    issues a collective called without ``async_op`` on its NCCL stream and waits for it
+    (``work.wait()``), and that wait makes the *current* CUDA stream wait for the
+    collective's end event (pytorch ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``,
+    ``WorkNCCL::synchronizeStream``: "Block the current stream on the NCCL stream"), so the
+    kernels enqueued after it, the next op's included, start after it. `tensor_pass` chains a
+    unit's collectives to the op's next piece; this pass adds the edge to the next op on
+    the rank, which the chain's data edges do not give (its output leaves through a SEND): a
+    pipeline chunk of one layer otherwise ran every one of its collectives beside the next
+    chunk's compute. The rank's optimizer steps wait for its last op's collectives too. The pieces
+    of an overlapped pair (DualPipe's F&B) keep their overlap."""
+    if ctx.layout.tp == 1 or ctx.stack.tp_overlap:
+        return
+    steps: dict[int, list[Node]] = {}
+    for n in dag.g.nodes:
+        if dag.ins(n).kind == "OPT":
+            steps.setdefault(n[0], []).append(n)
+    for where, seq in ctx.sequences.items():
+        pairs = list(zip(seq, seq[1:])) + [(seq[-1], opt) for opt in steps.get(where, ())] if seq else []
+        for prev, n in pairs:
+            p_ins = dag.ins(prev)
+            if dag.ins(n).kind != "OPT" and p_ins.slot == dag.ins(n).slot:
+                continue
+            seen: set[Node] = set()
+            todo, sinks = [prev], []
+            while todo:
+                cur = todo.pop()
+                nxt = [q for q in dag.g.successors(cur) if q not in seen and is_tp(dag.ins(q))
+                       and dag.ins(q).mb == p_ins.mb and dag.ins(q).stage == p_ins.stage]
+                if cur is not prev and not nxt:
+                    sinks.append(cur)
+                seen.update(nxt)
+                todo.extend(nxt)
+            for q in sinks:
+                if not dag.g.has_edge(q, n):
+                    dag.edge(q, n, "temporal")
+
+
 def norms_after_zero3_pass(ctx: Context, dag: TrainingDAG) -> None:
     """ZeRO-3: the per-unit reduce-scatters hand each unit's gradients off during the backward,
     so ``TP.s{S}.norms`` sums the partial replicated gradients in the reduced shard instead,
