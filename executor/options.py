@@ -34,7 +34,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
                    help="with --save: also checkpoint every K steps")
     p.add_argument("--keep", type=arg_int(1), default=2, metavar="N",
                    help="with --save: keep the newest N checkpoints (2)")
-    p.add_argument("--resume", metavar="DIR", help="start from the newest complete checkpoint in DIR (same plan)")
+    p.add_argument("--resume", metavar="DIR", help="start from the newest complete checkpoint in DIR (any layout of the same model)")
     p.add_argument("--end-step", type=arg_int(1), metavar="T",
                    help="stop after step T-1 (set by `run --max-restarts`: a restarted worker resumes from the "
                         "newest checkpoint in --save and trains up to the same step)")
