@@ -62,13 +62,13 @@ def _legacy_state(rt) -> dict:
     for fp in rt.flats.values():
         key = fp.key + tp
         if fp.sync == "shard":
-            base, param = f"{key}.shard{fp.index}of{len(fp.group)}", fp.shard
+            base = f"{key}.shard{fp.index}of{len(fp.group)}"
             sd[base] = fp.shard.data
         else:
-            base, param = f"{key}.flat", fp.flat
+            base = f"{key}.flat"
         if fp.materialised() and not fp.per_bucket:
             sd[f"{key}.flat"] = fp.flat.data
-        state = fp.optimizer.state[param]
+        state = fp.adam_state
         sd[f"{base}.exp_avg"] = state["exp_avg"]
         sd[f"{base}.exp_avg_sq"] = state["exp_avg_sq"]
         sd[f"{base}.step"] = state["step"].view(1)
@@ -122,7 +122,7 @@ def _saved_state(rt) -> dict:
 
     buffers, steps = {}, set()
     for key, fp in sorted(rt.flats.items()):
-        state = fp.optimizer.state[fp.shard if fp.shard is not None else fp.flat]
+        state = fp.adam_state
         buffers[key] = {"model": full_parameters(fp, rt.comms),
                         **{m: full_flat(fp, state[m], rt.comms) for m in MOMENTS}}
         steps.add(float(state["step"]))
@@ -142,7 +142,7 @@ def _load_per_parameter(rt, folder: str, marker: dict) -> None:
 
     buffers = {}
     for key, fp in rt.flats.items():
-        state = fp.optimizer.state[fp.shard if fp.shard is not None else fp.flat]
+        state = fp.adam_state
         like = fp.params[0]
         buffers[key] = {"model": torch.zeros(fp.total_len, dtype=like.dtype, device=like.device),
                         **{m: torch.zeros(fp.total_len, dtype=state[m].dtype, device=state[m].device)
@@ -169,7 +169,7 @@ def _load_per_parameter(rt, folder: str, marker: dict) -> None:
             fp.flat.data.copy_(loaded["model"])
         if fp.shard is not None:
             fp.shard.data.copy_(fp.own_pieces(loaded["model"]))
-        state = fp.optimizer.state[fp.shard if fp.shard is not None else fp.flat]
+        state = fp.adam_state
         for m in MOMENTS:
             state[m].copy_(loaded[m] if fp.shard is None else fp.own_pieces(loaded[m]))
         state["step"].fill_(step)

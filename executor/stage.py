@@ -328,6 +328,11 @@ class FlatParams:
         """This rank's shard of a buffer in the full flat layout: its piece of every bucket."""
         return torch.cat([full[o + self.index * n:o + (self.index + 1) * n] for o, n in zip(self.offsets, self.piece_lens)])
 
+    @property
+    def adam_state(self) -> dict[str, torch.Tensor]:
+        """AdamW's state of the tensor the optimizer steps: the shard's under ZeRO, else the flat one's."""
+        return self.optimizer.state[self.shard if self.shard is not None else self.flat]
+
     def stepped_grad(self) -> torch.Tensor:
         """The gradient the optimizer steps: the shard's under ZeRO, else the flat one."""
         if self.shard is not None:
@@ -667,7 +672,7 @@ class Stage:
                     if d in self.deferred:
                         outputs[f"ymtp.{d}"] = y
                     else:
-                        outputs[f"loss.mtp.{d}"] = run((kind, layer), self._mtp_loss, y, targets, d) * loss_scale
+                        outputs[f"loss.mtp.{d}"] = run((kind, layer), self.mtp_loss_fn, y, targets, d) * loss_scale
                     x = y  # the next depth's hidden states
                 elif kind in ("mtp", "mtp_pre"):
                     if layer == self.cfg.n_layers:
@@ -712,11 +717,8 @@ class Stage:
         """The main loss and those of the MTP depths deferred to the head (``ys``: their
         final-normed states), one checkpoint; the MTP losses first, as Megatron-Core's
         ``GPTModel._postprocess`` computes them before the main logits."""
-        mtp = [self._mtp_loss(y, targets, d) for y, d in zip(ys, self.deferred)]
+        mtp = [self.mtp_loss_fn(y, targets, d) for y, d in zip(ys, self.deferred)]
         return (self._head_loss(x, targets), *mtp)
-
-    def _mtp_loss(self, y: torch.Tensor, targets: torch.Tensor, depth: int) -> torch.Tensor:
-        return self.mtp_loss_fn(y, targets, depth)
 
     def _mtp_input(self, x: torch.Tensor, tokens: torch.Tensor, depth: int) -> torch.Tensor:
         """MTP module ``depth``'s projection of the hidden states ``x`` and of its tokens' embedding."""

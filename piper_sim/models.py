@@ -1057,6 +1057,14 @@ def mtp_shift(targets: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Te
     return emb, tgt, mask
 
 
+def vocab_shard_lookup(ids: torch.Tensor, weight: torch.Tensor, lo: int) -> torch.Tensor:
+    """The embedding of ``ids`` from the vocabulary rows ``[lo, lo + len(weight))`` a
+    tensor-parallel rank holds, zeros for the others: summed over the group, the embedding."""
+    local = ids - lo
+    inside = (local >= 0) & (local < weight.shape[0])
+    return F.embedding(local.clamp(0, weight.shape[0] - 1), weight) * inside[..., None]
+
+
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross entropy of each token, ``logits`` ``[N, V]`` in fp32."""
     return F.cross_entropy(logits, targets, reduction="none")

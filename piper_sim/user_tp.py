@@ -142,6 +142,8 @@ def _wrappers():
     import torch.nn as nn
     import torch.nn.functional as F
 
+    from piper_sim.models import vocab_shard_lookup
+
     class ColwiseLinear(nn.Module):
         """A column-parallel ``nn.Linear`` (this rank's output rows; same parameter names)."""
 
@@ -178,10 +180,7 @@ def _wrappers():
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             if self.ops.sp:
                 ids = self.ops.gather_tokens(ids, f"{self.label}.tokens")
-            local = ids - self.lo
-            inside = (local >= 0) & (local < self.weight.shape[0])
-            out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[..., None]
-            return self.ops.row_output(out, self.label)
+            return self.ops.row_output(vocab_shard_lookup(ids, self.weight, self.lo), self.label)
 
     return ColwiseLinear, RowwiseLinear, RowwiseEmbedding
 

@@ -62,7 +62,7 @@ from executor.parallel.axis import Axis, Handler, Logged, Posted
 from executor.parallel.data import is_grad_sync
 from piper_sim.header import TensorParallelHeader
 from piper_sim.models import Block, Embedding, GeluMLP, GQAttention, Head, Linear, MLAttention, MTPLayer, SwiGLU, \
-    apply_rope, attention_core, mtp_loss, rope_cos_sin
+    apply_rope, attention_core, mtp_loss, rope_cos_sin, vocab_shard_lookup
 from piper_sim.user_tp import Region, UnitTP, analyse_units, shard_unit
 
 # the compiler's stream of tensor-parallel collectives (piper_sim.ir.TP_STREAM; the IR is not
@@ -567,9 +567,7 @@ def vocab_parallel_embedding(tp: TPComm, weight: torch.Tensor, lo: int, tokens: 
     """The embedding of ``tokens`` from the vocabulary rows ``[lo, lo + V/T)`` this rank holds
     (zeros for the others), summed over the group (``{label}.ar``; SP: reduce-scattered to
     the sequence shard, ``{label}.rs``, its backward ``{label}.ag``)."""
-    local = tokens - lo
-    inside = (local >= 0) & (local < weight.shape[0])
-    out = F.embedding(local.clamp(0, weight.shape[0] - 1), weight) * inside[..., None]
+    out = vocab_shard_lookup(tokens, weight, lo)
     if tp.sp:
         return _ScatterSeq.apply(out, tp, f"{label}.rs", f"{label}.ag")
     return _ReduceFromTP.apply(out, tp, f"{label}.ar")

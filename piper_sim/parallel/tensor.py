@@ -187,15 +187,19 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
         ins = dag.ins(n)
         if ins.kind in COMPUTE_KINDS:
             by_stage.setdefault((n[0], ins.stage), []).append(n)
+    user = bool(ctx.tp_unit_ops)  # a user nn.Module: its units' own collectives (piper_sim.user_tp)
     for (where, s), nodes in by_stage.items():
         group = ctx.group("tp", where)
         modes, modules = stage_unit_modes(ctx, s), ctx.setup.policy(s).module_set
         parts = ctx.parts(s)
-        deferred = _deferred_mtp_heads(parts)
+        deferred = {} if user else _deferred_mtp_heads(parts)
 
-        def zoo_collectives(seg: SegmentCost, pas: str) -> list[tuple[str, str, float]]:
-            """`tp_collectives` of ``seg``; an MTP loss in a part before the head's runs its output
+        def collectives(seg: SegmentCost, pas: str) -> list[tuple[str, str, float]]:
+            """The TP collectives of ``seg`` in pass ``pas``: a user unit's own (`piper_sim.user_tp`),
+            else `tp_collectives`, where an MTP loss in a part before the head's runs its output
             layer in the head's part (`_deferred_mtp_heads`), before the main head's."""
+            if user:
+                return ctx.tp_unit_ops.get(seg.unit, {}).get(pas, [])
             if seg.name in deferred:
                 return []
             own = tp_collectives(seg, pas, sp, act, loss, attn_in, shared, routed)
@@ -219,13 +223,6 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
                                               direction=pas, name=name))
 
             recomputed: set[str] = set()
-            user = bool(ctx.tp_unit_ops)  # a user nn.Module: its units' own collectives (piper_sim.user_tp)
-
-            def collectives(seg: SegmentCost, pas: str) -> list[tuple[str, str, float]]:
-                if user:
-                    return ctx.tp_unit_ops.get(seg.unit, {}).get(pas, [])
-                return zoo_collectives(seg, pas)
-
             for seg in segs:
                 if not ctx.setup.tp_sharded(seg.unit):
                     continue  # replicated (shard_tensor's selection): run whole, no TP collective
