@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -176,16 +178,19 @@ class BagOfTokens(nn.Module):
         return self.out(x)
 
 
-def bag_of_tokens(vocab: int = 32, width: int = 16, depth: int = 3) -> UserModel:
-    def batch(micro_batch, seq_len, device, dtype, seed):
-        if torch.device(device).type == "meta":
-            t = torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta")
-            return t, t
-        t = torch.randint(vocab, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
-        return t[:, :-1].to(device), t[:, 1:].to(device)
+def token_batch(vocab: int, micro_batch, seq_len, device, dtype, seed):
+    """A micro-batch of random token ids and the same shifted by one (empty on meta)."""
+    if torch.device(device).type == "meta":
+        t = torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta")
+        return t, t
+    t = torch.randint(vocab, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    return t[:, :-1].to(device), t[:, 1:].to(device)
 
+
+def bag_of_tokens(vocab: int = 32, width: int = 16, depth: int = 3) -> UserModel:
     return annotate(BagOfTokens(vocab, width, depth), ["embed", "mix.*", "out"],
-                    lambda out, t: F.cross_entropy(out.float().flatten(0, 1), t.flatten()), batch)
+                    lambda out, t: F.cross_entropy(out.float().flatten(0, 1), t.flatten()),
+                    functools.partial(token_batch, vocab))
 
 
 # --------------------------------------------------------------------------- a small transformer, tensor parallel
@@ -275,15 +280,8 @@ TP_PLAN = {"embed": "rowwise", "blocks.*.attn.wq": "colwise", "blocks.*.attn.wk"
 def tiny_transformer(vocab: int = 64, dim: int = 32, depth: int = 2, heads: int = 4, kv_heads: int = 2,
                      hidden: int = 64, qk_norm: bool = True, sequence_parallel: bool = True) -> UserModel:
     """A Llama-shaped language model with torchtitan-style sharding annotations (`TP_PLAN`)."""
-    def batch(micro_batch, seq_len, device, dtype, seed):
-        if torch.device(device).type == "meta":
-            t = torch.empty(micro_batch, seq_len, dtype=torch.long, device="meta")
-            return t, t
-        t = torch.randint(vocab, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(seed))
-        return t[:, :-1].to(device), t[:, 1:].to(device)
-
     return annotate(TinyTransformer(vocab, dim, depth, heads, kv_heads, hidden, qk_norm),
                     ["embed", "blocks.*", "head"],
-                    lambda out, t: F.cross_entropy(out.float().flatten(0, 1), t.flatten()), batch,
-                    name=f"tiny-transformer-{depth}x{dim}", init_unit=reset_parameters,
+                    lambda out, t: F.cross_entropy(out.float().flatten(0, 1), t.flatten()),
+                    functools.partial(token_batch, vocab), name=f"tiny-transformer-{depth}x{dim}", init_unit=reset_parameters,
                     tensor_parallel=TP_PLAN, sequence_parallel=sequence_parallel)
