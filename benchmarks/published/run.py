@@ -20,7 +20,7 @@ global_batch / step_time / GPUs; GPU hours per trillion tokens = 1e12 / (tokens/
 are the definitions the sources use (measured throughput, no FLOP convention involved). The "speed"
 column is simulated / published throughput whatever the metric (> 1: the simulator is optimistic).
 
-The Python API (used by notebooks/published.ipynb): load_suite, run_suite, check_rankings,
+The Python API (used by notebooks/published.ipynb): load_suite, run_suite, check_rankings, check_series,
 summarize, results_frame.
 """
 
@@ -104,6 +104,11 @@ SETS = ("original", "added-later")
 HELD_REQUIRED = {"id", "needs", "source", "metric", "published", "precision"}
 HELD_OPTIONAL = {"setup", "strategy_sketch", "notes"}
 RANKING_REQUIRED = {"id", "source", "faster"}
+SERIES_REQUIRED = {"id", "source", "runs"}
+SERIES_TOLERANCE_PP = 3.0  # issue 28: simulated per-GPU loss within +-3 points of the published loss
+# what a scaling series' runs must share: only the GPU count (and what follows from it) changes
+SERIES_SAME = ("metric", "precision")
+SERIES_SAME_STRATEGY = ("model", "stack", "seq_len", "dtype")
 MODEL_META = {"published_params", "notes"}
 
 
@@ -117,6 +122,7 @@ class Suite:
     rankings: list[dict[str, Any]]
     held_back: list[dict[str, Any]]
     models: dict[str, dict[str, Any]]
+    series: list[dict[str, Any]] = field(default_factory=list)
 
     def entry(self, entry_id: str) -> dict[str, Any]:
         for e in self.entries:
@@ -208,7 +214,7 @@ def load_suite(path: str | Path = SUITE) -> Suite:
         raise SuiteError(f"{path}: malformed YAML{at}: {getattr(e, 'problem', None) or e}") from None
     if not isinstance(data, dict):
         raise SuiteError(f"{path}: the suite must be a mapping with 'entries'")
-    unknown = data.keys() - {"version", "models", "entries", "rankings", "held_back"}
+    unknown = data.keys() - {"version", "models", "entries", "rankings", "series", "held_back"}
     if unknown:
         raise SuiteError(f"{path}: unknown top-level key(s) {', '.join(sorted(unknown))}")
     entries = data.get("entries")
@@ -216,11 +222,12 @@ def load_suite(path: str | Path = SUITE) -> Suite:
         raise SuiteError(f"{path}: 'entries' must be a non-empty list")
     models = data.get("models") or {}
     rankings = data.get("rankings") or []
+    series = data.get("series") or []
     held = data.get("held_back") or []
     if not isinstance(models, dict):
         raise SuiteError(f"{path}: 'models' must be a mapping of name -> ModelConfig fields")
-    if not isinstance(rankings, list) or not isinstance(held, list):
-        raise SuiteError(f"{path}: 'rankings' and 'held_back' must be lists")
+    if not isinstance(rankings, list) or not isinstance(held, list) or not isinstance(series, list):
+        raise SuiteError(f"{path}: 'rankings', 'series' and 'held_back' must be lists")
 
     seen: set[str] = set()
     for i, e in enumerate(entries):
@@ -266,11 +273,40 @@ def load_suite(path: str | Path = SUITE) -> Suite:
         speeds = [_speed(entry_ids[eid]["metric"], entry_ids[eid]["published"]) for eid in order]
         if any(a <= b for a, b in zip(speeds, speeds[1:])):
             _fail(where, "the order contradicts the published numbers")
+    for i, r in enumerate(series):
+        _check_series(r, f"{path.name}: series[{i}]" + (f" ({r.get('id')})" if isinstance(r, dict) else ""),
+                      entry_ids)
     for name, spec in models.items():
         if not isinstance(spec, dict):
             _fail(f"{path.name}: models.{name}", "must be a mapping of ModelConfig fields")
     _model_configs(models, path.name)  # field names and types
-    return Suite(path=path, entries=entries, rankings=rankings, held_back=held, models=models)
+    return Suite(path=path, entries=entries, rankings=rankings, held_back=held, models=models, series=series)
+
+
+def _gpus(entry: dict) -> int:
+    """The run's GPU count, as its published setup gives it."""
+    return int(entry["setup"]["gpus"])
+
+
+def _check_series(r: Any, where: str, entry_ids: dict[str, dict]) -> None:
+    """A scaling series: two or more entries of one model and stack at growing GPU counts."""
+    _check_keys(r, where, SERIES_REQUIRED, {"notes"})
+    runs = r["runs"]
+    if not isinstance(runs, list) or len(runs) < 2 or len(set(runs)) != len(runs):
+        _fail(where, "runs must list at least two distinct entry ids, fewest GPUs first")
+    for eid in runs:
+        if eid not in entry_ids:
+            _fail(where, f"unknown entry id {eid!r}")
+    first = entry_ids[runs[0]]
+    for eid in runs[1:]:
+        e = entry_ids[eid]
+        differ = [k for k in SERIES_SAME if e[k] != first[k]] + \
+                 [f"strategy.{k}" for k in SERIES_SAME_STRATEGY if e["strategy"].get(k) != first["strategy"].get(k)]
+        if differ:
+            _fail(where, f"{eid} differs from {runs[0]} in {', '.join(differ)}: a scaling series changes only "
+                         "the GPU count")
+    if any(_gpus(entry_ids[a]) >= _gpus(entry_ids[b]) for a, b in zip(runs, runs[1:])):
+        _fail(where, "runs must be in order of growing GPU count")
 
 
 def _speed(metric: str, value: float) -> float:
@@ -468,6 +504,45 @@ def check_rankings(suite: Suite, results: list[Result]) -> list[RankingCheck]:
             status = "PASS" if all(a > b for a, b in zip(speeds, speeds[1:])) else "FAIL"
         out.append(RankingCheck(id=rk["id"], order=list(order), status=status, simulated=sims, source=rk["source"]))
     return out
+
+
+@dataclass
+class SeriesCheck:
+    id: str
+    runs: list[str]
+    gpus: list[int]
+    published_loss_pct: float  # per-GPU throughput lost from the first run to the last, in %
+    simulated_loss_pct: float | None
+    status: str  # PASS (within SERIES_TOLERANCE_PP) | FAIL | SKIP
+
+
+def check_series(suite: Suite, results: list[Result]) -> list[SeriesCheck]:
+    """Per-GPU throughput loss from the fewest to the most GPUs of each series, published and
+    simulated; PASS when they are within `SERIES_TOLERANCE_PP` points."""
+    by_id = {r.id: r for r in results}
+    out = []
+    for sr in suite.series:
+        a, b = (suite.entry(sr["runs"][0]), suite.entry(sr["runs"][-1]))
+        pub = 100.0 * (1.0 - _speed(b["metric"], b["published"]) / _speed(a["metric"], a["published"]))
+        ra, rb = by_id.get(a["id"]), by_id.get(b["id"])
+        sim, status = None, "SKIP"
+        if ra and rb and ra.ok and rb.ok:
+            sim = 100.0 * (1.0 - _speed(rb.metric, rb.simulated) / _speed(ra.metric, ra.simulated))
+            status = "PASS" if abs(sim - pub) <= SERIES_TOLERANCE_PP else "FAIL"
+        out.append(SeriesCheck(sr["id"], list(sr["runs"]), [_gpus(suite.entry(i)) for i in sr["runs"]], pub, sim,
+                               status))
+    return out
+
+
+def format_series(checks: list[SeriesCheck]) -> str:
+    lines = [f"scaling series (per-GPU throughput lost from the fewest to the most GPUs; PASS within "
+             f"{SERIES_TOLERANCE_PP:g} points): {sum(c.status == 'PASS' for c in checks)} PASS, "
+             f"{sum(c.status == 'FAIL' for c in checks)} FAIL, {sum(c.status == 'SKIP' for c in checks)} SKIP"]
+    for c in checks:
+        sim = "?" if c.simulated_loss_pct is None else f"{c.simulated_loss_pct:+.1f}%"
+        lines.append(f"  {c.status:<4} {c.id}: {' -> '.join(map(str, c.gpus))} GPUs, published "
+                     f"{c.published_loss_pct:+.1f}%, simulated {sim}")
+    return "\n".join(lines)
 
 
 def summarize(results: list[Result]) -> dict[str, Any]:
@@ -696,6 +771,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_memory_table(results))
     print()
     print(format_summary(summarize(results), checks))
+    if suite.series:
+        print()
+        print(format_series(check_series(suite, results)))
     if suite.held_back:
         print("\nheld back (not simulated): "
               + ", ".join(f"{h['id']} [{'+'.join(h['needs'])}]" for h in suite.held_back))
