@@ -387,6 +387,38 @@ class _Job:
         self.watch: list[tuple[float, simpy.Event]] = []  # (work left, event when it is reached)
 
 
+class _Proc:
+    """A generator run as a simpy process, resumed by each event it yields once that event is
+    processed (at once when it already was), as `simpy.Process` resumes one; nothing waits on
+    its end, so it schedules no event of its own (a Process schedules its initialisation and
+    its end). `start` runs it now, `spawn` where a new Process would first run."""
+
+    __slots__ = ("gen", "wake")
+
+    def __init__(self, gen):
+        self.gen = gen
+        self.wake = self.resume
+
+    def resume(self, _ev: simpy.Event | None = None) -> None:
+        send, wake = self.gen.send, self.wake
+        try:
+            while True:
+                callbacks = send(None).callbacks
+                if callbacks is not None:  # not processed yet: go on when it is
+                    callbacks.append(wake)
+                    return
+        except StopIteration:
+            pass
+
+    @staticmethod
+    def spawn(env: simpy.Environment, gen) -> None:
+        """Run ``gen`` as ``env.process(gen)`` would: from an urgent event at the current time."""
+        ev = simpy.Event(env)
+        ev._ok, ev._value = True, None
+        ev.callbacks.append(_Proc(gen).resume)
+        env.schedule(ev, priority=simpy.events.URGENT)
+
+
 class _Host:
     """A rank's issuing thread: one holder at a time. Requests made at one instant are
     granted after that instant's other events ran, lowest ``key`` first, so the order does
@@ -990,7 +1022,7 @@ class _Engine:
                     self.hosts[rank].release()
             elif hosted:  # posted now; the transfer follows the stream's previous op
                 yield from self._post(rank, op, (0, si, i))
-                env.process(self._transfer_after(rank, name, op, prev))
+                _Proc.spawn(env, self._transfer_after(rank, name, op, prev))
                 prev = op
                 continue
             else:
@@ -998,9 +1030,10 @@ class _Engine:
             self._finish(rank, name, op)
 
     def run(self) -> None:
+        # in the order simpy would initialise processes made now: ahead of every event they schedule
         for r in self.ranks:
             for si, (name, ops) in enumerate(self.streams[r]):
-                self.env.process(self._stream(r, si, name, ops))
+                _Proc(self._stream(r, si, name, ops)).resume()
         self.env.run()
         self._check_finished()
 
