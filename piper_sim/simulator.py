@@ -370,21 +370,47 @@ class _Op:
         self.after = 0.0  # comm: end of its stream's previous op (it starts no earlier)
 
 
+class _Link:
+    """A link's bandwidth and the transfers on it (job -> demanded bytes/s, in arrival order)."""
+
+    __slots__ = ("name", "cap", "limit", "jobs")
+
+    def __init__(self, name: str, cap: float):
+        self.name = name
+        self.cap = cap
+        self.limit = cap * (1 + 1e-12)  # loads above it slow the link's transfers
+        self.jobs: dict[_Job, float] = {}
+
+
 class _Job:
     """Work (seconds at full rate) whose rate changes with link load or comm activity."""
 
     __slots__ = ("left", "rate", "t", "ver", "ev", "links", "ranks", "compute", "watch")
 
-    def __init__(self, work: float, ev: simpy.Event, links: tuple, ranks: tuple, compute: bool = False):
+    def __init__(self, work: float, ev: simpy.Event, links: tuple, ranks: tuple, t: float, compute: bool = False):
         self.left = work
         self.rate = 1.0
-        self.t = 0.0
+        self.t = t
         self.ver = 0
         self.ev = ev
-        self.links = links  # ((link_id, demand bytes/s), ...)
+        self.links = links  # ((_Link, demand bytes/s), ...)
         self.ranks = ranks
         self.compute = compute
         self.watch: list[tuple[float, simpy.Event]] = []  # (work left, event when it is reached)
+
+
+class _JobEnd:
+    """The end of a job at its current rate, as a simpy event (what `simpy.Environment.step`
+    reads of one: ``callbacks`` and ``_ok``) lighter than a Timeout and a closure; ignored when
+    the job was re-rated since (its ``ver`` moved on)."""
+
+    __slots__ = ("callbacks", "_ok", "job", "ver")
+
+    def __init__(self, callback, job: _Job):
+        self.callbacks = [callback]
+        self._ok = True
+        self.job = job
+        self.ver = job.ver
 
 
 class _Proc:
@@ -469,6 +495,7 @@ class _Engine:
         # comm runs `comm_slow` times slower while any of its ranks computes (CPU: shared cores)
         self.comm_slow = float(getattr(cm, "comm_overlap_slowdown", 1.0) or 1.0)
         self.comm_jobs: dict[int, dict[_Job, None]] = {}
+        self._slowed = self.slow != 1.0 or self.comm_slow != 1.0  # rates depend on what else runs
         # CPU clusters: ranks' compute shares the machine's cores (processor sharing);
         # None for accelerators, where each rank has its own device.
         self.cores = getattr(cm, "compute_slots", None)
@@ -490,8 +517,8 @@ class _Engine:
         self.mem_samples: list[tuple[int, float, float]] = []
         self.p2p_pending: dict[tuple[int, int, str], tuple[_Op, simpy.Event]] = {}
         self.coll_pending: dict[tuple[str, int], tuple[simpy.Event, list[_Op]]] = {}
-        self.on_link: dict[str, dict[_Job, float]] = {}
-        self.active: dict[int, int] = {}
+        self.on_link: dict[str, _Link] = {}
+        self.active = dict.fromkeys(self.ranks, 0)  # rank -> its transfers running
         self.compute_jobs: dict[int, dict[_Job, None]] = {r: {} for r in self.ranks}
         self._coll_cache: dict[tuple, tuple] = {}
         self._p2p_cache: dict[tuple, tuple] = {}
@@ -499,10 +526,10 @@ class _Engine:
         # (group, rank) -> (its ranks, small id), for each group a simulated rank's collectives name
         self.resolved_groups: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
         self._post_cache: dict[tuple[str, float], float] = {}
-        self._bw: dict[str, float] = {}
         self._link_reps: dict[str, str] = {}
         self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self._group_links: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
+        self._group_links: dict[tuple[str, tuple[int, ...]], tuple[_Link, ...]] = {}
+        self._job_end_cb = self._job_end
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
         self.compute_scale = self._compute_scales(slow_ranks or {})
@@ -643,7 +670,7 @@ class _Engine:
 
     # --- comm costs ------------------------------------------------------------------
     def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float) -> tuple:
-        """(link, demanded bytes/s) of a transfer; the links of a (kind, group), mapped to the
+        """(`_Link`, demanded bytes/s) of a transfer; the links of a (kind, group), mapped to the
         simulated ranks' ports when folded, are derived once (a group's buckets share them)."""
         key = (kind, ranks)
         links = self._group_links.get(key)
@@ -656,19 +683,20 @@ class _Engine:
                 links = self.cm.links(kind, ranks)
                 if self.folded:
                     links = [self._link_rep(link) for link in links]
-            links = self._group_links[key] = tuple(dict.fromkeys(links))
+            links = self._group_links[key] = tuple(self._link(name) for name in dict.fromkeys(links))
         if not links or dur <= 0:
             return ()
         if kind in ("SEND", "RECV"):
             volume = nbytes
         else:
             volume = nbytes * busbw_factor(kind, len(ranks))
-        out = []
-        for link in links:
-            if link not in self._bw:
-                self._bw[link] = float(self.cm.link_bandwidth(link))
-            out.append((link, min(self._bw[link], volume / dur)))
-        return tuple(out)
+        return tuple((link, min(link.cap, volume / dur)) for link in links)
+
+    def _link(self, name: str) -> _Link:
+        link = self.on_link.get(name)
+        if link is None:
+            link = self.on_link[name] = _Link(name, float(self.cm.link_bandwidth(name)))
+        return link
 
     def _reps(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
         """The simulated ranks of ``ranks``, in order, once each (derived once per group)."""
@@ -723,35 +751,36 @@ class _Engine:
         if dur <= 0:
             ev.succeed()
             return
-        if not links and self.slow == 1.0 and self.comm_slow == 1.0:
+        if not links and not self._slowed:
             self.env.timeout(dur).callbacks.append(lambda _e: ev.succeed())
             return
-        job = _Job(dur, ev, links, ranks)
-        job.t = self.env.now
+        job = _Job(dur, ev, links, ranks, self.env.now)
         if self.comm_slow != 1.0:
             for r in ranks:
                 self.comm_jobs.setdefault(r, {})[job] = None
         affected: dict[_Job, None] = {job: None}
-        on_link = self.on_link
         for link, demand in links:
-            on = on_link.get(link)
-            if on is None:
-                on = on_link[link] = {}
+            on = link.jobs
             on[job] = demand
-            affected.update(on)  # its jobs, in order (the values are not used)
+            if len(on) > 1:
+                affected.update(on)  # its jobs, in order (the values are not used)
+        active = self.active
         for r in ranks:
-            c = self.active.get(r, 0)
-            self.active[r] = c + 1
-            if c == 0 and self.slow != 1.0:
-                affected.update(self.compute_jobs.get(r, {}))
-        for j in affected:
-            self._rerate(j, j is job)
+            c = active[r]
+            active[r] = c + 1
+            if c == 0 and self.slow != 1.0 and self.compute_jobs[r]:
+                affected.update(self.compute_jobs[r])
+        self._rerate(job, True)
+        if len(affected) > 1:
+            for j in affected:
+                if j is not job:
+                    self._rerate(j)
 
     def _run_compute(self, rank: int, dur: float) -> _Job:
-        job = _Job(dur, self.env.event(), (), (rank,), compute=True)
-        job.t = self.env.now
-        first = not self.compute_jobs[rank]
-        self.compute_jobs[rank][job] = None
+        job = _Job(dur, self.env.event(), (), (rank,), self.env.now, compute=True)
+        jobs = self.compute_jobs[rank]
+        first = not jobs
+        jobs[job] = None
         if first and self.comm_slow != 1.0:
             for j in list(self.comm_jobs.get(rank, ())):
                 self._rerate(j)
@@ -765,33 +794,34 @@ class _Engine:
 
     def _rate(self, job: _Job) -> float:
         if job.compute:
-            rate = 1.0 / self.slow if self.active.get(job.ranks[0], 0) else 1.0
+            rate = 1.0 / self.slow if self.active[job.ranks[0]] else 1.0
             if self.cores:
                 rate *= min(1.0, self.cores / sum(self.cpu_jobs.values()))
             return rate
         rate = 1.0
-        if self.comm_slow != 1.0 and any(self.compute_jobs.get(r) for r in job.ranks):
+        if self.comm_slow != 1.0 and any(self.compute_jobs[r] for r in job.ranks):
             rate = 1.0 / self.comm_slow
         for link, _ in job.links:
-            load = sum(self.on_link[link].values())
-            cap = self._bw[link]
-            if load > cap * (1 + 1e-12):
-                rate = min(rate, cap / load)
+            jobs = link.jobs
+            if len(jobs) > 1:  # one transfer asks at most the link's bandwidth
+                load = sum(jobs.values())
+                if load > link.limit:
+                    rate = min(rate, link.cap / load)
         return rate
 
     def _rerate(self, job: _Job, new: bool = False) -> None:
         rate = self._rate(job)
-        now = self.env.now
+        env = self.env
+        now = env.now
         if not new:
             if rate == job.rate:
                 return
             job.left -= job.rate * (now - job.t)
         job.t, job.rate = now, rate
         job.ver += 1
-        ver = job.ver
-        self.env.timeout(max(job.left, 0.0) / rate).callbacks.append(lambda _e: self._job_end(job, ver))
+        env.schedule(_JobEnd(self._job_end_cb, job), delay=max(job.left, 0.0) / rate)
         for left, ev in job.watch:
-            self._watch(job, ver, left, ev)
+            self._watch(job, job.ver, left, ev)
 
     def _watch(self, job: _Job, ver: int, left: float, ev: simpy.Event) -> None:
         """Trigger `ev` when `job` has `left` work left, unless re-rated before then."""
@@ -801,16 +831,18 @@ class _Engine:
         now_left = job.left - job.rate * (self.env.now - job.t)
         self.env.timeout(max(now_left - left, 0.0) / job.rate).callbacks.append(fire)
 
-    def _job_end(self, job: _Job, ver: int) -> None:
-        if ver != job.ver:
+    def _job_end(self, end: _JobEnd) -> None:
+        job = end.job
+        if end.ver != job.ver:
             return  # rescheduled since
         if job.compute:
             for _, ev in job.watch:
                 if not ev.triggered:
                     ev.succeed()
             rank = job.ranks[0]
-            del self.compute_jobs[rank][job]
-            if not self.compute_jobs[rank] and self.comm_slow != 1.0:
+            jobs = self.compute_jobs[rank]
+            del jobs[job]
+            if not jobs and self.comm_slow != 1.0:
                 for j in list(self.comm_jobs.get(rank, ())):
                     self._rerate(j)
             if self.cores:
@@ -821,14 +853,17 @@ class _Engine:
             return
         affected: dict[_Job, None] = {}
         for link, _ in job.links:
-            on = self.on_link[link]
+            on = link.jobs
             del on[job]
-            affected.update(on)
+            if on:
+                affected.update(on)
+        active = self.active
         for r in job.ranks:
-            self.comm_jobs.get(r, {}).pop(job, None)
-            self.active[r] -= 1
-            if self.active[r] == 0 and self.slow != 1.0:
-                affected.update(self.compute_jobs.get(r, {}))
+            if self.comm_slow != 1.0:
+                self.comm_jobs[r].pop(job, None)
+            active[r] -= 1
+            if active[r] == 0 and self.slow != 1.0 and self.compute_jobs[r]:
+                affected.update(self.compute_jobs[r])
         for j in affected:
             self._rerate(j)
         job.ev.succeed()
