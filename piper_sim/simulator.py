@@ -511,7 +511,8 @@ class _Engine:
         self.class_of = {r: plan.classes[self.layout.coords(r)[0]] for r in self.ranks}
         self.represents = {r: (replicas if folded else 1) for r in self.ranks}
         self.streams: dict[int, list[tuple[str, list[_Op]]]] = {}
-        self.rows: list[tuple] = []
+        self.rows: list[tuple] = []  # one per op, in the order they finished (made after the run)
+        self.finished: list[_Op] = []
         self.mem_cur = {r: 0.0 for r in self.ranks}
         self.mem_peak = {r: 0.0 for r in self.ranks}
         self.mem_samples: list[tuple[int, float, float]] = []
@@ -1005,23 +1006,29 @@ class _Engine:
                     prev.event = self.env.event()
                 yield prev.event
             op.after = prev.end
-        yield self._p2p(op) if op.ins.kind in ("SEND", "RECV") else self._collective(op)
+        yield self._p2p(op) if op.peer >= 0 else self._collective(op)
         self._finish(rank, name, op)
 
     def _finish(self, rank: int, name: str, op: _Op) -> None:
-        ins = op.ins
         op.end = self.env.now
-        if ins.free:
-            self._memory(rank, -ins.free)
+        free = op.ins.free
+        if free:
+            self._memory(rank, -free)
         op.done = True
         if op.event is not None:
             op.event.succeed()
-        self.rows.append((rank, name, ins.id, ins.kind, ins.stage, ins.mb, op.start, op.end, ins.bytes,
-                          ins.flops, op.peer, op.posted))
+        self.finished.append(op)
+
+    def _rows(self) -> list[tuple]:
+        """The event rows (`SimResult.rows`) of the finished ops, in the order they finished."""
+        return [(op.rank, op.stream, ins.id, ins.kind, ins.stage, ins.mb, op.start, op.end, ins.bytes,
+                 ins.flops, op.peer, op.posted) for op in self.finished for ins in (op.ins,)]
 
     def _stream(self, rank: int, si: int, name: str, ops: list[_Op]):
         env = self.env
         hosted = bool(self.hosts) and not (ops and is_inner(ops[0].ins))  # inner: performed inside compute
+        host_bound = self.host_bound
+        as_job = self._slowed or bool(self.cores) or host_bound  # compute runs as a rate-shared `_Job`
         prev: _Op | None = None  # the stream's last posted comm op (its transfer may still run)
         for i, op in enumerate(ops):
             ins = op.ins
@@ -1042,17 +1049,22 @@ class _Engine:
             op.posted = env.now
             if ins.alloc:
                 self._memory(rank, ins.alloc)
-            if op.dur is not None:
-                if self.host_bound:
+            dur = op.dur
+            if dur is not None:
+                if host_bound:
                     yield self.hosts[rank].request((1, si, i), op)
                 op.start, op.begun = env.now, True
                 if op.started is not None:
                     op.started.succeed()
                 if op.gates:
                     yield from self._run_gated(rank, op)
-                else:
-                    yield from self._run_for(rank, op, op.dur)
-                if self.host_bound:
+                elif dur > 0 and as_job:  # `_run_for`, inlined
+                    op.job = self._run_compute(rank, dur)
+                    yield op.job.ev
+                    op.job = None
+                elif dur > 0:
+                    yield env.timeout(dur)
+                if host_bound:
                     yield from self._inside_posts_done(rank)
                     self.hosts[rank].release()
             elif hosted:  # posted now; the transfer follows the stream's previous op
@@ -1061,7 +1073,7 @@ class _Engine:
                 prev = op
                 continue
             else:
-                yield self._p2p(op) if ins.kind in ("SEND", "RECV") else self._collective(op)
+                yield self._p2p(op) if op.peer >= 0 else self._collective(op)
             self._finish(rank, name, op)
 
     def run(self) -> None:
@@ -1071,6 +1083,7 @@ class _Engine:
                 _Proc(self._stream(r, si, name, ops)).resume()
         self.env.run()
         self._check_finished()
+        self.rows = self._rows()
 
     # --- deadlock report ----------------------------------------------------------------
     def _waits_on(self, op: _Op) -> str:
