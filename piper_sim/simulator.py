@@ -288,6 +288,29 @@ class SimResult:
 # ----------------------------------------------------------------------------- folding
 
 
+_COLLECTIVES, _P2P = frozenset(COLLECTIVE_KINDS), frozenset(P2P_KINDS)
+
+
+def class_comms(cls) -> tuple[dict[str, tuple[str, bool]], list[int]]:
+    """The groups a rank class's collectives name (group -> (its first op's id, whether an
+    all-to-all uses it)), in order of first use, and the pipeline ranks its SENDs and RECVs
+    name: what `fold_is_exact` and `communicators` read of its instructions, in one pass."""
+    named: dict[str, tuple[str, bool]] = {}
+    peers: dict[int, None] = {}
+    for lst in cls.streams.values():
+        for ins in lst:
+            kind = ins.kind
+            if kind in _COLLECTIVES:
+                first = named.get(ins.group)
+                if first is None:
+                    named[ins.group] = (ins.id, kind == "ALL_TO_ALL")
+                elif not first[1] and kind == "ALL_TO_ALL":
+                    named[ins.group] = (first[0], True)
+            elif kind in _P2P:
+                peers[ins.peer] = None
+    return named, list(peers)
+
+
 def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
     """Whether simulating dp_rank 0 of each class gives every replica's timeline.
 
@@ -301,13 +324,12 @@ def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
     groups: set[tuple[int, str]] = set()
     peers: set[tuple[int, int]] = set()
     for c in plan.classes:
-        for ins in c.instructions():
-            if ins.kind in COLLECTIVE_KINDS:
-                if ins.group.startswith("ranks:"):
-                    return False, f"explicit group {ins.group} of {ins.id} on a class of {layout.class_size} ranks"
-                groups.add((c.pp_rank, ins.group))
-            elif ins.kind in ("SEND", "RECV"):
-                peers.add((c.pp_rank, ins.peer))
+        named, class_peers = class_comms(c)
+        for group, (op_id, _) in named.items():
+            if group.startswith("ranks:"):
+                return False, f"explicit group {group} of {op_id} on a class of {layout.class_size} ranks"
+            groups.add((c.pp_rank, group))
+        peers.update((c.pp_rank, peer) for peer in class_peers)
     if cluster is None or cluster.nodes == 1:
         return True, ""
     g, tp = cluster.gpus_per_node, layout.tp * layout.cp
@@ -1166,17 +1188,13 @@ def communicators(plan: Plan, cls, resolved: dict[tuple[str, int], tuple] | None
     the simulator already resolved (the rest are resolved here)."""
     rank = cls.ranks[0]
     layout = plan.layout
-    peers: set[int] = set()  # pipeline ranks it sends to or receives from
-    named: dict[str, bool] = {}  # symbolic group -> used by an all-to-all (each resolved once)
-    for ins in cls.instructions():
-        if ins.kind in ("SEND", "RECV"):
-            peers.add(ins.peer)
-        elif ins.group:
-            named[ins.group] = named.get(ins.group, False) or ins.kind == "ALL_TO_ALL"
+    named, peers = class_comms(cls)  # symbolic group -> (first op, used by an all-to-all); pipeline peers
     groups: dict[tuple[int, ...], bool] = {}  # ranks -> an all-to-all group
     for peer in peers:
         groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, peer)})), False)
-    for group, a2a in named.items():
+    for group, (_, a2a) in named.items():
+        if not group:
+            continue
         hit = (resolved or {}).get((group, rank))
         ranks = hit[0] if hit is not None else tuple(layout.group_ranks(group, rank))
         groups[ranks] = groups.get(ranks, False) or a2a
