@@ -288,7 +288,7 @@ class SimResult:
 # ----------------------------------------------------------------------------- folding
 
 
-_COLLECTIVES, _P2P = frozenset(COLLECTIVE_KINDS), frozenset(P2P_KINDS)
+_COMPUTE, _COLLECTIVES, _P2P = frozenset(COMPUTE_KINDS), frozenset(COLLECTIVE_KINDS), frozenset(P2P_KINDS)
 
 
 def class_comms(cls) -> tuple[dict[str, tuple[str, bool]], list[int]]:
@@ -374,7 +374,7 @@ class _Op:
         self.ins = ins
         self.rank = rank
         self.stream = stream
-        self.deps: list[_Op] = []
+        self.deps: list[_Op] = []  # made by `_Engine._link_deps`
         self.dur: float | None = None  # compute ops
         self.peer = -1
         self.group: tuple[int, ...] = ()
@@ -387,7 +387,7 @@ class _Op:
         self.started: simpy.Event | None = None  # for ops waiting on part of this one
         self.begun = False  # a compute op has started running
         self.job: _Job | None = None  # a compute op's rate-shared work, while it runs
-        self.gates: list[tuple[float, _Op]] = []  # compute: (share of its work, gather it then waits for)
+        self.gates: list[tuple[float, _Op]] | tuple = ()  # compute: (share of its work, gather it then waits for)
         self.post = 0.0  # comm: host seconds to post it
         self.after = 0.0  # comm: end of its stream's previous op (it starts no earlier)
 
@@ -596,19 +596,17 @@ class _Engine:
     def _compute_durations(self, cls) -> dict[int, float]:
         """Duration of each compute instruction of a class (keyed by id(ins))."""
         cm = self.cm
-        totals: dict[tuple[str, int, int], float] = {}
-        n_opt = 0
-        for ins in cls.instructions():
-            if ins.kind in COMPUTE_KINDS:
+        compute = [ins for ins in cls.instructions() if ins.kind in _COMPUTE]
+        totals: dict[tuple[str, int, int], float] = {}  # the unit model splits a pass's time by flops
+        if self.unit:
+            for ins in compute:
                 key = (ins.kind, ins.stage, ins.mb)
                 totals[key] = totals.get(key, 0.0) + ins.flops
-                n_opt += ins.kind == "OPT"
+        n_opt = sum(ins.kind == "OPT" for ins in compute)
         out: dict[int, float] = {}
         cache: dict[tuple, float] = {}
         load = float(getattr(cm, "expert_load_factor", 1.0))
-        for ins in cls.instructions():
-            if ins.kind not in COMPUTE_KINDS:
-                continue
+        for ins in compute:
             key = (ins.kernels, ins.expert_flops) if ins.kernels else (ins.kind, ins.flops, ins.bytes, tuple(ins.gemm), ins.expert_flops)
             if not self.unit and ins.kind != "OPT" and key in cache:
                 out[id(ins)] = cache[key]
@@ -639,57 +637,85 @@ class _Engine:
         return out
 
     def _build(self) -> None:
-        layout = self.layout
-        durs: dict[int, dict[int, float]] = {}
+        durs: dict[int, dict[int, float]] = {}  # pipeline rank -> id(instruction) -> seconds
+        posts = False
         for r in self.ranks:
-            pp, _ = layout.coords(r)
             cls = self.class_of[r]
-            if pp not in durs:
-                durs[pp] = self._compute_durations(cls)
-            by_id: dict[str, _Op] = {}
-            streams = []
-            for name, lst in cls.streams.items():
-                ops = []
-                for ins in lst:
-                    op = _Op(ins, r, name)
-                    if ins.id in by_id:
-                        raise SimulationError(f"rank {r}: op {ins.id} appears twice")
-                    by_id[ins.id] = op
-                    if ins.kind in COMPUTE_KINDS:
-                        op.dur = durs[pp][id(ins)] * self.compute_scale[r]
-                    elif ins.kind in ("SEND", "RECV"):
+            if cls.pp_rank not in durs:
+                durs[cls.pp_rank] = self._compute_durations(cls)
+            streams, by_id = self._ops(r, cls, durs[cls.pp_rank])
+            self._link_deps(r, streams, by_id)
+            self.streams[r] = streams
+            posts = posts or any(op.post > 0 for _, ops in streams for op in ops)
+        if self.host_bound or posts:
+            self.hosts = {r: _Host(self.env) for r in self.ranks}
+
+    def _ops(self, r: int, cls, durs: dict[int, float]) -> tuple[list[tuple[str, list[_Op]]], dict[str, _Op]]:
+        """Rank ``r``'s ops per stream, priced (compute seconds, comm costs, post times), and the
+        ops by id."""
+        layout = self.layout
+        scale = self.compute_scale[r]
+        peers: dict[int, int] = {}  # pipeline rank -> the peer rank of r there
+        costs: dict[tuple, tuple] = {}  # (kind, group, bytes, a2a) -> (group ranks, cost)
+        by_id: dict[str, _Op] = {}
+        streams = []
+        for name, lst in cls.streams.items():
+            ops = []
+            for ins in lst:
+                op = _Op(ins, r, name)
+                if ins.id in by_id:
+                    raise SimulationError(f"rank {r}: op {ins.id} appears twice")
+                by_id[ins.id] = op
+                kind = ins.kind
+                if kind in _COMPUTE:
+                    op.dur = durs[id(ins)] * scale
+                    ops.append(op)
+                    continue
+                if kind in _P2P:
+                    peer = peers.get(ins.peer)
+                    if peer is None:
                         if not 0 <= ins.peer < layout.pp:
                             raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
                                                   f"outside 0..{layout.pp - 1}")
-                        op.peer = layout.pipeline_peer(r, ins.peer)
-                        if ins.kind == "SEND":
-                            op.cost = self._p2p_cost(ins.bytes, r, op.peer)
-                    elif ins.kind in COLLECTIVE_KINDS:
-                        op.group, gid = self._group(ins, r)
-                        op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, gid, ins.a2a)
-                    else:
-                        raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
-                    if op.dur is None and not is_inner(ins):  # inner: performed inside compute
-                        op.post = self._post_time(ins.kind, ins.bytes)
-                    ops.append(op)
-                streams.append((name, ops))
-            for _, ops in streams:
-                for op in ops:
-                    for dep in op.ins.deps:
-                        if dep not in by_id:
-                            raise SimulationError(f"rank {r}: op {op.ins.id} depends on {dep}, which this rank "
-                                                  "does not run")
-                        op.deps.append(by_id[dep])
-                    if op.ins.needed_by:
-                        user = by_id.get(op.ins.needed_by)
-                        if user is None or user.dur is None:
-                            raise SimulationError(f"rank {r}: op {op.ins.id} field 'needed_by' names "
-                                                  f"{op.ins.needed_by!r}, which is no compute op of this rank")
-                        user.gates.append((op.ins.needed_at, op))
-                        user.gates.sort(key=lambda g: g[0])
-            self.streams[r] = streams
-        if self.host_bound or any(op.post > 0 for r in self.ranks for _, ops in self.streams[r] for op in ops):
-            self.hosts = {r: _Host(self.env) for r in self.ranks}
+                        peer = peers[ins.peer] = layout.pipeline_peer(r, ins.peer)
+                    op.peer = peer
+                    if kind == "SEND":
+                        op.cost = self._p2p_cost(ins.bytes, r, peer)
+                elif kind in _COLLECTIVES:
+                    key = (kind, ins.group, ins.bytes, ins.a2a)
+                    hit = costs.get(key)
+                    if hit is None:
+                        group, gid = self._group(ins, r)
+                        hit = costs[key] = (group, self._collective_cost(kind, ins.bytes, group, gid, ins.a2a))
+                    op.group, op.cost = hit
+                    if ins.name:  # inner (`is_inner`): performed inside compute, not posted
+                        ops.append(op)
+                        continue
+                else:
+                    raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {kind!r}")
+                op.post = self._post_time(kind, ins.bytes)
+                ops.append(op)
+            streams.append((name, ops))
+        return streams, by_id
+
+    @staticmethod
+    def _link_deps(r: int, streams: list[tuple[str, list[_Op]]], by_id: dict[str, _Op]) -> None:
+        """Each op's ``deps`` as ops; the parameter gathers a compute op waits for part-way
+        (``needed_by``) as its ``gates``, by share of its work."""
+        for _, ops in streams:
+            for op in ops:
+                ins = op.ins
+                try:
+                    op.deps = [by_id[dep] for dep in ins.deps]
+                except KeyError as e:
+                    raise SimulationError(f"rank {r}: op {ins.id} depends on {e.args[0]}, which this rank "
+                                          "does not run") from None
+                if ins.needed_by:
+                    user = by_id.get(ins.needed_by)
+                    if user is None or user.dur is None:
+                        raise SimulationError(f"rank {r}: op {ins.id} field 'needed_by' names "
+                                              f"{ins.needed_by!r}, which is no compute op of this rank")
+                    user.gates = sorted([*user.gates, (ins.needed_at, op)], key=lambda g: g[0])
 
     # --- comm costs ------------------------------------------------------------------
     def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float) -> tuple:
