@@ -1224,10 +1224,12 @@ def communicators(plan: Plan, cls, resolved: dict[tuple[str, int], tuple] | None
         hit = (resolved or {}).get((group, rank))
         ranks = hit[0] if hit is not None else tuple(layout.group_ranks(group, rank))
         groups[ranks] = groups.get(ranks, False) or a2a
-    if layout.world_size > 1:
-        groups.setdefault(tuple(range(layout.world_size)), False)
-    pairs = sum(1 for g, a2a in groups.items() if len(g) == 2 and not a2a)
-    larger = sum(1 for g, a2a in groups.items() if len(g) > 2 and not a2a)
+    world = layout.world_size
+    # the world's communicator, unless a group above is it (the world's ranks as a tuple are
+    # made only to compare with a group of that size: 65,536 of them at scale)
+    world_new = world > 1 and not any(len(g) == world and g == tuple(range(world)) for g in groups)
+    pairs = sum(1 for g, a2a in groups.items() if len(g) == 2 and not a2a) + (world_new and world == 2)
+    larger = sum(1 for g, a2a in groups.items() if len(g) > 2 and not a2a) + (world_new and world > 2)
     a2a_peers = sum(len(g) - 1 for g, a2a in groups.items() if a2a)
     return pairs, larger, a2a_peers, tuple(sorted(len(g) for g, a2a in groups.items() if a2a))
 
