@@ -551,7 +551,7 @@ class _Engine:
         self._post_cache: dict[tuple[str, float], float] = {}
         self._link_reps: dict[str, str] = {}
         self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self._group_links: dict[tuple[str, tuple[int, ...]], tuple[_Link, ...]] = {}
+        self._group_links: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
         self._job_end_cb = self._job_end
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
@@ -732,14 +732,14 @@ class _Engine:
                 links = self.cm.links(kind, ranks)
                 if self.folded:
                     links = [self._link_rep(link) for link in links]
-            links = self._group_links[key] = tuple(self._link(name) for name in dict.fromkeys(links))
+            links = self._group_links[key] = tuple(dict.fromkeys(links))
         if not links or dur <= 0:
             return ()
         if kind in ("SEND", "RECV"):
             volume = nbytes
         else:
             volume = nbytes * busbw_factor(kind, len(ranks))
-        return tuple((link, min(link.cap, volume / dur)) for link in links)
+        return tuple((link, min(link.cap, volume / dur)) for link in map(self._link, links))
 
     def _link(self, name: str) -> _Link:
         link = self.on_link.get(name)
