@@ -439,7 +439,7 @@ class _Proc:
     """A generator run as a simpy process, resumed by each event it yields once that event is
     processed (at once when it already was), as `simpy.Process` resumes one; nothing waits on
     its end, so it schedules no event of its own (a Process schedules its initialisation and
-    its end). `start` runs it now, `spawn` where a new Process would first run."""
+    its end). `resume` runs it now, `spawn` where a new Process would first run."""
 
     __slots__ = ("gen", "wake")
 
