@@ -288,6 +288,29 @@ class SimResult:
 # ----------------------------------------------------------------------------- folding
 
 
+_COMPUTE, _COLLECTIVES, _P2P = frozenset(COMPUTE_KINDS), frozenset(COLLECTIVE_KINDS), frozenset(P2P_KINDS)
+
+
+def class_comms(cls) -> tuple[dict[str, tuple[str, bool]], list[int]]:
+    """The groups a rank class's collectives name (group -> (its first op's id, whether an
+    all-to-all uses it)), in order of first use, and the pipeline ranks its SENDs and RECVs
+    name: what `fold_is_exact` and `communicators` read of its instructions, in one pass."""
+    named: dict[str, tuple[str, bool]] = {}
+    peers: dict[int, None] = {}
+    for lst in cls.streams.values():
+        for ins in lst:
+            kind = ins.kind
+            if kind in _COLLECTIVES:
+                first = named.get(ins.group)
+                if first is None:
+                    named[ins.group] = (ins.id, kind == "ALL_TO_ALL")
+                elif not first[1] and kind == "ALL_TO_ALL":
+                    named[ins.group] = (first[0], True)
+            elif kind in _P2P:
+                peers[ins.peer] = None
+    return named, list(peers)
+
+
 def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
     """Whether simulating dp_rank 0 of each class gives every replica's timeline.
 
@@ -301,13 +324,12 @@ def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
     groups: set[tuple[int, str]] = set()
     peers: set[tuple[int, int]] = set()
     for c in plan.classes:
-        for ins in c.instructions():
-            if ins.kind in COLLECTIVE_KINDS:
-                if ins.group.startswith("ranks:"):
-                    return False, f"explicit group {ins.group} of {ins.id} on a class of {layout.class_size} ranks"
-                groups.add((c.pp_rank, ins.group))
-            elif ins.kind in ("SEND", "RECV"):
-                peers.add((c.pp_rank, ins.peer))
+        named, class_peers = class_comms(c)
+        for group, (op_id, _) in named.items():
+            if group.startswith("ranks:"):
+                return False, f"explicit group {group} of {op_id} on a class of {layout.class_size} ranks"
+            groups.add((c.pp_rank, group))
+        peers.update((c.pp_rank, peer) for peer in class_peers)
     if cluster is None or cluster.nodes == 1:
         return True, ""
     g, tp = cluster.gpus_per_node, layout.tp * layout.cp
@@ -352,7 +374,7 @@ class _Op:
         self.ins = ins
         self.rank = rank
         self.stream = stream
-        self.deps: list[_Op] = []
+        self.deps: list[_Op] = []  # made by `_Engine._link_deps`
         self.dur: float | None = None  # compute ops
         self.peer = -1
         self.group: tuple[int, ...] = ()
@@ -365,9 +387,21 @@ class _Op:
         self.started: simpy.Event | None = None  # for ops waiting on part of this one
         self.begun = False  # a compute op has started running
         self.job: _Job | None = None  # a compute op's rate-shared work, while it runs
-        self.gates: list[tuple[float, _Op]] = []  # compute: (share of its work, gather it then waits for)
+        self.gates: list[tuple[float, _Op]] | tuple = ()  # compute: (share of its work, gather it then waits for)
         self.post = 0.0  # comm: host seconds to post it
         self.after = 0.0  # comm: end of its stream's previous op (it starts no earlier)
+
+
+class _Link:
+    """A link's bandwidth and the transfers on it (job -> demanded bytes/s, in arrival order)."""
+
+    __slots__ = ("name", "cap", "limit", "jobs")
+
+    def __init__(self, name: str, cap: float):
+        self.name = name
+        self.cap = cap
+        self.limit = cap * (1 + 1e-12)  # loads above it slow the link's transfers
+        self.jobs: dict[_Job, float] = {}
 
 
 class _Job:
@@ -375,16 +409,62 @@ class _Job:
 
     __slots__ = ("left", "rate", "t", "ver", "ev", "links", "ranks", "compute", "watch")
 
-    def __init__(self, work: float, ev: simpy.Event, links: tuple, ranks: tuple, compute: bool = False):
+    def __init__(self, work: float, ev: simpy.Event, links: tuple, ranks: tuple, t: float, compute: bool = False):
         self.left = work
         self.rate = 1.0
-        self.t = 0.0
+        self.t = t
         self.ver = 0
         self.ev = ev
-        self.links = links  # ((link_id, demand bytes/s), ...)
+        self.links = links  # ((_Link, demand bytes/s), ...)
         self.ranks = ranks
         self.compute = compute
         self.watch: list[tuple[float, simpy.Event]] = []  # (work left, event when it is reached)
+
+
+class _JobEnd:
+    """The end of a job at its current rate, as a simpy event (what `simpy.Environment.step`
+    reads of one: ``callbacks`` and ``_ok``) lighter than a Timeout and a closure; ignored when
+    the job was re-rated since (its ``ver`` moved on)."""
+
+    __slots__ = ("callbacks", "_ok", "job", "ver")
+
+    def __init__(self, callback, job: _Job):
+        self.callbacks = [callback]
+        self._ok = True
+        self.job = job
+        self.ver = job.ver
+
+
+class _Proc:
+    """A generator run as a simpy process, resumed by each event it yields once that event is
+    processed (at once when it already was), as `simpy.Process` resumes one; nothing waits on
+    its end, so it schedules no event of its own (a Process schedules its initialisation and
+    its end). `resume` runs it now, `spawn` where a new Process would first run."""
+
+    __slots__ = ("gen", "wake")
+
+    def __init__(self, gen):
+        self.gen = gen
+        self.wake = self.resume
+
+    def resume(self, _ev: simpy.Event | None = None) -> None:
+        send, wake = self.gen.send, self.wake
+        try:
+            while True:
+                callbacks = send(None).callbacks
+                if callbacks is not None:  # not processed yet: go on when it is
+                    callbacks.append(wake)
+                    return
+        except StopIteration:
+            pass
+
+    @staticmethod
+    def spawn(env: simpy.Environment, gen) -> None:
+        """Run ``gen`` as ``env.process(gen)`` would: from an urgent event at the current time."""
+        ev = simpy.Event(env)
+        ev._ok, ev._value = True, None
+        ev.callbacks.append(_Proc(gen).resume)
+        env.schedule(ev, priority=simpy.events.URGENT)
 
 
 class _Host:
@@ -437,6 +517,7 @@ class _Engine:
         # comm runs `comm_slow` times slower while any of its ranks computes (CPU: shared cores)
         self.comm_slow = float(getattr(cm, "comm_overlap_slowdown", 1.0) or 1.0)
         self.comm_jobs: dict[int, dict[_Job, None]] = {}
+        self._slowed = self.slow != 1.0 or self.comm_slow != 1.0  # rates depend on what else runs
         # CPU clusters: ranks' compute shares the machine's cores (processor sharing);
         # None for accelerators, where each rank has its own device.
         self.cores = getattr(cm, "compute_slots", None)
@@ -452,14 +533,15 @@ class _Engine:
         self.class_of = {r: plan.classes[self.layout.coords(r)[0]] for r in self.ranks}
         self.represents = {r: (replicas if folded else 1) for r in self.ranks}
         self.streams: dict[int, list[tuple[str, list[_Op]]]] = {}
-        self.rows: list[tuple] = []
+        self.rows: list[tuple] = []  # one per op, in the order they finished (made after the run)
+        self.finished: list[_Op] = []
         self.mem_cur = {r: 0.0 for r in self.ranks}
         self.mem_peak = {r: 0.0 for r in self.ranks}
         self.mem_samples: list[tuple[int, float, float]] = []
         self.p2p_pending: dict[tuple[int, int, str], tuple[_Op, simpy.Event]] = {}
         self.coll_pending: dict[tuple[str, int], tuple[simpy.Event, list[_Op]]] = {}
-        self.on_link: dict[str, dict[_Job, float]] = {}
-        self.active: dict[int, int] = {}
+        self.on_link: dict[str, _Link] = {}
+        self.active = dict.fromkeys(self.ranks, 0)  # rank -> its transfers running
         self.compute_jobs: dict[int, dict[_Job, None]] = {r: {} for r in self.ranks}
         self._coll_cache: dict[tuple, tuple] = {}
         self._p2p_cache: dict[tuple, tuple] = {}
@@ -467,10 +549,10 @@ class _Engine:
         # (group, rank) -> (its ranks, small id), for each group a simulated rank's collectives name
         self.resolved_groups: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
         self._post_cache: dict[tuple[str, float], float] = {}
-        self._bw: dict[str, float] = {}
         self._link_reps: dict[str, str] = {}
         self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._group_links: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
+        self._job_end_cb = self._job_end
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
         self.compute_scale = self._compute_scales(slow_ranks or {})
@@ -514,19 +596,17 @@ class _Engine:
     def _compute_durations(self, cls) -> dict[int, float]:
         """Duration of each compute instruction of a class (keyed by id(ins))."""
         cm = self.cm
-        totals: dict[tuple[str, int, int], float] = {}
-        n_opt = 0
-        for ins in cls.instructions():
-            if ins.kind in COMPUTE_KINDS:
+        compute = [ins for ins in cls.instructions() if ins.kind in _COMPUTE]
+        totals: dict[tuple[str, int, int], float] = {}  # the unit model splits a pass's time by flops
+        if self.unit:
+            for ins in compute:
                 key = (ins.kind, ins.stage, ins.mb)
                 totals[key] = totals.get(key, 0.0) + ins.flops
-                n_opt += ins.kind == "OPT"
+        n_opt = sum(ins.kind == "OPT" for ins in compute)
         out: dict[int, float] = {}
         cache: dict[tuple, float] = {}
         load = float(getattr(cm, "expert_load_factor", 1.0))
-        for ins in cls.instructions():
-            if ins.kind not in COMPUTE_KINDS:
-                continue
+        for ins in compute:
             key = (ins.kernels, ins.expert_flops) if ins.kernels else (ins.kind, ins.flops, ins.bytes, tuple(ins.gemm), ins.expert_flops)
             if not self.unit and ins.kind != "OPT" and key in cache:
                 out[id(ins)] = cache[key]
@@ -557,61 +637,89 @@ class _Engine:
         return out
 
     def _build(self) -> None:
-        layout = self.layout
-        durs: dict[int, dict[int, float]] = {}
+        durs: dict[int, dict[int, float]] = {}  # pipeline rank -> id(instruction) -> seconds
+        posts = False
         for r in self.ranks:
-            pp, _ = layout.coords(r)
             cls = self.class_of[r]
-            if pp not in durs:
-                durs[pp] = self._compute_durations(cls)
-            by_id: dict[str, _Op] = {}
-            streams = []
-            for name, lst in cls.streams.items():
-                ops = []
-                for ins in lst:
-                    op = _Op(ins, r, name)
-                    if ins.id in by_id:
-                        raise SimulationError(f"rank {r}: op {ins.id} appears twice")
-                    by_id[ins.id] = op
-                    if ins.kind in COMPUTE_KINDS:
-                        op.dur = durs[pp][id(ins)] * self.compute_scale[r]
-                    elif ins.kind in ("SEND", "RECV"):
+            if cls.pp_rank not in durs:
+                durs[cls.pp_rank] = self._compute_durations(cls)
+            streams, by_id = self._ops(r, cls, durs[cls.pp_rank])
+            self._link_deps(r, streams, by_id)
+            self.streams[r] = streams
+            posts = posts or any(op.post > 0 for _, ops in streams for op in ops)
+        if self.host_bound or posts:
+            self.hosts = {r: _Host(self.env) for r in self.ranks}
+
+    def _ops(self, r: int, cls, durs: dict[int, float]) -> tuple[list[tuple[str, list[_Op]]], dict[str, _Op]]:
+        """Rank ``r``'s ops per stream, priced (compute seconds, comm costs, post times), and the
+        ops by id."""
+        layout = self.layout
+        scale = self.compute_scale[r]
+        peers: dict[int, int] = {}  # pipeline rank -> the peer rank of r there
+        costs: dict[tuple, tuple] = {}  # (kind, group, bytes, a2a) -> (group ranks, cost)
+        by_id: dict[str, _Op] = {}
+        streams = []
+        for name, lst in cls.streams.items():
+            ops = []
+            for ins in lst:
+                op = _Op(ins, r, name)
+                if ins.id in by_id:
+                    raise SimulationError(f"rank {r}: op {ins.id} appears twice")
+                by_id[ins.id] = op
+                kind = ins.kind
+                if kind in _COMPUTE:
+                    op.dur = durs[id(ins)] * scale
+                    ops.append(op)
+                    continue
+                if kind in _P2P:
+                    peer = peers.get(ins.peer)
+                    if peer is None:
                         if not 0 <= ins.peer < layout.pp:
                             raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
                                                   f"outside 0..{layout.pp - 1}")
-                        op.peer = layout.pipeline_peer(r, ins.peer)
-                        if ins.kind == "SEND":
-                            op.cost = self._p2p_cost(ins.bytes, r, op.peer)
-                    elif ins.kind in COLLECTIVE_KINDS:
-                        op.group, gid = self._group(ins, r)
-                        op.cost = self._collective_cost(ins.kind, ins.bytes, op.group, gid, ins.a2a)
-                    else:
-                        raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
-                    if op.dur is None and not is_inner(ins):  # inner: performed inside compute
-                        op.post = self._post_time(ins.kind, ins.bytes)
-                    ops.append(op)
-                streams.append((name, ops))
-            for _, ops in streams:
-                for op in ops:
-                    for dep in op.ins.deps:
-                        if dep not in by_id:
-                            raise SimulationError(f"rank {r}: op {op.ins.id} depends on {dep}, which this rank "
-                                                  "does not run")
-                        op.deps.append(by_id[dep])
-                    if op.ins.needed_by:
-                        user = by_id.get(op.ins.needed_by)
-                        if user is None or user.dur is None:
-                            raise SimulationError(f"rank {r}: op {op.ins.id} field 'needed_by' names "
-                                                  f"{op.ins.needed_by!r}, which is no compute op of this rank")
-                        user.gates.append((op.ins.needed_at, op))
-                        user.gates.sort(key=lambda g: g[0])
-            self.streams[r] = streams
-        if self.host_bound or any(op.post > 0 for r in self.ranks for _, ops in self.streams[r] for op in ops):
-            self.hosts = {r: _Host(self.env) for r in self.ranks}
+                        peer = peers[ins.peer] = layout.pipeline_peer(r, ins.peer)
+                    op.peer = peer
+                    if kind == "SEND":
+                        op.cost = self._p2p_cost(ins.bytes, r, peer)
+                elif kind in _COLLECTIVES:
+                    key = (kind, ins.group, ins.bytes, ins.a2a)
+                    hit = costs.get(key)
+                    if hit is None:
+                        group, gid = self._group(ins, r)
+                        hit = costs[key] = (group, self._collective_cost(kind, ins.bytes, group, gid, ins.a2a))
+                    op.group, op.cost = hit
+                    if ins.name:  # inner (`is_inner`): performed inside compute, not posted
+                        ops.append(op)
+                        continue
+                else:
+                    raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {kind!r}")
+                op.post = self._post_time(kind, ins.bytes)
+                ops.append(op)
+            streams.append((name, ops))
+        return streams, by_id
+
+    @staticmethod
+    def _link_deps(r: int, streams: list[tuple[str, list[_Op]]], by_id: dict[str, _Op]) -> None:
+        """Each op's ``deps`` as ops; the parameter gathers a compute op waits for part-way
+        (``needed_by``) as its ``gates``, by share of its work."""
+        for _, ops in streams:
+            for op in ops:
+                ins = op.ins
+                try:
+                    op.deps = [by_id[dep] for dep in ins.deps]
+                except KeyError as e:
+                    raise SimulationError(f"rank {r}: op {ins.id} depends on {e.args[0]}, which this rank "
+                                          "does not run") from None
+                if ins.needed_by:
+                    user = by_id.get(ins.needed_by)
+                    if user is None or user.dur is None:
+                        raise SimulationError(f"rank {r}: op {ins.id} field 'needed_by' names "
+                                              f"{ins.needed_by!r}, which is no compute op of this rank")
+                    user.gates = sorted([*user.gates, (ins.needed_at, op)], key=lambda g: g[0])
 
     # --- comm costs ------------------------------------------------------------------
     def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float) -> tuple:
-        """(link, demanded bytes/s) of a transfer; the links of a (kind, group), mapped to the
+        """(`_Link`, demanded bytes/s) of a transfer; the links of a (kind, group), mapped to the
         simulated ranks' ports when folded, are derived once (a group's buckets share them)."""
         key = (kind, ranks)
         links = self._group_links.get(key)
@@ -631,12 +739,13 @@ class _Engine:
             volume = nbytes
         else:
             volume = nbytes * busbw_factor(kind, len(ranks))
-        out = []
-        for link in links:
-            if link not in self._bw:
-                self._bw[link] = float(self.cm.link_bandwidth(link))
-            out.append((link, min(self._bw[link], volume / dur)))
-        return tuple(out)
+        return tuple((link, min(link.cap, volume / dur)) for link in map(self._link, links))
+
+    def _link(self, name: str) -> _Link:
+        link = self.on_link.get(name)
+        if link is None:
+            link = self.on_link[name] = _Link(name, float(self.cm.link_bandwidth(name)))
+        return link
 
     def _reps(self, ranks: tuple[int, ...]) -> tuple[int, ...]:
         """The simulated ranks of ``ranks``, in order, once each (derived once per group)."""
@@ -691,35 +800,36 @@ class _Engine:
         if dur <= 0:
             ev.succeed()
             return
-        if not links and self.slow == 1.0 and self.comm_slow == 1.0:
+        if not links and not self._slowed:
             self.env.timeout(dur).callbacks.append(lambda _e: ev.succeed())
             return
-        job = _Job(dur, ev, links, ranks)
-        job.t = self.env.now
+        job = _Job(dur, ev, links, ranks, self.env.now)
         if self.comm_slow != 1.0:
             for r in ranks:
                 self.comm_jobs.setdefault(r, {})[job] = None
         affected: dict[_Job, None] = {job: None}
-        on_link = self.on_link
         for link, demand in links:
-            on = on_link.get(link)
-            if on is None:
-                on = on_link[link] = {}
+            on = link.jobs
             on[job] = demand
-            affected.update(on)  # its jobs, in order (the values are not used)
+            if len(on) > 1:
+                affected.update(on)  # its jobs, in order (the values are not used)
+        active = self.active
         for r in ranks:
-            c = self.active.get(r, 0)
-            self.active[r] = c + 1
-            if c == 0 and self.slow != 1.0:
-                affected.update(self.compute_jobs.get(r, {}))
-        for j in affected:
-            self._rerate(j, j is job)
+            c = active[r]
+            active[r] = c + 1
+            if c == 0 and self.slow != 1.0 and self.compute_jobs[r]:
+                affected.update(self.compute_jobs[r])
+        self._rerate(job, True)
+        if len(affected) > 1:
+            for j in affected:
+                if j is not job:
+                    self._rerate(j)
 
     def _run_compute(self, rank: int, dur: float) -> _Job:
-        job = _Job(dur, self.env.event(), (), (rank,), compute=True)
-        job.t = self.env.now
-        first = not self.compute_jobs[rank]
-        self.compute_jobs[rank][job] = None
+        job = _Job(dur, self.env.event(), (), (rank,), self.env.now, compute=True)
+        jobs = self.compute_jobs[rank]
+        first = not jobs
+        jobs[job] = None
         if first and self.comm_slow != 1.0:
             for j in list(self.comm_jobs.get(rank, ())):
                 self._rerate(j)
@@ -733,33 +843,34 @@ class _Engine:
 
     def _rate(self, job: _Job) -> float:
         if job.compute:
-            rate = 1.0 / self.slow if self.active.get(job.ranks[0], 0) else 1.0
+            rate = 1.0 / self.slow if self.active[job.ranks[0]] else 1.0
             if self.cores:
                 rate *= min(1.0, self.cores / sum(self.cpu_jobs.values()))
             return rate
         rate = 1.0
-        if self.comm_slow != 1.0 and any(self.compute_jobs.get(r) for r in job.ranks):
+        if self.comm_slow != 1.0 and any(self.compute_jobs[r] for r in job.ranks):
             rate = 1.0 / self.comm_slow
         for link, _ in job.links:
-            load = sum(self.on_link[link].values())
-            cap = self._bw[link]
-            if load > cap * (1 + 1e-12):
-                rate = min(rate, cap / load)
+            jobs = link.jobs
+            if len(jobs) > 1:  # one transfer asks at most the link's bandwidth
+                load = sum(jobs.values())
+                if load > link.limit:
+                    rate = min(rate, link.cap / load)
         return rate
 
     def _rerate(self, job: _Job, new: bool = False) -> None:
         rate = self._rate(job)
-        now = self.env.now
+        env = self.env
+        now = env.now
         if not new:
             if rate == job.rate:
                 return
             job.left -= job.rate * (now - job.t)
         job.t, job.rate = now, rate
         job.ver += 1
-        ver = job.ver
-        self.env.timeout(max(job.left, 0.0) / rate).callbacks.append(lambda _e: self._job_end(job, ver))
+        env.schedule(_JobEnd(self._job_end_cb, job), delay=max(job.left, 0.0) / rate)
         for left, ev in job.watch:
-            self._watch(job, ver, left, ev)
+            self._watch(job, job.ver, left, ev)
 
     def _watch(self, job: _Job, ver: int, left: float, ev: simpy.Event) -> None:
         """Trigger `ev` when `job` has `left` work left, unless re-rated before then."""
@@ -769,16 +880,18 @@ class _Engine:
         now_left = job.left - job.rate * (self.env.now - job.t)
         self.env.timeout(max(now_left - left, 0.0) / job.rate).callbacks.append(fire)
 
-    def _job_end(self, job: _Job, ver: int) -> None:
-        if ver != job.ver:
+    def _job_end(self, end: _JobEnd) -> None:
+        job = end.job
+        if end.ver != job.ver:
             return  # rescheduled since
         if job.compute:
             for _, ev in job.watch:
                 if not ev.triggered:
                     ev.succeed()
             rank = job.ranks[0]
-            del self.compute_jobs[rank][job]
-            if not self.compute_jobs[rank] and self.comm_slow != 1.0:
+            jobs = self.compute_jobs[rank]
+            del jobs[job]
+            if not jobs and self.comm_slow != 1.0:
                 for j in list(self.comm_jobs.get(rank, ())):
                     self._rerate(j)
             if self.cores:
@@ -789,14 +902,17 @@ class _Engine:
             return
         affected: dict[_Job, None] = {}
         for link, _ in job.links:
-            on = self.on_link[link]
+            on = link.jobs
             del on[job]
-            affected.update(on)
+            if on:
+                affected.update(on)
+        active = self.active
         for r in job.ranks:
-            self.comm_jobs.get(r, {}).pop(job, None)
-            self.active[r] -= 1
-            if self.active[r] == 0 and self.slow != 1.0:
-                affected.update(self.compute_jobs.get(r, {}))
+            if self.comm_slow != 1.0:
+                self.comm_jobs[r].pop(job, None)
+            active[r] -= 1
+            if active[r] == 0 and self.slow != 1.0 and self.compute_jobs[r]:
+                affected.update(self.compute_jobs[r])
         for j in affected:
             self._rerate(j)
         job.ev.succeed()
@@ -938,23 +1054,29 @@ class _Engine:
                     prev.event = self.env.event()
                 yield prev.event
             op.after = prev.end
-        yield self._p2p(op) if op.ins.kind in ("SEND", "RECV") else self._collective(op)
+        yield self._p2p(op) if op.peer >= 0 else self._collective(op)
         self._finish(rank, name, op)
 
     def _finish(self, rank: int, name: str, op: _Op) -> None:
-        ins = op.ins
         op.end = self.env.now
-        if ins.free:
-            self._memory(rank, -ins.free)
+        free = op.ins.free
+        if free:
+            self._memory(rank, -free)
         op.done = True
         if op.event is not None:
             op.event.succeed()
-        self.rows.append((rank, name, ins.id, ins.kind, ins.stage, ins.mb, op.start, op.end, ins.bytes,
-                          ins.flops, op.peer, op.posted))
+        self.finished.append(op)
+
+    def _rows(self) -> list[tuple]:
+        """The event rows (`SimResult.rows`) of the finished ops, in the order they finished."""
+        return [(op.rank, op.stream, ins.id, ins.kind, ins.stage, ins.mb, op.start, op.end, ins.bytes,
+                 ins.flops, op.peer, op.posted) for op in self.finished for ins in (op.ins,)]
 
     def _stream(self, rank: int, si: int, name: str, ops: list[_Op]):
         env = self.env
         hosted = bool(self.hosts) and not (ops and is_inner(ops[0].ins))  # inner: performed inside compute
+        host_bound = self.host_bound
+        as_job = self._slowed or bool(self.cores) or host_bound  # compute runs as a rate-shared `_Job`
         prev: _Op | None = None  # the stream's last posted comm op (its transfer may still run)
         for i, op in enumerate(ops):
             ins = op.ins
@@ -975,34 +1097,41 @@ class _Engine:
             op.posted = env.now
             if ins.alloc:
                 self._memory(rank, ins.alloc)
-            if op.dur is not None:
-                if self.host_bound:
+            dur = op.dur
+            if dur is not None:
+                if host_bound:
                     yield self.hosts[rank].request((1, si, i), op)
                 op.start, op.begun = env.now, True
                 if op.started is not None:
                     op.started.succeed()
                 if op.gates:
                     yield from self._run_gated(rank, op)
-                else:
-                    yield from self._run_for(rank, op, op.dur)
-                if self.host_bound:
+                elif dur > 0 and as_job:  # `_run_for`, inlined
+                    op.job = self._run_compute(rank, dur)
+                    yield op.job.ev
+                    op.job = None
+                elif dur > 0:
+                    yield env.timeout(dur)
+                if host_bound:
                     yield from self._inside_posts_done(rank)
                     self.hosts[rank].release()
             elif hosted:  # posted now; the transfer follows the stream's previous op
                 yield from self._post(rank, op, (0, si, i))
-                env.process(self._transfer_after(rank, name, op, prev))
+                _Proc.spawn(env, self._transfer_after(rank, name, op, prev))
                 prev = op
                 continue
             else:
-                yield self._p2p(op) if ins.kind in ("SEND", "RECV") else self._collective(op)
+                yield self._p2p(op) if op.peer >= 0 else self._collective(op)
             self._finish(rank, name, op)
 
     def run(self) -> None:
+        # in the order simpy would initialise processes made now: ahead of every event they schedule
         for r in self.ranks:
             for si, (name, ops) in enumerate(self.streams[r]):
-                self.env.process(self._stream(r, si, name, ops))
+                _Proc(self._stream(r, si, name, ops)).resume()
         self.env.run()
         self._check_finished()
+        self.rows = self._rows()
 
     # --- deadlock report ----------------------------------------------------------------
     def _waits_on(self, op: _Op) -> str:
@@ -1085,24 +1214,22 @@ def communicators(plan: Plan, cls, resolved: dict[tuple[str, int], tuple] | None
     the simulator already resolved (the rest are resolved here)."""
     rank = cls.ranks[0]
     layout = plan.layout
-    peers: set[int] = set()  # pipeline ranks it sends to or receives from
-    named: dict[str, bool] = {}  # symbolic group -> used by an all-to-all (each resolved once)
-    for ins in cls.instructions():
-        if ins.kind in ("SEND", "RECV"):
-            peers.add(ins.peer)
-        elif ins.group:
-            named[ins.group] = named.get(ins.group, False) or ins.kind == "ALL_TO_ALL"
+    named, peers = class_comms(cls)  # symbolic group -> (first op, used by an all-to-all); pipeline peers
     groups: dict[tuple[int, ...], bool] = {}  # ranks -> an all-to-all group
     for peer in peers:
         groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, peer)})), False)
-    for group, a2a in named.items():
+    for group, (_, a2a) in named.items():
+        if not group:
+            continue
         hit = (resolved or {}).get((group, rank))
         ranks = hit[0] if hit is not None else tuple(layout.group_ranks(group, rank))
         groups[ranks] = groups.get(ranks, False) or a2a
-    if layout.world_size > 1:
-        groups.setdefault(tuple(range(layout.world_size)), False)
-    pairs = sum(1 for g, a2a in groups.items() if len(g) == 2 and not a2a)
-    larger = sum(1 for g, a2a in groups.items() if len(g) > 2 and not a2a)
+    world = layout.world_size
+    # the world's communicator, unless a group above is it (the world's ranks as a tuple are
+    # made only to compare with a group of that size: 65,536 of them at scale)
+    world_new = world > 1 and not any(len(g) == world and g == tuple(range(world)) for g in groups)
+    pairs = sum(1 for g, a2a in groups.items() if len(g) == 2 and not a2a) + (world_new and world == 2)
+    larger = sum(1 for g, a2a in groups.items() if len(g) > 2 and not a2a) + (world_new and world > 2)
     a2a_peers = sum(len(g) - 1 for g, a2a in groups.items() if a2a)
     return pairs, larger, a2a_peers, tuple(sorted(len(g) for g, a2a in groups.items() if a2a))
 

@@ -22,6 +22,8 @@ among real ranks shows up as a cycle among their classes.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import networkx as nx
 
 from piper_sim.plan import (ALL_KINDS, COLLECTIVE_KINDS, P2P_KINDS, PASS_KINDS, Plan, PlanError,  # noqa: F401
@@ -42,6 +44,9 @@ def _members(plan: Plan, group: str, pp_rank: int, cache: dict) -> list[int]:
                                       f"0..{plan.world_size - 1}")
         cache[(group, pp_rank)] = sorted({plan.layout.coords(r)[0] for r in ranks})
     return cache[(group, pp_rank)]
+
+
+_ALL_KINDS = frozenset(ALL_KINDS)
 
 
 def _int(x, lo: int = 0) -> bool:
@@ -70,11 +75,14 @@ def check_layout(plan: Plan) -> None:
             if i not in lay.stage_ranks.get(s, []):
                 raise PlanValidationError(f"rank class {i} holds stage {s}, which layout.stage_ranks does not "
                                           f"place on pipeline rank {i}")
+        stages = set(c.stages)
         for stream, lst in c.streams.items():
             for ins in lst:
-                bad = (not isinstance(ins.id, str) or ins.kind not in ALL_KINDS or not _int(ins.stage, -1)
-                       or not _int(ins.mb, -1) or not isinstance(ins.deps, list)
-                       or not all(isinstance(d, str) for d in ins.deps))
+                stage, mb, deps = ins.stage, ins.mb, ins.deps
+                plain = type(stage) is int and type(mb) is int and type(deps) is list  # `_int`'s common case
+                bad = (not isinstance(ins.id, str) or ins.kind not in _ALL_KINDS
+                       or not (stage >= -1 if plain else _int(stage, -1)) or not (mb >= -1 if plain else _int(mb, -1))
+                       or not isinstance(deps, list) or not all(map(isinstance, deps, repeat(str))))
                 if bad:
                     raise PlanValidationError(f"rank class {i} stream {stream}: malformed instruction {ins.id!r} "
                                               f"(kind {ins.kind!r}, stage {ins.stage!r}, mb {ins.mb!r}, "
@@ -82,7 +90,7 @@ def check_layout(plan: Plan) -> None:
                 if ins.kind in P2P_KINDS and not (_int(ins.peer) and ins.peer < lay.pp and ins.peer != i):
                     raise PlanValidationError(f"rank class {i}: {ins.id} has peer {ins.peer!r}; expected another "
                                               f"pipeline rank in 0..{lay.pp - 1}")
-                if ins.stage >= 0 and ins.stage not in c.stages and ins.kind not in P2P_KINDS:
+                if stage >= 0 and stage not in stages and ins.kind not in P2P_KINDS:
                     raise PlanValidationError(f"rank class {i}: {ins.id} runs stage {ins.stage}, which this "
                                               f"class does not hold (stages {c.stages})")
 
