@@ -133,6 +133,27 @@ def test_every_strategy_compiles(suite):
         assert plan.world_size == e["setup"]["gpus"], e["id"]
 
 
+def test_scaling_series_compare_per_gpu_loss(suite):
+    """A series' loss is the per-GPU throughput lost from its first run to its last, published
+    and simulated (here from made-up simulated numbers), PASS within 3 points."""
+    sr = next(x for x in suite.series if x["id"] == "mpt-7b-fsdp-128-to-512")
+    a, b = (suite.entry(i) for i in sr["runs"])
+    assert a["published"] == 10475 and b["published"] == 9670
+
+    def result(e, simulated):
+        return R.Result(id=e["id"], metric=e["metric"], published=e["published"], precision=e["precision"],
+                        simulated=simulated, status="ok")
+
+    for sim_b, status in ((10000 * 9670 / 10475, "PASS"), (9600.0, "FAIL"), (None, "SKIP")):
+        results = [result(a, 10000.0)] + ([result(b, sim_b)] if sim_b else [])
+        check = next(c for c in R.check_series(suite, results) if c.id == sr["id"])
+        assert check.published_loss_pct == pytest.approx(100 * (1 - 9670 / 10475))
+        assert check.status == status and check.gpus == [128, 512]
+        if sim_b:
+            assert check.simulated_loss_pct == pytest.approx(100 * (1 - sim_b / 10000))
+    assert "scaling series" in R.format_series(R.check_series(suite, results))
+
+
 def test_runs_simulate_and_convert(suite):
     ids = ["mpt-7b-h100x8", "zb-1.5b-zb1p-m32"]
     results = R.run_suite(suite, only=ids)
@@ -258,6 +279,10 @@ def _write(tmp_path: Path, data) -> str:
     (lambda d: d["entries"][0].pop("published_memory_kind"), "published_memory_kind must be one of"),
     (lambda d: d["entries"][0].pop("memory_source"), "memory_source must name"),
     (lambda d: d["entries"][2].update(published_memory_kind="reserved"), "describes a published memory"),
+    # a scaling series changes only the GPU count: MPT-7B's 8-GPU row ran Triton attention
+    (lambda d: d["series"][-1]["runs"].insert(0, "mpt-7b-h100x8"),
+     "mpt-7b-h100x128 differs from mpt-7b-h100x8 in strategy.stack"),
+    (lambda d: d["series"][-1]["runs"].reverse(), "growing GPU count"),
 ])
 def test_malformed_suite_exits_2_with_one_line(tmp_path, capsys, breakage, expect):
     data = yaml.safe_load((SUITE_DIR / "suite.yaml").read_text())
