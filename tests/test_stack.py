@@ -224,41 +224,6 @@ def test_tp_overlap_hides_the_layers_collectives():
         assert simulate(p).step_time_s > 0
 
 
-@pytest.mark.parametrize("sp, hidden", [(True, 4 / 10), (False, 1 / 2)])
-def test_tp_backward_overlap_hides_the_column_linears_backward_collectives(sp, hidden):
-    """Megatron's column-parallel linear backward (megatron-core tensor_parallel/layers.py):
-    the SP re-gather beside the dgrad GEMM, the input gradient's reduce-scatter (SP) or
-    all-reduce beside the wgrad GEMM; the row-parallel output gradient's all-gather blocks.
-    A layer's TP collectives all move ``B·s·h``: with SP 4 forward + 6 backward, of which 4
-    hidden; without SP 1 + 1, the backward one hidden. The rest of the exposed time stays."""
-    from piper_sim.parallel.tensor import async_in_backward
-
-    s = {"model": "llama3-8b", "cluster": "h100:1x8", "global_batch": 8, "seq_len": 4096,
-         "directives": [{"op": "tensor_parallel", "degree": 8, "sequence_parallel": sp}]}
-    serial = simulate(compile(s))
-    over = simulate(compile({**s, "stack": {"tp_backward_overlap": True}}))
-    exposed = lambda r: max(x.comm_exposed_s for x in r.rank_stats)  # noqa: E731
-    assert exposed(over) == pytest.approx((1 - hidden) * exposed(serial), rel=0.02)
-    ev = over.events
-    ev = ev[ev["rank"] == 0]
-    tp, comp = ev[ev["op_id"].str.startswith("TP.B.")], ev[ev["stream"] == "compute"]
-
-    def overlaps(row) -> bool:
-        return bool(((comp["start"] < row.end - 1e-9) & (comp["end"] > row.start + 1e-9)).any())
-
-    beside = [async_in_backward(op.split(".", 4)[-1]) for op in tp["op_id"]]
-    assert any(beside) and not all(beside) if sp else all(beside)
-    assert [overlaps(r) for r in tp.itertuples()] == beside  # exactly the async ones run beside compute
-
-
-def test_megatron_stacks_overlap_the_backward_tp_collectives():
-    assert PRESETS["megatron-te"].tp_backward_overlap and PRESETS["megatron-legacy"].tp_backward_overlap
-    assert not any(PRESETS[p].tp_backward_overlap for p in ("torchtitan", "torchtitan-compile", "deepspeed", "fused"))
-    assert "tp_backward_overlap" not in Stack().to_json()  # plans of other stacks read as before
-    assert "TP backward comm beside the GEMMs" in PRESETS["megatron-te"].describe()
-    assert parse_stack({"preset": "megatron-te", "tp_backward_overlap": False}).tp_backward_overlap is False
-
-
 def test_executor_refuses_tp_overlap_plans(tmp_path):
     from executor.options import PlanError, refuse_tensor_parallel
 
