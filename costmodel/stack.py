@@ -44,6 +44,20 @@ Fields (``STACK_FIELDS`` below holds each one's choices):
                   ``--tp-comm-overlap`` userbuffers, torchtitan async TP): a layer's collectives
                   run while it computes (slowing it, ``GPU.overlap_slowdown``), the next layer
                   waits for them; off: the next GEMM waits for each collective (simulate-only)
+``tp_backward_overlap`` Megatron's column-parallel linear backward (megatron-core 0.16.1
+                  tensor_parallel/layers.py:515-535, 542-558, 616-624
+                  ``LinearWithGradAccumulationAndAsyncCommunication.backward``; Transformer Engine's
+                  ``_Linear.backward`` likewise without userbuffers: ``gather_along_first_dim`` and
+                  ``reduce_scatter_along_first_dim`` / ``allreduce`` with ``async_op=True``): the
+                  re-gather of its sequence-parallel input runs beside the dgrad GEMM and the
+                  reduce-scatter (SP) or all-reduce of its input gradient beside the wgrad GEMM, the
+                  linear waiting for both before it returns; the all-gather of a row-parallel
+                  linear's output gradient stays blocking. Priced as a unit's backward collectives
+                  starting with its backward piece, in the modules' order, the async ones those of
+                  attention, MLP, shared experts, head and MTP ``eh_proj``
+                  (`piper_sim.parallel.tensor.async_in_backward`), the others pausing the piece's
+                  compute while they run (``Instruction.holds``); off: the piece and then each
+                  collective in turn. The executor's collectives are synchronous (same numbers)
 ``fp8``           the FP8 recipe of the transformer blocks' linear layers (`costmodel.fp8`):
                   ``none``, ``tensorwise`` (current scaling: TE ``Float8CurrentScaling``,
                   torchao/torchtitan float8), ``blockwise`` (1x128 / 128x128 blocks: TE
@@ -141,6 +155,7 @@ class Stack:
     rope: str = "eager"
     swiglu: str = "eager"
     tp_overlap: bool = False
+    tp_backward_overlap: bool = False  # Megatron's async dgrad comm in column-parallel linears' backward
     fp8: str = "none"  # FP8 recipe of the block linears (costmodel.fp8)
     fp8_activations: str = "hp"  # what those linears save of their inputs (hp | fp8 | deepseek)
     moe_probs: str = "combine"  # where the router's weights scale the expert outputs
@@ -151,7 +166,8 @@ class Stack:
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         # absent at their defaults: plans of stacks without them read as they did before the fields
-        for key, default in (("fp8", "none"), ("rope", "eager"), ("swiglu", "eager"), ("moe_probs", "combine")):
+        for key, default in (("fp8", "none"), ("rope", "eager"), ("swiglu", "eager"), ("moe_probs", "combine"),
+                             ("tp_backward_overlap", False)):
             if out[key] == default:
                 del out[key]
         if self.fp8 == "none":  # meaningless without FP8 linears: absent, as before the field
@@ -177,6 +193,8 @@ class Stack:
             parts.append(f"fused {' and '.join(fused)}")
         if self.tp_overlap:
             parts.append("TP comm overlapped")
+        elif self.tp_backward_overlap:
+            parts.append("TP backward comm beside the GEMMs")
         if self.fp8 != "none":
             parts.append(f"fp8 {self.fp8} (block linears{', inputs saved in fp8' if self.fp8_cached_inputs else ''})")
         if self.moe_probs == "experts":
@@ -255,12 +273,17 @@ PRESETS: dict[str, Stack] = {
     # activation by the router's probs (moe_probs experts; both: see the module docstring)
     "megatron-te": Stack(attention="cudnn", norms="fused", optimizer="fused", reduce_dtype="fp32",
                          rope="fused", swiglu="fused", fp8_activations="fp8", moe_probs="experts",
-                         preset="megatron-te"),
+                         tp_backward_overlap=True, preset="megatron-te"),
     # Megatron-LM of 2023 and its forks without --use-flash-attn (Zero Bubble v0.1.0
     # examples/pretrain_zero_bubble.sh): unfused CoreAttention, Apex fused LayerNorm, fused
-    # Adam, attention and hidden dropout 0.1 (megatron/arguments.py defaults of that era)
+    # Adam, attention and hidden dropout 0.1 (megatron/arguments.py defaults of that era); the
+    # column-parallel linears' backward collectives beside their GEMMs (tp_backward_overlap:
+    # NVIDIA/Megatron-LM @02bb1f5c megatron/mpu/layers.py, the sequence-parallel code of
+    # arXiv 2205.05198: ColumnParallelLinearWithSequenceParallelism.backward gathers async beside
+    # the dgrad GEMM and reduce-scatters async beside the wgrad GEMM; without SP
+    # ColumnParallelLinearWithAsyncAllreduce, unless --no-async-tensor-model-parallel-allreduce)
     "megatron-legacy": Stack(attention="unfused", norms="fused", dropout=0.1, optimizer="fused",
-                             preset="megatron-legacy"),
+                             tp_backward_overlap=True, preset="megatron-legacy"),
     # llm-foundry benchmark script: attn_impl defaults to 'triton' [scripts/train/benchmarking/
     # submit_benchmarks.py @5e85bd62d]; low_precision_layernorm (one fused kernel); FSDP
     # mixed_precision DEFAULT (Composer: reduce in fp32)
@@ -277,7 +300,8 @@ STACK_FIELDS: dict[str, tuple] = {
     "fp8": FP8_RECIPES, "rope": POINTWISE_KERNELS, "swiglu": POINTWISE_KERNELS, "fp8_activations": FP8_ACTIVATIONS,
     "moe_probs": MOE_PROBS,
 }
-_ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap", "expandable_segments"}
+_ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap", "tp_backward_overlap",
+                                 "expandable_segments"}
 
 
 def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
@@ -303,7 +327,7 @@ def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
             if value[key] not in choices:
                 raise StackError(f"{where}: {key} must be one of {', '.join(choices)} (got {value[key]!r})")
             fields[key] = value[key]
-    for flag in ("tp_overlap", "expandable_segments"):
+    for flag in ("tp_overlap", "tp_backward_overlap", "expandable_segments"):
         if flag in value:
             if not isinstance(value[flag], bool):
                 raise StackError(f"{where}: {flag} must be true or false (got {value[flag]!r})")

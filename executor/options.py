@@ -300,6 +300,8 @@ def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
                        "dtype, with no master copy)")
     if stack.fp8 != DEFAULT.fp8:
         ignored.append(f"fp8 {stack.fp8} (simulate-only: the linears run in the plan's dtype)")
+    if stack.tp_backward_overlap and plan.layout.tp > 1:
+        ignored.append("tp_backward_overlap (the TP collectives run synchronously: same numbers, no overlap)")
     runs = f"AdamW {os.environ.get('PIPER_ADAMW') or stack.optimizer}" + \
         (", expandable segments (CUDA)" if stack.expandable_segments else "")
     name = f" {stack.preset!r}" if stack.preset else ""

@@ -186,10 +186,12 @@ class StepBreakdown:
                 "recompute_estimated": self.recompute_estimated}
 
 
-def rank_terms(rows: Sequence[tuple], step: float, rerun: dict[str, float]) -> dict[str, float]:
+def rank_terms(rows: Sequence[tuple], step: float, rerun: dict[str, float],
+               holding: frozenset[str] = frozenset()) -> dict[str, float]:
     """One rank's terms (seconds, summing to ``step``) from its event rows (`EVENT_COLUMNS`
     order: rank, stream, op_id, kind, stage, mb, start, end, bytes, flops, ...) and its
-    backward ops' re-run flops (op id -> flops)."""
+    backward ops' re-run flops (op id -> flops). A ``holding`` op (`Instruction.holds`, by id)
+    pauses the compute it runs beside: its time is exposed communication."""
     marks: list[tuple[float, int, int]] = []  # (time, 0 end / 1 start, row index)
     share: list[tuple[tuple[str, float], ...]] = []  # per row: its (term, fraction) pairs
     compute: list[bool] = []
@@ -213,7 +215,8 @@ def rank_terms(rows: Sequence[tuple], step: float, rerun: dict[str, float]) -> d
     for when, start, i in marks + [(step, -1, -1)]:
         dt = when - t
         if dt > 0:
-            active = active_c or active_m
+            held = [j for j in active_m if rows[j][2] in holding] if holding else []
+            active = held or active_c or active_m
             if not active:
                 terms[IDLE] = terms.get(IDLE, 0.0) + dt
             else:
@@ -250,12 +253,15 @@ def explain(result: Any, name: str = "", rank: int | None = None) -> StepBreakdo
     per_pp: dict[int, dict[str, float]] = {}
     for (pp, op), flops in rerun.items():
         per_pp.setdefault(pp, {})[op] = flops
+    holding = {c.pp_rank: frozenset(i.id for i in c.instructions() if i.holds) for c in plan.classes} \
+        if plan is not None else {}
     ranks = [rank] if rank is not None else list(stats)
     total: dict[str, float] = {}
     weight = 0
     for r in ranks:
         w = 1 if rank is not None else stats[r].represents
-        for term, s in rank_terms(by_rank[r], step, per_pp.get(stats[r].pp_rank, {})).items():
+        pp = stats[r].pp_rank
+        for term, s in rank_terms(by_rank[r], step, per_pp.get(pp, {}), holding.get(pp, frozenset())).items():
             total[term] = total.get(term, 0.0) + w * s
         weight += w
     terms = {t: s / weight for t, s in total.items()} if weight else {IDLE: step}

@@ -165,6 +165,9 @@ class Instruction:
              piece using the bucket) may run ``needed_at`` of its work (where its first
              parameter is used) before it waits for this gather. Not a dependency: the
              gather has none, and the compute op does not list it.
+    holds:   a tensor-parallel collective run beside its compute piece (``dep_progress`` 0)
+             that the compute stream waits for all the same: a blocking collective among async
+             ones (the stack's ``tp_backward_overlap``); the piece's compute pauses while it runs.
     tied:    ALLREDUCE of a tied embedding's word-embedding gradient between its two copies,
              the first stage's embedding and the last stage's output layer, over the
              ``embed`` group (Megatron-Core ``_allreduce_word_embedding_grads``).
@@ -202,6 +205,7 @@ class Instruction:
     needed_by: str = ""
     needed_at: float = 0.0
     tied: bool = False
+    holds: bool = False
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS

@@ -556,6 +556,9 @@ class _Engine:
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
         self.compute_scale = self._compute_scales(slow_ranks or {})
+        # collectives the compute stream waits for from inside a piece (`Instruction.holds`)
+        self.holding = any(ins.holds for c in plan.classes for ins in c.instructions())
+        self.held = dict.fromkeys(self.ranks, 0.0)  # rank -> seconds its compute waited for them
         self._build()
 
     # --- setup ---------------------------------------------------------------------
@@ -943,6 +946,8 @@ class _Engine:
             op.start = max(op.posted, op.after)
             ev = self.env.event()
             self._transfer(dur, links, reps, ev)
+            if op.ins.holds:
+                self._hold(op.rank, dur)
             return ev
         key = (op.ins.id, gid)
         entry = self.coll_pending.get(key)
@@ -955,6 +960,9 @@ class _Engine:
             for o in entry[1]:
                 o.start = max(posted, o.after)  # and its stream is free
             self._transfer(dur, links, reps, entry[0])
+            for o in entry[1]:
+                if o.ins.holds:
+                    self._hold(o.rank, dur)
         return entry[0]
 
     def _memory(self, rank: int, delta: float) -> None:
@@ -1036,6 +1044,16 @@ class _Engine:
             yield env.timeout(op.post)
         host.release()
 
+    def _hold(self, rank: int, seconds: float) -> None:
+        """A holding collective (`Instruction.holds`) has started: the compute the rank runs
+        beside it waits for it, so its remaining work ends ``seconds`` later (the work it would
+        do meanwhile, at its rate beside the transfer, is added back)."""
+        for job in list(self.compute_jobs[rank]):
+            if not job.ev.triggered:
+                job.left += seconds * job.rate - job.rate * (self.env.now - job.t)
+                self._rerate(job, True)
+                self.held[rank] += seconds
+
     def _stall(self, op: _Op, seconds: float) -> None:
         """Compute op ``op`` loses ``seconds`` to a post from inside it: its remaining work,
         and so each later share a gradient bucket waits for, ends that much later. A post
@@ -1076,7 +1094,8 @@ class _Engine:
         env = self.env
         hosted = bool(self.hosts) and not (ops and is_inner(ops[0].ins))  # inner: performed inside compute
         host_bound = self.host_bound
-        as_job = self._slowed or bool(self.cores) or host_bound  # compute runs as a rate-shared `_Job`
+        # compute runs as a rate-shared `_Job` (a holding collective can pause it)
+        as_job = self._slowed or bool(self.cores) or host_bound or self.holding
         prev: _Op | None = None  # the stream's last posted comm op (its transfer may still run)
         for i, op in enumerate(ops):
             ins = op.ins
@@ -1295,6 +1314,9 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         if row[3] in COMPUTE_KINDS:
             compute_s[row[0]] += row[7] - row[6]
     exposed_of = trace.exposed_comm((row[0], row[3], row[6], row[7]) for row in eng.rows)
+    for r, held in eng.held.items():  # a compute op waiting for a holding collective is exposed comm
+        compute_s[r] -= held
+        exposed_of[r] = exposed_of.get(r, 0.0) + held
     per_rank = []
     gpu = _memory_device(plan, cm)
     capacity = None if gpu is None else float(gpu.hbm_bytes)

@@ -224,6 +224,38 @@ def test_tp_overlap_hides_the_layers_collectives():
         assert simulate(p).step_time_s > 0
 
 
+@pytest.mark.parametrize("sp, hidden", [(True, 4 / 10), (False, 1 / 2)])
+def test_tp_backward_overlap_hides_the_column_linears_backward_collectives(sp, hidden):
+    """Megatron's column-parallel linear backward (megatron-core tensor_parallel/layers.py):
+    the SP re-gather beside the dgrad GEMM, the input gradient's reduce-scatter (SP) or
+    all-reduce beside the wgrad GEMM; the row-parallel output gradient's all-gather blocks.
+    A layer's TP collectives all move ``B·s·h``: with SP 4 forward + 6 backward, of which 4
+    hidden; without SP 1 + 1, the backward one hidden. The rest of the exposed time stays, the
+    blocking ones hold their piece's compute (`Instruction.holds`), and the TP stream keeps the
+    modules' order (the executor checks it)."""
+    from piper_sim.parallel.tensor import async_in_backward
+
+    s = {"model": "llama3-8b", "cluster": "h100:1x8", "global_batch": 8, "seq_len": 4096,
+         "directives": [{"op": "tensor_parallel", "degree": 8, "sequence_parallel": sp}]}
+    serial_plan, over_plan = compile(s), compile({**s, "stack": {"tp_backward_overlap": True}})
+    serial, over = simulate(serial_plan), simulate(over_plan)
+    exposed = lambda r: max(x.comm_exposed_s for x in r.rank_stats)  # noqa: E731
+    assert exposed(over) == pytest.approx((1 - hidden) * exposed(serial), rel=0.02)
+    assert over.step_time_s < serial.step_time_s
+    tp = lambda p: [i for i in p.classes[0].streams["tp"] if i.id.startswith("TP.B.")]  # noqa: E731
+    assert [i.id for i in tp(over_plan)] == [i.id for i in tp(serial_plan)]  # the modules' order
+    assert [i.holds for i in tp(over_plan)] == [not async_in_backward(i.name) for i in tp(over_plan)]
+    assert any(i.holds for i in tp(over_plan)) == sp and not any(i.holds for i in tp(serial_plan))
+
+
+def test_megatron_stacks_overlap_the_backward_tp_collectives():
+    assert PRESETS["megatron-te"].tp_backward_overlap and PRESETS["megatron-legacy"].tp_backward_overlap
+    assert not any(PRESETS[p].tp_backward_overlap for p in ("torchtitan", "torchtitan-compile", "deepspeed", "fused"))
+    assert "tp_backward_overlap" not in Stack().to_json()  # plans of other stacks read as before
+    assert "TP backward comm beside the GEMMs" in PRESETS["megatron-te"].describe()
+    assert parse_stack({"preset": "megatron-te", "tp_backward_overlap": False}).tp_backward_overlap is False
+
+
 def test_executor_refuses_tp_overlap_plans(tmp_path):
     from executor.options import PlanError, refuse_tensor_parallel
 
@@ -297,3 +329,16 @@ def test_presets_and_compile_fuse_rope_and_swiglu():
     assert "rope" not in Stack().to_json() and Stack(rope="fused").to_json()["rope"] == "fused"
     with pytest.raises(StackError, match="swiglu must be one of eager, fused"):
         parse_stack({"swiglu": "triton"})
+
+
+def test_tp_backward_overlap_plans_keep_the_executors_collective_order():
+    """The overlap is priced without reordering the plan's TP stream: every rank's executor
+    issues the plan's collectives as its modules run them (fake process group, 8 ranks)."""
+    from executor.scale_check import Family, scale_check
+    from piper_sim.compiler import compile_strategy
+
+    s = {**Family(pp=2, tp=2, sp=True, zero=1).strategy(8), "stack": "megatron-te"}
+    plan = compile_strategy(s).plan
+    assert any(i.holds for c in plan.classes for i in c.instructions())
+    r = scale_check(plan)
+    assert r.ok, r.mismatch

@@ -148,6 +148,21 @@ def _block_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: f
     return out
 
 
+# the blocks whose column-parallel linear issues a backward collective async (`async_in_backward`)
+_ASYNC_BACKWARD_BLOCKS = ("attn", "mlp", "shared", "head", "eh")
+
+
+def async_in_backward(name: str) -> bool:
+    """Whether a backward TP collective is one a column-parallel linear issues async beside its
+    GEMMs under the stack's ``tp_backward_overlap`` (costmodel.stack): the re-gather of its
+    sequence-parallel input (``.regather``, beside the dgrad GEMM) and the reduction of its
+    input gradient (``.rs`` with SP, ``.ar`` without: beside the wgrad GEMM), in attention, the
+    MLP, shared experts, the head and MTP's ``eh_proj``. The all-gather of a row-parallel
+    output gradient (``.ag``), the embedding's and the MoE dispatch's collectives block."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] in ("regather", "rs", "ar") and parts[-2] in _ASYNC_BACKWARD_BLOCKS
+
+
 def _block_of(name: str) -> str:
     """The block of a TP collective's name (``l3.mlp.ar`` -> ``mlp``; the embedding's / head's: '')."""
     parts = name.split(".")
@@ -256,8 +271,15 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             dag.g.remove_edges_from([(a, b) for a, b, _ in succs])
             for a, b in zip([n] + chain, chain):
                 dag.edge(a, b)
-            if ctx.stack.tp_overlap:  # overlapped with the layer's GEMMs: the chain starts with the piece
+            # overlapped with the layer's GEMMs: the chain starts with the piece; with only the
+            # column-parallel linears' backward ones async (tp_backward_overlap) the others hold
+            # the piece's compute while they run (in the modules' order, which the executor checks)
+            backward_async = ins.kind == "B" and ctx.stack.tp_backward_overlap
+            if ctx.stack.tp_overlap or backward_async:
                 dag.ins(chain[0]).dep_progress = 0.0
+            if backward_async and not ctx.stack.tp_overlap:
+                for c in chain:
+                    dag.ins(c).holds = not async_in_backward(dag.ins(c).name)
             for _, q, kind in succs:
                 dag.edge(chain[-1], q, kind)
         for mb, ops in regathers.items():
