@@ -17,8 +17,8 @@ splits. `check` then asks, and names the first mismatch in one line:
 3. per group and ordered pair (src, dst), the sends src issued to dst and the receives dst
    posted from src match in order, size, dtype and tag (NCCL matches them in issue order);
 4. each rank issued on each of its plan's groups the collectives its `Plan.program` lists
-   there, in stream order (`expected_calls`: an expert dispatch is two all-to-alls, counts then
-   tokens; a ring's K/V op is its p2p hops), the sends and receives it lists (tag and bytes per peer),
+   there, in stream order (`expected_calls`: an op that exchanges counts first is two calls,
+   `issued`; a ring's K/V op is its p2p hops), the sends and receives it lists (tag and bytes per peer),
    and besides them only `EXTRA` (the step's loss all-reduce). Sizes are compared with the plan
    for sends and receives (their bytes); a collective's plan bytes are what it is priced at
    (e.g. a gradient bucket's even share of the stage), so members are compared with each other.
@@ -242,16 +242,17 @@ def recording() -> Iterator[dict]:
 def module_order(lst: list, compute: list) -> list:
     """A tensor-/context-parallel stream in the order the executor issues it: an op with a
     direction is performed by the modules inside its compute piece (where its chain of ops
-    starts); an op the runtime issues (``TP.s{S}.norms``) goes once the ops before it in the
-    stream and every module op of the pieces it waits for are done, wherever the plan's list
-    puts it among the latter."""
-    pieces = {i.id for i in compute}
+    starts); an op the runtime issues (``TP.s{S}.norms``, and a ``.regather`` after a BI piece:
+    a split backward's, `TPComm.regather`) goes once the ops before it in the stream and every
+    module op of the pieces it waits for are done, wherever the plan's list puts it among the
+    latter."""
+    kinds = {i.id: i.kind for i in compute}
     piece: dict[str, str] = {}
     mods: list = []
     runtime: list[tuple[int, Any]] = []  # (module ops before it in the list, op)
     for ins in lst:
-        if ins.direction:
-            piece[ins.id] = next((d if d in pieces else piece.get(d, "") for d in ins.deps), "")
+        piece[ins.id] = next((d if d in kinds else piece.get(d, "") for d in ins.deps), "")
+        if ins.direction and not (ins.name.endswith(".regather") and kinds.get(piece[ins.id]) == "BI"):
             mods.append(ins)
         else:
             runtime.append((len(mods), ins))
@@ -268,6 +269,15 @@ def module_order(lst: list, compute: list) -> list:
 
 
 MODULE_STREAMS = ("tp", "cp")
+
+
+def issued(ins) -> int:
+    """The ``torch.distributed`` calls one plan collective is: 2 where the members exchange
+    their counts first (an expert dispatch's forward all-to-all; MoE under SP, the forward or
+    recomputed gather of the experts' tokens over TP, `TPComm.gather_rows`), else 1."""
+    if ins.kind == "ALL_TO_ALL":
+        return 2 if ins.direction == "F" and ins.a2a == "dispatch" else 1
+    return 2 if ins.kind == "ALL_GATHER" and ins.direction in ("F", "R") and ins.id.endswith(".moe.ag") else 1
 
 
 def expected_calls(plan: Plan, rank: int, comms: Comms, rec: Recorder) -> tuple[dict, dict]:
@@ -293,8 +303,7 @@ def expected_calls(plan: Plan, rank: int, comms: Comms, rec: Recorder) -> tuple[
                 continue
             op = {"ALLREDUCE": "all_reduce", "REDUCE_SCATTER": "reduce_scatter", "ALL_GATHER": "all_gather",
                   "ALL_TO_ALL": "all_to_all"}[ins.kind]
-            out[g] += [(op, ins.id)] * (2 if ins.kind == "ALL_TO_ALL" and ins.direction == "F"
-                                        and ins.a2a == "dispatch" else 1)
+            out[g] += [(op, ins.id)] * issued(ins)
     for key, g in by_key.items():
         if key[0] == "clip":  # DataParallel.grad_norm (--clip-grad-norm): the squared norm, once a step
             out[g].append(("all_reduce", "clip"))
