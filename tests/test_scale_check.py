@@ -14,8 +14,9 @@ from piper_sim.compiler import compile_strategy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-# a sample covering a split backward, interleaving, ZeRO-3, TP with SP, EP and CP; the rest: slow
-FAST = ("zbv-zero3", "1f1b-moe-ep4-tp2-zero3")  # the fast set's sample; `-m slow` runs the other families
+# a sample covering a split backward, interleaving, ZeRO-3, TP with and without SP, EP and multi-token
+# prediction; the rest: slow
+FAST = ("zbv-zero3", "1f1b-moe-ep4-tp2-zero3", "1f1b-moe-mtp-ep4-tp2-sp-zero1")  # `-m slow`: the other families
 
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
