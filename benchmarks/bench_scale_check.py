@@ -15,7 +15,7 @@ import sys
 import time
 import warnings
 
-from executor.options import refuse_tensor_parallel, refuse_tied_embeddings
+from executor.options import refuse_unrunnable
 from executor.scale_check import FAMILIES, scale_check
 from piper_sim.compiler import compile_strategy
 
@@ -33,8 +33,7 @@ def main() -> int:
     for name in args.family or FAMILIES:
         t0 = time.perf_counter()
         plan = compile_strategy(FAMILIES[name].strategy(args.ranks)).plan
-        refuse_tensor_parallel(plan, name)  # families are plans the executor runs
-        refuse_tied_embeddings(plan, name)
+        refuse_unrunnable(plan, name)  # families are plans the executor runs
         compile_s = time.perf_counter() - t0
         r = scale_check(plan, workers=args.workers)
         failed += not r.ok

@@ -17,8 +17,8 @@ splits. `check` then asks, and names the first mismatch in one line:
 3. per group and ordered pair (src, dst), the sends src issued to dst and the receives dst
    posted from src match in order, size, dtype and tag (NCCL matches them in issue order);
 4. each rank issued on each of its plan's groups the collectives its `Plan.program` lists
-   there, in stream order (`expected_calls`: an expert dispatch is two all-to-alls, counts then
-   tokens; a ring's K/V op is its p2p hops), the sends and receives it lists (tag and bytes per peer),
+   there, in stream order (`expected_calls`: an op that exchanges counts first is two calls,
+   `issued`; a ring's K/V op is its p2p hops), the sends and receives it lists (tag and bytes per peer),
    and besides them only `EXTRA` (the step's loss all-reduce). Sizes are compared with the plan
    for sends and receives (their bytes); a collective's plan bytes are what it is priced at
    (e.g. a gradient bucket's even share of the stage), so members are compared with each other.
@@ -33,10 +33,13 @@ and the dtype, not on the rows each peer gets.
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import json
 import multiprocessing
+import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -49,6 +52,7 @@ import torch.distributed as dist
 from executor.collectives import Comms, group_ranks, plan_groups
 from executor.parallel.context import ring_hops
 from executor.runtime import Runtime
+from executor.support import MOE, TINY
 from piper_sim.plan import Plan
 
 P2P = ("send", "recv")
@@ -242,16 +246,17 @@ def recording() -> Iterator[dict]:
 def module_order(lst: list, compute: list) -> list:
     """A tensor-/context-parallel stream in the order the executor issues it: an op with a
     direction is performed by the modules inside its compute piece (where its chain of ops
-    starts); an op the runtime issues (``TP.s{S}.norms``) goes once the ops before it in the
-    stream and every module op of the pieces it waits for are done, wherever the plan's list
-    puts it among the latter."""
-    pieces = {i.id for i in compute}
+    starts); an op the runtime issues (``TP.s{S}.norms``, and a ``.regather`` after a BI piece:
+    a split backward's, `TPComm.regather`) goes once the ops before it in the stream and every
+    module op of the pieces it waits for are done, wherever the plan's list puts it among the
+    latter."""
+    kinds = {i.id: i.kind for i in compute}
     piece: dict[str, str] = {}
     mods: list = []
     runtime: list[tuple[int, Any]] = []  # (module ops before it in the list, op)
     for ins in lst:
-        if ins.direction:
-            piece[ins.id] = next((d if d in pieces else piece.get(d, "") for d in ins.deps), "")
+        piece[ins.id] = next((d if d in kinds else piece.get(d, "") for d in ins.deps), "")
+        if ins.direction and not (ins.name.endswith(".regather") and kinds.get(piece[ins.id]) == "BI"):
             mods.append(ins)
         else:
             runtime.append((len(mods), ins))
@@ -268,6 +273,15 @@ def module_order(lst: list, compute: list) -> list:
 
 
 MODULE_STREAMS = ("tp", "cp")
+
+
+def issued(ins) -> int:
+    """The ``torch.distributed`` calls one plan collective is: 2 where the members exchange
+    their counts first (an expert dispatch's forward all-to-all; MoE under SP, the forward or
+    recomputed gather of the experts' tokens over TP, `TPComm.gather_rows`), else 1."""
+    if ins.kind == "ALL_TO_ALL":
+        return 2 if ins.direction == "F" and ins.a2a == "dispatch" else 1
+    return 2 if ins.kind == "ALL_GATHER" and ins.direction in ("F", "R") and ins.id.endswith(".moe.ag") else 1
 
 
 def expected_calls(plan: Plan, rank: int, comms: Comms, rec: Recorder) -> tuple[dict, dict]:
@@ -293,8 +307,7 @@ def expected_calls(plan: Plan, rank: int, comms: Comms, rec: Recorder) -> tuple[
                 continue
             op = {"ALLREDUCE": "all_reduce", "REDUCE_SCATTER": "reduce_scatter", "ALL_GATHER": "all_gather",
                   "ALL_TO_ALL": "all_to_all"}[ins.kind]
-            out[g] += [(op, ins.id)] * (2 if ins.kind == "ALL_TO_ALL" and ins.direction == "F"
-                                        and ins.a2a == "dispatch" else 1)
+            out[g] += [(op, ins.id)] * issued(ins)
     for key, g in by_key.items():
         if key[0] == "clip":  # DataParallel.grad_norm (--clip-grad-norm): the squared norm, once a step
             out[g].append(("all_reduce", "clip"))
@@ -456,6 +469,32 @@ def scale_check(plan: Plan, workers: int = 1, clip_grad_norm: float | None = Non
     return Report(plan.world_size, sum(len(log.calls) for log in logs), time.perf_counter() - t0, mismatch)
 
 
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+# the families' models beyond the zoo: a model file's fields (`model_source` writes the file) or a
+# user nn.Module's strategy source (a TP + SP annotated language model of examples/)
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny-mtp": {**TINY, "name": "tiny-mtp", "mtp_layers": 1, "mtp_loss_scale": 0.3},
+    "moe-tiny-mtp": {**MOE, "name": "moe-tiny-mtp", "mtp_layers": 1},
+    "user-tiny-lm": {"source": f"py:{os.path.join(EXAMPLES, 'user_transformer_tp.py')}:tiny_lm",
+                     "kwargs": {"depth": 4}},
+}
+
+
+def model_source(name: str) -> Any:
+    """A strategy's ``model`` for ``name``: a zoo name as is, a `MODELS` model file written to a
+    temporary folder (its path), or a user module's source."""
+    spec = MODELS.get(name)
+    if spec is None or "source" in spec:
+        return copy.deepcopy(spec) or name
+    path = os.path.join(tempfile.gettempdir(), "piper-sim-scale-check", f"{name}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(spec, f)
+    os.replace(tmp, path)  # whole, whoever else writes it
+    return path
+
+
 @dataclass(frozen=True)
 class Family:
     """A kind of plan the check samples: its model, schedule and parallelism; data parallelism
@@ -470,7 +509,7 @@ class Family:
     ep: int = 1
     cp: int = 1
     style: str = "allgather"
-    model: str = "gpt-tiny"
+    model: str = "gpt-tiny"        # a zoo name or a `MODELS` name
     m: int = 4                      # micro-batches
     recompute: str = ""
 
@@ -488,12 +527,14 @@ class Family:
             d.append({"op": "context_parallel", "degree": self.cp, "style": self.style})
         if self.recompute:
             d.append({"op": "recompute", "mode": self.recompute})
-        return {"model": self.model, "cluster": f"cpu:{world}", "global_batch": dp * self.m, "seq_len": 16 * self.cp,
-                "microbatches": self.m, "directives": d}
+        return {"model": model_source(self.model), "cluster": f"cpu:{world}", "global_batch": dp * self.m,
+                "seq_len": 16 * self.cp, "microbatches": self.m, "directives": d}
 
 
-# each schedule, ZeRO 0-3, TP (with and without SP), EP and CP (all-gather and ring), in plans the
-# executor runs (`executor.options`: e.g. no SP with a split backward, no SP with MoE or ZeRO-3)
+# each schedule, ZeRO 0-3, TP (with and without SP), EP and CP (all-gather and ring), DeepSeek-V3's
+# multi-token prediction and a user nn.Module's annotated TP, in plans the executor runs
+# (`executor.options.refuse_unrunnable`: e.g. MTP neither under CP nor with its embedding copy's
+# gradient reduce-scattered every micro-batch, ZeRO-2/3)
 FAMILIES: dict[str, Family] = {
     "gpipe-zero0": Family("gpipe"),
     "1f1b-tp2-zero1": Family(tp=2, zero=1),
@@ -505,6 +546,9 @@ FAMILIES: dict[str, Family] = {
     "1f1b-moe-ep4-tp2-zero3": Family(pp=2, ep=4, tp=2, zero=3, model="moe-tiny"),
     "1f1b-cp4-zero3": Family(pp=2, cp=4, zero=3),
     "1f1b-cp2-ring-tp2-sp-zero1": Family(pp=2, cp=2, style="ring", tp=2, sp=True, zero=1, recompute="full"),
+    "zb1p-mtp-tp2-sp-zero1": Family("zb1p", tp=2, sp=True, zero=1, model="tiny-mtp", recompute="full"),
+    "1f1b-moe-mtp-ep4-tp2-sp-zero1": Family(pp=2, ep=4, tp=2, sp=True, zero=1, model="moe-tiny-mtp"),
+    "1f1b-user-tp2-sp-zero3": Family(pp=2, tp=2, sp=True, zero=3, model="user-tiny-lm"),
 }
 
 
@@ -531,14 +575,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.plan is None) == (args.family is None):
         p.error("give a PLAN.json or --family")
-    from executor.options import refuse_multi_token_prediction, refuse_tensor_parallel, refuse_tied_embeddings
+    from executor.options import refuse_unrunnable
     from piper_sim.compiler import compile_strategy
 
     name = args.plan or f"{args.family} on {args.ranks} ranks"
     plan = load(args.plan) if args.plan else compile_strategy(FAMILIES[args.family].strategy(args.ranks)).plan
-    refuse_tensor_parallel(plan, name)  # what the executor would refuse to run
-    refuse_tied_embeddings(plan, name)
-    refuse_multi_token_prediction(plan, name)
+    refuse_unrunnable(plan, name)  # what the executor would refuse to run
     r = scale_check(plan, args.workers, args.clip_grad_norm)
     print(f"{name}: {r.ranks} ranks, {r.calls} calls recorded, {r.seconds:.1f} s: "
           + ("ok" if r.ok else f"MISMATCH: {r.mismatch}"))

@@ -14,8 +14,9 @@ from piper_sim.compiler import compile_strategy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-# a sample covering a split backward, interleaving, ZeRO-3, TP with SP, EP and CP; the rest: slow
-FAST = ("zbv-zero3", "1f1b-moe-ep4-tp2-zero3")  # the fast set's sample; `-m slow` runs the other families
+# a sample covering a split backward, interleaving, ZeRO-3, TP with and without SP, EP and multi-token
+# prediction; the rest: slow
+FAST = ("zbv-zero3", "1f1b-moe-ep4-tp2-zero3", "1f1b-moe-mtp-ep4-tp2-sp-zero1")  # `-m slow`: the other families
 
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
@@ -140,3 +141,32 @@ def test_a_send_of_other_bytes_than_the_plan_says_is_named(logs):
     msg = check(_with(logs, r, expected_p2p={**logs[r].expected_p2p, key: sorted([(tag, nbytes * 2), *rest])}))
     assert msg == (f"rank {r}: {key[1]}s with peer {key[2]}: (tag, bytes) [({tag}, {nbytes})] issued beyond the "
                    f"plan's, [({tag}, {nbytes * 2})] of the plan's not issued"), msg
+
+
+def test_a_split_backwards_regathers_go_after_the_bi_piece_whose_shards_they_gather():
+    """zb1p under SP: the runtime issues a ``.regather`` at its plan position, after the BI piece
+    it waits for and the collectives its modules performed (`module_order`), wherever the plan's
+    list puts it among those."""
+    plan = compile_strategy(Family("zb1p", pp=2, tp=2, sp=True, zero=1, m=2).strategy(4)).plan
+    logs = record_ranks(plan)
+    assert check(logs) is None, check(logs)
+    tp = [i.id for i in plan.program(2).streams["tp"]]
+    got = next(ids for ids in ([i for _, i in want] for want in logs[2].expected.values()) if set(ids) == set(tp))
+    assert got != tp  # the plan lists some regather among the modules' collectives
+    for k, op in enumerate(got):
+        if op.endswith(".regather"):  # every module collective of its backward pass went before it
+            mb = op.split(".")[3]
+            assert not [x for x in got[k:] if f".{mb}." in x and ".B." in x and not x.endswith(".regather")], op
+
+
+def test_moe_under_sp_exchanges_the_token_counts_before_the_rows():
+    """The forward gather of the experts' tokens over TP is two all-gathers (`TPComm.gather_rows`,
+    as Megatron-Core's dispatcher): the counts (int64), then the rows; the plan lists one op."""
+    plan = compile_strategy(Family(pp=1, tp=2, sp=True, zero=1, m=1, model="moe-tiny").strategy(2)).plan
+    logs = record_ranks(plan)
+    assert check(logs) is None, check(logs)
+    g, want = next((g, w) for g, w in logs[0].expected.items() if any(i.endswith(".moe.ag") for _, i in w))
+    calls = [c for c in logs[0].calls if c.group == g]
+    firsts = [k for k, (_, i) in enumerate(want) if i.startswith("TP.F.") and i.endswith(".moe.ag")]
+    assert firsts and all(want[k + 1] == want[k] for k in firsts[::2])
+    assert [calls[k].dtype for k in firsts[::2]] == ["int64"] * (len(firsts) // 2)
