@@ -55,9 +55,9 @@ Fields (``STACK_FIELDS`` below holds each one's choices):
                   linear's output gradient stays blocking. Priced as a unit's backward collectives
                   starting with its backward piece, in the modules' order, the async ones those of
                   attention, MLP, shared experts, head and MTP ``eh_proj``
-                  (`piper_sim.parallel.tensor.async_in_backward`), the others pausing the piece's
-                  compute while they run (``Instruction.holds``); off: the piece and then each
-                  collective in turn. The executor's collectives are synchronous (same numbers)
+                  (`piper_sim.parallel.tensor.async_in_backward`), the others (and a recompute's
+                  re-run forward collectives) pausing the piece's compute until they end
+                  (``Instruction.holds``); off: the piece and then each collective in turn. The executor's collectives are synchronous (same numbers)
 ``fp8``           the FP8 recipe of the transformer blocks' linear layers (`costmodel.fp8`):
                   ``none``, ``tensorwise`` (current scaling: TE ``Float8CurrentScaling``,
                   torchao/torchtitan float8), ``blockwise`` (1x128 / 128x128 blocks: TE

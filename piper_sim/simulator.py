@@ -559,6 +559,8 @@ class _Engine:
         # collectives the compute stream waits for from inside a piece (`Instruction.holds`)
         self.holding = any(ins.holds for c in plan.classes for ins in c.instructions())
         self.held = dict.fromkeys(self.ranks, 0.0)  # rank -> seconds its compute waited for them
+        self.paused = dict.fromkeys(self.ranks, 0)  # rank -> holding collectives running now
+        self.paused_since: dict[int, tuple[float, bool]] = {}  # rank -> (when, a compute op was paused)
         self._build()
 
     # --- setup ---------------------------------------------------------------------
@@ -846,6 +848,8 @@ class _Engine:
 
     def _rate(self, job: _Job) -> float:
         if job.compute:
+            if self.holding and self.paused[job.ranks[0]]:
+                return 0.0  # waits for a holding collective
             rate = 1.0 / self.slow if self.active[job.ranks[0]] else 1.0
             if self.cores:
                 rate *= min(1.0, self.cores / sum(self.cpu_jobs.values()))
@@ -871,6 +875,8 @@ class _Engine:
             job.left -= job.rate * (now - job.t)
         job.t, job.rate = now, rate
         job.ver += 1
+        if rate == 0.0:  # paused (`_hold`): no end until it is re-rated
+            return
         env.schedule(_JobEnd(self._job_end_cb, job), delay=max(job.left, 0.0) / rate)
         for left, ev in job.watch:
             self._watch(job, job.ver, left, ev)
@@ -880,6 +886,8 @@ class _Engine:
         def fire(_e):
             if ver == job.ver and not ev.triggered:
                 ev.succeed()
+        if job.rate == 0.0:  # paused: armed again when it is re-rated
+            return
         now_left = job.left - job.rate * (self.env.now - job.t)
         self.env.timeout(max(now_left - left, 0.0) / job.rate).callbacks.append(fire)
 
@@ -947,7 +955,7 @@ class _Engine:
             ev = self.env.event()
             self._transfer(dur, links, reps, ev)
             if op.ins.holds:
-                self._hold(op.rank, dur)
+                self._hold(op.rank, ev)
             return ev
         key = (op.ins.id, gid)
         entry = self.coll_pending.get(key)
@@ -962,7 +970,7 @@ class _Engine:
             self._transfer(dur, links, reps, entry[0])
             for o in entry[1]:
                 if o.ins.holds:
-                    self._hold(o.rank, dur)
+                    self._hold(o.rank, entry[0])
         return entry[0]
 
     def _memory(self, rank: int, delta: float) -> None:
@@ -992,7 +1000,7 @@ class _Engine:
 
     def _run_for(self, rank: int, op: _Op, dur: float):
         """Run ``dur`` seconds of compute op ``op``'s work (stretched by overlap and shared cores)."""
-        if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores or self.host_bound) and dur > 0:
+        if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores or self.host_bound or self.holding) and dur > 0:
             op.job = self._run_compute(rank, dur)
             yield op.job.ev
             op.job = None
@@ -1044,15 +1052,25 @@ class _Engine:
             yield env.timeout(op.post)
         host.release()
 
-    def _hold(self, rank: int, seconds: float) -> None:
-        """A holding collective (`Instruction.holds`) has started: the compute the rank runs
-        beside it waits for it, so its remaining work ends ``seconds`` later (the work it would
-        do meanwhile, at its rate beside the transfer, is added back)."""
-        for job in list(self.compute_jobs[rank]):
-            if not job.ev.triggered:
-                job.left += seconds * job.rate - job.rate * (self.env.now - job.t)
-                self._rerate(job, True)
-                self.held[rank] += seconds
+    def _hold(self, rank: int, ends: simpy.Event) -> None:
+        """A holding collective (`Instruction.holds`) has started on ``rank``: the compute the
+        rank runs beside it pauses (rate 0, `_rate`) until it ends (``ends``); that time is held."""
+        self.paused[rank] += 1
+        if self.paused[rank] == 1:
+            jobs = self.compute_jobs[rank]
+            self.paused_since[rank] = (self.env.now, bool(jobs))
+            for job in list(jobs):
+                self._rerate(job)
+        ends.callbacks.append(lambda _e: self._unhold(rank))
+
+    def _unhold(self, rank: int) -> None:
+        self.paused[rank] -= 1
+        if self.paused[rank] == 0:
+            since, paused_compute = self.paused_since.pop(rank)
+            if paused_compute:
+                self.held[rank] += self.env.now - since
+            for job in list(self.compute_jobs[rank]):
+                self._rerate(job)
 
     def _stall(self, op: _Op, seconds: float) -> None:
         """Compute op ``op`` loses ``seconds`` to a post from inside it: its remaining work,

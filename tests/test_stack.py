@@ -331,6 +331,29 @@ def test_presets_and_compile_fuse_rope_and_swiglu():
         parse_stack({"swiglu": "triton"})
 
 
+def test_tp_backward_overlap_holds_recompute_collectives_and_folds_exactly():
+    """A full recompute re-runs the forward's collectives before the backward: they block
+    (held). A holding collective pauses its rank's compute until it ends, whatever slows it
+    (shared cores on a CPU cluster, contended links): the folded simulation gives the unfolded
+    step, and the rank stats' exposed comm is explain's."""
+    from executor.scale_check import Family
+    from piper_sim.compiler import compile_strategy
+
+    s = {**Family(pp=2, tp=2, sp=True, zero=1, recompute="full").strategy(8), "stack": "megatron-te"}
+    plan = compile_strategy(s).plan
+    tp = [i for c in plan.classes for i in c.streams["tp"]]
+    assert all(i.holds for i in tp if i.direction == "R") and any(not i.holds for i in tp)
+    folded, unfolded = simulate(plan), simulate(plan, fold=False)
+    assert folded.step_time_s == pytest.approx(unfolded.step_time_s, rel=1e-12)
+    contended = simulate(compile({"model": "llama3-8b", "cluster": "h100:1x8", "global_batch": 8, "seq_len": 4096,
+                                  "stack": "megatron-te",
+                                  "directives": [{"op": "data_parallel", "degree": 2, "zero": 3},
+                                                 {"op": "tensor_parallel", "degree": 4, "sequence_parallel": True}]}))
+    terms = contended.explain(rank=0).terms
+    comm = sum(v for k, v in terms.items() if k.startswith("comm:"))
+    assert comm == pytest.approx(contended.rank_stats[0].comm_exposed_s, rel=1e-6)
+
+
 def test_tp_backward_overlap_plans_keep_the_executors_collective_order():
     """The overlap is priced without reordering the plan's TP stream: every rank's executor
     issues the plan's collectives as its modules run them (fake process group, 8 ranks)."""

@@ -152,14 +152,18 @@ def _block_collectives(seg: SegmentCost, pas: str, sp: bool, act: float, loss: f
 _ASYNC_BACKWARD_BLOCKS = ("attn", "mlp", "shared", "head", "eh")
 
 
-def async_in_backward(name: str) -> bool:
+def async_in_backward(name: str, user: bool = False) -> bool:
     """Whether a backward TP collective is one a column-parallel linear issues async beside its
     GEMMs under the stack's ``tp_backward_overlap`` (costmodel.stack): the re-gather of its
     sequence-parallel input (``.regather``, beside the dgrad GEMM) and the reduction of its
     input gradient (``.rs`` with SP, ``.ar`` without: beside the wgrad GEMM), in attention, the
     MLP, shared experts, the head and MTP's ``eh_proj``. The all-gather of a row-parallel
-    output gradient (``.ag``), the embedding's and the MoE dispatch's collectives block."""
+    output gradient (``.ag``), the embedding's and the MoE dispatch's collectives block. A user
+    module's (``user``, `piper_sim.user_tp`): every backward ``.rs`` / ``.ar`` is a
+    column-parallel input's gradient reduction, named after the module path."""
     parts = name.split(".")
+    if user:
+        return parts[-1] in ("rs", "ar")
     return len(parts) >= 2 and parts[-1] in ("regather", "rs", "ar") and parts[-2] in _ASYNC_BACKWARD_BLOCKS
 
 
@@ -278,8 +282,9 @@ def tensor_pass(ctx: Context, dag: TrainingDAG) -> None:
             if ctx.stack.tp_overlap or backward_async:
                 dag.ins(chain[0]).dep_progress = 0.0
             if backward_async and not ctx.stack.tp_overlap:
-                for c in chain:
-                    dag.ins(c).holds = not async_in_backward(dag.ins(c).name)
+                for c in chain:  # a recompute's re-run forward collectives (direction R) block
+                    c_ins = dag.ins(c)
+                    c_ins.holds = c_ins.direction != "B" or not async_in_backward(c_ins.name, user)
             for _, q, kind in succs:
                 dag.edge(chain[-1], q, kind)
         for mb, ops in regathers.items():
