@@ -901,7 +901,7 @@ class _Engine:
                 del self.cpu_jobs[job]
                 for j in self.cpu_jobs:
                     self._rerate(j)
-            job.ev.succeed()
+            self._succeed_last(job.ev)
             return
         affected: dict[_Job, None] = {}
         for link, _ in job.links:
@@ -918,7 +918,21 @@ class _Engine:
                 affected.update(self.compute_jobs[r])
         for j in affected:
             self._rerate(j)
-        job.ev.succeed()
+        self._succeed_last(job.ev)
+
+    def _succeed_last(self, ev: simpy.Event) -> None:
+        """``ev.succeed()`` as the last thing an event's callback does: when no other event is
+        due at this instant ahead of it, the loop's next step would pop ``ev`` and run its
+        callbacks, so they run now instead, as that step would (same order, one event less)."""
+        env = self.env
+        queue = env._queue
+        if queue and queue[0][0] <= env._now and queue[0][1] <= simpy.events.NORMAL:
+            ev.succeed()  # something due first at this instant: keep simpy's order
+            return
+        ev._ok, ev._value = True, None
+        callbacks, ev.callbacks = ev.callbacks, None
+        for callback in callbacks:
+            callback(ev)
 
     # --- ops ----------------------------------------------------------------------------
     def _p2p(self, op: _Op) -> simpy.Event:
