@@ -551,7 +551,7 @@ class _Engine:
         self._post_cache: dict[tuple[str, float], float] = {}
         self._link_reps: dict[str, str] = {}
         self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self._group_links: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
+        self._group_links: dict[tuple[str, tuple[int, ...] | int], tuple[str, ...]] = {}
         self._job_end_cb = self._job_end
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
@@ -721,10 +721,11 @@ class _Engine:
                     user.gates = sorted([*user.gates, (ins.needed_at, op)], key=lambda g: g[0])
 
     # --- comm costs ------------------------------------------------------------------
-    def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float) -> tuple:
+    def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float, gid: int | None = None) -> tuple:
         """(`_Link`, demanded bytes/s) of a transfer; the links of a (kind, group), mapped to the
-        simulated ranks' ports when folded, are derived once (a group's buckets share them)."""
-        key = (kind, ranks)
+        simulated ranks' ports when folded, are derived once (a group's buckets share them).
+        ``gid``: a collective group's small id (`_group`), the key rather than its 4K ranks."""
+        key = (kind, ranks if gid is None else gid)
         links = self._group_links.get(key)
         if links is None:
             ports = self.cm.collective_ports(kind, ranks) if self.folded and kind not in P2P_KINDS else None
@@ -788,7 +789,7 @@ class _Engine:
                 dur = float(self.cm.collective_time(kind, nbytes, list(group)))
             reps = self._reps(group)
             members = len(reps) if self.folded else len(group)
-            self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes), reps, gid, members)
+            self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes, gid), reps, gid, members)
         return self._coll_cache[key]
 
     def _p2p_cost(self, nbytes: float, src: int, dst: int) -> tuple:
