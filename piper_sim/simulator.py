@@ -311,20 +311,20 @@ def class_comms(cls) -> tuple[dict[str, tuple[str, bool]], list[int]]:
     return named, list(peers)
 
 
-def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
+def fold_is_exact(plan: Plan, cluster: Cluster | None, used: list | None = None) -> tuple[bool, str]:
     """Whether simulating dp_rank 0 of each class gives every replica's timeline.
 
     True when each collective group and p2p pair of replica d has the topology (member
     classes, ranks per node) of replica 0's, so it costs the same and shares links the
-    same way. Returns (exact, reason when not).
+    same way. Returns (exact, reason when not). ``used``: the classes' `class_comms`, in
+    order, when the caller has them.
     """
     layout = plan.layout
     if layout.class_size == 1:
         return True, ""
     groups: set[tuple[int, str]] = set()
     peers: set[tuple[int, int]] = set()
-    for c in plan.classes:
-        named, class_peers = class_comms(c)
+    for c, (named, class_peers) in zip(plan.classes, used or map(class_comms, plan.classes)):
         for group, (op_id, _) in named.items():
             if group.startswith("ranks:"):
                 return False, f"explicit group {group} of {op_id} on a class of {layout.class_size} ranks"
@@ -1240,15 +1240,16 @@ def _memory_device(plan: Plan, cm: CostModel):
     return None if cluster is None else cluster.gpu
 
 
-def communicators(plan: Plan, cls, resolved: dict[tuple[str, int], tuple] | None = None
-                  ) -> tuple[int, int, int, tuple[int, ...]]:
+def communicators(plan: Plan, cls, resolved: dict[tuple[str, int], tuple] | None = None,
+                  used: tuple | None = None) -> tuple[int, int, int, tuple[int, ...]]:
     """The NCCL communicators a rank of this class uses, as a trainer makes them (one per group
     of ranks, one per send/recv peer, the world's): (2-rank ones, larger ones, the peers of its
     all-to-all groups, the sizes of those groups). ``resolved``: (group, rank) -> (ranks, ...)
-    the simulator already resolved (the rest are resolved here)."""
+    the simulator already resolved (the rest are resolved here); ``used``: the class's
+    `class_comms`, when the caller has it."""
     rank = cls.ranks[0]
     layout = plan.layout
-    named, peers = class_comms(cls)  # symbolic group -> (first op, used by an all-to-all); pipeline peers
+    named, peers = used or class_comms(cls)  # symbolic group -> (first op, used by an all-to-all); pipeline peers
     groups: dict[tuple[int, ...], bool] = {}  # ranks -> an all-to-all group
     for peer in peers:
         groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, peer)})), False)
@@ -1315,7 +1316,8 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
             cluster = parse_cluster(plan.header.cluster)
         costmodel = get_costmodel(spec, cluster, dtype=plan.header.dtype)
     cm = costmodel
-    exact, why = fold_is_exact(plan, _cluster(plan, cm)) if fold else (False, "fold=False")
+    used = [class_comms(c) for c in plan.classes]  # read by the folding check and the communicators
+    exact, why = fold_is_exact(plan, _cluster(plan, cm), used) if fold else (False, "fold=False")
     folded = fold and exact
     if fold and not exact:
         log.debug("simulating every rank: folding is not exact (%s)", why)
@@ -1336,8 +1338,8 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     gpu = _memory_device(plan, cm)
     capacity = None if gpu is None else float(gpu.hbm_bytes)
     expandable = bool((plan.header.stack or {}).get("expandable_segments"))
-    comms = {id(c): _runtime_comms(plan, cm, communicators(plan, c, eng.resolved_groups))
-             for c in plan.classes} if gpu is not None else {}
+    comms = {id(c): _runtime_comms(plan, cm, communicators(plan, c, eng.resolved_groups, u))
+             for c, u in zip(plan.classes, used)} if gpu is not None else {}
     for r in eng.ranks:
         cls = eng.class_of[r]
         static = cls.static_memory
