@@ -289,6 +289,7 @@ class SimResult:
 
 
 _COMPUTE, _COLLECTIVES, _P2P = frozenset(COMPUTE_KINDS), frozenset(COLLECTIVE_KINDS), frozenset(P2P_KINDS)
+_NORMAL = simpy.events.NORMAL  # simpy's priority of a plain event
 
 
 def class_comms(cls) -> tuple[dict[str, tuple[str, bool]], list[int]]:
@@ -556,8 +557,8 @@ class _Engine:
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
         self.compute_scale = self._compute_scales(slow_ranks or {})
-        # collectives the compute stream waits for from inside a piece (`Instruction.holds`)
-        self.holding = any(ins.holds for c in plan.classes for ins in c.instructions())
+        # collectives the compute stream waits for from inside a piece (`Instruction.holds`; set by `_ops`)
+        self.holding = False
         self.held = dict.fromkeys(self.ranks, 0.0)  # rank -> seconds its compute waited for them
         self._build()
 
@@ -599,7 +600,7 @@ class _Engine:
     def _compute_durations(self, cls) -> dict[int, float]:
         """Duration of each compute instruction of a class (keyed by id(ins))."""
         cm = self.cm
-        compute = [ins for ins in cls.instructions() if ins.kind in _COMPUTE]
+        compute = [ins for lst in cls.streams.values() for ins in lst if ins.kind in _COMPUTE]
         totals: dict[tuple[str, int, int], float] = {}  # the unit model splits a pass's time by flops
         if self.unit:
             for ins in compute:
@@ -666,6 +667,8 @@ class _Engine:
             ops = []
             for ins in lst:
                 op = _Op(ins, r, name)
+                if ins.holds:
+                    self.holding = True
                 if ins.id in by_id:
                     raise SimulationError(f"rank {r}: op {ins.id} appears twice")
                 by_id[ins.id] = op
@@ -807,7 +810,7 @@ class _Engine:
         if not links and not self._slowed:
             self.env.timeout(dur).callbacks.append(lambda _e: ev.succeed())
             return
-        job = _Job(dur, ev, links, ranks, self.env.now)
+        job = _Job(dur, ev, links, ranks, self.env._now)
         if self.comm_slow != 1.0:
             for r in ranks:
                 self.comm_jobs.setdefault(r, {})[job] = None
@@ -865,14 +868,16 @@ class _Engine:
     def _rerate(self, job: _Job, new: bool = False) -> None:
         rate = self._rate(job)
         env = self.env
-        now = env.now
+        now = env._now  # `env.now`, without the property call (hot path)
         if not new:
             if rate == job.rate:
                 return
             job.left -= job.rate * (now - job.t)
         job.t, job.rate = now, rate
         job.ver += 1
-        env.schedule(_JobEnd(self._job_end_cb, job), delay=max(job.left, 0.0) / rate)
+        # env.schedule(_JobEnd(...), delay=...), inlined
+        heapq.heappush(env._queue, (now + max(job.left, 0.0) / rate, _NORMAL, next(env._eid),
+                                    _JobEnd(self._job_end_cb, job)))
         for left, ev in job.watch:
             self._watch(job, job.ver, left, ev)
 
@@ -927,7 +932,7 @@ class _Engine:
         callbacks, so they run now instead, as that step would (same order, one event less)."""
         env = self.env
         queue = env._queue
-        if queue and queue[0][0] <= env._now and queue[0][1] <= simpy.events.NORMAL:
+        if queue and queue[0][0] <= env._now and queue[0][1] <= _NORMAL:
             ev.succeed()  # something due first at this instant: keep simpy's order
             return
         ev._ok, ev._value = True, None
@@ -1091,7 +1096,7 @@ class _Engine:
         self._finish(rank, name, op)
 
     def _finish(self, rank: int, name: str, op: _Op) -> None:
-        op.end = self.env.now
+        op.end = self.env._now
         free = op.ins.free
         if free:
             self._memory(rank, -free)
@@ -1128,14 +1133,14 @@ class _Engine:
                 if dep.event is None:
                     dep.event = env.event()
                 yield dep.event
-            op.posted = env.now
+            op.posted = env._now  # `env.now` (hot path)
             if ins.alloc:
                 self._memory(rank, ins.alloc)
             dur = op.dur
             if dur is not None:
                 if host_bound:
                     yield self.hosts[rank].request((1, si, i), op)
-                op.start, op.begun = env.now, True
+                op.start, op.begun = env._now, True
                 if op.started is not None:
                     op.started.succeed()
                 if op.gates:
