@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import simpy
@@ -1330,12 +1331,12 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     eng.run()
 
     layout = plan.layout
-    step = max((row[7] for row in eng.rows), default=0.0)
+    step = max(map(itemgetter(7), eng.rows), default=0.0)  # the last op's end
     compute_s = dict.fromkeys(eng.ranks, 0.0)
     for row in eng.rows:
-        if row[3] in COMPUTE_KINDS:
+        if row[3] in _COMPUTE:
             compute_s[row[0]] += row[7] - row[6]
-    exposed_of = trace.exposed_comm((row[0], row[3], row[6], row[7]) for row in eng.rows)
+    exposed_of = trace.exposed_comm(map(itemgetter(0, 3, 6, 7), eng.rows))  # (rank, kind, start, end)
     for r, held in eng.held.items():  # a compute op waiting for a holding collective is exposed comm
         compute_s[r] -= held
         exposed_of[r] = exposed_of.get(r, 0.0) + held
