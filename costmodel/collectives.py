@@ -58,6 +58,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 from costmodel.hardware import CPU, Cluster
 from costmodel.moe import FP8_DISPATCH_FACTOR, MoEOptions, Routing, traffic
@@ -158,8 +159,13 @@ def algorithm_times(kind: str, nbytes: float, ranks: list[int], cluster: Cluster
     """Time of every algorithm that applies to this group."""
     _check_kind(kind)
     ranks = _group(ranks, cluster)
+    return _algorithm_times(kind, nbytes, ranks, cluster, _node_counts(ranks, cluster))
+
+
+def _algorithm_times(kind: str, nbytes: float, ranks: list[int], cluster: Cluster, per_node: Counter
+                     ) -> dict[str, float]:
+    """`algorithm_times` of a group `_group` made, its `_node_counts` read once for every formula."""
     n = len(ranks)
-    per_node = cluster.node_counts(ranks)  # once for every algorithm's formula
     one_node = len(per_node) == 1
     link = intra_link(cluster) if one_node else inter_link(cluster, ranks)
     times = {"ring": ring_time(kind, nbytes, n, link)}
@@ -173,9 +179,12 @@ def algorithm_times(kind: str, nbytes: float, ranks: list[int], cluster: Cluster
 
 def collective_time(kind: str, nbytes: float, ranks: list[int], cluster: Cluster, algorithm: str = "auto") -> float:
     """Seconds for one collective over `ranks`; "auto" takes the cheapest algorithm."""
-    times = algorithm_times(kind, nbytes, ranks, cluster)
+    _check_kind(kind)
+    ranks = _group(ranks, cluster)
+    per_node = _node_counts(ranks, cluster)
+    times = _algorithm_times(kind, nbytes, ranks, cluster, per_node)
     if algorithm == "auto":
-        if "rails" in times and cluster.gpu.name != CPU.name and not cluster.same_node(ranks):
+        if "rails" in times and cluster.gpu.name != CPU.name and len(per_node) > 1:  # spans nodes
             return min(times["rails"], times.get("tree", math.inf))  # NCCL across nodes
         return min(times.values())
     if algorithm not in times:
@@ -214,7 +223,7 @@ def moe_all_to_all_time(nbytes: float, ranks: list[int], cluster: Cluster, direc
     scaled = nbytes * a2a_bytes_factor(direction, options)
     if a2a_algorithm(options, cluster) == "nccl":
         return collective_time("ALL_TO_ALL", scaled, ranks, cluster, algorithm)
-    nodes = len(cluster.node_counts(ranks))
+    nodes = len(_node_counts(ranks, cluster))
     tr = traffic(n, nodes, routing, options.max_nodes_per_token)
     b_nvl, b_nic = cluster.gpu.ep_links
     per_copy = scaled / tr.copies
@@ -256,7 +265,7 @@ def ports_used(kind: str, ranks, cluster: Cluster) -> list[str]:
     ranks = _group(ranks, cluster)
     if len(ranks) <= 1:
         return []
-    per_node = cluster.node_counts(ranks)
+    per_node = _node_counts(ranks, cluster)
     return (["nvlink"] if max(per_node.values()) > 1 else []) + (["nic"] if len(per_node) > 1 else [])
 
 
@@ -281,3 +290,15 @@ def _group(ranks, cluster: Cluster) -> list[int]:
         raise ValueError("collective over an empty group")
     cluster.node_of(ranks[0]), cluster.node_of(ranks[-1])  # range check (sorted: the extremes)
     return ranks
+
+
+def _node_counts(ranks: list[int], cluster: Cluster) -> Counter:
+    """`Cluster.node_counts` of a group `_group` made (sorted, range-checked), counted once per
+    distinct group and node size: a simulator prices every bucket of a data-parallel group of
+    4,096 ranks with it. The Counter is shared: read it, never change it."""
+    return _counts_by_node(tuple(ranks), cluster.gpus_per_node)
+
+
+@lru_cache(maxsize=256)
+def _counts_by_node(ranks: tuple[int, ...], gpus_per_node: int) -> Counter:
+    return Counter(map(gpus_per_node.__rfloordiv__, ranks))  # r // gpus_per_node

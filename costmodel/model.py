@@ -169,9 +169,11 @@ class AnalyticCostModel(CostModel):
                                     mem_bw=self.mem_bw)
 
     def collective_time(self, kind, nbytes, ranks):
-        group = sorted(set(ranks))
         fits = self.collective_fits.get(kind)
-        if not fits or len(group) <= 1:
+        if not fits:  # the formulas (they sort the group themselves)
+            return coll.collective_time(kind, nbytes, ranks, self.cluster, self.algorithm)
+        group = sorted(set(ranks))
+        if len(group) <= 1:
             return coll.collective_time(kind, nbytes, group, self.cluster, self.algorithm)
         for r in group:
             self.cluster.node_of(r)

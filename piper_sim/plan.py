@@ -423,10 +423,19 @@ class Layout:
                 dps = [d for d in dps if d // self.dp_shard == dp // self.dp_shard]
             elif tag == "rep":
                 return sorted(index((pp, d, cp, tp)) for d in dps if d % self.dp_shard == dp % self.dp_shard)
-            dp_n, cp_n, tp_n = self.dp, self.cp, self.tp  # the rank formula (`_index`), inlined: groups of 4K ranks
-            return sorted(((p * dp_n + d) * cp_n + k) * tp_n + tp
-                          for p in self.stage_ranks[stage] for d in dps for k in range(cp_n))
+            return self._stage_group(self.stage_ranks[stage], dps, tp)
         raise PlanError(f"unknown collective group {group!r} on rank {rank}")
+
+    def _stage_group(self, pp_ranks: list[int], dps, tp: int) -> list[int]:
+        """The sorted ranks with tp rank ``tp`` on pipeline ranks ``pp_ranks``, DP ranks ``dps``
+        (increasing) and every CP rank. The rank formula (`_index`), inlined: groups of 4K
+        ranks; each pipeline rank's block with every DP rank is one stride of ranks."""
+        dp_n, cp_n, tp_n = self.dp, self.cp, self.tp
+        block = dp_n * cp_n * tp_n  # ranks per pipeline rank
+        pps = sorted(pp_ranks)
+        if isinstance(dps, range) and dps == range(dp_n) and len(set(pps)) == len(pps):
+            return [r for p in pps for r in range(p * block + tp, (p + 1) * block, tp_n)]
+        return sorted(((p * dp_n + d) * cp_n + k) * tp_n + tp for p in pps for d in dps for k in range(cp_n))
 
     def to_json(self) -> dict[str, Any]:
         # plans without TP / CP stay as they were

@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import simpy
@@ -289,6 +290,7 @@ class SimResult:
 
 
 _COMPUTE, _COLLECTIVES, _P2P = frozenset(COMPUTE_KINDS), frozenset(COLLECTIVE_KINDS), frozenset(P2P_KINDS)
+_NORMAL = simpy.events.NORMAL  # simpy's priority of a plain event
 
 
 def class_comms(cls) -> tuple[dict[str, tuple[str, bool]], list[int]]:
@@ -311,20 +313,20 @@ def class_comms(cls) -> tuple[dict[str, tuple[str, bool]], list[int]]:
     return named, list(peers)
 
 
-def fold_is_exact(plan: Plan, cluster: Cluster | None) -> tuple[bool, str]:
+def fold_is_exact(plan: Plan, cluster: Cluster | None, used: list | None = None) -> tuple[bool, str]:
     """Whether simulating dp_rank 0 of each class gives every replica's timeline.
 
     True when each collective group and p2p pair of replica d has the topology (member
     classes, ranks per node) of replica 0's, so it costs the same and shares links the
-    same way. Returns (exact, reason when not).
+    same way. Returns (exact, reason when not). ``used``: the classes' `class_comms`, in
+    order, when the caller has them.
     """
     layout = plan.layout
     if layout.class_size == 1:
         return True, ""
     groups: set[tuple[int, str]] = set()
     peers: set[tuple[int, int]] = set()
-    for c in plan.classes:
-        named, class_peers = class_comms(c)
+    for c, (named, class_peers) in zip(plan.classes, used or map(class_comms, plan.classes)):
         for group, (op_id, _) in named.items():
             if group.startswith("ranks:"):
                 return False, f"explicit group {group} of {op_id} on a class of {layout.class_size} ranks"
@@ -551,13 +553,13 @@ class _Engine:
         self._post_cache: dict[tuple[str, float], float] = {}
         self._link_reps: dict[str, str] = {}
         self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self._group_links: dict[tuple[str, tuple[int, ...]], tuple[str, ...]] = {}
+        self._group_links: dict[tuple[str, tuple[int, ...] | int], tuple[str, ...]] = {}
         self._job_end_cb = self._job_end
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
         self.compute_scale = self._compute_scales(slow_ranks or {})
-        # collectives the compute stream waits for from inside a piece (`Instruction.holds`)
-        self.holding = any(ins.holds for c in plan.classes for ins in c.instructions())
+        # collectives the compute stream waits for from inside a piece (`Instruction.holds`; set by `_ops`)
+        self.holding = False
         self.held = dict.fromkeys(self.ranks, 0.0)  # rank -> seconds its compute waited for them
         self.paused = dict.fromkeys(self.ranks, 0)  # rank -> holding collectives running now
         self.paused_since: dict[int, tuple[float, bool]] = {}  # rank -> (when, a compute op was paused)
@@ -601,7 +603,7 @@ class _Engine:
     def _compute_durations(self, cls) -> dict[int, float]:
         """Duration of each compute instruction of a class (keyed by id(ins))."""
         cm = self.cm
-        compute = [ins for ins in cls.instructions() if ins.kind in _COMPUTE]
+        compute = [ins for lst in cls.streams.values() for ins in lst if ins.kind in _COMPUTE]
         totals: dict[tuple[str, int, int], float] = {}  # the unit model splits a pass's time by flops
         if self.unit:
             for ins in compute:
@@ -668,6 +670,8 @@ class _Engine:
             ops = []
             for ins in lst:
                 op = _Op(ins, r, name)
+                if ins.holds:
+                    self.holding = True
                 if ins.id in by_id:
                     raise SimulationError(f"rank {r}: op {ins.id} appears twice")
                 by_id[ins.id] = op
@@ -723,10 +727,11 @@ class _Engine:
                     user.gates = sorted([*user.gates, (ins.needed_at, op)], key=lambda g: g[0])
 
     # --- comm costs ------------------------------------------------------------------
-    def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float) -> tuple:
+    def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float, gid: int | None = None) -> tuple:
         """(`_Link`, demanded bytes/s) of a transfer; the links of a (kind, group), mapped to the
-        simulated ranks' ports when folded, are derived once (a group's buckets share them)."""
-        key = (kind, ranks)
+        simulated ranks' ports when folded, are derived once (a group's buckets share them).
+        ``gid``: a collective group's small id (`_group`), the key rather than its 4K ranks."""
+        key = (kind, ranks if gid is None else gid)
         links = self._group_links.get(key)
         if links is None:
             ports = self.cm.collective_ports(kind, ranks) if self.folded and kind not in P2P_KINDS else None
@@ -790,7 +795,7 @@ class _Engine:
                 dur = float(self.cm.collective_time(kind, nbytes, list(group)))
             reps = self._reps(group)
             members = len(reps) if self.folded else len(group)
-            self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes), reps, gid, members)
+            self._coll_cache[key] = (dur, self._links(kind, group, dur, nbytes, gid), reps, gid, members)
         return self._coll_cache[key]
 
     def _p2p_cost(self, nbytes: float, src: int, dst: int) -> tuple:
@@ -808,7 +813,7 @@ class _Engine:
         if not links and not self._slowed:
             self.env.timeout(dur).callbacks.append(lambda _e: ev.succeed())
             return
-        job = _Job(dur, ev, links, ranks, self.env.now)
+        job = _Job(dur, ev, links, ranks, self.env._now)
         if self.comm_slow != 1.0:
             for r in ranks:
                 self.comm_jobs.setdefault(r, {})[job] = None
@@ -868,7 +873,7 @@ class _Engine:
     def _rerate(self, job: _Job, new: bool = False) -> None:
         rate = self._rate(job)
         env = self.env
-        now = env.now
+        now = env._now  # `env.now`, without the property call (hot path)
         if not new:
             if rate == job.rate:
                 return
@@ -877,7 +882,9 @@ class _Engine:
         job.ver += 1
         if rate == 0.0:  # paused (`_hold`): no end until it is re-rated
             return
-        env.schedule(_JobEnd(self._job_end_cb, job), delay=max(job.left, 0.0) / rate)
+        # env.schedule(_JobEnd(...), delay=...), inlined
+        heapq.heappush(env._queue, (now + max(job.left, 0.0) / rate, _NORMAL, next(env._eid),
+                                    _JobEnd(self._job_end_cb, job)))
         for left, ev in job.watch:
             self._watch(job, job.ver, left, ev)
 
@@ -909,7 +916,7 @@ class _Engine:
                 del self.cpu_jobs[job]
                 for j in self.cpu_jobs:
                     self._rerate(j)
-            job.ev.succeed()
+            self._succeed_last(job.ev)
             return
         affected: dict[_Job, None] = {}
         for link, _ in job.links:
@@ -926,7 +933,21 @@ class _Engine:
                 affected.update(self.compute_jobs[r])
         for j in affected:
             self._rerate(j)
-        job.ev.succeed()
+        self._succeed_last(job.ev)
+
+    def _succeed_last(self, ev: simpy.Event) -> None:
+        """``ev.succeed()`` as the last thing an event's callback does: when no other event is
+        due at this instant ahead of it, the loop's next step would pop ``ev`` and run its
+        callbacks, so they run now instead, as that step would (same order, one event less)."""
+        env = self.env
+        queue = env._queue
+        if queue and queue[0][0] <= env._now and queue[0][1] <= _NORMAL:
+            ev.succeed()  # something due first at this instant: keep simpy's order
+            return
+        ev._ok, ev._value = True, None
+        callbacks, ev.callbacks = ev.callbacks, None
+        for callback in callbacks:
+            callback(ev)
 
     # --- ops ----------------------------------------------------------------------------
     def _p2p(self, op: _Op) -> simpy.Event:
@@ -1094,7 +1115,7 @@ class _Engine:
         self._finish(rank, name, op)
 
     def _finish(self, rank: int, name: str, op: _Op) -> None:
-        op.end = self.env.now
+        op.end = self.env._now
         free = op.ins.free
         if free:
             self._memory(rank, -free)
@@ -1131,14 +1152,14 @@ class _Engine:
                 if dep.event is None:
                     dep.event = env.event()
                 yield dep.event
-            op.posted = env.now
+            op.posted = env._now  # `env.now` (hot path)
             if ins.alloc:
                 self._memory(rank, ins.alloc)
             dur = op.dur
             if dur is not None:
                 if host_bound:
                     yield self.hosts[rank].request((1, si, i), op)
-                op.start, op.begun = env.now, True
+                op.start, op.begun = env._now, True
                 if op.started is not None:
                     op.started.succeed()
                 if op.gates:
@@ -1243,15 +1264,16 @@ def _memory_device(plan: Plan, cm: CostModel):
     return None if cluster is None else cluster.gpu
 
 
-def communicators(plan: Plan, cls, resolved: dict[tuple[str, int], tuple] | None = None
-                  ) -> tuple[int, int, int, tuple[int, ...]]:
+def communicators(plan: Plan, cls, resolved: dict[tuple[str, int], tuple] | None = None,
+                  used: tuple | None = None) -> tuple[int, int, int, tuple[int, ...]]:
     """The NCCL communicators a rank of this class uses, as a trainer makes them (one per group
     of ranks, one per send/recv peer, the world's): (2-rank ones, larger ones, the peers of its
     all-to-all groups, the sizes of those groups). ``resolved``: (group, rank) -> (ranks, ...)
-    the simulator already resolved (the rest are resolved here)."""
+    the simulator already resolved (the rest are resolved here); ``used``: the class's
+    `class_comms`, when the caller has it."""
     rank = cls.ranks[0]
     layout = plan.layout
-    named, peers = class_comms(cls)  # symbolic group -> (first op, used by an all-to-all); pipeline peers
+    named, peers = used or class_comms(cls)  # symbolic group -> (first op, used by an all-to-all); pipeline peers
     groups: dict[tuple[int, ...], bool] = {}  # ranks -> an all-to-all group
     for peer in peers:
         groups.setdefault(tuple(sorted({rank, layout.pipeline_peer(rank, peer)})), False)
@@ -1318,7 +1340,8 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
             cluster = parse_cluster(plan.header.cluster)
         costmodel = get_costmodel(spec, cluster, dtype=plan.header.dtype)
     cm = costmodel
-    exact, why = fold_is_exact(plan, _cluster(plan, cm)) if fold else (False, "fold=False")
+    used = [class_comms(c) for c in plan.classes]  # read by the folding check and the communicators
+    exact, why = fold_is_exact(plan, _cluster(plan, cm), used) if fold else (False, "fold=False")
     folded = fold and exact
     if fold and not exact:
         log.debug("simulating every rank: folding is not exact (%s)", why)
@@ -1326,12 +1349,12 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     eng.run()
 
     layout = plan.layout
-    step = max((row[7] for row in eng.rows), default=0.0)
+    step = max(map(itemgetter(7), eng.rows), default=0.0)  # the last op's end
     compute_s = dict.fromkeys(eng.ranks, 0.0)
     for row in eng.rows:
-        if row[3] in COMPUTE_KINDS:
+        if row[3] in _COMPUTE:
             compute_s[row[0]] += row[7] - row[6]
-    exposed_of = trace.exposed_comm((row[0], row[3], row[6], row[7]) for row in eng.rows)
+    exposed_of = trace.exposed_comm(map(itemgetter(0, 3, 6, 7), eng.rows))  # (rank, kind, start, end)
     for r, held in eng.held.items():  # a compute op waiting for a holding collective is exposed comm
         compute_s[r] -= held
         exposed_of[r] = exposed_of.get(r, 0.0) + held
@@ -1339,8 +1362,8 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
     gpu = _memory_device(plan, cm)
     capacity = None if gpu is None else float(gpu.hbm_bytes)
     expandable = bool((plan.header.stack or {}).get("expandable_segments"))
-    comms = {id(c): _runtime_comms(plan, cm, communicators(plan, c, eng.resolved_groups))
-             for c in plan.classes} if gpu is not None else {}
+    comms = {id(c): _runtime_comms(plan, cm, communicators(plan, c, eng.resolved_groups, u))
+             for c, u in zip(plan.classes, used)} if gpu is not None else {}
     for r in eng.ranks:
         cls = eng.class_of[r]
         static = cls.static_memory

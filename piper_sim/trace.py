@@ -101,10 +101,11 @@ def exposed_comm(rows: Iterable[tuple[int, str, float, float]]) -> dict[int, flo
     (executor trace) steps."""
     comp: dict[int, list[tuple[float, float]]] = {}
     comm: dict[int, list[tuple[float, float]]] = {}
+    compute_kinds = frozenset(COMPUTE_KINDS)
     for rank, kind, start, end in rows:
-        comp.setdefault(rank, [])
-        comm.setdefault(rank, [])
-        (comp if kind in COMPUTE_KINDS else comm)[rank].append((start, end))
+        if rank not in comp:  # both lists, in order of the ranks' first rows
+            comp[rank], comm[rank] = [], []
+        (comp if kind in compute_kinds else comm)[rank].append((start, end))
     return {r: uncovered_time(union_intervals(comm[r]), union_intervals(comp[r])) for r in comp}
 
 
