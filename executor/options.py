@@ -67,7 +67,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 def refuse_unrunnable(plan: Plan, path: str) -> None:
     """Every refusal that depends on the plan alone, in the order ``piper-sim run`` makes them:
     tensor / context parallelism and recompute policies, a user model's factory, tied embeddings (and
-    the embedding MTP modules share), MTP under TP/CP."""
+    the embedding MTP modules share), MTP under a shard_tensor selection of layers."""
     refuse_tensor_parallel(plan, path)
     refuse_unbuildable_user_model(plan, path)
     refuse_tied_embeddings(plan, path)
@@ -76,20 +76,20 @@ def refuse_unrunnable(plan: Plan, path: str) -> None:
 
 def refuse_multi_token_prediction(plan: Plan, path: str) -> None:
     """DeepSeek-V3's multi-token-prediction modules (`ModelConfig.mtp_layers`) run with PP, DP /
-    ZeRO, EP (`executor.stage`, the shared embedding across stages: `refuse_tied_embeddings`) and
-    tensor (+ sequence) parallelism (`executor.parallel.tensor.tp_mtp_input`), with every
-    schedule; under context parallelism (Megatron-Core rolls the shifted tokens across CP ranks)
-    or a ``shard_tensor`` selection of layers they are simulate-only."""
+    ZeRO, EP (`executor.stage`, the shared embedding across stages: `refuse_tied_embeddings`),
+    tensor (+ sequence) parallelism (`executor.parallel.tensor.tp_mtp_input`) and context
+    parallelism, both styles (`executor.parallel.context`: each rank reads the whole micro-batch,
+    so its shifted tokens and targets need no roll over the cp group), with every schedule;
+    under a ``shard_tensor`` selection of layers they are simulate-only."""
     from piper_sim.configs import config_of
 
     h = plan.header
     if h.user_model is not None or not config_of(h).mtp_layers:
         return
-    why = f"context parallelism (cp {plan.layout.cp})" if plan.layout.cp > 1 else \
-        "a shard_tensor selection of layers" if plan.layout.tp > 1 and h.tp.layers is not None else ""
-    if why:
+    if plan.layout.tp > 1 and h.tp.layers is not None:
         raise PlanError(f"{path}: model {h.model} has {config_of(h).mtp_layers} multi-token-prediction module(s) "
-                        f"(mtp_layers), which are simulate-only under {why} in this version; use `piper-sim simulate`")
+                        "(mtp_layers), which are simulate-only under a shard_tensor selection of layers in this "
+                        "version; use `piper-sim simulate`")
 
 
 def refuse_tensor_parallel(plan: Plan, path: str) -> None:

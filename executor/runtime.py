@@ -412,7 +412,8 @@ class Runtime:
 
     # ------------------------------------------------------------------ compute
     def _microbatch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and targets of micro-batch ``m`` (a context-parallel rank: its chunks of them)."""
+        """Tokens and targets of micro-batch ``m`` (a context-parallel rank: its chunks of the
+        tokens, the targets whole: `executor.parallel.context.ContextParallel.local_batch`)."""
         tokens, targets = self.data.microbatch(self.step_index, self.dp_rank, self.layout.dp, self.microbatches, m,
                                                self.device)
         for axis in self.axes:

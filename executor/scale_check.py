@@ -532,8 +532,8 @@ class Family:
 
 
 # each schedule, ZeRO 0-3, TP (with and without SP), EP and CP (all-gather and ring), DeepSeek-V3's
-# multi-token prediction and a user nn.Module's annotated TP, in plans the executor runs
-# (`executor.options.refuse_unrunnable`: e.g. MTP neither under CP nor with its embedding copy's
+# multi-token prediction (under TP + SP, and CP ring) and a user nn.Module's annotated TP, in plans
+# the executor runs (`executor.options.refuse_unrunnable`: e.g. MTP not with its embedding copy's
 # gradient reduce-scattered every micro-batch, ZeRO-2/3)
 FAMILIES: dict[str, Family] = {
     "gpipe-zero0": Family("gpipe"),
@@ -548,6 +548,7 @@ FAMILIES: dict[str, Family] = {
     "1f1b-cp2-ring-tp2-sp-zero1": Family(pp=2, cp=2, style="ring", tp=2, sp=True, zero=1, recompute="full"),
     "zb1p-mtp-tp2-sp-zero1": Family("zb1p", tp=2, sp=True, zero=1, model="tiny-mtp", recompute="full"),
     "1f1b-moe-mtp-ep4-tp2-sp-zero1": Family(pp=2, ep=4, tp=2, sp=True, zero=1, model="moe-tiny-mtp"),
+    "1f1b-mtp-cp2-ring-zero1": Family(pp=2, cp=2, style="ring", zero=1, model="tiny-mtp"),
     "1f1b-user-tp2-sp-zero3": Family(pp=2, tp=2, sp=True, zero=3, model="user-tiny-lm"),
 }
 

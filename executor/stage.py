@@ -476,7 +476,13 @@ class Stage:
         self.mtp_embed: Callable[[torch.Tensor, int], torch.Tensor] = \
             lambda tokens, depth: F.embedding(tokens, self.mtp_embedding())
         self.mtp_loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] = \
-            lambda y, targets, depth: mtp_loss(self.units["head"].project(y), targets, depth, self.cfg)
+            lambda y, targets, depth: mtp_loss(self.units["head"].project(y), targets, depth, self.cfg,
+                                               positions=self.positions)
+        # the true positions of this rank's tokens (context parallelism: its chunks,
+        # executor.parallel.context); None: the whole sequence. The targets stay the whole
+        # sequence's: the losses take their positions (`local`), and the MTP modules' shifted
+        # tokens and targets there need no exchange (Megatron-Core rolls them over the cp group)
+        self.positions: torch.Tensor | None = None
         # full recomputation stops once backward has what it needs; tensor parallelism re-runs
         # the whole forward, so its collectives recur in the plan's order (TP.R ops)
         self.recompute_early_stop = True
@@ -678,7 +684,7 @@ class Stage:
                     if layer == self.cfg.n_layers:
                         xmain = x
                     d = layer - self.cfg.n_layers
-                    tokens = mtp_shift(targets, d)[0]
+                    tokens = self.local(mtp_shift(targets, d)[0])
                     if kind == "mtp":  # one checkpoint: a full recompute re-runs the module whole, as the plan
                         x = run((kind, layer), lambda h, t, d=d, block=self._block(layer):
                                 block(self._mtp_input(h, t, d)), x, tokens)
@@ -710,8 +716,12 @@ class Stage:
         vals.update(outputs)
         return Record(inputs, outputs, piece.params)
 
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a whole sequence's ``[B, s]`` tensor (`positions`)."""
+        return t if self.positions is None else t[:, self.positions]
+
     def _head_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.units["head"](x), targets)
+        return self.loss_fn(self.units["head"](x), self.local(targets))
 
     def _head_losses(self, x: torch.Tensor, targets: torch.Tensor, *ys: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The main loss and those of the MTP depths deferred to the head (``ys``: their

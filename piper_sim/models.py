@@ -1071,15 +1071,25 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
 
 
 def mtp_loss(logits: torch.Tensor, targets: torch.Tensor, depth: int, cfg: ModelConfig,
-             ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy) -> torch.Tensor:
+             ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
     """Module ``depth``'s share of the training loss: its mean token cross entropy over the
     positions with a target (fp32), times ``mtp_loss_scale / mtp_layers`` (DeepSeek-V3 §2.2's
     lambda / D; Megatron-Core ``mtp_loss_scaling_factor / mtp_num_layers``). ``ce``: each
-    token's cross entropy (a vocabulary-parallel one under tensor parallelism)."""
+    token's cross entropy (a vocabulary-parallel one under tensor parallelism).
+
+    ``positions``: the true sequence positions of ``logits``' tokens, ``targets`` being the
+    whole sequence's (a context-parallel rank's chunks): their cross entropies summed over the
+    whole sequence's count of positions with a target, times ``s / len(positions)``, so that
+    the mean over the ranks of the group is the whole sequence's loss (as their main losses)."""
     _, tgt, mask = mtp_shift(targets, depth)
+    count = mask.sum().clamp(min=1)
+    if positions is not None:
+        tgt, mask = tgt[..., positions], mask[..., positions]
+        count = count * (positions.numel() / targets.shape[-1])
     ce = ce(logits.flatten(0, 1).float(), tgt.flatten())
     m = mask.flatten()
-    return (ce * m).sum() / m.sum().clamp(min=1) * (cfg.mtp_loss_scale / cfg.mtp_layers)
+    return (ce * m).sum() / count * (cfg.mtp_loss_scale / cfg.mtp_layers)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,10 @@ import json
 import pytest
 import torch
 
-from executor.support import MOE, TINY, unrunnable
+from executor.parallel.context import cp_positions
+from executor.support import MLA, MOE, TINY, unrunnable
 from piper_sim.configs import config_from_dict
-from piper_sim.models import build_model, lm_loss
+from piper_sim.models import build_model, lm_loss, mtp_loss
 from tests.test_tied_embeddings import check, ops, plan_of
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 MTP = {**TINY, "name": "tiny-mtp", "mtp_layers": 1, "mtp_loss_scale": 0.3}
 MOE_MTP = {**MOE, "name": "moe-mtp", "mtp_layers": 1}
 MOE_MTP2 = {**MOE, "name": "moe-mtp2", "mtp_layers": 2}
+MLA_MTP2 = {**MLA, "name": "mla-mtp2", "mtp_layers": 2}
 PIPE = [{"op": "pipeline", "degree": 2}, {"op": "schedule", "name": "1f1b"}]
 DP2 = {"op": "data_parallel", "degree": 2, "zero": 1}
 EP2 = {"op": "expert_parallel", "degree": 2}
@@ -34,7 +36,7 @@ def strategy(model: str, *directives: dict, world: int = 2, m: int = 4, batch: i
 @pytest.fixture()
 def files(tmp_path) -> dict[str, str]:
     out = {}
-    for spec in (MTP, MOE_MTP, MOE_MTP2):
+    for spec in (MTP, MOE_MTP, MOE_MTP2, MLA_MTP2):
         path = tmp_path / f"{spec['name']}.json"
         path.write_text(json.dumps(spec))
         out[spec["name"]] = str(path)
@@ -76,11 +78,16 @@ def TP2(sp: bool) -> dict:
     return {"op": "tensor_parallel", "degree": 2, "sequence_parallel": sp}
 
 
+def CP2(style: str = "allgather") -> dict:
+    return {"op": "context_parallel", "degree": 2, "style": style}
+
+
 def test_refusals_left(files):
-    cp = strategy(files["tiny-mtp"], {"op": "context_parallel", "degree": 2})
-    msg = unrunnable(plan_of(cp))
-    assert "multi-token-prediction" in msg and "context parallelism (cp 2)" in msg and "\n" not in msg, msg
+    some = strategy(files["tiny-mtp"], {"op": "shard_tensor", "degree": 2, "layers": [0]})
+    msg = unrunnable(plan_of(some))
+    assert "multi-token-prediction" in msg and "shard_tensor selection of layers" in msg and "\n" not in msg, msg
     assert unrunnable(plan_of(strategy(files["tiny-mtp"], TP2(True)))) == ""
+    assert unrunnable(plan_of(strategy(files["tiny-mtp"], CP2("ring")))) == ""
     zero3 = strategy(files["tiny-mtp"], {"op": "data_parallel", "degree": 2, "zero": 3}, m=2, batch=4)
     assert "shares its embedding with its multi-token-prediction modules" in unrunnable(plan_of(zero3))
     for s in (strategy(files["tiny-mtp"], *PIPE), strategy(files["tiny-mtp"], DP2, m=2, batch=4)):
@@ -124,6 +131,50 @@ def test_tensor_parallel_with_pipeline_experts_and_data_parallel_equal_the_refer
                         "zb1p-tp2-sp-full": strategy(files["tiny-mtp"], TP2(True), *zb1p, {"op": "recompute"}, world=4),
                         "moe-tp2-ep2-dp2": strategy(files["moe-mtp"], TP2(False), DP2, EP2, world=4, m=2, batch=8),
                         "moe-tp2-sp-pp2": strategy(files["moe-mtp"], TP2(True), *PIPE, world=4)})
+
+
+def test_context_parallel_equals_the_reference(files, tmp_path):
+    """CP2, all-gather and ring (with full recompute): the MTP module's layer attends over the cp
+    group with the plan's ``mtp.0.kv.ag`` / ``mtp.0.dkv.rs`` (Megatron-Core builds its
+    attention with the cp group); every rank reads the whole micro-batch, so the shifted tokens
+    and targets at its positions need no roll, and each rank's MTP loss is its positions' share
+    of the whole sequence's masked mean (the masked tail lies on rank 0 only)."""
+    plan = plan_of(strategy(files["tiny-mtp"], CP2(), m=2, batch=4))
+    mtp_ops = [(i.direction, i.kind) for i in plan.classes[0].instructions() if i.mb == 0 and i.name.startswith("mtp.")]
+    assert mtp_ops == [("F", "ALL_GATHER"), ("B", "ALL_GATHER"), ("B", "REDUCE_SCATTER")], mtp_ops
+    cfg = config_from_dict(MTP)
+    logits, targets = torch.randn(2, 16, cfg.vocab, dtype=torch.float64), torch.randint(cfg.vocab, (2, 16))
+    for d in (0, 1):  # the ranks' shares, averaged over the group, are the whole loss
+        shares = [mtp_loss(logits[:, pos], targets, d, cfg, positions=pos) for pos in
+                  (cp_positions(16, 2, r) for r in range(2))]
+        assert torch.allclose(sum(shares) / 2, mtp_loss(logits, targets, d, cfg)), d
+    check(tmp_path, 2, {"cp2": strategy(files["tiny-mtp"], CP2(), m=2, batch=4),
+                        "cp2-ring-full": strategy(files["tiny-mtp"], CP2("ring"), {"op": "recompute"}, m=2, batch=4)})
+
+
+@pytest.mark.slow
+def test_context_parallel_mla_moe_and_selective_recompute_equal_the_reference(files, tmp_path):
+    """Two ranks: two MLA MTP modules over a ring, two MoE ones (all-gather), selective recompute."""
+    check(tmp_path, 2, {"mla-ring": strategy(files["mla-mtp2"], CP2("ring"), m=2, batch=4),
+                        "moe": strategy(files["moe-mtp2"], CP2(), m=2, batch=4),
+                        "selective": strategy(files["tiny-mtp"], CP2(), {"op": "recompute", "mode": "selective"},
+                                              m=2, batch=4)})
+
+
+@pytest.mark.slow
+def test_context_parallel_with_pipeline_data_tensor_and_expert_parallel_equal_the_reference(files, tmp_path):
+    """Four ranks: CP2 with PP2 (1f1b; zb1p over a ring with full recompute: the embedding copy's
+    AR.embed on the last stage), DP2 ZeRO-1, TP2 (+ SP; the vocabulary-parallel MTP loss at the
+    rank's positions), MoE MTP layers under DP2 x EP2, and CP4 over a ring."""
+    zb1p = [PIPE[0], {"op": "schedule", "name": "zb1p"}, {"op": "recompute"}]
+    check(tmp_path, 4, {"pp2": strategy(files["tiny-mtp"], CP2(), *PIPE, world=4),
+                        "zb1p-ring-full": strategy(files["tiny-mtp"], CP2("ring"), *zb1p, world=4),
+                        "dp2": strategy(files["tiny-mtp"], CP2(), DP2, world=4, m=2, batch=8),
+                        "tp2-sp": strategy(files["tiny-mtp"], CP2(), TP2(True), world=4, m=2, batch=4),
+                        "tp2-ring": strategy(files["tiny-mtp"], CP2("ring"), TP2(False), world=4, m=2, batch=4),
+                        "moe-dp2-ep2": strategy(files["moe-mtp2"], CP2(), DP2, EP2, world=4, m=2, batch=8),
+                        "cp4-ring": strategy(files["tiny-mtp"], {"op": "context_parallel", "degree": 4,
+                                                                 "style": "ring"}, world=4, m=2, batch=4)})
 
 
 @pytest.mark.slow

@@ -1,12 +1,19 @@
 """Real context parallelism for transformer stages of the zoo (`piper_sim.context_parallel`).
 
 Each rank of a ``cp`` group holds the load-balanced share of every sequence: cut into ``2C``
-chunks, rank ``i`` holds chunks ``i`` and ``2C - 1 - i`` (`cp_positions`); its tokens, targets
-and rotary positions are those tokens' true ones, so everything but attention runs unchanged
-on ``s / C`` tokens. Attention (`CPAttention`, replacing a layer's `GQAttention` or
-`TPAttention`; `CPMLAttention`, its `MLAttention` or `TPMLAttention`: same parameters) is the
-local queries against every key of the sequence, causal by true position; the collectives
-move K and V side by side (MLA: the up-projected per-head K and V, of unequal head dims):
+chunks, rank ``i`` holds chunks ``i`` and ``2C - 1 - i`` (`cp_positions`); its tokens and
+rotary positions are those tokens' true ones, so everything but attention runs unchanged on
+``s / C`` tokens. The targets stay the whole sequence's (every rank reads the whole
+micro-batch), and the losses take the rank's positions (`Stage.positions`): DeepSeek-V3's MTP
+module ``d`` embeds, at position ``i``, token ``i + d + 1`` and predicts ``i + d + 2``, which
+the rank then has without the boundary exchange Megatron-Core's ``roll_tensor`` makes over the
+cp group (megatron-core 0.16.1 ``transformer/multi_token_prediction.py``). An MTP module's
+layer attends over the group as the others (its plan ops ``mtp.{d}.kv.ag``, ``mtp.{d}.dkv.rs``).
+
+Attention (`CPAttention`, replacing a layer's `GQAttention` or `TPAttention`; `CPMLAttention`,
+its `MLAttention` or `TPMLAttention`: same parameters) is the local queries against every key
+of the sequence, causal by true position; the collectives move K and V side by side (MLA: the
+up-projected per-head K and V, of unequal head dims):
 
 ``allgather`` (Llama 3): one autograd function all-gathers K and V over the group (``kv.ag``),
     keeps only the local chunk, gathers again in backward (``kv.ag``; under full
@@ -24,8 +31,9 @@ puts a piece's gathers *before* it (and a ring beside it); the collectives run i
 piece, so each CP op moves after its piece (`reorder_after_pieces`).
 
 The loss is each rank's mean over its ``s / C`` tokens scaled by ``1 / C`` more (equal token
-counts: the sum over the group is the sequence mean); parameters are replicated over cp and
-their gradients summed over dp x cp by the plan's sync ops.
+counts: the sum over the group is the sequence mean; an MTP loss, whose masked tail lies on
+rank 0, divides by the whole sequence's count instead: `models.mtp_loss`); parameters are
+replicated over cp and their gradients summed over dp x cp by the plan's sync ops.
 """
 
 from __future__ import annotations
@@ -349,27 +357,43 @@ class CPMLAttention(MLAttention):
         return row(tp, o, self.wo, self.tp_label) if tp is not None else self.wo(o)
 
 
+def attention_units(names) -> list[str]:
+    """The units of ``names`` with an attention: layers and MTP modules (``mtp.d``: its layer's)."""
+    return [n for n in names if n.startswith(("layers.", "mtp."))]
+
+
+def cp_label(unit: str) -> str:
+    """The name prefix of a unit's CP collectives in the plan: ``l{i}`` for layer i, ``mtp.{d}``
+    for MTP module d (`piper_sim.parallel.context`)."""
+    return unit if unit.startswith("mtp.") else "l" + unit.split(".")[1]
+
+
+def cp_unit(op_name: str) -> str:
+    """The unit whose attention performs a plan CP op (``l3.kv.ag``, ``mtp.0.dkv.rs``)."""
+    head, *rest = op_name.split(".")
+    return f"mtp.{rest[0]}" if head == "mtp" else "layers." + head[1:]
+
+
 def context_stage(stage, cp: CPComm, keep: bool | set[str]) -> None:
-    """Every layer of ``stage`` attends over the cp group (`CPAttention`, `CPMLAttention`); full
-    recomputation re-runs whole layers, so the recomputed collectives recur in the plan's order.
-    ``keep``: every layer, or the names of the layers whose checkpoint re-runs the attention
-    (full, every-N, op-SAC: `recomputed_layers`)."""
+    """Every layer of ``stage``, MTP modules' included, attends over the cp group (`CPAttention`,
+    `CPMLAttention`); full recomputation re-runs whole layers, so the recomputed collectives
+    recur in the plan's order. ``keep``: every layer, or the names of the units whose
+    checkpoint re-runs the attention (full, every-N, op-SAC: `recomputed_layers`)."""
     stage.recompute_early_stop = False
-    for name in stage.units.unit_names():
-        if name.startswith("layers."):
-            block = stage.units[name]
-            cls = CPMLAttention if isinstance(block.attn, MLAttention) else CPAttention
-            block.attn = cls(block.attn, cp, "l" + name.split(".")[1],
-                             keep if isinstance(keep, bool) else name in keep)
+    for name in attention_units(stage.units.unit_names()):
+        block = stage.units[name]
+        block = getattr(block, "block", block)  # an MTP module's layer
+        cls = CPMLAttention if isinstance(block.attn, MLAttention) else CPAttention
+        block.attn = cls(block.attn, cp, cp_label(name), keep if isinstance(keep, bool) else name in keep)
 
 
 def recomputed_layers(header, stage: int, units: list[str]) -> set[str]:
-    """The layers of a stage whose checkpoint re-runs their whole forward, attention included
-    (`piper_sim.recompute.reruns_forward_collective`)."""
+    """The layers (and MTP modules) of a stage whose checkpoint re-runs their whole forward,
+    attention included (`piper_sim.recompute.reruns_forward_collective`)."""
     policy = Recompute.from_header((header.recompute or {}).get(stage, "none"),
                                    (header.recompute_policy or {}).get(stage))
     return {u for u, (mode, _) in policy.unit_modes(units).items()
-            if u.startswith("layers.") and reruns_forward_collective(mode, (), "kv")}
+            if u in attention_units([u]) and reruns_forward_collective(mode, (), "kv")}
 
 
 def reorder_after_pieces(streams: dict[str, list], stage_parts: list[list[list[str]]]) -> None:
@@ -381,7 +405,7 @@ def reorder_after_pieces(streams: dict[str, list], stage_parts: list[list[list[s
     cps = {i.id: i for lst in streams.values() for i in lst if is_cp(i)}
 
     def piece(ins) -> str:
-        layer = "layers." + ins.name.split(".")[0][1:]
+        layer = cp_unit(ins.name)
         parts = stage_parts[ins.stage]
         part = next(k for k, segs in enumerate(parts) if any(s == layer or s.startswith(layer + ".") for s in segs))
         return pieces[(ins.direction == "F", ins.stage, ins.mb, part)]
@@ -402,7 +426,9 @@ def reorder_after_pieces(streams: dict[str, list], stage_parts: list[list[list[s
 
 class ContextParallel(ModuleCollectives):
     """Every stage's attention runs over the plan's ``cp`` group; the CP ops wait for the
-    pieces that perform their collectives; a micro-batch's tokens are this rank's chunks."""
+    pieces that perform their collectives; a micro-batch's tokens are this rank's chunks, its
+    targets the whole sequence's, of which the last stage's losses take this rank's positions
+    (`Stage.positions`: the MTP modules' shifted tokens and targets need every position)."""
 
     stream = CP_STREAM
 
@@ -419,11 +445,12 @@ class ContextParallel(ModuleCollectives):
                            style=style, ranks=ranks, seq_len=rt.seq)
         for s, stage in rt.stages.items():
             context_stage(stage, self.comm, keep=recomputed_layers(rt.header, s, stage.unit_names))
+            stage.positions = self.comm.positions().to(rt.device)
         reorder_after_pieces(rt.prog.streams, rt.header.stage_parts)
 
     def local_seq(self, seq: int) -> int:
         return seq // self.rt.layout.cp
 
     def local_batch(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = self.comm.positions().to(tokens.device)
-        return tokens[:, idx], targets[:, idx]
+        """This rank's chunks of the tokens; the targets whole (`Stage.local` takes its positions)."""
+        return tokens[:, self.comm.positions().to(tokens.device)], targets

@@ -613,12 +613,14 @@ def tp_mtp_input(mtp: MTPLayer, tp: TPComm, label: str, x: torch.Tensor, emb: to
 
 
 def tp_mtp_loss(tp: TPComm, lo: int, head: TPHead, cfg, y: torch.Tensor, targets: torch.Tensor,
-                depth: int) -> torch.Tensor:
+                depth: int, positions: torch.Tensor | None = None) -> torch.Tensor:
     """MTP module ``depth``'s loss through the shared vocabulary-parallel head (its own
-    collectives, ``mtp.d.head.*``: `piper_sim.parallel.tensor._block_collectives`)."""
+    collectives, ``mtp.d.head.*``: `piper_sim.parallel.tensor._block_collectives`); ``positions``:
+    a context-parallel rank's (`models.mtp_loss`)."""
     label = f"mtp.{depth}.head"
     logits = column(tp, y, [head.out], label)[0]
-    return mtp_loss(logits, targets, depth, cfg, ce=lambda z, t: _VocabParallelCE.apply(z, t, tp, lo, label))
+    return mtp_loss(logits, targets, depth, cfg, ce=lambda z, t: _VocabParallelCE.apply(z, t, tp, lo, label),
+                    positions=positions)
 
 
 # --------------------------------------------------------------------------- sharding a stage
@@ -716,7 +718,8 @@ def shard_stage(stage, tp: TPComm, sharded: Callable[[str], bool] | None = None)
         lo = tp.index * stage.mtp_embedding().shape[0]  # every vocabulary shard: rows [lo, lo + V/T)
         stage.mtp_embed = lambda tokens, depth: vocab_parallel_embedding(tp, stage.mtp_embedding(), lo, tokens,
                                                                          f"mtp.{depth}.embed")
-        stage.mtp_loss_fn = lambda y, targets, depth: tp_mtp_loss(tp, lo, units["head"], stage.cfg, y, targets, depth)
+        stage.mtp_loss_fn = lambda y, targets, depth: tp_mtp_loss(tp, lo, units["head"], stage.cfg, y, targets, depth,
+                                                                  stage.positions)
     stage.collect_piece_params()  # the pieces' parameters are the shards now
     moe_tp = any(u.startswith(("layers.", "mtp.")) and units[u].is_moe and sharded(u)
                  for u in units.unit_names())
