@@ -143,22 +143,40 @@ def test_explore_enumerates_and_ranks_hsdp_candidates():
 
 # ------------------------------------------------------------------ the executor runs it
 
+def _hsdp_strategy(zero: int, pp: int = 1) -> dict:
+    """HSDP 2x2 over 4 data-parallel ranks (shards of 2, 2 replicas), fp32, on gloo."""
+    from test_executor import strategy as exec_strategy
+
+    s = exec_strategy(pp=pp, dp=4, zero=zero, m=2, mbs=1)
+    next(d for d in s["directives"] if d["op"] == "data_parallel")["shard_degree"] = 2
+    return s
+
+
 def test_executor_runs_hsdp_equal_to_the_reference(tmp_path):
-    """torchrun on gloo: HSDP 2x2 (ZeRO-1, -2, -3) on 4 ranks and PP2 x HSDP 2x2 (ZeRO-3) on 8,
-    fp32, against the single-process reference (what ``--check`` enforces)."""
+    """torchrun on gloo: HSDP 2x2 (ZeRO-1, -2, -3) on 4 ranks, fp32, against the single-process
+    reference (what ``--check`` enforces)."""
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_executor import GRAD_TOL, TOL, check_all, json_lines, save_plan, strategy as exec_strategy, torchrun
+    from test_executor import GRAD_TOL, TOL, check_all
 
-    def hsdp(zero, pp=1):
-        s = exec_strategy(pp=pp, dp=4, zero=zero, m=2, mbs=1)
-        next(d for d in s["directives"] if d["op"] == "data_parallel")["shard_degree"] = 2
-        return s
+    rows = check_all(tmp_path, 4, {f"hsdp-z{z}": _hsdp_strategy(z) for z in (1, 2, 3)})
+    assert set(rows) == {"hsdp-z1", "hsdp-z2", "hsdp-z3"}
+    for name, row in rows.items():
+        assert row["within_tolerance"] is True, (name, row)
+        assert row["max_rel_param_diff"] <= TOL and row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
 
-    four = check_all(tmp_path, 4, {f"hsdp-z{z}": hsdp(z) for z in (1, 2, 3)})
-    # --clip-grad-norm: the replicas' equal shards count once in the global norm
-    clipped = {save_plan(tmp_path, f"clip-z{z}", hsdp(z)): z for z in (1, 3)}
+
+@pytest.mark.slow  # ~25 s: 8 ranks and a clipped run (the fast set keeps the 4-rank HSDP --check, CI budget)
+def test_executor_runs_hsdp_with_a_pipeline_and_clipping_equal_to_the_reference(tmp_path):
+    """PP2 x HSDP 2x2 (ZeRO-3) on 8 ranks, and --clip-grad-norm: the replicas' equal shards
+    count once in the global norm."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_executor import GRAD_TOL, TOL, check_all, json_lines, save_plan, torchrun
+
+    clipped = {save_plan(tmp_path, f"clip-z{z}", _hsdp_strategy(z)): z for z in (1, 3)}
     r = torchrun(4, [*clipped, "--steps", "2", "--check", "--json", "--clip-grad-norm", "0.05"])
     assert r.returncode == 0, r.stderr[-3000:]
     norms = {}
@@ -169,12 +187,9 @@ def test_executor_runs_hsdp_equal_to_the_reference(tmp_path):
             assert row["within_tolerance"] is True and row["max_rel_grad_diff"] <= GRAD_TOL, row
     assert set(norms) == {1, 3} and all(n > 0.05 for v in norms.values() for n in v)
     assert abs(norms[1][0] - norms[3][0]) < 1e-4 * norms[1][0]  # one model, one first-step gradient
-    eight = check_all(tmp_path, 8, {"pp2-hsdp-z3": hsdp(3, pp=2)})
-    rows = {**four, **eight}
-    assert set(rows) == {"hsdp-z1", "hsdp-z2", "hsdp-z3", "pp2-hsdp-z3"}
-    for name, row in rows.items():
-        assert row["within_tolerance"] is True, (name, row)
-        assert row["max_rel_param_diff"] <= TOL and row["max_rel_grad_diff"] <= GRAD_TOL, (name, row)
+    row = check_all(tmp_path, 8, {"pp2-hsdp-z3": _hsdp_strategy(3, pp=2)})["pp2-hsdp-z3"]
+    assert row["within_tolerance"] is True, row
+    assert row["max_rel_param_diff"] <= TOL and row["max_rel_grad_diff"] <= GRAD_TOL, row
 
 
 @pytest.mark.slow  # 30-55 s: the fast set keeps the HSDP --check run (CI budget)
