@@ -656,6 +656,9 @@ class _Engine:
             posts = posts or any(op.post > 0 for _, ops in streams for op in ops)
         if self.host_bound or posts:
             self.hosts = {r: _Host(self.env) for r in self.ranks}
+        # compute runs as a rate-shared `_Job` when its rate can change while it runs: beside comm
+        # (overlap slowdowns), on shared cores, on a busy host, or paused by a holding collective
+        self.compute_as_job = self._slowed or bool(self.cores) or self.host_bound or self.holding
 
     def _ops(self, r: int, cls, durs: dict[int, float]) -> tuple[list[tuple[str, list[_Op]]], dict[str, _Op]]:
         """Rank ``r``'s ops per stream, priced (compute seconds, comm costs, post times), and the
@@ -1021,7 +1024,7 @@ class _Engine:
 
     def _run_for(self, rank: int, op: _Op, dur: float):
         """Run ``dur`` seconds of compute op ``op``'s work (stretched by overlap and shared cores)."""
-        if (self.slow != 1.0 or self.comm_slow != 1.0 or self.cores or self.host_bound or self.holding) and dur > 0:
+        if self.compute_as_job and dur > 0:
             op.job = self._run_compute(rank, dur)
             yield op.job.ev
             op.job = None
@@ -1133,8 +1136,7 @@ class _Engine:
         env = self.env
         hosted = bool(self.hosts) and not (ops and is_inner(ops[0].ins))  # inner: performed inside compute
         host_bound = self.host_bound
-        # compute runs as a rate-shared `_Job` (a holding collective can pause it)
-        as_job = self._slowed or bool(self.cores) or host_bound or self.holding
+        as_job = self.compute_as_job
         prev: _Op | None = None  # the stream's last posted comm op (its transfer may still run)
         for i, op in enumerate(ops):
             ins = op.ins
