@@ -195,6 +195,7 @@ def rank_terms(rows: Sequence[tuple], step: float, rerun: dict[str, float],
     marks: list[tuple[float, int, int]] = []  # (time, 0 end / 1 start, row index)
     share: list[tuple[tuple[str, float], ...]] = []  # per row: its (term, fraction) pairs
     compute: list[bool] = []
+    holds = [row[2] in holding for row in rows] if holding else []  # per row: pauses the compute beside it
     for i, row in enumerate(rows):
         kind, start, end = row[3], max(0.0, row[6]), min(step, row[7])
         if kind in COMPUTE_KINDS:
@@ -215,7 +216,7 @@ def rank_terms(rows: Sequence[tuple], step: float, rerun: dict[str, float],
     for when, start, i in marks + [(step, -1, -1)]:
         dt = when - t
         if dt > 0:
-            held = [j for j in active_m if rows[j][2] in holding] if holding else []
+            held = [j for j in active_m if holds[j]] if holding else []
             active = held or active_c or active_m
             if not active:
                 terms[IDLE] = terms.get(IDLE, 0.0) + dt
