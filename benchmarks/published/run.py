@@ -265,11 +265,7 @@ def load_suite(path: str | Path = SUITE) -> Suite:
             _fail(where, f"duplicate ranking id {r['id']!r}")
         ranking_ids.add(r["id"])
         order = r["faster"]
-        if not isinstance(order, list) or len(order) < 2 or len(set(order)) != len(order):
-            _fail(where, "faster must list at least two distinct entry ids, fastest first")
-        for eid in order:
-            if eid not in entry_ids:
-                _fail(where, f"unknown entry id {eid!r}")
+        _check_entry_ids(order, where, entry_ids, "faster must list at least two distinct entry ids, fastest first")
         speeds = [_speed(entry_ids[eid]["metric"], entry_ids[eid]["published"]) for eid in order]
         if any(a <= b for a, b in zip(speeds, speeds[1:])):
             _fail(where, "the order contradicts the published numbers")
@@ -288,15 +284,20 @@ def _gpus(entry: dict) -> int:
     return int(entry["setup"]["gpus"])
 
 
+def _check_entry_ids(ids: Any, where: str, entry_ids: dict[str, dict], shape: str) -> None:
+    """A ranking's or a series' list of entries: two or more distinct known ids (else ``shape``)."""
+    if not isinstance(ids, list) or len(ids) < 2 or len(set(ids)) != len(ids):
+        _fail(where, shape)
+    for eid in ids:
+        if eid not in entry_ids:
+            _fail(where, f"unknown entry id {eid!r}")
+
+
 def _check_series(r: Any, where: str, entry_ids: dict[str, dict]) -> None:
     """A scaling series: two or more entries of one model and stack at growing GPU counts."""
     _check_keys(r, where, SERIES_REQUIRED, {"notes"})
     runs = r["runs"]
-    if not isinstance(runs, list) or len(runs) < 2 or len(set(runs)) != len(runs):
-        _fail(where, "runs must list at least two distinct entry ids, fewest GPUs first")
-    for eid in runs:
-        if eid not in entry_ids:
-            _fail(where, f"unknown entry id {eid!r}")
+    _check_entry_ids(runs, where, entry_ids, "runs must list at least two distinct entry ids, fewest GPUs first")
     first = entry_ids[runs[0]]
     for eid in runs[1:]:
         e = entry_ids[eid]
