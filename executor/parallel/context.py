@@ -357,9 +357,9 @@ class CPMLAttention(MLAttention):
         return row(tp, o, self.wo, self.tp_label) if tp is not None else self.wo(o)
 
 
-def attention_units(names) -> list[str]:
-    """The units of ``names`` with an attention: layers and MTP modules (``mtp.d``: its layer's)."""
-    return [n for n in names if n.startswith(("layers.", "mtp."))]
+def has_attention(unit: str) -> bool:
+    """Whether a unit has an attention: a layer, or an MTP module (``mtp.d``: its layer's)."""
+    return unit.startswith(("layers.", "mtp."))
 
 
 def cp_label(unit: str) -> str:
@@ -380,7 +380,7 @@ def context_stage(stage, cp: CPComm, keep: bool | set[str]) -> None:
     recur in the plan's order. ``keep``: every layer, or the names of the units whose
     checkpoint re-runs the attention (full, every-N, op-SAC: `recomputed_layers`)."""
     stage.recompute_early_stop = False
-    for name in attention_units(stage.units.unit_names()):
+    for name in filter(has_attention, stage.units.unit_names()):
         block = stage.units[name]
         block = getattr(block, "block", block)  # an MTP module's layer
         cls = CPMLAttention if isinstance(block.attn, MLAttention) else CPAttention
@@ -393,7 +393,7 @@ def recomputed_layers(header, stage: int, units: list[str]) -> set[str]:
     policy = Recompute.from_header((header.recompute or {}).get(stage, "none"),
                                    (header.recompute_policy or {}).get(stage))
     return {u for u, (mode, _) in policy.unit_modes(units).items()
-            if u in attention_units([u]) and reruns_forward_collective(mode, (), "kv")}
+            if has_attention(u) and reruns_forward_collective(mode, (), "kv")}
 
 
 def reorder_after_pieces(streams: dict[str, list], stage_parts: list[list[list[str]]]) -> None:
