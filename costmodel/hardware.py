@@ -357,6 +357,8 @@ SPEC_FORMS = (
     "or a path to a .yaml/.yml/.json cluster file"
 )
 GPU_FIELDS = {f.name for f in dataclasses.fields(GPU)}
+# the architectures `GPU.family` names (each selects its kernel measurements and FP8 recipes)
+GPU_FAMILIES = ("ampere", "hopper", "blackwell", "cdna3", "cpu")
 
 
 def parse_cluster(spec: str) -> Cluster:
@@ -436,7 +438,9 @@ def _gpu_from(entry, overrides: dict, path: str) -> GPU:
             raise
         base = None
     if base is None:
-        required = {f.name for f in dataclasses.fields(GPU) if f.default is dataclasses.MISSING}
+        # family too: it picks the kernel tables, FP8 recipes and casts; a silent "hopper" default
+        # would price a Blackwell GPU described in a file with Hopper's
+        required = {f.name for f in dataclasses.fields(GPU) if f.default is dataclasses.MISSING} | {"family"}
         missing = required - set(fields)
         if missing:
             name = fields.get("name")
@@ -444,6 +448,9 @@ def _gpu_from(entry, overrides: dict, path: str) -> GPU:
         gpu = GPU(**fields)
     else:
         gpu = dataclasses.replace(base, **fields)
+    if gpu.family not in GPU_FAMILIES:
+        raise ValueError(f"cluster file {path!r}: GPU {gpu.name!r} family {gpu.family!r} is unknown; "
+                         f"choose one of {', '.join(GPU_FAMILIES)}")
     return dataclasses.replace(
         gpu,
         peak_flops={k: float(v) for k, v in gpu.peak_flops.items()},

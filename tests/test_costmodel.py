@@ -362,11 +362,19 @@ def test_cluster_file_preset_with_overrides(tmp_path):
     assert parse_cluster(str(path)).gpu.nvlink_bw == 1e11
 
 
+_FULL_GPU = ("name: gb200, peak_flops: {bf16: 2.5e+15}, hbm_bytes: 1.86e+11, hbm_bw: 8.0e+12, "
+             "nvlink_bw: 7.2e+11, nic_bw: 5.0e+10, mamf_eff: 0.729")
+
+
 @pytest.mark.parametrize("text,match", [
     ("gpu: h100\nnodes: 1\n", "needs keys"),
     ("gpu: h100\nnodes: 1\ngpus_per_node: 8\nnic: 1\n", r"unknown key\(s\) nic; did you mean 'nic_bw'"),
     ("gpu: {name: tpu, nic_bw: 1}\nnodes: 1\ngpus_per_node: 8\n", "missing fields"),
     ("gpu: tpu\nnodes: 1\ngpus_per_node: 8\n", "unknown GPU"),
+    # a GPU that is no preset names its family (kernel tables, FP8 recipes), or is refused
+    (f"gpu: {{{_FULL_GPU}}}\nnodes: 1\ngpus_per_node: 8\n", r"missing fields \['family'\]"),
+    (f"gpu: {{{_FULL_GPU}, family: volta}}\nnodes: 1\ngpus_per_node: 8\n", "family 'volta' is unknown; choose one of"),
+    ("gpu: {name: h100, family: hoper}\nnodes: 1\ngpus_per_node: 8\n", "family 'hoper' is unknown"),
 ])
 def test_cluster_file_errors(tmp_path, text, match):
     path = tmp_path / "c.yaml"
@@ -375,6 +383,13 @@ def test_cluster_file_errors(tmp_path, text, match):
         parse_cluster(str(path))
     with pytest.raises(ValueError, match="not found"):
         parse_cluster(str(tmp_path / "nope.yaml"))
+
+
+def test_cluster_file_gpu_with_its_family(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"gpu: {{{_FULL_GPU}, family: blackwell}}\nnodes: 1\ngpus_per_node: 8\n")
+    gpu = parse_cluster(str(path)).gpu
+    assert gpu.name == "gb200" and gpu.family == "blackwell" and gpu.peak("bf16") == 2.5e15
 
 
 def test_costmodel_imports_nothing_of_the_project():
