@@ -99,7 +99,7 @@ class GPU:
     ep_nvlink_bw: float = 0.0
     ep_nic_bw: float = 0.0
     ep_alpha_s: float = DEEPEP_ALPHA_S
-    # GEMM efficiency by shape: XLA's measured sm_90 table scaled by MAMF (costmodel.operators);
+    # GEMM efficiency by shape: XLA's measured table of its family (sm_90, sm_100) scaled by MAMF (costmodel.operators);
     # False: a flat ``mamf_eff`` (CPU BLAS has no 128-wide tiles to leave empty)
     gemm_by_shape: bool = True
     # Tensor-core throughput a training run sustains over the burst that MAMF, XLA's table and

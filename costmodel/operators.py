@@ -4,10 +4,12 @@ A segment's profile is a table of kernel rows ``(cls, name, shape, dtype, count,
 bytes)`` (see ``piper_sim.kernels``); :func:`table_time` prices one table on one GPU:
 
 ``gemm``      ``max(flops / (peak · eff(m, n, k)), bytes / HBM)``, eff from XLA's measured
-              sm_90 matmul table [XLA] (``costmodel/data/xla_matmul.csv``), interpolated in
+              matmul table of the GPU's architecture [XLA] (``costmodel/data/xla_matmul.csv``:
+              sm_90 measured on H100, sm_100 on B200; `XLA_TABLES`), interpolated in
               log2(m, n, k) and clamped at its 256..4096 edges (a skinny GEMM below the table
               is bounded by the roofline's bytes term, not by a guessed derate), capped at the
-              GPU's MAMF [MLE-A]; other GPUs scale it by their MAMF.
+              GPU's MAMF [MLE-A]; other GPUs of a family scale it by their MAMF over the
+              measured GPU's, other families use the sm_90 table so scaled.
 ``attn_*``    flash-attention throughput by (sequence, head dim, causal) from the
               FlashAttention-2 benchmark on H100 / A100 [FA-repo] (the kernel PyTorch's SDPA
               flash backend runs); the backward's throughput is derived from the fwd+bwd and
@@ -37,7 +39,7 @@ import math
 import os
 from typing import Iterable
 
-from costmodel.hardware import GPU, H100
+from costmodel.hardware import B200, GPU, H100
 
 DATA_DIR = os.path.join(os.path.dirname(__file__), "data")
 
@@ -65,15 +67,28 @@ def xla_gemm_points(gpu_key: str = "sm_90", dtype: str = "bf16") -> dict[tuple[i
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
 
+# The XLA table of each GPU family and the GPU it was measured on [XLA]: sm_90 on H100 (assumed
+# for the older table), sm_100 on B200 (the table names that key "sm_100_B200" from openxla/xla
+# PR #36518 on). Families without a table of their own (ampere, cdna3, cpu) use sm_90's,
+# scaled by their MAMF (as before; no measured table of theirs is transcribed).
+XLA_TABLES: dict[str, tuple[str, GPU]] = {"blackwell": ("sm_100", B200)}
+XLA_DEFAULT_TABLE = ("sm_90", H100)
+
+
+def xla_table(family: str) -> tuple[str, GPU]:
+    """(table key, the GPU it was measured on) that prices GEMMs of a GPU of ``family``."""
+    return XLA_TABLES.get(family, XLA_DEFAULT_TABLE)
+
+
 @functools.lru_cache(maxsize=4)
-def _gemm_grid(gpu_key: str = "sm_90") -> tuple[list[int], dict[tuple[int, int, int], float]]:
-    """Efficiencies (vs H100 bf16 peak) on the full log2 grid of the table's dims; holes are
-    filled from the nearest measured point (in log2 distance)."""
+def _gemm_grid(gpu_key: str = "sm_90", peak: float = H100.peak("bf16")) -> tuple[list[int], dict]:
+    """Efficiencies (vs ``peak``, the bf16 peak of the GPU the table was measured on) on the
+    full log2 grid of the table's dims; holes are filled from the nearest measured point (in
+    log2 distance)."""
     pts = xla_gemm_points(gpu_key)
     dims = sorted({d for key in pts for d in key if GEMM_TABLE_MIN_DIM <= d <= 4096})
     logs = {k: tuple(math.log2(x) for x in k) for k in pts}
     grid = {}
-    peak = H100.peak("bf16")
     for m in dims:
         for n in dims:
             for k in dims:
@@ -98,21 +113,22 @@ def gemm_efficiency(gpu: GPU, m: int, n: int, k: int, batch: int = 1) -> float:
     """Achieved fraction of the GPU's bf16 peak for one (batched) GEMM, at sustained clocks."""
     if not gpu.gemm_by_shape:
         return gpu.mamf_eff
-    return _shape_efficiency(m * batch, n, k, gpu.mamf_eff) * gpu.sustained_ratio
+    return _shape_efficiency(m * batch, n, k, gpu.mamf_eff, gpu.family) * gpu.sustained_ratio
 
 
 @functools.lru_cache(maxsize=65536)
-def _shape_efficiency(rows: int, n: int, k: int, mamf_eff: float) -> float:
-    """`gemm_efficiency` of a GEMM with ``rows`` (m · batch) rows on a GPU of this MAMF
-    (a model prices the same few shapes millions of times: memoised)."""
-    dims, grid = _gemm_grid()
+def _shape_efficiency(rows: int, n: int, k: int, mamf_eff: float, family: str = "hopper") -> float:
+    """`gemm_efficiency` of a GEMM with ``rows`` (m · batch) rows on a GPU of this MAMF and
+    family (a model prices the same few shapes millions of times: memoised)."""
+    key, measured_on = xla_table(family)
+    dims, grid = _gemm_grid(key, measured_on.peak("bf16"))
     (m0, m1, wm), (n0, n1, wn), (k0, k1, wk) = (_bracket(dims, rows), _bracket(dims, n), _bracket(dims, k))
     eff = 0.0
     for mm, a in ((m0, 1 - wm), (m1, wm)):
         for nn, b in ((n0, 1 - wn), (n1, wn)):
             for kk, c in ((k0, 1 - wk), (k1, wk)):
                 eff += a * b * c * grid[(mm, nn, kk)]
-    return min(eff * mamf_eff / H100.mamf_eff, mamf_eff)
+    return min(eff * mamf_eff / measured_on.mamf_eff, mamf_eff)
 
 
 # FP8 MAMF vs BF16 MAMF on H100: 1402.6 / 1979 = 70.9% vs 80.3% [MLE-A].

@@ -1,5 +1,6 @@
 """Operator-level profiles (piper_sim.kernels) and their prices (costmodel.operators)."""
 
+import dataclasses
 import json
 import math
 
@@ -113,10 +114,20 @@ def test_gemm_price_is_the_measured_xla_point():
     row = ("gemm", "mm", (64, 4096, 4096, 1), "bf16", 1, 2.0 * 64 * 4096 * 4096, 2.0 * (2 * 64 * 4096 + 4096 ** 2))
     assert operators.table_time(H100, [row]) == pytest.approx(
         H100.launch_s + row[6] / (H100.hbm_bw * operators.MEM_BW_EFF))
-    # other GPUs scale with their MAMF and their own sustained clock
-    assert operators.gemm_efficiency(B200, 4096, 4096, 4096) == pytest.approx(
-        operators.gemm_efficiency(H100, 4096, 4096, 4096) * B200.mamf_eff / H100.mamf_eff
-        * B200.sustained_ratio / H100.sustained_ratio)
+    # Blackwell: its own table, measured on B200 (sm_100: 4096^3 at 1416.87 TFLOP/s; 1024 x 2048 x
+    # 2048 at 760.3), at Blackwell's sustained clock
+    tb = operators.gemm_time(B200, 4096, 4096, 4096)
+    assert 2 * 4096 ** 3 / tb == pytest.approx(1416867213789406 * B200.sustained_ratio, rel=1e-6)
+    assert operators.gemm_efficiency(B200, 1024, 2048, 2048) == pytest.approx(
+        760305770224818 / B200.peak("bf16") * B200.sustained_ratio, rel=1e-6)
+    # another GPU of the family scales B200's points by its MAMF; a family without a table of its
+    # own (ampere) takes sm_90's scaled by its MAMF and its own sustained clock
+    gb200 = dataclasses.replace(B200, name="GB200", peak_flops={"bf16": 2.5e15}, mamf_eff=0.729)
+    assert operators.gemm_efficiency(gb200, 4096, 4096, 4096) == pytest.approx(
+        operators.gemm_efficiency(B200, 4096, 4096, 4096) * 0.729 / B200.mamf_eff)
+    assert operators.gemm_efficiency(A100, 4096, 4096, 4096) == pytest.approx(
+        operators.gemm_efficiency(H100, 4096, 4096, 4096) * A100.mamf_eff / H100.mamf_eff
+        * A100.sustained_ratio / H100.sustained_ratio)
     # FP8: the FP8 peak at FP8's MAMF share
     assert operators.gemm_time(H100, 4096, 4096, 4096, dtype="fp8") < 0.6 * t
 
