@@ -219,7 +219,11 @@ def _report(e: BaseException, timeout_s: float) -> None:
             msg += "; " + "; ".join(clause for *_, clause in culprits)
     if rank.isdigit():
         failures.record(int(rank), culprits, at)
-    print(f"piper-sim executor: error: {msg}", file=sys.stderr, flush=True)
+    # one write of the whole line: torchrun may kill this rank at any moment once another has
+    # failed, and a print's separate newline then went missing, gluing the launcher's summary
+    # onto this line
+    sys.stderr.write("piper-sim executor: error: " + " ".join(msg.splitlines()) + "\n")
+    sys.stderr.flush()
     try:  # torchrun's failure summary reads this file
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
