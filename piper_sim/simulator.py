@@ -645,7 +645,6 @@ class _Engine:
 
     def _build(self) -> None:
         durs: dict[int, dict[int, float]] = {}  # pipeline rank -> id(instruction) -> seconds
-        posts = False
         for r in self.ranks:
             cls = self.class_of[r]
             if cls.pp_rank not in durs:
@@ -653,7 +652,8 @@ class _Engine:
             streams, by_id = self._ops(r, cls, durs[cls.pp_rank])
             self._link_deps(r, streams, by_id)
             self.streams[r] = streams
-            posts = posts or any(op.post > 0 for _, ops in streams for op in ops)
+        # some op takes host time to post: every op's post time came through `_post_time`'s cache
+        posts = any(t > 0 for t in self._post_cache.values())
         if self.host_bound or posts:
             self.hosts = {r: _Host(self.env) for r in self.ranks}
         # compute runs as a rate-shared `_Job` when its rate can change while it runs: beside comm
@@ -826,13 +826,17 @@ class _Engine:
             on[job] = demand
             if len(on) > 1:
                 affected.update(on)  # its jobs, in order (the values are not used)
+        shared = len(affected) > 1  # another transfer uses one of its links
         active = self.active
         for r in ranks:
             c = active[r]
             active[r] = c + 1
             if c == 0 and self.slow != 1.0 and self.compute_jobs[r]:
                 affected.update(self.compute_jobs[r])
-        self._rerate(job, True)
+        if shared or self.comm_slow != 1.0:
+            self._rerate(job, True)
+        else:  # alone on its links, beside no compute that slows it: `_rate` is 1
+            self._set_rate(job, 1.0, self.env._now)
         if len(affected) > 1:
             for j in affected:
                 if j is not job:
@@ -875,16 +879,21 @@ class _Engine:
 
     def _rerate(self, job: _Job, new: bool = False) -> None:
         rate = self._rate(job)
-        env = self.env
-        now = env._now  # `env.now`, without the property call (hot path)
+        now = self.env._now  # `env.now`, without the property call (hot path)
         if not new:
             if rate == job.rate:
                 return
             job.left -= job.rate * (now - job.t)
+        self._set_rate(job, rate, now)
+
+    def _set_rate(self, job: _Job, rate: float, now: float) -> None:
+        """Run ``job`` at ``rate`` from ``now`` (its work left as of now): schedule its end, and
+        the shares ops wait for (``watch``), at that rate."""
         job.t, job.rate = now, rate
         job.ver += 1
         if rate == 0.0:  # paused (`_hold`): no end until it is re-rated
             return
+        env = self.env
         # env.schedule(_JobEnd(...), delay=...), inlined
         heapq.heappush(env._queue, (now + max(job.left, 0.0) / rate, _NORMAL, next(env._eid),
                                     _JobEnd(self._job_end_cb, job)))
