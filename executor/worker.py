@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -27,7 +28,7 @@ from executor.collectives import Comms
 from executor.lifetime import die_with_parent
 from executor.reference import compare, compare_grads, reference_training
 from executor.runtime import Fault, Runtime, align_comm_starts
-from piper_sim.files import atomic_path
+from piper_sim.files import atomic_path, write_text
 from piper_sim.plan import Plan, PlanError
 from piper_sim.validate import load_valid_plan
 
@@ -224,11 +225,23 @@ def _report(e: BaseException, timeout_s: float) -> None:
     # onto this line
     sys.stderr.write("piper-sim executor: error: " + " ".join(msg.splitlines()) + "\n")
     sys.stderr.flush()
-    try:  # torchrun's failure summary reads this file
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    _torchrun_error_file(e)
 
-        ErrorHandler().record_exception(e)
-    except Exception:  # noqa: BLE001
+
+def _torchrun_error_file(e: BaseException) -> None:
+    """This rank's error file, which torchrun's failure summary reads (``TORCHELASTIC_ERROR_FILE``,
+    in the format of torch's ``ErrorHandler.record_exception``), written atomically: that
+    handler opens the file and then writes it, and a rank torchrun killed in between (it kills
+    the others once one has failed) left it empty, on which torchrun's agent died with a
+    JSONDecodeError instead of reporting."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(e).__name__}: {e}",
+                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}
+    try:
+        write_text(path, json.dumps(data))
+    except OSError:  # the failure itself is being reported: never a second error
         pass
 
 

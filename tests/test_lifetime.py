@@ -209,3 +209,24 @@ def test_the_named_rank_is_the_one_the_failure_records_blame(tmp_path, monkeypat
     assert first_failure(tf, failures.read(str(tmp_path))) == (2, "hung (the diagnosis above names it)")
     assert first_failure({0: failure(0, -9), 2: failure(2, -15)}, failures.read(str(tmp_path)))[0] == 0
     assert first_failure(tf, [])[0] == 0  # no records (another node's ranks): torchrun's order
+
+
+def test_torchruns_error_file_is_written_whole_and_parses(tmp_path, monkeypatch):
+    """The rank's error file for torchrun's summary replaces the old one whole (torch's own
+    handler opened it and then wrote: a rank killed between left it empty, and torchrun's agent
+    died on the JSON); torch's ProcessFailure reads it back."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from executor.worker import _torchrun_error_file
+
+    path = tmp_path / "error.json"
+    path.write_text("")  # what a killed writer used to leave
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise RuntimeError("rank 1: boom")
+    except RuntimeError as e:
+        _torchrun_error_file(e)
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # no temporary file left
+    failure = ProcessFailure(local_rank=1, pid=4242, exitcode=1, error_file=str(path))
+    assert failure.message["message"] == "RuntimeError: rank 1: boom" and failure.timestamp > 0
+    assert "raise RuntimeError" in failure.message["extraInfo"]["py_callstack"]
