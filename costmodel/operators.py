@@ -71,21 +71,23 @@ def xla_gemm_points(gpu_key: str = "sm_90", dtype: str = "bf16") -> dict[tuple[i
 # for the older table), sm_100 on B200 (the table names that key "sm_100_B200" from openxla/xla
 # PR #36518 on). Families without a table of their own (ampere, cdna3, cpu) use sm_90's,
 # scaled by their MAMF (as before; no measured table of theirs is transcribed).
-XLA_TABLES: dict[str, tuple[str, GPU]] = {"blackwell": ("sm_100", B200)}
-XLA_DEFAULT_TABLE = ("sm_90", H100)
+XLA_MEASURED_ON: dict[str, GPU] = {"sm_90": H100, "sm_100": B200}  # table key -> its GPU
+XLA_TABLES: dict[str, str] = {"blackwell": "sm_100"}  # family -> table key; others: sm_90
+XLA_DEFAULT_TABLE = "sm_90"
 
 
-def xla_table(family: str) -> tuple[str, GPU]:
-    """(table key, the GPU it was measured on) that prices GEMMs of a GPU of ``family``."""
+def xla_table(family: str) -> str:
+    """The key of the XLA table that prices GEMMs of a GPU of ``family``."""
     return XLA_TABLES.get(family, XLA_DEFAULT_TABLE)
 
 
 @functools.lru_cache(maxsize=4)
-def _gemm_grid(gpu_key: str = "sm_90", peak: float = H100.peak("bf16")) -> tuple[list[int], dict]:
-    """Efficiencies (vs ``peak``, the bf16 peak of the GPU the table was measured on) on the
-    full log2 grid of the table's dims; holes are filled from the nearest measured point (in
-    log2 distance)."""
+def _gemm_grid(gpu_key: str = XLA_DEFAULT_TABLE) -> tuple[list[int], dict]:
+    """Efficiencies (vs the bf16 peak of the GPU the table was measured on) on the full log2
+    grid of the table's dims; holes are filled from the nearest measured point (in log2
+    distance)."""
     pts = xla_gemm_points(gpu_key)
+    peak = XLA_MEASURED_ON[gpu_key].peak("bf16")
     dims = sorted({d for key in pts for d in key if GEMM_TABLE_MIN_DIM <= d <= 4096})
     logs = {k: tuple(math.log2(x) for x in k) for k in pts}
     grid = {}
@@ -120,15 +122,15 @@ def gemm_efficiency(gpu: GPU, m: int, n: int, k: int, batch: int = 1) -> float:
 def _shape_efficiency(rows: int, n: int, k: int, mamf_eff: float, family: str = "hopper") -> float:
     """`gemm_efficiency` of a GEMM with ``rows`` (m · batch) rows on a GPU of this MAMF and
     family (a model prices the same few shapes millions of times: memoised)."""
-    key, measured_on = xla_table(family)
-    dims, grid = _gemm_grid(key, measured_on.peak("bf16"))
+    key = xla_table(family)
+    dims, grid = _gemm_grid(key)
     (m0, m1, wm), (n0, n1, wn), (k0, k1, wk) = (_bracket(dims, rows), _bracket(dims, n), _bracket(dims, k))
     eff = 0.0
     for mm, a in ((m0, 1 - wm), (m1, wm)):
         for nn, b in ((n0, 1 - wn), (n1, wn)):
             for kk, c in ((k0, 1 - wk), (k1, wk)):
                 eff += a * b * c * grid[(mm, nn, kk)]
-    return min(eff * mamf_eff / measured_on.mamf_eff, mamf_eff)
+    return min(eff * mamf_eff / XLA_MEASURED_ON[key].mamf_eff, mamf_eff)
 
 
 # FP8 MAMF vs BF16 MAMF on H100: 1402.6 / 1979 = 70.9% vs 80.3% [MLE-A].
