@@ -14,6 +14,14 @@ Fields (``STACK_FIELDS`` below holds each one's choices):
                   only), ``cudnn`` (cuDNN fused attention, TE's default on Hopper), ``triton``
                   (the Triton flash attention of ``flash_attn_triton``), ``unfused`` (bmm, fused
                   scale-mask-softmax, dropout, bmm: Megatron-LM's ``CoreAttention``)
+``unpad``         the flash-attention *varlen* path of llm-foundry's ``attn_impl='flash'``
+                  (llmfoundry/models/layers/attention.py:270-290, 349, 367 @5e85bd62d): q, k and v
+                  each gathered into a token-major copy by flash-attn's ``bert_padding.unpad_input``
+                  and the output scattered back into a zeroed tensor by ``pad_input``, which the
+                  output projection keeps (flash-attn v2.4.2 flash_attn/bert_padding.py L8-60:
+                  ``IndexFirstAxis`` gather / zeros + scatter in backward, ``IndexPutFirstAxis``
+                  zeros + index-put / gather in backward). Its host syncs (``nonzero``, ``.item()``
+                  in ``unpad_input``, L109-110) are not priced. Needs ``flash2`` or ``flash3``
 ``norms``         ``fused`` (one kernel per norm, as Apex/TE/Inductor) or ``eager`` (torch's own
                   decomposition of ``F.rms_norm``: an fp32 upcast and ~6 elementwise kernels)
 ``compile``       ``torch.compile`` on: norms default to ``fused``
@@ -144,6 +152,7 @@ class Stack:
     """What kernels a run executes (see the module docstring)."""
 
     attention: str = "flash2"
+    unpad: bool = False  # flash varlen: q, k, v gathered and the output scattered around the kernel
     norms: str = "fused"
     compile: bool = False
     dropout: float | None = None
@@ -167,7 +176,7 @@ class Stack:
         out = dataclasses.asdict(self)
         # absent at their defaults: plans of stacks without them read as they did before the fields
         for key, default in (("fp8", "none"), ("rope", "eager"), ("swiglu", "eager"), ("moe_probs", "combine"),
-                             ("tp_backward_overlap", False)):
+                             ("tp_backward_overlap", False), ("unpad", False)):
             if out[key] == default:
                 del out[key]
         if self.fp8 == "none":  # meaningless without FP8 linears: absent, as before the field
@@ -181,7 +190,8 @@ class Stack:
 
     def describe(self) -> str:
         """One line for ``show``/``simulate``, e.g. ``torchtitan-eager: attention flash2, norms eager, ...``."""
-        parts = [f"attention {self.attention}", f"norms {self.norms}", f"compile {'on' if self.compile else 'off'}",
+        parts = [f"attention {self.attention}" + (" (varlen: q, k, v unpadded)" if self.unpad else ""),
+                 f"norms {self.norms}", f"compile {'on' if self.compile else 'off'}",
                  f"optimizer {self.optimizer}", f"grad reduce {self.reduce_dtype}"]
         for name, label in OPTIMIZER_DTYPE_LABELS.items():
             if getattr(self, name) != getattr(DEFAULT, name):
@@ -206,7 +216,7 @@ class Stack:
     def profile_key(self) -> "ProfileKernels":
         """The part of the stack that changes the profiled kernels (the profile cache key)."""
         return ProfileKernels(attention="unfused" if self.attention == "unfused" else "flash", norms=self.norms,
-                              dropout=self.dropout, rope=self.rope, swiglu=self.swiglu)
+                              dropout=self.dropout, rope=self.rope, swiglu=self.swiglu, unpad=self.unpad)
 
     def reduce_bytes(self, dtype_bytes: int) -> int:
         """Bytes per gradient element the reductions move."""
@@ -234,13 +244,14 @@ class Stack:
 @dataclass(frozen=True)
 class ProfileKernels:
     """What profiling on meta must run differently: unfused vs flash attention, eager vs fused
-    norms, the dropout probability (None: the model's)."""
+    norms, the dropout probability (None: the model's), the varlen path's gathers (``unpad``)."""
 
     attention: str = "flash"
     norms: str = "fused"
     dropout: float | None = None
     rope: str = "eager"
     swiglu: str = "eager"
+    unpad: bool = False
 
 
 DEFAULT = Stack()
@@ -301,7 +312,9 @@ STACK_FIELDS: dict[str, tuple] = {
     "moe_probs": MOE_PROBS,
 }
 _ALLOWED = set(STACK_FIELDS) | {"preset", "compile", "dropout", "tp_overlap", "tp_backward_overlap",
-                                 "expandable_segments"}
+                                 "expandable_segments", "unpad"}
+# the attention kernels with a varlen entry point (flash_attn_varlen_func) that ``unpad`` feeds
+UNPAD_KERNELS = ("flash2", "flash3")
 
 
 def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
@@ -327,7 +340,7 @@ def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
             if value[key] not in choices:
                 raise StackError(f"{where}: {key} must be one of {', '.join(choices)} (got {value[key]!r})")
             fields[key] = value[key]
-    for flag in ("tp_overlap", "tp_backward_overlap", "expandable_segments"):
+    for flag in ("tp_overlap", "tp_backward_overlap", "expandable_segments", "unpad"):
         if flag in value:
             if not isinstance(value[flag], bool):
                 raise StackError(f"{where}: {flag} must be true or false (got {value[flag]!r})")
@@ -344,7 +357,11 @@ def parse_stack(value: Any, where: str = "strategy field 'stack'") -> Stack:
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1):
             raise StackError(f"{where}: dropout must be a probability in [0, 1) or null (got {p!r})")
         fields["dropout"] = None if p is None else float(p)
-    return dataclasses.replace(base, preset=preset, **fields)
+    stack = dataclasses.replace(base, preset=preset, **fields)
+    if stack.unpad and stack.attention not in UNPAD_KERNELS:
+        raise StackError(f"{where}: unpad runs flash_attn_varlen_func, which attention {stack.attention!r} has not; "
+                         f"set attention to {' or '.join(UNPAD_KERNELS)}, or unpad false")
+    return stack
 
 
 def stack_to_strategy(stack: Stack) -> dict[str, Any]:

@@ -287,6 +287,8 @@ def stack_settings(plan: Plan) -> tuple[dict[str, str], str]:
     ignored = []
     if stack.attention != DEFAULT.attention:
         ignored.append(f"attention {stack.attention} (torch SDPA runs)")
+    if stack.unpad:
+        ignored.append("unpad (torch SDPA runs on the padded q, k, v)")
     # torch's F.rms_norm runs, uncompiled: its decomposition, or a fused kernel where the device's torch has one
     ignored.append(f"norms {stack.norms}, compile {'on' if stack.compile else 'off'} (torch's F.rms_norm runs, uncompiled)")
     if stack.dropout is not None:

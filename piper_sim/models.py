@@ -356,6 +356,43 @@ class _MetaFusedSoftmax(torch.autograd.Function):
         return torch.empty_like(grad)
 
 
+class _MetaUnpad(torch.autograd.Function):
+    """Meta stand-in for flash-attn's ``unpad_input`` of one of q, k, v (a stack's ``unpad``):
+    ``IndexFirstAxis`` gathers the tokens into a new tensor (reads and writes it); its backward
+    fills a zero gradient and scatters into it (flash-attn v2.4.2 flash_attn/bert_padding.py
+    L8-34). The token indices it keeps (8 bytes a token) are left out."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        note_kernel("unpad_gather", 2 * x.numel() * x.element_size(), x.dtype)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        nbytes = grad.numel() * grad.element_size()
+        note_kernel("unpad_zeros", nbytes, grad.dtype)
+        note_kernel("unpad_scatter", 2 * nbytes, grad.dtype)
+        return torch.empty_like(grad)
+
+
+class _MetaPad(torch.autograd.Function):
+    """Meta stand-in for flash-attn's ``pad_input`` of the attention output: ``IndexPutFirstAxis``
+    writes it into a zeroed tensor (a new tensor, which the output projection keeps beside the
+    one the kernel keeps); its backward gathers the gradient (bert_padding.py L37-60)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        nbytes = x.numel() * x.element_size()
+        note_kernel("pad_zeros", nbytes, x.dtype)
+        note_kernel("pad_index_put", 2 * nbytes, x.dtype)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        note_kernel("pad_gather", 2 * grad.numel() * grad.element_size(), grad.dtype)
+        return torch.empty_like(grad)
+
+
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
     """Megatron-LM's ``CoreAttention`` on meta: ``q k^T`` (bmm), fused scale-mask-softmax,
     dropout on the probabilities, ``probs v`` (bmm); the ``s x s`` scores, probabilities and
@@ -393,13 +430,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa)
     if _KERNELS.attention == "unfused":
         return unfused_attention(q, k, v, dropout)
+    if _KERNELS.unpad:  # the varlen path: q, k, v gathered before the kernel, its output scattered after
+        q, k, v = _MetaUnpad.apply(q), _MetaUnpad.apply(k), _MetaUnpad.apply(v)
     dv = v.shape[-1]
     if dv != q.shape[-1]:  # flash kernels need equal head dims: pad v (as MLA implementations do)
         v = F.pad(v, (0, q.shape[-1] - dv))
     if windowed:  # the work of windowed flash attention: every query against `window` keys
         k, v = k[..., :window, :], v[..., :window, :]
     out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, not windowed)[0]
-    return out[..., :dv]
+    return _MetaPad.apply(out[..., :dv]) if _KERNELS.unpad else out[..., :dv]
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute: bool = False,

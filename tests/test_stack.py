@@ -48,6 +48,8 @@ def test_presets_load_and_parse():
     ({"preset": ["torchtitan"]}, "unknown preset"),
     ({"preset": None}, "unknown preset"),
     ({1: "flash2"}, "must be a preset name"),
+    ({"preset": "llm-foundry", "unpad": True}, "unpad runs flash_attn_varlen_func, which attention 'triton'"),
+    ({"unpad": "yes"}, "unpad must be true or false"),
 ])
 def test_bad_stack_is_one_line(value, match):
     with pytest.raises(StackError, match=match) as e:
@@ -105,6 +107,35 @@ def test_attention_rows_carry_the_stacks_kernel():
     triton = profile_model(LLAMA, 1, 4096, "bf16", parse_stack("llm-foundry"))[1]
     assert (operators.table_time(A100, triton.kernels_f + triton.kernels_bi)
             > operators.table_time(A100, flash.kernels_f + flash.kernels_bi))
+
+
+def test_unpad_gathers_q_k_v_and_scatters_the_output():
+    """llm-foundry's flash path (flash-attn's bert_padding around flash_attn_varlen_func): per
+    layer, forward gathers q, k, v (read + write each) and writes the output into a zeroed tensor
+    (zeros + index-put); backward zeroes and scatters three gradients and gathers one. In units
+    of one [B, s, H*d] tensor t (MHA): 9t forward, 11t backward, 5 and 7 kernels; the padded
+    output is one more t kept for backward (the output projection's input)."""
+    B, s = 2, 1024
+    plain = profile_kind(GPT, "dense", B, s, "bf16")
+    unpad = profile_kind(GPT, "dense", B, s, "bf16", kernels_run=ProfileKernels(unpad=True))
+    t = B * s * GPT.n_heads * GPT.head_dim * 2
+
+    def mem(seg, parts):
+        rows = [r for p in parts for r in getattr(seg, p) if r[0] == "mem"]
+        return sum(r[6] for r in rows), sum(r[4] for r in rows)
+
+    fwd, bwd = ("kernels_f",), ("kernels_bi", "kernels_bw")
+    assert [a - b for a, b in zip(mem(unpad, fwd), mem(plain, fwd))] == [9 * t, 5]
+    assert [a - b for a, b in zip(mem(unpad, bwd), mem(plain, bwd))] == [11 * t, 7]
+    assert unpad.saved_act_bytes - plain.saved_act_bytes == t
+    assert unpad.fwd_flops == plain.fwd_flops
+    # a stack field: in the strategy, its plan, its description and the profile it asks for
+    stack = parse_stack({"preset": "llm-foundry", "attention": "flash2", "unpad": True})
+    assert stack.profile_key().unpad and "unpadded" in stack.describe()
+    assert parse_stack(stack.to_json()) == stack and "unpad" not in Stack().to_json()
+    slow = compile(_strategy({"attention": "flash2", "unpad": True}))
+    fast = compile(_strategy({"attention": "flash2"}))
+    assert simulate(slow).step_time_s > simulate(fast).step_time_s
 
 
 def test_foreach_adamw_bytes_are_measured_from_torch():
@@ -278,6 +309,10 @@ def test_executor_runs_the_stacks_optimizer_and_names_what_it_ignores(tmp_path, 
     # torchtitan launches with expandable segments (run_train.sh): the workers get it too
     assert env == {"PIPER_ADAMW": "foreach", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert "runs AdamW foreach" in notice and "F.rms_norm runs" in notice and "reduce_dtype fp32" in notice
+    varlen = compile({"model": "gpt-tiny", "cluster": "cpu:2", "global_batch": 4, "seq_len": 32,
+                      "stack": {"preset": "llm-foundry", "attention": "flash2", "unpad": True},
+                      "directives": [{"op": "data_parallel", "degree": 2}]})
+    assert "unpad (torch SDPA runs on the padded q, k, v)" in stack_settings(varlen)[1]
     assert stack_settings(compile(_strategy(cluster="cpu:8"))) == ({}, "")
     path = tmp_path / "plan.json"
     plan.save(str(path))
