@@ -138,6 +138,7 @@ class SimResult:
     rank_stats: list[RankStats]  # one per simulated rank; `per_rank` is the same as a DataFrame
     num_events: int
     sim_wall_s: float
+    loop_wall_s: float = 0.0  # of sim_wall_s, the event loop alone (set-up and post-processing excluded)
     rows: list[tuple] = field(repr=False, default_factory=list)
     memory_samples: list[tuple[int, float, float]] = field(repr=False, default_factory=list)
     folded: bool = True
@@ -181,9 +182,10 @@ class SimResult:
         return {
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
             "bubble_fraction": self.bubble_fraction, "num_events": self.num_events,
-            "sim_wall_s": self.sim_wall_s, "folded": self.folded, "world_size": self.world_size,
-            "costmodel": self.costmodel, "fits": self.fits, "memory_capacity_bytes": self.memory_capacity_bytes,
-            "memory_verdict": self.memory_verdict, "memory_headroom_bytes": self.memory_headroom_bytes,
+            "sim_wall_s": self.sim_wall_s, "loop_wall_s": self.loop_wall_s, "folded": self.folded,
+            "world_size": self.world_size, "costmodel": self.costmodel, "fits": self.fits,
+            "memory_capacity_bytes": self.memory_capacity_bytes, "memory_verdict": self.memory_verdict,
+            "memory_headroom_bytes": self.memory_headroom_bytes,
             "band": None if self.band is None else self.band.to_json(),
             "per_rank": [asdict(s) for s in self.rank_stats],
         }
@@ -1198,7 +1200,9 @@ class _Engine:
         for r in self.ranks:
             for si, (name, ops) in enumerate(self.streams[r]):
                 _Proc(self._stream(r, si, name, ops)).resume()
+        t0 = time.perf_counter()
         self.env.run()
+        self.loop_wall_s = time.perf_counter() - t0
         self._check_finished()
         self.rows = self._rows()
 
@@ -1404,6 +1408,7 @@ def simulate(plan: Plan | str, costmodel: str | CostModel = "analytic", fold: bo
         mfu=model_flops / (step * layout.world_size * peak) if step > 0 and peak > 0 else 0.0,
         bubble_fraction=bubble_fraction,
         rank_stats=per_rank, num_events=len(eng.rows), sim_wall_s=time.perf_counter() - t0,
+        loop_wall_s=eng.loop_wall_s,
         rows=eng.rows, memory_samples=eng.mem_samples, folded=folded, world_size=layout.world_size,
         costmodel=getattr(cm, "name", type(cm).__name__), pairs=_overlapped_pairs(plan),
         meta={k: v for k, v in plan.meta.items() if isinstance(v, (str, int, float, bool))},
