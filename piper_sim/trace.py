@@ -66,15 +66,21 @@ def events_to_dataframe(rows: Iterable[Sequence[Any] | dict[str, Any]],
 
 def union_intervals(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
     """Sorted, disjoint intervals covering the same time (empty ones dropped)."""
-    out: list[list[float]] = []
+    out: list[tuple[float, float]] = []
+    cur_s = cur_e = None  # the interval being merged, kept in locals (a hot loop at 25K rows)
     for s, e in sorted(intervals):
         if e <= s:
             continue
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
+        if cur_e is not None and s <= cur_e:
+            if e > cur_e:
+                cur_e = e
         else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
+            if cur_e is not None:
+                out.append((cur_s, cur_e))
+            cur_s, cur_e = s, e
+    if cur_e is not None:
+        out.append((cur_s, cur_e))
+    return out
 
 
 def uncovered_time(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
