@@ -422,7 +422,8 @@ class _Job:
         self.links = links  # ((_Link, demand bytes/s), ...)
         self.ranks = ranks
         self.compute = compute
-        self.watch: list[tuple[float, simpy.Event]] = []  # (work left, event when it is reached)
+        # (work left, event when it is reached); a list made by the first watcher (most jobs have none)
+        self.watch: list[tuple[float, simpy.Event]] | tuple = ()
 
 
 class _JobEnd:
@@ -517,11 +518,14 @@ class _Engine:
         self.dtype = header.dtype or "bf16"
         self.layout = plan.layout
         self.env = simpy.Environment()
+        self._queue, self._eid = self.env._queue, self.env._eid  # the loop's heap and event ids (hot paths)
         self.slow = float(getattr(cm, "comm_compute_slowdown", 1.0) or 1.0)
         # comm runs `comm_slow` times slower while any of its ranks computes (CPU: shared cores)
         self.comm_slow = float(getattr(cm, "comm_overlap_slowdown", 1.0) or 1.0)
         self.comm_jobs: dict[int, dict[_Job, None]] = {}
         self._slowed = self.slow != 1.0 or self.comm_slow != 1.0  # rates depend on what else runs
+        self._slow_compute = self.slow != 1.0  # a transfer slows its ranks' compute
+        self._slow_comm = self.comm_slow != 1.0  # compute slows its ranks' transfers
         # CPU clusters: ranks' compute shares the machine's cores (processor sharing);
         # None for accelerators, where each rank has its own device.
         self.cores = getattr(cm, "compute_slots", None)
@@ -820,37 +824,43 @@ class _Engine:
             self.env.timeout(dur).callbacks.append(lambda _e: ev.succeed())
             return
         job = _Job(dur, ev, links, ranks, self.env._now)
-        if self.comm_slow != 1.0:
+        slow_comm = self._slow_comm
+        if slow_comm:
             for r in ranks:
                 self.comm_jobs.setdefault(r, {})[job] = None
-        affected: dict[_Job, None] = {job: None}
+        # the other jobs it re-rates, in order (the values are not used); None while there are none
+        affected: dict[_Job, None] | None = None
         for link, demand in links:
             on = link.jobs
             on[job] = demand
             if len(on) > 1:
-                affected.update(on)  # its jobs, in order (the values are not used)
-        shared = len(affected) > 1  # another transfer uses one of its links
+                if affected is None:
+                    affected = {}
+                affected.update(on)
+        shared = affected is not None  # another transfer uses one of its links
         active = self.active
         for r in ranks:
             c = active[r]
             active[r] = c + 1
-            if c == 0 and self.slow != 1.0 and self.compute_jobs[r]:
+            if c == 0 and self._slow_compute and self.compute_jobs[r]:
+                if affected is None:
+                    affected = {}
                 affected.update(self.compute_jobs[r])
-        if shared or self.comm_slow != 1.0:
+        if shared or slow_comm:
             self._rerate(job, True)
         else:  # alone on its links, beside no compute that slows it: `_rate` is 1
             self._set_rate(job, 1.0, self.env._now)
-        if len(affected) > 1:
+        if affected is not None:
             for j in affected:
                 if j is not job:
                     self._rerate(j)
 
     def _run_compute(self, rank: int, dur: float) -> _Job:
-        job = _Job(dur, self.env.event(), (), (rank,), self.env.now, compute=True)
+        job = _Job(dur, self.env.event(), (), (rank,), self.env._now, compute=True)
         jobs = self.compute_jobs[rank]
         first = not jobs
         jobs[job] = None
-        if first and self.comm_slow != 1.0:
+        if first and self._slow_comm:
             for j in list(self.comm_jobs.get(rank, ())):
                 self._rerate(j)
         if self.cores:
@@ -870,7 +880,7 @@ class _Engine:
                 rate *= min(1.0, self.cores / sum(self.cpu_jobs.values()))
             return rate
         rate = 1.0
-        if self.comm_slow != 1.0 and any(self.compute_jobs[r] for r in job.ranks):
+        if self._slow_comm and any(self.compute_jobs[r] for r in job.ranks):
             rate = 1.0 / self.comm_slow
         for link, _ in job.links:
             jobs = link.jobs
@@ -896,10 +906,9 @@ class _Engine:
         job.ver += 1
         if rate == 0.0:  # paused (`_hold`): no end until it is re-rated
             return
-        env = self.env
         # env.schedule(_JobEnd(...), delay=...), inlined
-        heapq.heappush(env._queue, (now + max(job.left, 0.0) / rate, _NORMAL, next(env._eid),
-                                    _JobEnd(self._job_end_cb, job)))
+        heapq.heappush(self._queue, (now + max(job.left, 0.0) / rate, _NORMAL, next(self._eid),
+                                     _JobEnd(self._job_end_cb, job)))
         for left, ev in job.watch:
             self._watch(job, job.ver, left, ev)
 
@@ -924,7 +933,7 @@ class _Engine:
             rank = job.ranks[0]
             jobs = self.compute_jobs[rank]
             del jobs[job]
-            if not jobs and self.comm_slow != 1.0:
+            if not jobs and self._slow_comm:
                 for j in list(self.comm_jobs.get(rank, ())):
                     self._rerate(j)
             if self.cores:
@@ -933,30 +942,34 @@ class _Engine:
                     self._rerate(j)
             self._succeed_last(job.ev)
             return
-        affected: dict[_Job, None] = {}
+        affected: dict[_Job, None] | None = None  # the jobs it re-rates, in order; None while there are none
         for link, _ in job.links:
             on = link.jobs
             del on[job]
             if on:
+                if affected is None:
+                    affected = {}
                 affected.update(on)
         active = self.active
         for r in job.ranks:
-            if self.comm_slow != 1.0:
+            if self._slow_comm:
                 self.comm_jobs[r].pop(job, None)
-            active[r] -= 1
-            if active[r] == 0 and self.slow != 1.0 and self.compute_jobs[r]:
+            c = active[r] = active[r] - 1
+            if c == 0 and self._slow_compute and self.compute_jobs[r]:
+                if affected is None:
+                    affected = {}
                 affected.update(self.compute_jobs[r])
-        for j in affected:
-            self._rerate(j)
+        if affected is not None:
+            for j in affected:
+                self._rerate(j)
         self._succeed_last(job.ev)
 
     def _succeed_last(self, ev: simpy.Event) -> None:
         """``ev.succeed()`` as the last thing an event's callback does: when no other event is
         due at this instant ahead of it, the loop's next step would pop ``ev`` and run its
         callbacks, so they run now instead, as that step would (same order, one event less)."""
-        env = self.env
-        queue = env._queue
-        if queue and queue[0][0] <= env._now and queue[0][1] <= _NORMAL:
+        queue = self._queue
+        if queue and queue[0][0] <= self.env._now and queue[0][1] <= _NORMAL:
             ev.succeed()  # something due first at this instant: keep simpy's order
             return
         ev._ok, ev._value = True, None
@@ -1014,7 +1027,7 @@ class _Engine:
         self.mem_cur[rank] = cur
         if cur > self.mem_peak[rank]:
             self.mem_peak[rank] = cur
-        self.mem_samples.append((rank, self.env.now, cur))
+        self.mem_samples.append((rank, self.env._now, cur))
 
     def _progress(self, dep: _Op, share: float):
         """Wait until `share` of compute op `dep`'s work is done (its rate changes with comm
@@ -1030,6 +1043,8 @@ class _Engine:
         if job.left - job.rate * (env.now - job.t) <= target:
             return
         ev = env.event()
+        if not job.watch:
+            job.watch = []
         job.watch.append((target, ev))
         self._watch(job, job.ver, target, ev)
         yield ev
@@ -1135,8 +1150,10 @@ class _Engine:
         if free:
             self._memory(rank, -free)
         op.done = True
-        if op.event is not None:
-            op.event.succeed()
+        ev = op.event
+        if ev is not None:  # ev.succeed(), inlined (a hot path: an op another waits on)
+            ev._ok, ev._value = True, None
+            heapq.heappush(self._queue, (op.end, _NORMAL, next(self._eid), ev))
         self.finished.append(op)
 
     def _rows(self) -> list[tuple]:
