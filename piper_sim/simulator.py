@@ -445,6 +445,19 @@ class _JobEnd:
         self.ver = job.ver
 
 
+class _TransferEnd:
+    """The end of a transfer that runs at full rate throughout (`_Engine._private`), as a simpy
+    event (``callbacks``, ``_ok``): no job, it is never re-rated."""
+
+    __slots__ = ("callbacks", "_ok", "ranks", "ev")
+
+    def __init__(self, callback, ranks: tuple, ev: simpy.Event):
+        self.callbacks = [callback]
+        self._ok = True
+        self.ranks = ranks
+        self.ev = ev
+
+
 class _Proc:
     """A generator run as a simpy process, resumed by each event it yields once that event is
     processed (at once when it already was), as `simpy.Process` resumes one; nothing waits on
@@ -566,6 +579,7 @@ class _Engine:
         self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._group_links: dict[tuple[str, tuple[int, ...] | int], tuple[str, ...]] = {}
         self._job_end_cb = self._job_end
+        self._alone_end_cb = self._alone_end
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
         self.compute_scale = self._compute_scales(slow_ranks or {})
@@ -670,6 +684,23 @@ class _Engine:
         # compute runs as a rate-shared `_Job` when its rate can change while it runs: beside comm
         # (overlap slowdowns), on shared cores, on a busy host, or paused by a holding collective
         self.compute_as_job = self._slowed or bool(self.cores) or self.host_bound or self.holding
+        self._private = set() if self._slow_comm else self._private_links()
+
+    def _private_links(self) -> set[tuple]:
+        """The links of the transfers that run at full rate throughout: every link of theirs is
+        used by the transfers of one (rank, stream) alone, which run one after another, so none
+        ever shares a link (and nothing else slows a transfer when ``comm_slow`` is 1)."""
+        users: dict[tuple, set[tuple[int, str]]] = {}  # a transfer's links -> the (rank, stream)s using them
+        for r, streams in self.streams.items():
+            for name, ops in streams:
+                for links in {op.cost[1] for op in ops if op.cost}:
+                    if links:
+                        users.setdefault(links, set()).add((r, name))
+        of_link: dict[_Link, set[tuple[int, str]]] = {}
+        for links, who in users.items():
+            for link, _ in links:
+                of_link.setdefault(link, set()).update(who)
+        return {links for links in users if all(len(of_link[link]) == 1 for link, _ in links)}
 
     def _ops(self, r: int, cls, durs: dict[int, float]) -> tuple[list[tuple[str, list[_Op]]], dict[str, _Op]]:
         """Rank ``r``'s ops per stream, priced (compute seconds, comm costs, post times), and the
@@ -828,6 +859,9 @@ class _Engine:
         if not links and not self._slowed:
             self.env.timeout(dur).callbacks.append(lambda _e: ev.succeed())
             return
+        if links in self._private:  # at full rate throughout: one heap entry, no job to re-rate
+            self._transfer_alone(dur, ranks, ev)
+            return
         job = _Job(dur, ev, links, ranks, self.env._now)
         slow_comm = self._slow_comm
         if slow_comm:
@@ -859,6 +893,39 @@ class _Engine:
             for j in affected:
                 if j is not job:
                     self._rerate(j)
+
+    def _transfer_alone(self, dur: float, ranks: tuple, ev: simpy.Event) -> None:
+        """`_transfer` of one whose links no other transfer uses (`_private`), with the same events
+        in the same order: its end at ``now + dur`` (a job's at rate 1), then the compute it slows."""
+        active = self.active
+        affected: dict[_Job, None] | None = None
+        for r in ranks:
+            c = active[r]
+            active[r] = c + 1
+            if c == 0 and self._slow_compute and self.compute_jobs[r]:
+                if affected is None:
+                    affected = {}
+                affected.update(self.compute_jobs[r])
+        heapq.heappush(self._queue, (self.env._now + dur, _NORMAL, next(self._eid),
+                                     _TransferEnd(self._alone_end_cb, ranks, ev)))
+        if affected is not None:
+            for j in affected:
+                self._rerate(j)
+
+    def _alone_end(self, end: _TransferEnd) -> None:
+        """`_job_end` of a `_transfer_alone`: its ranks' compute runs at full rate again."""
+        active = self.active
+        affected: dict[_Job, None] | None = None
+        for r in end.ranks:
+            c = active[r] = active[r] - 1
+            if c == 0 and self._slow_compute and self.compute_jobs[r]:
+                if affected is None:
+                    affected = {}
+                affected.update(self.compute_jobs[r])
+        if affected is not None:
+            for j in affected:
+                self._rerate(j)
+        self._succeed_last(end.ev)
 
     def _run_compute(self, rank: int, dur: float) -> _Job:
         job = _Job(dur, self.env.event(), (), (rank,), self.env._now, compute=True)
