@@ -44,7 +44,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import simpy
@@ -394,11 +394,6 @@ class _Op:
         self.gates: list[tuple[float, _Op]] | tuple = ()  # compute: (share of its work, gather it then waits for)
         self.post = 0.0  # comm: host seconds to post it
         self.after = 0.0  # comm: end of its stream's previous op (it starts no earlier)
-
-
-# an op's event row (`SimResult.rows`, `trace.EVENT_COLUMNS` + posted), read in C: one call per op
-_ROW = attrgetter("rank", "stream", "ins.id", "ins.kind", "ins.stage", "ins.mb", "start", "end", "ins.bytes",
-                  "ins.flops", "peer", "posted")
 
 
 class _Link:
@@ -1230,7 +1225,8 @@ class _Engine:
 
     def _rows(self) -> list[tuple]:
         """The event rows (`SimResult.rows`) of the finished ops, in the order they finished."""
-        return list(map(_ROW, self.finished))
+        return [(op.rank, op.stream, ins.id, ins.kind, ins.stage, ins.mb, op.start, op.end, ins.bytes,
+                 ins.flops, op.peer, op.posted) for op in self.finished for ins in (op.ins,)]
 
     def _stream(self, rank: int, si: int, name: str, ops: list[_Op]):
         env = self.env
