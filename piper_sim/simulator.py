@@ -433,8 +433,8 @@ class _JobEnd:
 
     __slots__ = ("callbacks", "_ok", "job", "ver")
 
-    def __init__(self, callback, job: _Job):
-        self.callbacks = [callback]
+    def __init__(self, callbacks: tuple, job: _Job):
+        self.callbacks = callbacks  # the engine's one tuple (the loop only reads it): no list per event
         self._ok = True
         self.job = job
         self.ver = job.ver
@@ -446,8 +446,8 @@ class _TransferEnd:
 
     __slots__ = ("callbacks", "_ok", "ranks", "ev")
 
-    def __init__(self, callback, ranks: tuple, ev: simpy.Event):
-        self.callbacks = [callback]
+    def __init__(self, callbacks: tuple, ranks: tuple, ev: simpy.Event):
+        self.callbacks = callbacks  # as `_JobEnd`'s
         self._ok = True
         self.ranks = ranks
         self.ev = ev
@@ -459,14 +459,14 @@ class _Proc:
     its end, so it schedules no event of its own (a Process schedules its initialisation and
     its end). `resume` runs it now, `spawn` where a new Process would first run."""
 
-    __slots__ = ("gen", "wake")
+    __slots__ = ("send", "wake")
 
     def __init__(self, gen):
-        self.gen = gen
+        self.send = gen.send
         self.wake = self.resume
 
     def resume(self, _ev: simpy.Event | None = None) -> None:
-        send, wake = self.gen.send, self.wake
+        send, wake = self.send, self.wake
         try:
             while True:
                 callbacks = send(None).callbacks
@@ -573,8 +573,7 @@ class _Engine:
         self._link_reps: dict[str, str] = {}
         self._group_reps: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._group_links: dict[tuple[str, tuple[int, ...] | int], tuple[str, ...]] = {}
-        self._job_end_cb = self._job_end
-        self._alone_end_cb = self._alone_end
+        self._job_end_cbs, self._alone_end_cbs = (self._job_end,), (self._alone_end,)
         moe = header.moe
         self.routing = Routing(int(moe.top_k), int(moe.n_experts)) if moe is not None else None
         self.compute_scale = self._compute_scales(slow_ranks or {})
@@ -902,7 +901,7 @@ class _Engine:
                     affected = {}
                 affected.update(self.compute_jobs[r])
         heapq.heappush(self._queue, (self.env._now + dur, _NORMAL, next(self._eid),
-                                     _TransferEnd(self._alone_end_cb, ranks, ev)))
+                                     _TransferEnd(self._alone_end_cbs, ranks, ev)))
         if affected is not None:
             for j in affected:
                 self._rerate(j)
@@ -975,7 +974,7 @@ class _Engine:
             return
         # env.schedule(_JobEnd(...), delay=...), inlined
         heapq.heappush(self._queue, (now + max(job.left, 0.0) / rate, _NORMAL, next(self._eid),
-                                     _JobEnd(self._job_end_cb, job)))
+                                     _JobEnd(self._job_end_cbs, job)))
         for left, ev in job.watch:
             self._watch(job, job.ver, left, ev)
 
