@@ -908,18 +908,24 @@ class _Engine:
 
     def _alone_end(self, end: _TransferEnd) -> None:
         """`_job_end` of a `_transfer_alone`: its ranks' compute runs at full rate again."""
+        affected = self._transfer_left(end.ranks, None)
+        if affected is not None:
+            for j in affected:
+                self._rerate(j)
+        self._succeed_last(end.ev)
+
+    def _transfer_left(self, ranks: tuple, affected: dict | None) -> dict | None:
+        """One transfer fewer on each of ``ranks``: a rank with none left computes at full rate
+        again, so its compute jobs join ``affected`` (the jobs to re-rate, in order; None while
+        there are none), which is returned."""
         active = self.active
-        affected: dict[_Job, None] | None = None
-        for r in end.ranks:
+        for r in ranks:
             c = active[r] = active[r] - 1
             if c == 0 and self._slow_compute and self.compute_jobs[r]:
                 if affected is None:
                     affected = {}
                 affected.update(self.compute_jobs[r])
-        if affected is not None:
-            for j in affected:
-                self._rerate(j)
-        self._succeed_last(end.ev)
+        return affected
 
     def _run_compute(self, rank: int, dur: float) -> _Job:
         job = _Job(dur, self.env.event(), (), (rank,), self.env._now, compute=True)
@@ -1016,15 +1022,10 @@ class _Engine:
                 if affected is None:
                     affected = {}
                 affected.update(on)
-        active = self.active
-        for r in job.ranks:
-            if self._slow_comm:
+        if self._slow_comm:
+            for r in job.ranks:
                 self.comm_jobs[r].pop(job, None)
-            c = active[r] = active[r] - 1
-            if c == 0 and self._slow_compute and self.compute_jobs[r]:
-                if affected is None:
-                    affected = {}
-                affected.update(self.compute_jobs[r])
+        affected = self._transfer_left(job.ranks, affected)
         if affected is not None:
             for j in affected:
                 self._rerate(j)
