@@ -871,14 +871,7 @@ class _Engine:
                     affected = {}
                 affected.update(on)
         shared = affected is not None  # another transfer uses one of its links
-        active = self.active
-        for r in ranks:
-            c = active[r]
-            active[r] = c + 1
-            if c == 0 and self._slow_compute and self.compute_jobs[r]:
-                if affected is None:
-                    affected = {}
-                affected.update(self.compute_jobs[r])
+        affected = self._transfer_began(ranks, affected)
         if shared or slow_comm:
             self._rerate(job, True)
         else:  # alone on its links, beside no compute that slows it: `_rate` is 1
@@ -891,15 +884,7 @@ class _Engine:
     def _transfer_alone(self, dur: float, ranks: tuple, ev: simpy.Event) -> None:
         """`_transfer` of one whose links no other transfer uses (`_private`), with the same events
         in the same order: its end at ``now + dur`` (a job's at rate 1), then the compute it slows."""
-        active = self.active
-        affected: dict[_Job, None] | None = None
-        for r in ranks:
-            c = active[r]
-            active[r] = c + 1
-            if c == 0 and self._slow_compute and self.compute_jobs[r]:
-                if affected is None:
-                    affected = {}
-                affected.update(self.compute_jobs[r])
+        affected = self._transfer_began(ranks, None)
         heapq.heappush(self._queue, (self.env._now + dur, _NORMAL, next(self._eid),
                                      _TransferEnd(self._alone_end_cbs, ranks, ev)))
         if affected is not None:
@@ -913,6 +898,19 @@ class _Engine:
             for j in affected:
                 self._rerate(j)
         self._succeed_last(end.ev)
+
+    def _transfer_began(self, ranks: tuple, affected: dict | None) -> dict | None:
+        """One transfer more on each of ``ranks``: a rank that had none computes slower from now
+        (``_slow_compute``), so its compute jobs join ``affected`` (as `_transfer_left`), returned."""
+        active = self.active
+        for r in ranks:
+            c = active[r]
+            active[r] = c + 1
+            if c == 0 and self._slow_compute and self.compute_jobs[r]:
+                if affected is None:
+                    affected = {}
+                affected.update(self.compute_jobs[r])
+        return affected
 
     def _transfer_left(self, ranks: tuple, affected: dict | None) -> dict | None:
         """One transfer fewer on each of ``ranks``: a rank with none left computes at full rate
