@@ -678,6 +678,10 @@ class _Engine:
         # compute runs as a rate-shared `_Job` when its rate can change while it runs: beside comm
         # (overlap slowdowns), on shared cores, on a busy host, or paused by a holding collective
         self.compute_as_job = self._slowed or bool(self.cores) or self.host_bound or self.holding
+        # a compute job's rate depends only on whether a transfer runs on its rank (`_rate`): the
+        # GPU case, where a job starts without the calls `_rerate` makes for the general one
+        self._plain_compute = not (self._slow_comm or self.cores or self.holding)
+        self._comm_rate = 1.0 / self.slow  # a compute job's rate beside a transfer (`_rate`)
         self._private = set() if self._slow_comm else self._private_links()
 
     def _private_links(self) -> set[tuple]:
@@ -874,8 +878,9 @@ class _Engine:
         affected = self._transfer_began(ranks, affected)
         if shared or slow_comm:
             self._rerate(job, True)
-        else:  # alone on its links, beside no compute that slows it: `_rate` is 1
-            self._set_rate(job, 1.0, self.env._now)
+        else:  # alone on its links, beside no compute that slows it: `_set_rate(job, 1.0, now)`, inlined
+            job.ver = 1
+            heapq.heappush(self._queue, (job.t + dur, _NORMAL, next(self._eid), _JobEnd(self._job_end_cbs, job)))
         if affected is not None:
             for j in affected:
                 if j is not job:
@@ -930,6 +935,12 @@ class _Engine:
         jobs = self.compute_jobs[rank]
         first = not jobs
         jobs[job] = None
+        if self._plain_compute:  # `_rerate(job, True)` of a job only transfers on its rank slow
+            now = job.t
+            rate = job.rate = self._comm_rate if self.active[rank] else 1.0
+            job.ver = 1
+            heapq.heappush(self._queue, (now + dur / rate, _NORMAL, next(self._eid), _JobEnd(self._job_end_cbs, job)))
+            return job
         if first and self._slow_comm:
             for j in list(self.comm_jobs.get(rank, ())):
                 self._rerate(j)
@@ -1087,13 +1098,6 @@ class _Engine:
                     self._hold(o.rank, entry[0])
         return entry[0]
 
-    def _memory(self, rank: int, delta: float) -> None:
-        cur = self.mem_cur[rank] + delta
-        self.mem_cur[rank] = cur
-        if cur > self.mem_peak[rank]:
-            self.mem_peak[rank] = cur
-        self.mem_samples.append((rank, self.env._now, cur))
-
     def _progress(self, dep: _Op, share: float):
         """Wait until `share` of compute op `dep`'s work is done (its rate changes with comm
         overlap and shared cores)."""
@@ -1210,10 +1214,13 @@ class _Engine:
         self._finish(rank, name, op)
 
     def _finish(self, rank: int, name: str, op: _Op) -> None:
-        op.end = self.env._now
+        op.end = now = self.env._now
         free = op.ins.free
-        if free:
-            self._memory(rank, -free)
+        if free:  # the rank's memory drops (`mem_samples`); inlined: one per op
+            cur = self.mem_cur[rank] = self.mem_cur[rank] - free
+            if cur > self.mem_peak[rank]:
+                self.mem_peak[rank] = cur
+            self.mem_samples.append((rank, now, cur))
         op.done = True
         ev = op.event
         if ev is not None:  # ev.succeed(), inlined (a hot path: an op another waits on)
@@ -1231,6 +1238,7 @@ class _Engine:
         hosted = bool(self.hosts) and not (ops and is_inner(ops[0].ins))  # inner: performed inside compute
         host_bound = self.host_bound
         as_job = self.compute_as_job
+        mem_cur, mem_peak, mem_samples = self.mem_cur, self.mem_peak, self.mem_samples
         prev: _Op | None = None  # the stream's last posted comm op (its transfer may still run)
         for i, op in enumerate(ops):
             ins = op.ins
@@ -1248,9 +1256,13 @@ class _Engine:
                 if dep.event is None:
                     dep.event = env.event()
                 yield dep.event
-            op.posted = env._now  # `env.now` (hot path)
-            if ins.alloc:
-                self._memory(rank, ins.alloc)
+            op.posted = now = env._now  # `env.now` (hot path)
+            alloc = ins.alloc
+            if alloc:  # the rank's memory grows (`mem_samples`); inlined: one per op
+                cur = mem_cur[rank] = mem_cur[rank] + alloc
+                if cur > mem_peak[rank]:
+                    mem_peak[rank] = cur
+                mem_samples.append((rank, now, cur))
             dur = op.dur
             if dur is not None:
                 if host_bound:
