@@ -1045,10 +1045,12 @@ class _Engine:
         due at this instant ahead of it, the loop's next step would pop ``ev`` and run its
         callbacks, so they run now instead, as that step would (same order, one event less)."""
         queue = self._queue
-        if queue and queue[0][0] <= self.env._now and queue[0][1] <= _NORMAL:
-            ev.succeed()  # something due first at this instant: keep simpy's order
-            return
         ev._ok, ev._value = True, None
+        now = self.env._now
+        if queue and queue[0][0] <= now and queue[0][1] <= _NORMAL:
+            # something due first at this instant: keep simpy's order (`ev.succeed()`, inlined)
+            heapq.heappush(queue, (now, _NORMAL, next(self._eid), ev))
+            return
         callbacks, ev.callbacks = ev.callbacks, None
         for callback in callbacks:
             callback(ev)
