@@ -14,16 +14,25 @@ set-up and post-processing included) over it.
 Target: each full-size strategy under 2 s of simulation; the 16K-GPU strategy of issue 12
 (`TARGET`) and the 65,536-rank DeepSeek-V3 one of issue 28 (`SCALE`) under 1 s, printed with
 their ratios; the cost per event <= 5x the bare simpy loop's (issue 28 item 5), loop and whole.
+
+    python benchmarks/bench_simulate.py --opcodes
+
+counts Python opcodes per event instead (the event loop's, the whole call's, a bare simpy loop's):
+the same two ratios without timing noise, on the three targets (about a minute).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from typing import Any
 
 from piper_sim.api import compile
 from piper_sim.plan import gc_paused
-from piper_sim.simulator import simulate
+from piper_sim.simulator import _Engine, simulate
+
+LOOP_CODE = _Engine._loop.__code__  # the event loop, whose opcodes `opcodes` counts apart
 
 BASELINE = ("llama3-8b h100:8x8 PP4 1f1b DP16 ZeRO-1", {
     "model": "llama3-8b", "cluster": "h100:8x8", "global_batch": 128, "seq_len": 4096, "microbatches": 8,
@@ -94,6 +103,51 @@ def vs_simpy(r, repeat: int) -> tuple[float, float]:
     return r.loop_wall_s / bare, r.sim_wall_s / bare
 
 
+def opcodes(fn) -> tuple[Any, int, int]:
+    """Run ``fn()`` counting the Python opcodes it executes: (its result, all of them, those inside
+    the simulator's event loop, `piper_sim.simulator._Engine._loop`). A count, unlike a wall time,
+    is the same on every run and machine (for one Python version): a noise-free cost per event."""
+    counts = {"all": 0, "loop": 0}
+    loop_frames: set[int] = set()
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts["all"] += 1
+            if loop_frames:
+                counts["loop"] += 1
+        elif frame.f_code is LOOP_CODE and event in ("call", "return"):
+            (loop_frames.add if event == "call" else loop_frames.discard)(id(frame))
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        result = fn()
+    finally:
+        sys.settrace(None)
+    return result, counts["all"], counts["loop"]
+
+
+def opcode_report(repeat_labels: list[str]) -> None:
+    """``--opcodes``: Python opcodes per event of the event loop and of the whole `simulate` call,
+    over a bare simpy loop's of as many timeouts (the noise-free form of the two ``vs simpy``
+    columns; the tracing makes it slow, tens of seconds per strategy)."""
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="bench_simulate-")
+    strategies = {**STRATEGIES, CONTENDED: contended_strategy(folder)}
+    print(f"{'strategy':<70} {'events':>7} {'loop op/ev':>10} {'whole op/ev':>11} {'simpy op/ev':>11} "
+          f"{'loop vs simpy':>13} {'whole vs simpy':>14}")
+    for label in repeat_labels:
+        plan = compile(strategies[label])
+        simulate(plan)  # warm caches and imports, as the timed runs are
+        r, whole, loop = opcodes(lambda: simulate(plan))
+        _, bare, _ = opcodes(lambda: bare_simpy_s(r.num_events))
+        n = r.num_events
+        print(f"{label:<70} {n:>7} {loop / n:>10.0f} {whole / n:>11.0f} {bare / n:>11.0f} "
+              f"{loop / bare:>12.1f}x {whole / bare:>13.1f}x")
+
+
 def best(plan, repeat: int, fold: bool = True):
     runs = [simulate(plan, fold=fold) for _ in range(repeat)]
     return min(runs, key=lambda r: r.sim_wall_s)
@@ -102,7 +156,12 @@ def best(plan, repeat: int, fold: bool = True):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--opcodes", action="store_true",
+                    help="count Python opcodes per event instead of timing (noise-free; slow)")
     args = ap.parse_args()
+    if args.opcodes:
+        opcode_report([TARGET, SCALE, CONTENDED])
+        return
 
     name, strategy = BASELINE
     plan = compile(strategy)  # also warms up torch / profiling imports
