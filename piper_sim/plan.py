@@ -101,7 +101,7 @@ class PlanValidationError(ValueError):
     strategy compiles to (`piper_sim.origin`); one line naming the ops."""
 
 
-@dataclass
+@dataclass(slots=True)  # 33 fields: a dict per instruction would not share its keys (~1.6 KB each)
 class Instruction:
     """One op on one stream of one rank.
 
@@ -209,8 +209,8 @@ class Instruction:
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()
-                if k in ("id", "kind", "stream") or v != defaults[k]}
+        return {k: (list(v) if isinstance(v, list) else v) for k in _INSTRUCTION_FIELDS
+                for v in (getattr(self, k),) if k in ("id", "kind", "stream") or v != defaults[k]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Instruction":
@@ -218,6 +218,7 @@ class Instruction:
 
 
 _INSTRUCTION_DEFAULTS = asdict(Instruction(id="", kind="", stream=""))
+_INSTRUCTION_FIELDS = tuple(_INSTRUCTION_DEFAULTS)  # in declaration order, as a plan file lists them
 
 
 def p2p_id(kind: str, match: str) -> str:

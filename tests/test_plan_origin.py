@@ -5,6 +5,7 @@ check `simulate`, `run` and each worker make (`piper_sim.validate.load_valid_pla
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -83,10 +84,10 @@ def _mutations(plan: Plan, rng: random.Random, per_kind: int = PER_KIND) -> list
 
         mutate(f"drop {name}", False, lambda p, ci=ci, s=stream, i=i: p.classes[ci].streams[s].pop(i))
         mutate(f"duplicate {name}", False, lambda p, ci=ci, s=stream, i=i: p.classes[ci].streams[s].insert(
-            i + 1, Instruction(**{**copy.deepcopy(p.classes[ci].streams[s][i].__dict__),
-                                  "id": p.classes[ci].streams[s][i].id + ".copy"})))
+            i + 1, dataclasses.replace(copy.deepcopy(p.classes[ci].streams[s][i]),
+                                       id=p.classes[ci].streams[s][i].id + ".copy")))
         mutate(f"1,000 copies of {name}", False, lambda p, ci=ci, s=stream, i=i: p.classes[ci].streams[s].extend(
-            Instruction(**{**p.classes[ci].streams[s][i].__dict__, "id": f"x{k}"}) for k in range(1000)))
+            dataclasses.replace(p.classes[ci].streams[s][i], id=f"x{k}") for k in range(1000)))
         if i + 1 < len(plan.classes[ci].streams[stream]):
             def swap(p, ci=ci, s=stream, i=i):
                 lst = p.classes[ci].streams[s]
