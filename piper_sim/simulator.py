@@ -45,7 +45,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, itemgetter, mod, sub
 from typing import TYPE_CHECKING, Any
 
 import simpy
@@ -627,7 +627,13 @@ class _Engine:
     def _compute_durations(self, cls) -> dict[int, float]:
         """Duration of each compute instruction of a class (keyed by id(ins))."""
         cm = self.cm
-        compute = [ins for lst in cls.streams.values() for ins in lst if ins.kind in _COMPUTE]
+        compute = []
+        for lst in cls.streams.values():  # a stream's kinds by one C-level pass (25K instructions at scale)
+            kinds = set(map(_KIND, lst))
+            if kinds <= _COMPUTE:
+                compute += lst
+            elif kinds & _COMPUTE:
+                compute += [ins for ins in lst if ins.kind in _COMPUTE]
         totals: dict[tuple[str, int, int], float] = {}  # the unit model splits a pass's time by flops
         if self.unit:
             for ins in compute:
@@ -850,9 +856,9 @@ class _Engine:
         """The simulated ranks of ``ranks``, in order, once each (derived once per group)."""
         reps = self._group_reps.get(ranks)
         if reps is None:
-            if self.folded:
+            if self.folded:  # `_rep` of each rank by C-level maps (groups of 4K ranks at scale)
                 cs = self._class_size
-                reps = tuple(dict.fromkeys([r - r % cs for r in ranks]))  # `_rep`, inlined: groups of 4K ranks
+                reps = tuple(dict.fromkeys(map(sub, ranks, map(mod, ranks, repeat(cs)))))
             else:
                 reps = tuple(dict.fromkeys(ranks))
             self._group_reps[ranks] = reps
