@@ -44,7 +44,8 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
-from operator import itemgetter
+from itertools import repeat
+from operator import attrgetter, itemgetter, mod, sub
 from typing import TYPE_CHECKING, Any
 
 import simpy
@@ -292,7 +293,11 @@ class SimResult:
 
 
 _COMPUTE, _COLLECTIVES, _P2P = frozenset(COMPUTE_KINDS), frozenset(COLLECTIVE_KINDS), frozenset(P2P_KINDS)
+_KNOWN = _COMPUTE | _COLLECTIVES | _P2P
 _NORMAL = simpy.events.NORMAL  # simpy's priority of a plain event
+# an instruction's or an op's fields, read by C-level passes over a stream in set-up (25K ops at scale)
+_ID, _KIND, _DEPS, _HOLDS, _NEEDED_BY = map(attrgetter, ("id", "kind", "deps", "holds", "needed_by"))
+_INS = attrgetter("ins")
 
 
 def class_comms(cls) -> tuple[dict[str, tuple[str, bool]], list[int]]:
@@ -622,7 +627,13 @@ class _Engine:
     def _compute_durations(self, cls) -> dict[int, float]:
         """Duration of each compute instruction of a class (keyed by id(ins))."""
         cm = self.cm
-        compute = [ins for lst in cls.streams.values() for ins in lst if ins.kind in _COMPUTE]
+        compute = []
+        for lst in cls.streams.values():  # a stream's kinds by one C-level pass (25K instructions at scale)
+            kinds = set(map(_KIND, lst))
+            if kinds <= _COMPUTE:
+                compute += lst
+            elif kinds & _COMPUTE:
+                compute += [ins for ins in lst if ins.kind in _COMPUTE]
         totals: dict[tuple[str, int, int], float] = {}  # the unit model splits a pass's time by flops
         if self.unit:
             for ins in compute:
@@ -702,73 +713,117 @@ class _Engine:
 
     def _ops(self, r: int, cls, durs: dict[int, float]) -> tuple[list[tuple[str, list[_Op]]], dict[str, _Op]]:
         """Rank ``r``'s ops per stream, priced (compute seconds, comm costs, post times), and the
-        ops by id."""
-        layout = self.layout
+        ops by id. The ops and the id index are made by C-level passes over each stream (25K
+        instructions at scale); a duplicate id or an unknown kind sends the rank to
+        `_raise_first_bad_op`, which names the first bad op in plan order."""
         scale = self.compute_scale[r]
+        by_id: dict[str, _Op] = {}
+        streams: list[tuple[str, list[_Op]]] = []
+        kinds: set[str] = set()
+        for name, lst in cls.streams.items():
+            ops = list(map(_Op, lst, repeat(r), repeat(name)))
+            by_id.update(zip(map(_ID, lst), ops))
+            kinds.update(map(_KIND, lst))
+            if not self.holding and any(map(_HOLDS, lst)):
+                self.holding = True
+            streams.append((name, ops))
+        if len(by_id) != sum(len(ops) for _, ops in streams) or not kinds <= _KNOWN:
+            self._raise_first_bad_op(r, cls)
         peers: dict[int, int] = {}  # pipeline rank -> the peer rank of r there
         costs: dict[tuple, tuple] = {}  # (kind, group, bytes, a2a) -> (group ranks, cost)
-        by_id: dict[str, _Op] = {}
-        streams = []
-        for name, lst in cls.streams.items():
-            ops = []
-            for ins in lst:
-                op = _Op(ins, r, name)
-                if ins.holds:
-                    self.holding = True
-                if ins.id in by_id:
-                    raise SimulationError(f"rank {r}: op {ins.id} appears twice")
-                by_id[ins.id] = op
-                kind = ins.kind
-                if kind in _COMPUTE:
-                    op.dur = durs[id(ins)] * scale
-                    ops.append(op)
-                    continue
-                if kind in _P2P:
-                    peer = peers.get(ins.peer)
-                    if peer is None:
-                        if not 0 <= ins.peer < layout.pp:
-                            raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
-                                                  f"outside 0..{layout.pp - 1}")
-                        peer = peers[ins.peer] = layout.pipeline_peer(r, ins.peer)
-                    op.peer = peer
-                    if kind == "SEND":
-                        op.cost = self._p2p_cost(ins.bytes, r, peer)
-                elif kind in _COLLECTIVES:
-                    key = (kind, ins.group, ins.bytes, ins.a2a)
-                    hit = costs.get(key)
-                    if hit is None:
-                        group, gid = self._group(ins, r)
-                        hit = costs[key] = (group, self._collective_cost(kind, ins.bytes, group, gid, ins.a2a))
-                    op.group, op.cost = hit
-                    if ins.name:  # inner (`is_inner`): performed inside compute, not posted
-                        ops.append(op)
-                        continue
-                else:
-                    raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {kind!r}")
-                op.post = self._post_time(kind, ins.bytes)
-                ops.append(op)
-            streams.append((name, ops))
+        for _, ops in streams:
+            self._price(r, ops, durs, scale, peers, costs)
         return streams, by_id
+
+    def _price(self, r: int, ops: list[_Op], durs: dict[int, float], scale: float, peers: dict[int, int],
+               costs: dict[tuple, tuple]) -> None:
+        """A stream's ops priced: compute seconds, comm costs and post times (their kinds are
+        known). ``peers`` and ``costs``: the rank's p2p peers and collective costs found so far."""
+        layout = self.layout
+        for op in ops:
+            ins = op.ins
+            kind = ins.kind
+            if kind in _COMPUTE:
+                op.dur = durs[id(ins)] * scale
+                continue
+            if kind in _P2P:
+                peer = peers.get(ins.peer)
+                if peer is None:
+                    if not 0 <= ins.peer < layout.pp:
+                        raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
+                                              f"outside 0..{layout.pp - 1}")
+                    peer = peers[ins.peer] = layout.pipeline_peer(r, ins.peer)
+                op.peer = peer
+                if kind == "SEND":
+                    op.cost = self._p2p_cost(ins.bytes, r, peer)
+            else:  # a collective
+                key = (kind, ins.group, ins.bytes, ins.a2a)
+                hit = costs.get(key)
+                if hit is None:
+                    group, gid = self._group(ins, r)
+                    hit = costs[key] = (group, self._collective_cost(kind, ins.bytes, group, gid, ins.a2a))
+                op.group, op.cost = hit
+                if ins.name:  # inner (`is_inner`): performed inside compute, not posted
+                    continue
+            op.post = self._post_time(kind, ins.bytes)
+
+    def _raise_first_bad_op(self, r: int, cls) -> None:
+        """Raise the error of rank ``r``'s first op (in stream and list order) that `_ops`
+        cannot place: a duplicate id, an unknown kind, or an earlier p2p peer or collective
+        group that does not resolve."""
+        seen: set[str] = set()
+        for lst in cls.streams.values():
+            for ins in lst:
+                if ins.id in seen:
+                    raise SimulationError(f"rank {r}: op {ins.id} appears twice")
+                seen.add(ins.id)
+                if ins.kind in _P2P:
+                    if not 0 <= ins.peer < self.layout.pp:
+                        raise SimulationError(f"rank {r}: {ins.id} names peer pipeline rank {ins.peer}, "
+                                              f"outside 0..{self.layout.pp - 1}")
+                elif ins.kind in _COLLECTIVES:
+                    self._group(ins, r)
+                elif ins.kind not in _COMPUTE:
+                    raise SimulationError(f"rank {r}: op {ins.id} has unknown kind {ins.kind!r}")
+        raise AssertionError("_raise_first_bad_op found no bad op")  # pragma: no cover
 
     @staticmethod
     def _link_deps(r: int, streams: list[tuple[str, list[_Op]]], by_id: dict[str, _Op]) -> None:
         """Each op's ``deps`` as ops; the parameter gathers a compute op waits for part-way
-        (``needed_by``) as its ``gates``, by share of its work."""
+        (``needed_by``) as its ``gates``, by share of its work. A stream with no ``needed_by``
+        op links its deps in one tight loop (25K ops at scale); one with such an op, or a
+        dependency this rank does not run, goes through `_link_stream`, which raises the first
+        error in list order."""
+        find = by_id.__getitem__
         for _, ops in streams:
-            for op in ops:
-                ins = op.ins
-                try:
-                    if ins.deps:  # a map, not a comprehension: no frame per op (hot at 25K ops)
-                        op.deps = list(map(by_id.__getitem__, ins.deps))
-                except KeyError as e:
-                    raise SimulationError(f"rank {r}: op {ins.id} depends on {e.args[0]}, which this rank "
-                                          "does not run") from None
-                if ins.needed_by:
-                    user = by_id.get(ins.needed_by)
-                    if user is None or user.dur is None:
-                        raise SimulationError(f"rank {r}: op {ins.id} field 'needed_by' names "
-                                              f"{ins.needed_by!r}, which is no compute op of this rank")
-                    user.gates = sorted([*user.gates, (ins.needed_at, op)], key=lambda g: g[0])
+            ins_list = list(map(_INS, ops))
+            if any(map(_NEEDED_BY, ins_list)):
+                _Engine._link_stream(r, ops, by_id)
+                continue
+            try:
+                for op, deps in zip(ops, map(_DEPS, ins_list)):
+                    if deps:  # a map, not a comprehension: no frame per op
+                        op.deps = list(map(find, deps))
+            except KeyError:
+                _Engine._link_stream(r, ops, by_id)
+
+    @staticmethod
+    def _link_stream(r: int, ops: list[_Op], by_id: dict[str, _Op]) -> None:
+        """`_link_deps` for one stream, op by op."""
+        for op in ops:
+            ins = op.ins
+            try:
+                if ins.deps:
+                    op.deps = list(map(by_id.__getitem__, ins.deps))
+            except KeyError as e:
+                raise SimulationError(f"rank {r}: op {ins.id} depends on {e.args[0]}, which this rank "
+                                      "does not run") from None
+            if ins.needed_by:
+                user = by_id.get(ins.needed_by)
+                if user is None or user.dur is None:
+                    raise SimulationError(f"rank {r}: op {ins.id} field 'needed_by' names "
+                                          f"{ins.needed_by!r}, which is no compute op of this rank")
+                user.gates = sorted([*user.gates, (ins.needed_at, op)], key=lambda g: g[0])
 
     # --- comm costs ------------------------------------------------------------------
     def _links(self, kind: str, ranks: tuple[int, ...], dur: float, nbytes: float, gid: int | None = None) -> tuple:
@@ -805,9 +860,9 @@ class _Engine:
         """The simulated ranks of ``ranks``, in order, once each (derived once per group)."""
         reps = self._group_reps.get(ranks)
         if reps is None:
-            if self.folded:
+            if self.folded:  # `_rep` of each rank by C-level maps (groups of 4K ranks at scale)
                 cs = self._class_size
-                reps = tuple(dict.fromkeys([r - r % cs for r in ranks]))  # `_rep`, inlined: groups of 4K ranks
+                reps = tuple(dict.fromkeys(map(sub, ranks, map(mod, ranks, repeat(cs)))))
             else:
                 reps = tuple(dict.fromkeys(ranks))
             self._group_reps[ranks] = reps
