@@ -123,6 +123,7 @@ def test_check_two_ranks_dp_zero_pp2_schedules_ep(tmp_path):
     assert res["dp2-zero0"]["loss2"] < res["dp2-zero0"]["loss0"]
 
 
+@pytest.mark.slow  # ~31 s; the fast set checks the schedules on two ranks (test_check_two_ranks_dp_zero_pp2_schedules_ep)
 def test_check_four_ranks_pp4_schedules_pp_dp_dualpipev_ep(tmp_path):
     configs = {f"pp4-{s}": strategy(pp=4, sched=s, m=8) for s in SCHEDULES}
     configs["pp2-dp2-zero1"] = strategy(pp=2, dp=2, zero=1, m=4)

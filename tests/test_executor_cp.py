@@ -69,6 +69,7 @@ def test_cp2_ring_full_recompute_clipped_traces_every_cp_op(tmp_path):
     assert all(e["dur"] >= 0 for e in events)
 
 
+@pytest.mark.slow  # ~24 s; the fast set keeps CP2 all-gather and ring, and MLA under CP2
 def test_cp2_with_data_pipeline_tensor_and_expert_parallel_and_cp4_match_the_reference(tmp_path):
     model = tmp_path / "win.json"
     model.write_text(json.dumps(WINDOWED))

@@ -66,6 +66,7 @@ def test_tp2_and_sequence_parallel_match_the_reference(tmp_path):
     assert_matches_reference(res, reference_losses(tmp_path, configs["tp2"]))
 
 
+@pytest.mark.slow  # ~22 s; the fast set runs TP2 x DP2 and PP2 x TP2 in tests/test_user_tp.py
 def test_tp2_with_pipeline_and_data_parallel_match_the_reference(tmp_path):
     configs = {"tp2-pp2": tp_strategy(pp=2, m=4), "tp2-sp-pp2": tp_strategy(sp=True, pp=2, m=4),
                "tp2-sp-pp2-interleaved": tp_strategy(sp=True, pp=2, m=4, sched="interleaved_1f1b"),

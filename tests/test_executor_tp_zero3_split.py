@@ -68,6 +68,7 @@ def test_split_backward_under_sp_lists_the_regathers_before_bw_and_the_embedding
     assert "TP.B.s0.mb0.embed.ag" in ops["OPT.s0"].deps
 
 
+@pytest.mark.slow  # ~16 s; the fast set splits the backward under TP in tests/test_recompute_tp_cp.py
 def test_split_backward_under_tp_with_sp_or_full_recompute_matches_the_reference(tmp_path):
     configs = {"tp2-sp-pp2-zb1p": tp_strategy(sp=True, pp=2, m=4, sched="zb1p"),
                # BI re-runs the layers and the head (TP.R ops), not the embedding (kept)

@@ -194,6 +194,7 @@ def _one_line_exit_2(r: subprocess.CompletedProcess, *needles: str) -> None:
         assert n in lines[0], lines[0]
 
 
+@pytest.mark.slow  # ~37 s; the fast set keeps the bad-input corpus (test_bad_input_corpus_exit_2_one_line)
 def test_every_back_end_refuses_the_same_bad_plans(tmp_path):
     """simulate, `piper-sim run` and a torchrun worker (before any process group) refuse
     each edited plan with exit 2 and one line naming the problem."""
