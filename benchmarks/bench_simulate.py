@@ -102,16 +102,16 @@ def opcodes(fn) -> tuple[Any, int, int]:
     the simulator's event loop, `piper_sim.simulator._Engine._loop`). A count, unlike a wall time,
     is the same on every run and machine (for one Python version): a noise-free cost per event."""
     counts = {"all": 0, "loop": 0}
-    loop_frames: set[int] = set()
+    in_loop = False  # the event loop's frame is running (it calls no other `_loop`)
 
     def tracer(frame, event, arg):
+        nonlocal in_loop
         frame.f_trace_opcodes = True
         if event == "opcode":
             counts["all"] += 1
-            if loop_frames:
-                counts["loop"] += 1
+            counts["loop"] += in_loop
         elif frame.f_code is LOOP_CODE and event in ("call", "return"):
-            (loop_frames.add if event == "call" else loop_frames.discard)(id(frame))
+            in_loop = event == "call"
         return tracer
 
     sys.settrace(tracer)
@@ -122,17 +122,21 @@ def opcodes(fn) -> tuple[Any, int, int]:
     return result, counts["all"], counts["loop"]
 
 
-def opcode_report(repeat_labels: list[str]) -> None:
+def full_size_strategies() -> dict[str, dict]:
+    """`STRATEGIES` and `CONTENDED` (its cluster file written to a temporary folder), by label."""
+    import tempfile
+
+    return {**STRATEGIES, CONTENDED: contended_strategy(tempfile.mkdtemp(prefix="bench_simulate-"))}
+
+
+def opcode_report(labels: list[str]) -> None:
     """``--opcodes``: Python opcodes per event of the event loop and of the whole `simulate` call,
     over a bare simpy loop's of as many timeouts (the noise-free form of the two ``vs simpy``
     columns; the tracing makes it slow, tens of seconds per strategy)."""
-    import tempfile
-
-    folder = tempfile.mkdtemp(prefix="bench_simulate-")
-    strategies = {**STRATEGIES, CONTENDED: contended_strategy(folder)}
+    strategies = full_size_strategies()
     print(f"{'strategy':<70} {'events':>7} {'loop op/ev':>10} {'whole op/ev':>11} {'simpy op/ev':>11} "
           f"{'loop vs simpy':>13} {'whole vs simpy':>14}")
-    for label in repeat_labels:
+    for label in labels:
         plan = compile(strategies[label])
         simulate(plan)  # warm caches and imports, as the timed runs are
         r, whole, loop = opcodes(lambda: simulate(plan))
@@ -185,10 +189,7 @@ def main() -> None:
     row(f"{name} (baseline: unfolded)", plan.world_size, float("nan"), base, base_ratios)
     row(f"{name} (folded)", plan.world_size, float("nan"), folded, folded_ratios)
     assert abs(folded.step_time_s - base.step_time_s) <= 1e-9 * base.step_time_s, "folded != unfolded"
-    import tempfile
-
-    folder = tempfile.mkdtemp(prefix="bench_simulate-")
-    for label, strategy in {**STRATEGIES, CONTENDED: contended_strategy(folder)}.items():
+    for label, strategy in full_size_strategies().items():
         t0 = time.perf_counter()
         plan = compile(strategy)
         compile_s = time.perf_counter() - t0

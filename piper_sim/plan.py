@@ -48,6 +48,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import Any, Callable, TypeVar
 
 from piper_sim.checks import check_world_size
@@ -209,8 +210,8 @@ class Instruction:
 
     def to_json(self) -> dict[str, Any]:
         defaults = _INSTRUCTION_DEFAULTS
-        return {k: (list(v) if isinstance(v, list) else v) for k in _INSTRUCTION_FIELDS
-                for v in (getattr(self, k),) if k in ("id", "kind", "stream") or v != defaults[k]}
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in zip(_INSTRUCTION_FIELDS, _FIELD_VALUES(self))
+                if k in ("id", "kind", "stream") or v != defaults[k]}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "Instruction":
@@ -219,6 +220,7 @@ class Instruction:
 
 _INSTRUCTION_DEFAULTS = asdict(Instruction(id="", kind="", stream=""))
 _INSTRUCTION_FIELDS = tuple(_INSTRUCTION_DEFAULTS)  # in declaration order, as a plan file lists them
+_FIELD_VALUES = attrgetter(*_INSTRUCTION_FIELDS)  # an instruction's values, in that order
 
 
 def p2p_id(kind: str, match: str) -> str:

@@ -538,6 +538,7 @@ class _Engine:
         self.env = simpy.Environment()
         self._queue, self._eid = self.env._queue, self.env._eid  # the loop's heap and event ids (hot paths)
         self.slow = float(getattr(cm, "comm_compute_slowdown", 1.0) or 1.0)
+        self._comm_rate = 1.0 / self.slow  # a compute job's rate while a transfer runs on its rank
         # comm runs `comm_slow` times slower while any of its ranks computes (CPU: shared cores)
         self.comm_slow = float(getattr(cm, "comm_overlap_slowdown", 1.0) or 1.0)
         self.comm_jobs: dict[int, dict[_Job, None]] = {}
@@ -692,7 +693,6 @@ class _Engine:
         # a compute job's rate depends only on whether a transfer runs on its rank (`_rate`): the
         # GPU case, where a job starts without the calls `_rerate` makes for the general one
         self._plain_compute = not (self._slow_comm or self.cores or self.holding)
-        self._comm_rate = 1.0 / self.slow  # a compute job's rate beside a transfer (`_rate`)
         self._private = set() if self._slow_comm else self._private_links()
 
     def _private_links(self) -> set[tuple]:
@@ -990,7 +990,7 @@ class _Engine:
         jobs = self.compute_jobs[rank]
         first = not jobs
         jobs[job] = None
-        if self._plain_compute:  # `_rerate(job, True)` of a job only transfers on its rank slow
+        if self._plain_compute:  # `_rerate(job, True)`, inlined: only a transfer on its rank slows it
             now = job.t
             rate = job.rate = self._comm_rate if self.active[rank] else 1.0
             job.ver = 1
@@ -1011,7 +1011,7 @@ class _Engine:
         if job.compute:
             if self.holding and self.paused[job.ranks[0]]:
                 return 0.0  # waits for a holding collective
-            rate = 1.0 / self.slow if self.active[job.ranks[0]] else 1.0
+            rate = self._comm_rate if self.active[job.ranks[0]] else 1.0
             if self.cores:
                 rate *= min(1.0, self.cores / sum(self.cpu_jobs.values()))
             return rate
